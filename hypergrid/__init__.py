@@ -1,0 +1,41 @@
+"""hypergrid: one N-dimensional grid of named parallel dims, every process group derived from it.
+
+Example::
+
+    >>> from hypergrid import HyperCommGrid
+    >>> grid = HyperCommGrid([2, 4], ["tp", "dp"], world_size=8)
+    >>> grid.get_rank_enum("dp")
+    [[0, 2, 4, 6], [1, 3, 5, 7]]
+
+The Megatron-Core adapter lives in :mod:`hypergrid.megatron` and is imported only when used, so
+``import hypergrid`` works without megatron-core installed.
+"""
+
+from .errors import (
+    GridDestroyedError,
+    GridMismatchError,
+    GridTooLargeError,
+    GroupCreationError,
+    GroupTimeoutError,
+    HypergridError,
+)
+from .grid import HyperCommGrid
+from .groups import REGISTRY, GroupRegistry
+from .layout import GridLayout, Partition
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "HyperCommGrid",
+    "GridLayout",
+    "Partition",
+    "GroupRegistry",
+    "REGISTRY",
+    "HypergridError",
+    "GridTooLargeError",
+    "GridDestroyedError",
+    "GroupCreationError",
+    "GroupTimeoutError",
+    "GridMismatchError",
+    "__version__",
+]

@@ -1,0 +1,45 @@
+"""hypergrid's own exception types.
+
+They subclass the builtin types the project's conventions promise (``ValueError`` for bad values,
+``RuntimeError`` for distributed failures), so ``except RuntimeError`` written against
+Megatron-Core keeps working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "HypergridError",
+    "GridTooLargeError",
+    "GridDestroyedError",
+    "GroupCreationError",
+    "GroupTimeoutError",
+    "GridMismatchError",
+]
+
+
+class HypergridError(RuntimeError):
+    """Base of hypergrid's distributed failures."""
+
+
+class GridTooLargeError(ValueError, RuntimeError):
+    """The grid needs more ranks than the world has past ``rank_offset``.
+
+    A bad value (``ValueError``), and also a ``RuntimeError`` because that is what
+    Megatron-Core's ``HyperCommGrid`` raises for the same mistake.
+    """
+
+
+class GridDestroyedError(HypergridError):
+    """A grid, or a group of one, was used after ``destroy()``."""
+
+
+class GroupCreationError(HypergridError):
+    """torch.distributed failed to create a group; the message names the key and members."""
+
+
+class GroupTimeoutError(GroupCreationError, TimeoutError):
+    """Members of a group did not arrive in time; the message names the ones missing."""
+
+
+class GridMismatchError(HypergridError):
+    """Ranks that must agree on a grid or on a group request do not; the message names them."""

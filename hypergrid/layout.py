@@ -1,0 +1,439 @@
+"""Rank algebra of an N-dimensional grid: pure integers, no torch, no process groups.
+
+Everything here answers "which global ranks?" questions about a grid of named dims laid over a
+contiguous span of ranks ``[rank_offset, rank_offset + size)``. The conventions are
+Megatron-Core's:
+
+* ``dim_names`` is Megatron's ``order`` string: the *first* name varies fastest over global
+  ranks, so ``rank = rank_offset + sum(coord[i] * stride[i])`` with
+  ``stride[i] = shape[0] * ... * shape[i - 1]``.
+* A group key lists dims in the order of the *reversed* ``dim_names`` joined by ``"-"``; with
+  ``["tp", "cp", "dp"]`` both ``["tp", "dp"]`` and ``["dp", "tp"]`` have the key ``"dp-tp"``.
+* An enumeration of dims ``[d1, ..., dk]`` lists one group per combination of the other dims
+  (the last of the other dims in reversed order varies fastest across groups), and inside a
+  group ``dk`` varies fastest. This is what ``einops.rearrange`` produces in Megatron-Core's
+  ``HyperCommGrid._gen_rank_enum`` and what ``RankGenerator.get_ranks`` returns.
+
+Example::
+
+    >>> layout = GridLayout((2, 3, 4), ("tp", "cp", "dp"))
+    >>> layout.coords(7)
+    (1, 0, 1)
+    >>> layout.group_ranks(["dp"], rank=7)
+    [1, 7, 13, 19]
+    >>> layout.enumerate(["tp", "cp"])[1]
+    [6, 7, 8, 9, 10, 11]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Union
+
+__all__ = [
+    "Dims",
+    "GridLayout",
+    "Partition",
+    "KEY_SEPARATOR",
+    "validate_shape_and_names",
+]
+
+#: What callers may pass as a dims request: one name, or a list/tuple of names.
+Dims = Union[str, Sequence[str]]
+
+#: Joins dim names into a group key; it may therefore not appear inside a dim name.
+KEY_SEPARATOR = "-"
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but a shape of [True, 2] is a bug, not a size of 1.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def validate_shape_and_names(shape: object, dim_names: object) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Check a (shape, dim_names) pair and return them as tuples.
+
+    Raises ``TypeError`` for values of the wrong type and ``ValueError`` for values of the right
+    type that make no grid, naming the offending value in each case.
+
+    Example::
+
+        >>> validate_shape_and_names([2, 4], ["tp", "dp"])
+        ((2, 4), ('tp', 'dp'))
+        >>> validate_shape_and_names([2, 0], ["tp", "dp"])
+        Traceback (most recent call last):
+        ...
+        ValueError: shape[1] (dim 'dp') must be a positive integer, got 0
+    """
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise TypeError(f"shape must be a list or tuple of ints, got {type(shape).__name__} {shape!r}")
+    if isinstance(dim_names, (str, bytes)) or not isinstance(dim_names, Sequence):
+        raise TypeError(
+            f"dim_names must be a list or tuple of str, got {type(dim_names).__name__} {dim_names!r}"
+        )
+    if len(shape) == 0:
+        raise ValueError("shape must have at least one dim, got an empty shape")
+    if len(shape) != len(dim_names):
+        raise ValueError(
+            f"len(shape) {len(shape)} != len(dim_names) {len(dim_names)}: shape={list(shape)}, "
+            f"dim_names={list(dim_names)}"
+        )
+    for i, name in enumerate(dim_names):
+        if not isinstance(name, str):
+            raise TypeError(f"dim_names[{i}] must be a str, got {type(name).__name__} {name!r}")
+        if not name or not name.strip():
+            raise ValueError(f"dim_names[{i}] must be a non-empty name, got {name!r}")
+        if KEY_SEPARATOR in name:
+            raise ValueError(
+                f"dim_names[{i}] {name!r} contains {KEY_SEPARATOR!r}, which joins dims in group "
+                f"keys; a key like {name!r} would be ambiguous. Use '_' instead."
+            )
+    seen: set[str] = set()
+    for name in dim_names:
+        if name in seen:
+            raise ValueError(f"dim_names must be unique, {name!r} appears twice in {list(dim_names)}")
+        seen.add(name)
+    for i, size in enumerate(shape):
+        if not _is_int(size):
+            raise TypeError(
+                f"shape[{i}] (dim {dim_names[i]!r}) must be an int, got {type(size).__name__} {size!r}"
+            )
+        if size <= 0:
+            raise ValueError(f"shape[{i}] (dim {dim_names[i]!r}) must be a positive integer, got {size}")
+    return tuple(int(s) for s in shape), tuple(dim_names)
+
+
+@dataclass(frozen=True)
+class Partition:
+    """The way one dims request splits a span of ranks into groups, in canonical form.
+
+    Two requests produce exactly the same set of groups if and only if their partitions are
+    equal, whatever grid, view or dim names they came from. ``modes`` holds the (size, stride)
+    pairs of the grouped dims after dropping size-1 dims and merging contiguous ones, sorted by
+    stride; ``rank_offset`` and ``span`` bound the ranks that take part.
+
+    Example::
+
+        >>> a = GridLayout((2, 2, 4), ("tp", "cp", "dp")).partition(["tp", "cp"])
+        >>> b = GridLayout((4, 4), ("tp", "dp")).partition(["tp"])
+        >>> a == b
+        True
+    """
+
+    rank_offset: int
+    span: int
+    modes: tuple[tuple[int, int], ...]
+
+    @property
+    def group_size(self) -> int:
+        return math.prod(size for size, _ in self.modes)
+
+
+@dataclass(frozen=True)
+class GridLayout:
+    """An N-dimensional grid of named dims over ``size`` consecutive ranks from ``rank_offset``.
+
+    A frozen value: comparing, hashing and sharing it across threads is safe. All methods are
+    pure integer arithmetic; the cost of each is stated in its docstring.
+
+    Example::
+
+        >>> layout = GridLayout((2, 3, 4, 5), ("tp", "cp", "pp", "dp"))
+        >>> layout.size, layout.strides
+        (120, (1, 2, 6, 24))
+        >>> layout.key(["dp", "tp"])
+        'dp-tp'
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    rank_offset: int = 0
+
+    def __post_init__(self) -> None:
+        shape, names = validate_shape_and_names(self.shape, self.dim_names)
+        if not _is_int(self.rank_offset):
+            raise TypeError(
+                f"rank_offset must be an int, got {type(self.rank_offset).__name__} {self.rank_offset!r}"
+            )
+        if self.rank_offset < 0:
+            raise ValueError(f"rank_offset must be non-negative, got {self.rank_offset}")
+        # Normalise lists to tuples so that equal grids hash equal.
+        object.__setattr__(self, "shape", shape)
+        object.__setattr__(self, "dim_names", names)
+        strides = []
+        stride = 1
+        for size in shape:
+            strides.append(stride)
+            stride *= size
+        object.__setattr__(self, "_strides", tuple(strides))
+        object.__setattr__(self, "_index", {name: i for i, name in enumerate(names)})
+
+    # ---------------------------------------------------------------- basic facts
+    @property
+    def size(self) -> int:
+        """Number of ranks the grid spans: the product of ``shape``."""
+        return self._strides[-1] * self.shape[-1]  # type: ignore[attr-defined]
+
+    @property
+    def strides(self) -> tuple[int, ...]:
+        """Distance in global ranks between neighbours along each dim (first dim: 1)."""
+        return self._strides  # type: ignore[attr-defined]
+
+    @property
+    def ranks(self) -> range:
+        """The global ranks the grid spans."""
+        return range(self.rank_offset, self.rank_offset + self.size)
+
+    def dim_size(self, name: str) -> int:
+        """Size of one dim, by name. ``GridLayout((2, 4), ("tp", "dp")).dim_size("dp") == 4``."""
+        return self.shape[self._dim_index(name)]
+
+    def contains(self, rank: int) -> bool:
+        """Whether global ``rank`` lies inside the grid's span."""
+        return self.rank_offset <= rank < self.rank_offset + self.size
+
+    def _dim_index(self, name: object) -> int:
+        if not isinstance(name, str):
+            raise TypeError(f"a dim name must be a str, got {type(name).__name__} {name!r}")
+        try:
+            return self._index[name]  # type: ignore[attr-defined]
+        except KeyError:
+            raise ValueError(
+                f"unknown dim {name!r}; this grid has dims {list(self.dim_names)}"
+            ) from None
+
+    # ---------------------------------------------------------------- dims and keys
+    def _dim_list(self, dims: object) -> list[str]:
+        """A dims request as a list of known, distinct names (order kept)."""
+        if isinstance(dims, str):
+            names = [dims]
+        elif isinstance(dims, (list, tuple)):
+            names = list(dims)
+        else:
+            raise TypeError(
+                f"dims must be a dim name or a list of dim names, got {type(dims).__name__} {dims!r}"
+            )
+        if not names:
+            raise ValueError(f"dims must name at least one dim of {list(self.dim_names)}, got {dims!r}")
+        seen: set[str] = set()
+        for name in names:
+            self._dim_index(name)
+            if name in seen:
+                raise ValueError(f"dim {name!r} appears more than once in {names}")
+            seen.add(name)
+        return names
+
+    def order_dims(self, dims: Dims) -> tuple[list[str], str]:
+        """Dims sorted by the reversed ``dim_names``, and the group key they make.
+
+        Matches Megatron-Core's ``HyperCommGrid._order_dims``.
+
+        Example::
+
+            >>> GridLayout((2, 3, 4), ("tp", "cp", "dp")).order_dims(["tp", "dp"])
+            (['dp', 'tp'], 'dp-tp')
+        """
+        names = self._dim_list(dims)
+        ordered = sorted(names, key=lambda n: -self._index[n])  # type: ignore[attr-defined]
+        return ordered, KEY_SEPARATOR.join(ordered)
+
+    def key(self, dims: Dims) -> str:
+        """The canonical group key of ``dims``: ``order_dims(dims)[1]``."""
+        return self.order_dims(dims)[1]
+
+    # ---------------------------------------------------------------- one rank
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of global ``rank``, one per dim in ``dim_names`` order. O(ndims).
+
+        Example::
+
+            >>> GridLayout((2, 3), ("tp", "dp"), rank_offset=10).coords(13)
+            (1, 1)
+        """
+        local = self._local(rank)
+        return tuple((local // stride) % size for size, stride in zip(self.shape, self.strides))
+
+    def rank_of(self, coords: Sequence[int] | dict[str, int]) -> int:
+        """Global rank at ``coords`` (a sequence in ``dim_names`` order or a name->index dict).
+
+        Example::
+
+            >>> GridLayout((2, 3), ("tp", "dp")).rank_of({"tp": 1, "dp": 2})
+            5
+        """
+        if isinstance(coords, dict):
+            unknown = [name for name in coords if name not in self._index]  # type: ignore[attr-defined]
+            if unknown or len(coords) != len(self.dim_names):
+                raise ValueError(
+                    f"coords must give exactly the dims {list(self.dim_names)}, got {sorted(coords)}"
+                )
+            values = [coords[name] for name in self.dim_names]
+        elif isinstance(coords, (list, tuple)):
+            values = list(coords)
+            if len(values) != len(self.shape):
+                raise ValueError(
+                    f"coords must have {len(self.shape)} entries (one per dim of "
+                    f"{list(self.dim_names)}), got {len(values)}: {values}"
+                )
+        else:
+            raise TypeError(f"coords must be a sequence or a dict, got {type(coords).__name__}")
+        rank = self.rank_offset
+        for name, size, stride, value in zip(self.dim_names, self.shape, self.strides, values):
+            if not _is_int(value):
+                raise TypeError(f"coordinate of dim {name!r} must be an int, got {value!r}")
+            if not 0 <= value < size:
+                raise ValueError(f"coordinate of dim {name!r} must be in [0, {size}), got {value}")
+            rank += value * stride
+        return rank
+
+    def _local(self, rank: object) -> int:
+        if not _is_int(rank):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        if not self.contains(rank):  # type: ignore[arg-type]
+            raise ValueError(
+                f"rank {rank} is outside the grid, which spans ranks "
+                f"[{self.rank_offset}, {self.rank_offset + self.size})"
+            )
+        return rank - self.rank_offset  # type: ignore[operator]
+
+    def _offsets(self, dims: Sequence[str]) -> list[int]:
+        # Rank offsets of every combination of `dims`, the first slowest and the last fastest:
+        # an outer sum built one dim at a time, so its cost is the number of combinations.
+        offsets = [0]
+        for name in dims:
+            i = self._index[name]  # type: ignore[attr-defined]
+            steps = [j * self.strides[i] for j in range(self.shape[i])]
+            offsets = [base + step for base in offsets for step in steps]
+        return offsets
+
+    def group_ranks(self, dims: Dims, rank: int) -> list[int]:
+        """The members of the ``dims`` group that holds global ``rank``, in enumeration order.
+
+        Equal to the row of ``enumerate(dims)`` that contains ``rank``, computed in
+        O(group size) without enumerating the other groups.
+
+        Example::
+
+            >>> GridLayout((2, 3, 4), ("tp", "cp", "dp")).group_ranks(["cp", "tp"], rank=7)
+            [6, 7, 8, 9, 10, 11]
+        """
+        ordered, _ = self.order_dims(dims)
+        local = self._local(rank)
+        base = self.rank_offset + local
+        for name in ordered:
+            i = self._index[name]  # type: ignore[attr-defined]
+            base -= ((local // self.strides[i]) % self.shape[i]) * self.strides[i]
+        return [base + offset for offset in self._offsets(ordered)]
+
+    def group_index(self, dims: Dims, rank: int) -> int:
+        """Index of ``rank``'s group in ``enumerate(dims)``. O(ndims).
+
+        Example::
+
+            >>> GridLayout((2, 3, 4), ("tp", "cp", "dp")).group_index(["dp"], rank=7)
+            1
+        """
+        ordered, _ = self.order_dims(dims)
+        coords = self.coords(rank)
+        # Across groups the remaining dims count like ranks do: the first dim fastest.
+        rest = [i for i in range(len(self.shape)) if self.dim_names[i] not in ordered]
+        index = 0
+        multiplier = 1
+        for i in rest:
+            index += coords[i] * multiplier
+            multiplier *= self.shape[i]
+        return index
+
+    def num_groups(self, dims: Dims) -> int:
+        """How many groups ``enumerate(dims)`` has: ``size // group size``."""
+        return self.size // self.group_size(dims)
+
+    def group_size(self, dims: Dims) -> int:
+        """Number of ranks in each ``dims`` group: the product of their sizes."""
+        return math.prod(self.shape[self._index[n]] for n in self._dim_list(dims))  # type: ignore[attr-defined]
+
+    # ---------------------------------------------------------------- all groups
+    def gen_rank_enum(self, dims: Sequence[str]) -> list[list[int]]:
+        """Every group of ``dims``, with ``dims`` taken in the order given (last fastest).
+
+        The semantics of Megatron-Core's ``HyperCommGrid._gen_rank_enum``: it does not reorder
+        ``dims``; callers normally pass ``order_dims(dims)[0]``. O(size).
+
+        Example::
+
+            >>> GridLayout((2, 2, 2), ("a", "b", "c")).gen_rank_enum(["a", "b"])
+            [[0, 2, 1, 3], [4, 6, 5, 7]]
+        """
+        names = self._dim_list(list(dims))
+        rest = [n for n in reversed(self.dim_names) if n not in names]
+        inner = self._offsets(names)
+        outer = self._offsets(rest)
+        start = self.rank_offset
+        return [[start + o + i for i in inner] for o in outer]
+
+    def enumerate(self, dims: Dims) -> list[list[int]]:
+        """Every group of ``dims`` in Megatron order: ``get_rank_enum`` / ``RankGenerator``. O(size).
+
+        Example::
+
+            >>> GridLayout((2, 3, 4), ("tp", "cp", "dp")).enumerate("tp")[:3]
+            [[0, 1], [2, 3], [4, 5]]
+        """
+        ordered, _ = self.order_dims(dims)
+        return self.gen_rank_enum(ordered)
+
+    def partition(self, dims: Dims) -> Partition:
+        """The canonical :class:`Partition` of the span made by ``dims``. O(ndims).
+
+        Equal partitions mean identical groups, so it serves as a cheap, world-size-independent
+        identity for "this set of groups" that every rank computes alike.
+        """
+        names = set(self._dim_list(dims))
+        modes = sorted(
+            (self.shape[i], self.strides[i])
+            for i, name in enumerate(self.dim_names)
+            if name in names and self.shape[i] > 1
+        )
+        merged: list[tuple[int, int]] = []
+        for size, stride in sorted(modes, key=lambda m: m[1]):
+            if merged and merged[-1][0] * merged[-1][1] == stride:
+                prev_size, prev_stride = merged.pop()
+                merged.append((prev_size * size, prev_stride))
+            else:
+                merged.append((size, stride))
+        return Partition(self.rank_offset, self.size, tuple(merged))
+
+    # ---------------------------------------------------------------- views
+    def check_view(self, view: "GridLayout", shared_dims: Sequence[str] = ()) -> None:
+        """Check that ``view`` is another factorization of the same span of ranks.
+
+        ``shared_dims`` are dims the view claims to have in common with this grid: each must
+        exist in both with the same size and the same stride, so that its groups coincide.
+
+        Example::
+
+            >>> dense = GridLayout((2, 2, 4), ("tp", "cp", "dp"))
+            >>> dense.check_view(GridLayout((4, 4), ("ep", "dp")), shared_dims=["dp"])
+        """
+        if view.rank_offset != self.rank_offset or view.size != self.size:
+            raise ValueError(
+                f"a view must span the grid's ranks [{self.rank_offset}, "
+                f"{self.rank_offset + self.size}); shape {list(view.shape)} with rank_offset "
+                f"{view.rank_offset} spans [{view.rank_offset}, {view.rank_offset + view.size})"
+            )
+        for name in shared_dims:
+            if name not in self._index or name not in view._index:  # type: ignore[attr-defined]
+                raise ValueError(
+                    f"shared dim {name!r} must be a dim of both the grid {list(self.dim_names)} "
+                    f"and the view {list(view.dim_names)}"
+                )
+            mine = (self.dim_size(name), self.strides[self._index[name]])  # type: ignore[attr-defined]
+            theirs = (view.dim_size(name), view.strides[view._index[name]])  # type: ignore[attr-defined]
+            if mine != theirs:
+                raise ValueError(
+                    f"shared dim {name!r} has (size, stride) {theirs} in the view but {mine} in "
+                    f"the grid, so its groups differ; a shared dim must have the same size and "
+                    f"the same product of faster dims in both"
+                )

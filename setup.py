@@ -1,0 +1,35 @@
+"""Packaging for hypergrid. The only runtime dependency is torch."""
+
+from pathlib import Path
+
+from setuptools import find_packages, setup
+
+HERE = Path(__file__).parent
+
+setup(
+    name="hypergrid",
+    version="0.1.0",
+    description=(
+        "N-dimensional parallel-state manager for PyTorch: Megatron-Core compatible process "
+        "groups and DeviceMeshes from one grid, each rank building only its own groups"
+    ),
+    long_description=(HERE / "README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["hypergrid", "hypergrid.*"]),
+    package_data={"hypergrid": ["py.typed"]},
+    python_requires=">=3.10",
+    # 2.13.0 is the version this project is tested on; split_group with a bound device and
+    # use_local_synchronization, which hypergrid relies on, are older than that.
+    install_requires=["torch>=2.13.0"],
+    extras_require={
+        "megatron": ["megatron-core>=0.16.1"],
+        # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests.
+        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1"],
+    },
+    entry_points={"console_scripts": ["hypergrid=hypergrid.cli:main"]},
+    classifiers=[
+        "Programming Language :: Python :: 3",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Typing :: Typed",
+    ],
+)

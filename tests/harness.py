@@ -1,0 +1,149 @@
+"""Shared helpers for tests: real gloo jobs on loopback and one rank of a fake world.
+
+``run_gloo(fn, world_size)`` starts ``world_size`` fresh processes, each with a gloo default group
+on a free loopback port, calls ``fn(rank, world_size, *args)`` in each and returns their results
+in rank order. Every wait has a timeout: a job that does not finish in ``timeout`` seconds is
+killed, process group and all, and the test fails naming the ranks still running. ``fn`` must be
+a module-level function (it is pickled by name into the children).
+
+``fake_world(rank, world_size)`` makes this process one rank of a world of any size on torch's
+fake backend, for tests of per-rank behaviour at scales no machine here could run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import queue
+import socket
+import traceback
+from typing import Any, Callable, Iterator, Optional
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+#: Default limit for one whole gloo job (start-up included).
+JOB_TIMEOUT_S = 120.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _child(
+    rank: int,
+    world_size: int,
+    port: int,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: "mp.Queue",
+    pg_timeout_s: float,
+    env: dict[str, str],
+) -> None:
+    os.environ.update(env)
+    os.environ.update(
+        {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=pg_timeout_s),
+        )
+        value = fn(rank, world_size, *args)
+        results.put((rank, True, value))
+    except BaseException as exc:  # reported to the parent, which fails the test with it
+        results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            with contextlib.suppress(Exception):
+                dist.destroy_process_group()
+
+
+def run_gloo(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = JOB_TIMEOUT_S,
+    pg_timeout_s: float = 60.0,
+    expect_failure: bool = False,
+    env: Optional[dict[str, str]] = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
+
+    With ``expect_failure=True`` a rank's exception is not a test failure: the result list holds
+    ``("error", message)`` for such ranks and ``("ok", value)`` for the others, and a rank that
+    ended without a word (killed) holds ``("dead", exitcode)``.
+    """
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_child,
+            args=(rank, world_size, port, fn, args, results, pg_timeout_s, dict(env or {})),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for proc in procs:
+        proc.start()
+    outcome: dict[int, tuple[bool, Any]] = {}
+    deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+    try:
+        while len(outcome) < world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            if remaining <= 0:
+                break
+            try:
+                rank, ok, value = results.get(timeout=min(remaining, 0.5))
+                outcome[rank] = (ok, value)
+            except queue.Empty:
+                if all(not p.is_alive() for p in procs) and results.empty():
+                    break
+    finally:
+        for proc in procs:
+            proc.join(timeout=max(0.0, min(5.0, (deadline - datetime.datetime.now()).total_seconds())))
+        for proc in procs:
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+    if expect_failure:
+        out = []
+        for rank in range(world_size):
+            if rank in outcome:
+                ok, value = outcome[rank]
+                out.append(("ok", value) if ok else ("error", value))
+            else:
+                out.append(("dead", procs[rank].exitcode))
+        return out
+    missing = [r for r in range(world_size) if r not in outcome]
+    if missing:
+        raise AssertionError(f"ranks {missing} did not finish within {timeout}s (killed)")
+    failures = {r: v for r, (ok, v) in outcome.items() if not ok}
+    if failures:
+        first = min(failures)
+        raise AssertionError(f"ranks {sorted(failures)} failed; rank {first}:\n{failures[first]}")
+    return [outcome[r][1] for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """Be ``rank`` of a ``world_size``-rank world on torch's fake backend for the block."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("fake_world needs a process with no default process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        from hypergrid.groups import REGISTRY
+
+        dist.destroy_process_group()
+        REGISTRY.reset()
