@@ -40,9 +40,9 @@ from typing import Any, Callable, Hashable, Optional
 import torch.distributed as dist
 
 from .errors import GroupCreationError
-from .layout import Dims, GridLayout, Partition
+from .layout import Dims, GridLayout
 
-__all__ = ["STRATEGIES", "GroupOptions", "GroupRegistry", "REGISTRY", "split_supported"]
+__all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "split_supported"]
 
 logger = logging.getLogger("hypergrid.groups")
 
@@ -141,7 +141,7 @@ class _Entry:
     pg: Optional[dist.ProcessGroup]
     members: Optional[tuple[int, ...]]
     identity: Hashable
-    partition: Optional[Partition]
+    collective_key: Optional[tuple]
     private: bool
     holders: set = field(default_factory=set)
 
@@ -217,23 +217,39 @@ class GroupRegistry:
 
         Returns None on a rank outside ``layout`` (Megatron-Core returns None there too).
         ``owner`` is recorded as a holder; :meth:`release` with the same owner lets go.
+
+        Example::
+
+            >>> # pg = REGISTRY.acquire("my-grid", GridLayout((2, 4), ("tp", "dp")), "dp", rank=5)
         """
+        return self.acquire_request(owner, GroupRequest.from_layout(layout, dims, rank, label), strategy=strategy, options=options, private=private)
+
+    def acquire_request(
+        self,
+        owner: Owner,
+        request: "GroupRequest",
+        *,
+        strategy: str = "local",
+        options: GroupOptions = GroupOptions(),
+        private: bool = False,
+    ) -> Optional[dist.ProcessGroup]:
+        """Like :meth:`acquire`, for any :class:`GroupRequest` (e.g. explicit rank lists)."""
         if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
-        label = label or layout.key(dims)
-        members = tuple(layout.group_ranks(dims, rank)) if layout.contains(rank) else None
+            raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+        if not isinstance(options, GroupOptions):
+            raise TypeError(f"options must be a GroupOptions, got {type(options).__name__}")
         if strategy == "split" and not split_supported(options.backend):
-            logger.debug("split_group is not available here; creating %s with strategy 'local'", label)
+            logger.debug("split_group is not available here; creating %s with strategy 'local'", request.label)
             strategy = "local"
         with self._lock:
             self._follow_world()
             if strategy == "local":
-                entry = self._local(label, members, options, private)
+                entry = self._local(request, options, private)
             else:
-                entry = self._collective(strategy, label, layout, dims, members, options, private)
+                entry = self._collective(strategy, request, options, private)
             if entry is None:
                 return None
-            entry.holders.add((owner, label))
+            entry.holders.add((owner, request.label))
             return entry.pg
 
     def release(self, owner: Owner) -> int:
@@ -264,19 +280,18 @@ class GroupRegistry:
                 del table[key]
 
     # ------------------------------------------------------------------ strategies
-    def _local(
-        self, label: str, members: Optional[tuple[int, ...]], options: GroupOptions, private: bool
-    ) -> Optional[_Entry]:
+    def _local(self, request: "GroupRequest", options: GroupOptions, private: bool) -> Optional[_Entry]:
+        members = request.members
         if members is None:
             return None
         key = (tuple(sorted(members)), options.identity)
         if not private and key in self._by_members:
             return self._by_members[key]
-        _require_initialized(label)
+        _require_initialized(request.label)
         if self.before_local_create is not None:
-            self.before_local_create(label, members, options)
+            self.before_local_create(request.label, members, options)
         pg = _call_torch(
-            label,
+            request.label,
             members,
             lambda: dist.new_group(
                 ranks=list(members),
@@ -290,27 +305,20 @@ class GroupRegistry:
         return self._record(pg, members, options, None, private)
 
     def _collective(
-        self,
-        strategy: str,
-        label: str,
-        layout: GridLayout,
-        dims: Dims,
-        members: Optional[tuple[int, ...]],
-        options: GroupOptions,
-        private: bool,
+        self, strategy: str, request: "GroupRequest", options: GroupOptions, private: bool
     ) -> Optional[_Entry]:
         # Every rank of the world takes part, so whether to reuse must be decided alike on all of
-        # them: by the request's partition, which every rank computes the same.
-        partition = layout.partition(dims)
-        key = (partition, options.identity)
+        # them: by the request's world-wide identity, which every rank computes the same.
+        members = request.members
+        key = (request.identity, options.identity)
         if not private and key in self._by_partition:
             entry = self._by_partition[key]
             return entry if entry.pg is not None else None
-        _require_initialized(label)
+        _require_initialized(request.label)
         if strategy == "enumerate":
-            enumeration = layout.enumerate(dims)
+            enumeration = request.enumerate()
             pg, _ = _call_torch(
-                label,
+                request.label,
                 members,
                 lambda: dist.new_subgroups_by_enumeration(
                     enumeration,
@@ -321,11 +329,11 @@ class GroupRegistry:
                 ),
             )
         else:
-            # split_group takes the caller's own split; a rank outside the grid passes some
-            # split it is not in and gets None back, as split_group documents.
-            mine = list(members) if members is not None else layout.group_ranks(dims, layout.rank_offset)
+            # split_group takes the caller's own split; a rank in no group passes some split it
+            # is not in and gets None back, as split_group documents.
+            mine = list(members) if members is not None else list(request.enumerate()[0])
             pg = _call_torch(
-                label,
+                request.label,
                 members,
                 lambda: dist.split_group(
                     split_ranks=[mine],
@@ -335,11 +343,11 @@ class GroupRegistry:
                 ),
             )
         if members is None or pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
-            entry = _Entry(None, None, options.identity, partition, private)
+            entry = _Entry(None, None, options.identity, key, private)
             if not private:
                 self._by_partition[key] = entry
             self._entries.append(entry)
-            return entry
+            return None
         return self._record(pg, members, options, key, private)
 
     def _record(
@@ -347,16 +355,64 @@ class GroupRegistry:
         pg: dist.ProcessGroup,
         members: tuple[int, ...],
         options: GroupOptions,
-        partition_key: Optional[tuple],
+        collective_key: Optional[tuple],
         private: bool,
     ) -> _Entry:
-        entry = _Entry(pg, members, options.identity, partition_key[0] if partition_key else None, private)
+        entry = _Entry(pg, members, options.identity, collective_key, private)
         self._entries.append(entry)
         if not private:
             self._by_members[(tuple(sorted(members)), options.identity)] = entry
-            if partition_key is not None:
-                self._by_partition[partition_key] = entry
+            if collective_key is not None:
+                self._by_partition[collective_key] = entry
         return entry
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """One request for groups, as the registry sees it.
+
+    ``members``: this rank's group, in enumeration order (None: this rank is in none).
+    ``identity``: a hashable value equal on every rank for the same set of groups, world-wide;
+    the collective strategies share by it. ``enumerate``: every group of the request, computed
+    only when a collective strategy needs it (O(world)).
+
+    Example::
+
+        >>> req = GroupRequest.from_rank_lists("embd", [[0, 3], [4, 7]], rank=3)
+        >>> req.members
+        (0, 3)
+    """
+
+    label: str
+    members: Optional[tuple[int, ...]]
+    identity: Hashable
+    enumerate: Callable[[], list[list[int]]] = field(compare=False)
+
+    @classmethod
+    def from_layout(cls, layout: GridLayout, dims: Dims, rank: int, label: Optional[str] = None) -> "GroupRequest":
+        """The ``dims`` groups of ``layout`` as seen by global ``rank``: O(group size)."""
+        members = tuple(layout.group_ranks(dims, rank)) if layout.contains(rank) else None
+        return cls(label or layout.key(dims), members, layout.partition(dims), lambda: layout.enumerate(dims))
+
+    @classmethod
+    def from_rank_lists(cls, label: str, groups: list[list[int]], rank: int) -> "GroupRequest":
+        """Explicit, disjoint groups of global ranks (all of them: O(total size))."""
+        frozen = [list(g) for g in groups]
+        mine = next((tuple(g) for g in frozen if rank in g), None)
+        identity = ("rank-lists", tuple(tuple(sorted(g)) for g in frozen))
+        return cls(label, mine, identity, lambda: frozen)
+
+    @classmethod
+    def from_members(cls, label: str, members: Optional[list[int]]) -> "GroupRequest":
+        """Only this rank's own group (``local`` strategy only: nothing else is known)."""
+
+        def unknown() -> list[list[int]]:
+            raise ValueError(
+                f"group {label!r} was requested by its members alone, which only the 'local' "
+                f"strategy can create; pass every group (GroupRequest.from_rank_lists) instead"
+            )
+
+        return cls(label, None if members is None else tuple(members), ("members-only", label), unknown)
 
 
 def _require_initialized(label: str) -> None:
