@@ -31,11 +31,13 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Optional
+from typing import Any, Callable, Hashable, Iterator, Optional
 
 import torch.distributed as dist
 
@@ -161,6 +163,9 @@ class GroupRegistry:
         # The default group the entries were created under; a new one means a new world, in
         # which the old entries are dead (destroy_process_group() + init_process_group()).
         self._world: Optional[dist.ProcessGroup] = None
+        # How many groups of exactly these members this process created in this world: the same
+        # on every member, so (members, count) names a group alike on all of them.
+        self._made: dict[tuple[int, ...], int] = {}
         #: Called as ``hook(label, members, options)`` before a ``local`` group is created, so that
         #: the members can check they agree (see hypergrid's agreement checks); None: no check.
         self.before_local_create: Optional[Callable[[str, tuple[int, ...], GroupOptions], None]] = None
@@ -190,6 +195,7 @@ class GroupRegistry:
             self._by_members.clear()
             self._by_partition.clear()
             self._entries.clear()
+            self._made.clear()
             self._world = None
 
     def _follow_world(self) -> None:
@@ -290,18 +296,23 @@ class GroupRegistry:
         _require_initialized(request.label)
         if self.before_local_create is not None:
             self.before_local_create(request.label, members, options)
-        pg = _call_torch(
-            request.label,
-            members,
-            lambda: dist.new_group(
-                ranks=list(members),
-                timeout=options.timeout,
-                backend=options.backend,
-                pg_options=options.pg_options,
-                use_local_synchronization=True,
-                group_desc=options.group_desc,
-            ),
-        )
+        sorted_members = key[0]
+        count = self._made.get(sorted_members, 0)
+        digest = hashlib.sha1(f"{','.join(map(str, sorted_members))}#{count}".encode()).hexdigest()
+        with _torch_group_name(f"hypergrid-{digest}", list(members)):
+            pg = _call_torch(
+                request.label,
+                members,
+                lambda: dist.new_group(
+                    ranks=list(members),
+                    timeout=options.timeout,
+                    backend=options.backend,
+                    pg_options=options.pg_options,
+                    use_local_synchronization=True,
+                    group_desc=options.group_desc,
+                ),
+            )
+        self._made[sorted_members] = count + 1
         return self._record(pg, members, options, None, private)
 
     def _collective(
@@ -413,6 +424,36 @@ class GroupRequest:
             )
 
         return cls(label, None if members is None else tuple(members), ("members-only", label), unknown)
+
+
+@contextlib.contextmanager
+def _torch_group_name(name: str, ranks: list[int]) -> Iterator[None]:
+    """Make torch name the group it creates for exactly ``ranks`` ``name``, for one call.
+
+    With ``use_local_synchronization=True`` torch names a group by hashing its ranks together
+    with the number of groups this process already has. Members that made different numbers of
+    groups before (Megatron's embedding groups exist only on some pipeline stages, say) then
+    disagree on the name, rendezvous under different store prefixes and hang until the timeout.
+    hypergrid's names depend only on what all members share.
+    """
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:  # a torch without the hook: keep its naming (and its hazard)
+        logger.warning("torch.distributed has no _process_group_name; group names are torch's own")
+        yield
+        return
+    wanted = sorted(ranks)
+
+    def named(group_ranks: list[int], use_hashed_name: bool) -> str:
+        if use_hashed_name and sorted(group_ranks) == wanted:
+            return c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
+        return original(group_ranks, use_hashed_name)
+
+    c10d._process_group_name = named
+    try:
+        yield
+    finally:
+        c10d._process_group_name = original
 
 
 def _require_initialized(label: str) -> None:

@@ -304,7 +304,8 @@ class GridLayout:
         offsets = [0]
         for name in dims:
             i = self._index[name]  # type: ignore[attr-defined]
-            steps = [j * self.strides[i] for j in range(self.shape[i])]
+            stride = self.strides[i]
+            steps = range(0, self.shape[i] * stride, stride)
             offsets = [base + step for base in offsets for step in steps]
         return offsets
 
