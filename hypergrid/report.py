@@ -1,0 +1,376 @@
+"""What a layout will do before it runs: group kinds, counts, node locality, one rank's groups.
+
+Pure integer work over :class:`~hypergrid.layout.GridLayout`; no process group, no GPU, no
+torch.distributed. The command line's ``plan`` and ``check`` and the pictures in
+:mod:`hypergrid.viz` are built on the :class:`Plan` made here.
+
+A plan is made either from Megatron-Core's keyword sizes (:func:`plan_megatron`: the dense grid
+of ``order`` plus the expert view Megatron-Core builds for MoE layers) or from a free grid
+(:func:`plan_grid`).
+
+Example::
+
+    >>> plan = plan_megatron(world_size=16, tp=2, pp=2, ep=2)
+    >>> [kind.name for kind in plan.kinds][:4]
+    ['tp', 'cp', 'dp', 'pp']
+    >>> summary = plan.summary("tp", gpus_per_node=8)
+    >>> summary.count, summary.size, summary.crosses_nodes
+    (8, 2, False)
+    >>> plan.groups_of(5)["dp"]
+    [1, 3, 5, 7]
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from .layout import GridLayout
+
+__all__ = [
+    "GroupKind",
+    "KindSummary",
+    "Plan",
+    "plan_grid",
+    "plan_megatron",
+    "MEGATRON_DENSE_KINDS",
+    "MEGATRON_EXPERT_KINDS",
+]
+
+logger = logging.getLogger("hypergrid.report")
+
+#: Megatron-Core's dense groups: (kind name = RankGenerator token, parallel_state group name).
+MEGATRON_DENSE_KINDS: tuple[tuple[str, str], ...] = (
+    ("tp", "TENSOR_MODEL_PARALLEL_GROUP"),
+    ("cp", "CONTEXT_PARALLEL_GROUP"),
+    ("dp", "DATA_PARALLEL_GROUP"),
+    ("pp", "PIPELINE_MODEL_PARALLEL_GROUP"),
+    ("dp-cp", "DATA_PARALLEL_GROUP_WITH_CP"),
+    ("tp-cp", "TENSOR_AND_CONTEXT_PARALLEL_GROUP"),
+    ("tp-pp", "MODEL_PARALLEL_GROUP"),
+    ("tp-dp", "TENSOR_AND_DATA_PARALLEL_GROUP"),
+    ("tp-dp-cp", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"),
+)
+
+#: Megatron-Core's expert groups: (kind name, RankGenerator token, parallel_state group name).
+#: Kind names carry an ``e`` prefix so that one name space holds both grids.
+MEGATRON_EXPERT_KINDS: tuple[tuple[str, str, str], ...] = (
+    ("ep", "ep", "EXPERT_MODEL_PARALLEL_GROUP"),
+    ("etp", "tp", "EXPERT_TENSOR_PARALLEL_GROUP"),
+    ("etp-ep", "tp-ep", "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP"),
+    ("etp-ep-pp", "tp-ep-pp", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP"),
+    ("edp", "dp", "EXPERT_DATA_PARALLEL_GROUP"),
+)
+
+# Expert-view dim names for Megatron's expert RankGenerator dims (its tp is the expert tp).
+_EXPERT_DIM = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
+
+
+@dataclass(frozen=True)
+class GroupKind:
+    """One kind of group: the groups over ``dims`` of ``layout`` (the grid or a view).
+
+    ``name`` is what the command line and pictures call it; ``megatron_name`` the matching
+    ``parallel_state`` group (None for a free grid); ``megatron_token`` the token that
+    Megatron-Core's ``RankGenerator.get_ranks`` takes for it; ``view`` the name of the view
+    (None for the grid itself).
+
+    Example::
+
+        >>> kind = GroupKind("dp", GridLayout((2, 4), ("tp", "dp")), ("dp",))
+        >>> kind.key, kind.count, kind.size, kind.members(3)
+        ('dp', 2, 4, [1, 3, 5, 7])
+    """
+
+    name: str
+    layout: GridLayout
+    dims: tuple[str, ...]
+    view: Optional[str] = None
+    megatron_name: Optional[str] = None
+    megatron_token: Optional[str] = None
+
+    @property
+    def key(self) -> str:
+        """hypergrid's group key of ``dims`` (reversed ``dim_names`` order)."""
+        return self.layout.key(list(self.dims))
+
+    @property
+    def count(self) -> int:
+        """How many groups of this kind the layout has."""
+        return self.layout.num_groups(list(self.dims))
+
+    @property
+    def size(self) -> int:
+        """Ranks in each group."""
+        return self.layout.group_size(list(self.dims))
+
+    def members(self, rank: int) -> list[int]:
+        """The group of this kind holding global ``rank``; O(group size)."""
+        return self.layout.group_ranks(list(self.dims), rank)
+
+    def enumerate(self) -> list[list[int]]:
+        """Every group of this kind, in Megatron-Core's order; O(size)."""
+        return self.layout.enumerate(list(self.dims))
+
+
+@dataclass(frozen=True)
+class KindSummary:
+    """How one group kind falls on nodes of ``gpus_per_node`` ranks.
+
+    ``max_nodes`` is the most nodes any one group spans; ``crosses_nodes`` whether any group
+    spans more than one; ``intra_node_groups`` how many groups stay inside a single node.
+
+    Example::
+
+        >>> plan = plan_grid([4, 4], ["tp", "dp"])
+        >>> s = plan.summary("dp", gpus_per_node=4)
+        >>> s.crosses_nodes, s.max_nodes, s.intra_node_groups
+        (True, 4, 0)
+    """
+
+    name: str
+    key: str
+    view: Optional[str]
+    megatron_name: Optional[str]
+    count: int
+    size: int
+    max_nodes: int
+    intra_node_groups: int
+
+    @property
+    def crosses_nodes(self) -> bool:
+        return self.max_nodes > 1
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "key": self.key,
+            "view": self.view,
+            "megatron_name": self.megatron_name,
+            "count": self.count,
+            "size": self.size,
+            "max_nodes_per_group": self.max_nodes,
+            "intra_node_groups": self.intra_node_groups,
+            "crosses_nodes": self.crosses_nodes,
+        }
+
+
+@dataclass
+class Plan:
+    """A layout to inspect: its grid, views, the group kinds it makes, and the world it fits in.
+
+    ``megatron`` holds the Megatron-Core sizes the plan was made from (None for a free grid).
+
+    Example::
+
+        >>> plan = plan_grid([2, 3, 4], ["tp", "cp", "dp"])
+        >>> plan.world_size, [k.name for k in plan.kinds]
+        (24, ['tp', 'cp', 'dp'])
+        >>> plan.coords(7)
+        {'tp': 1, 'cp': 0, 'dp': 1}
+    """
+
+    world_size: int
+    layout: GridLayout
+    kinds: list[GroupKind]
+    views: dict[str, GridLayout] = field(default_factory=dict)
+    megatron: Optional[dict[str, Any]] = None
+
+    def kind(self, name: str) -> GroupKind:
+        """The group kind called ``name``; ValueError naming the known kinds otherwise."""
+        for kind in self.kinds:
+            if kind.name == name:
+                return kind
+        raise ValueError(f"unknown group kind {name!r}; this layout has {[k.name for k in self.kinds]}")
+
+    def check_rank(self, rank: int) -> None:
+        """ValueError unless ``rank`` lies on the grid."""
+        if isinstance(rank, bool) or not isinstance(rank, int):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        if not self.layout.contains(rank):
+            raise ValueError(
+                f"rank {rank} is out of range: the layout spans ranks "
+                f"[{self.layout.rank_offset}, {self.layout.rank_offset + self.layout.size})"
+            )
+
+    def coords(self, rank: int, view: Optional[str] = None) -> dict[str, int]:
+        """Coordinates of ``rank`` in the grid (or in ``view``), by dim name."""
+        self.check_rank(rank)
+        layout = self.layout if view is None else self.views[view]
+        return dict(zip(layout.dim_names, layout.coords(rank)))
+
+    def groups_of(self, rank: int) -> dict[str, list[int]]:
+        """Every group ``rank`` is in, by kind name; O(sum of group sizes)."""
+        self.check_rank(rank)
+        return {kind.name: kind.members(rank) for kind in self.kinds}
+
+    def summary(self, name: str, gpus_per_node: int) -> KindSummary:
+        """Count, size and node locality of the kind called ``name``; O(grid size)."""
+        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node <= 0:
+            raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+        kind = self.kind(name)
+        max_nodes = 0
+        intra = 0
+        for group in kind.enumerate():
+            nodes = len({rank // gpus_per_node for rank in group})
+            max_nodes = max(max_nodes, nodes)
+            intra += nodes == 1
+        return KindSummary(
+            kind.name, kind.key, kind.view, kind.megatron_name, kind.count, kind.size, max_nodes, intra
+        )
+
+    def summaries(self, gpus_per_node: int) -> list[KindSummary]:
+        """:meth:`summary` of every kind, in plan order."""
+        return [self.summary(kind.name, gpus_per_node) for kind in self.kinds]
+
+    def as_dict(self, gpus_per_node: int, rank: Optional[int] = None) -> dict[str, Any]:
+        """Everything the plan answers, as JSON-ready data (``rank``: add that rank's groups)."""
+        out: dict[str, Any] = {
+            "world_size": self.world_size,
+            "gpus_per_node": gpus_per_node,
+            "nodes": math.ceil(self.world_size / gpus_per_node),
+            "grid": {
+                "shape": list(self.layout.shape),
+                "dim_names": list(self.layout.dim_names),
+                "rank_offset": self.layout.rank_offset,
+            },
+            "views": {
+                name: {"shape": list(v.shape), "dim_names": list(v.dim_names)} for name, v in self.views.items()
+            },
+            "megatron": self.megatron,
+            "kinds": [s.as_dict() for s in self.summaries(gpus_per_node)],
+        }
+        if rank is not None:
+            out["rank"] = {
+                "rank": rank,
+                "node": rank // gpus_per_node,
+                "local_rank": rank % gpus_per_node,
+                "coords": self.coords(rank),
+                "view_coords": {name: self.coords(rank, name) for name in self.views},
+                "groups": self.groups_of(rank),
+            }
+        return out
+
+
+def _parse_positive(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return value
+
+
+def plan_grid(
+    shape: Sequence[int],
+    dim_names: Sequence[str],
+    *,
+    world_size: Optional[int] = None,
+    rank_offset: int = 0,
+    groups: Optional[Sequence[Sequence[str]]] = None,
+) -> Plan:
+    """A plan of a free grid: one kind per dim, plus one per multi-dim request in ``groups``.
+
+    ``world_size`` defaults to the grid's size; a grid larger than the world is a ValueError.
+
+    Example::
+
+        >>> plan = plan_grid([2, 3, 4], ["tp", "cp", "dp"], groups=[["cp", "dp"]])
+        >>> [(k.name, k.key, k.count, k.size) for k in plan.kinds][-1]
+        ('cp-dp', 'dp-cp', 2, 12)
+    """
+    layout = GridLayout(tuple(shape), tuple(dim_names), rank_offset)
+    world = layout.rank_offset + layout.size if world_size is None else _parse_positive("world_size", world_size)
+    if layout.rank_offset + layout.size > world:
+        raise ValueError(
+            f"the grid {list(layout.shape)} needs {layout.size} ranks from rank {layout.rank_offset} "
+            f"but the world has {world}"
+        )
+    kinds = [GroupKind(name, layout, (name,)) for name in layout.dim_names]
+    for request in groups or []:
+        dims = tuple(request)
+        layout.key(list(dims))  # unknown or repeated dims fail here, naming the dim
+        name = "-".join(dims)
+        if any(k.name == name for k in kinds):
+            continue
+        kinds.append(GroupKind(name, layout, dims))
+    return Plan(world, layout, kinds)
+
+
+def plan_megatron(
+    world_size: int,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    cp: int = 1,
+    ep: int = 1,
+    etp: Optional[int] = None,
+    order: str = "tp-cp-ep-dp-pp",
+) -> Plan:
+    """The groups Megatron-Core's ``initialize_model_parallel`` builds for these sizes.
+
+    The dense grid has the dims of ``order`` except ``ep`` (size 1 there), dp taking what is
+    left; the expert view has Megatron-Core's expert dims ``etp, ep, edp, pp`` in ``order``'s
+    order with cp dropped, ``edp = world_size / (etp * ep * pp)``. Raises ValueError naming the
+    size that does not divide the world or the dim missing from ``order``.
+
+    Example::
+
+        >>> plan = plan_megatron(world_size=1024, tp=8, pp=4, ep=16, etp=1)
+        >>> plan.layout.shape, plan.views["expert"].shape
+        ((8, 1, 32, 4), (1, 16, 16, 4))
+        >>> plan.kind("edp").size
+        16
+    """
+    world = _parse_positive("world_size", world_size)
+    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
+    for name, value in sizes.items():
+        _parse_positive(f"--{name}", value)
+    etp = tp if etp is None else _parse_positive("--etp", etp)
+    if not isinstance(order, str):
+        raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {order!r}")
+    tokens = order.lower().split("-")
+    known = ("tp", "cp", "ep", "dp", "pp")
+    for token in tokens:
+        if token not in known:
+            raise ValueError(f"unknown dim {token!r} in order {order!r}; expected dims from {list(known)}")
+    if len(set(tokens)) != len(tokens):
+        raise ValueError(f"order {order!r} names a dim twice")
+    for name in known:
+        if name not in tokens:
+            if name != "dp" and sizes[name] != 1:
+                raise ValueError(f"order {order!r} has no {name!r} but --{name} is {sizes[name]}")
+            tokens.append(name)  # what RankGenerator does with a missing size-1 dim
+    model = tp * pp * cp
+    if world % model:
+        raise ValueError(
+            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model}"
+        )
+    dp = world // model
+    expert_model = etp * ep * pp
+    if world % expert_model:
+        raise ValueError(
+            f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp} = {expert_model}"
+        )
+    edp = world // expert_model
+    dense_sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    dense_names = [t for t in tokens if t != "ep"]
+    dense = GridLayout(tuple(dense_sizes[n] for n in dense_names), tuple(dense_names))
+    expert_sizes = {"tp": etp, "ep": ep, "dp": edp, "pp": pp}
+    expert_tokens = [t for t in tokens if t != "cp"]
+    expert = GridLayout(
+        tuple(expert_sizes[t] for t in expert_tokens), tuple(_EXPERT_DIM[t] for t in expert_tokens)
+    )
+    kinds = [
+        GroupKind(name, dense, tuple(name.split("-")), None, group, name)
+        for name, group in MEGATRON_DENSE_KINDS
+    ]
+    kinds += [
+        GroupKind(name, expert, tuple(_EXPERT_DIM[t] for t in token.split("-")), "expert", group, token)
+        for name, token, group in MEGATRON_EXPERT_KINDS
+    ]
+    megatron = {
+        "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "dp": dp, "edp": edp, "order": "-".join(tokens),
+    }
+    logger.debug("megatron plan %s: dense %s, expert %s", megatron, dense, expert)
+    return Plan(world, dense, kinds, {"expert": expert}, megatron)
