@@ -1,0 +1,61 @@
+"""Megatron-Core adapter: ``parallel_state`` and ``ProcessGroupCollection`` from one hypergrid grid.
+
+Switching is one import::
+
+    # from megatron.core.parallel_state import initialize_model_parallel, destroy_model_parallel
+    from hypergrid.megatron import initialize_model_parallel, destroy_model_parallel
+
+The pure planning part (:func:`plan_model_parallel`, :class:`MegatronPlan`,
+:class:`MegatronConfig`) needs neither megatron-core nor a process group and is imported eagerly;
+the parts that create groups import megatron-core on first use.
+
+Example::
+
+    >>> from hypergrid.megatron import plan_model_parallel
+    >>> plan_model_parallel(8, tensor_model_parallel_size=2).rank_group("dp", 3)
+    [1, 3, 5, 7]
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
+from .plan import GroupSpec, MegatronPlan, plan_model_parallel
+
+__all__ = [
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "process_group_collection",
+    "active_grids",
+    "MegatronGrids",
+    "plan_model_parallel",
+    "MegatronPlan",
+    "MegatronConfig",
+    "GroupSpec",
+    "ParallelConfigError",
+    "MEGATRON_KEYWORDS",
+]
+
+# Names served by submodules that import megatron-core, loaded on first access.
+_LAZY = {
+    "initialize_model_parallel": "initialize",
+    "destroy_model_parallel": "initialize",
+    "active_grids": "initialize",
+    "MegatronGrids": "initialize",
+    "process_group_collection": "collection",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        value = getattr(module, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

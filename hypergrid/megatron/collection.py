@@ -1,0 +1,93 @@
+"""Megatron-Core's ``ProcessGroupCollection``, filled from hypergrid's groups.
+
+Each field of ``megatron.core.process_groups_config.ProcessGroupCollection`` maps to one kind of
+the :class:`~hypergrid.megatron.plan.MegatronPlan`; the values are the same objects
+``ProcessGroupCollection.use_mpu_process_groups()`` would read from ``parallel_state`` after
+:func:`~hypergrid.megatron.initialize_model_parallel`, taken from the grids instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import fields
+from typing import Any, Optional
+
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from .initialize import MegatronGrids, active_grids
+
+__all__ = ["process_group_collection", "COLLECTION_FIELDS"]
+
+#: ProcessGroupCollection field -> hypergrid plan kind.
+COLLECTION_FIELDS = {
+    "tp": "tp",
+    "pp": "pp",
+    "mp": "mp",
+    "embd": "embd",
+    "pos_embd": "pos_embd",
+    "cp": "cp",
+    "tp_cp": "tp_cp",
+    "hcp": "hcp",
+    "ep": "ep",
+    "expt_tp": "expt_tp",
+    "tp_ep": "tp_ep",
+    "tp_ep_pp": "tp_ep_pp",
+    "tp_dp_cp": "tp_dp_cp",
+    "dp": "dp",
+    "dp_cp": "dp_cp",
+    "expt_dp": "expt_dp",
+    "intra_dp_cp": "intra_dp_cp",
+    "intra_expt_dp": "intra_expt_dp",
+    "inter_dist_opt": "inter_expt_dp",
+    "intra_dist_opt": "intra_dist_opt",
+}
+
+
+def process_group_collection(
+    grids: Optional[MegatronGrids] = None, required_pgs: Optional[list[str]] = None
+) -> ProcessGroupCollection:
+    """A ``ProcessGroupCollection`` with every field (or those in ``required_pgs``) from the grids.
+
+    ``grids`` defaults to the current :func:`~hypergrid.megatron.initialize_model_parallel`.
+    Fields a rank has no group for hold None, as ``use_mpu_process_groups`` gives: ``embd`` off
+    the embedding stages, ``hcp`` without hierarchical context parallelism, ``inter_dist_opt``
+    with one distributed-optimizer instance.
+
+    Example::
+
+        >>> # grids = initialize_model_parallel(tensor_model_parallel_size=2)
+        >>> # pgs = process_group_collection()
+        >>> # torch.distributed.all_reduce(t, group=pgs.tp)
+
+    Raises:
+        RuntimeError: nothing is initialized, or the installed megatron-core has a field this
+            version of hypergrid does not know.
+        ValueError: a name in ``required_pgs`` is not a field.
+    """
+    if grids is None:
+        grids = active_grids()
+        if grids is None:
+            raise RuntimeError(
+                "no hypergrid model parallel state: call hypergrid.megatron.initialize_model_parallel() first"
+            )
+    known = [f.name for f in fields(ProcessGroupCollection)]
+    unknown_to_us = [name for name in known if name not in COLLECTION_FIELDS]
+    if unknown_to_us:
+        raise RuntimeError(
+            f"ProcessGroupCollection has field(s) {unknown_to_us} that hypergrid.megatron does not "
+            f"fill; this megatron-core version is newer than the adapter (built against 0.16)"
+        )
+    wanted = known if required_pgs is None else list(required_pgs)
+    invalid = [name for name in wanted if name not in known]
+    if invalid:
+        raise ValueError(f"unknown ProcessGroupCollection field(s) {invalid}; fields are {known}")
+    return ProcessGroupCollection(**{name: _value(grids, name) for name in wanted})
+
+
+def _value(grids: MegatronGrids, field_name: str) -> Any:
+    config = grids.config
+    if field_name == "hcp":
+        sizes = config.hierarchical_cp_sizes
+        return [grids.group(f"hcp_{level}") for level in range(len(sizes))] if sizes else None
+    if field_name == "inter_dist_opt" and config.num_distributed_optimizer_instances == 1:
+        return None
+    return grids.group(COLLECTION_FIELDS[field_name])

@@ -1,0 +1,414 @@
+"""The arguments of Megatron-Core's ``initialize_model_parallel``, checked, with the sizes they imply.
+
+Pure Python: no torch.distributed, no megatron import. :class:`MegatronConfig` holds every keyword
+of ``megatron.core.parallel_state.initialize_model_parallel`` (megatron-core 0.16) plus the world
+size, and checks them the way Megatron-Core does, up front. Where Megatron-Core raises a bare
+``assert`` or a ``ZeroDivisionError``, this module raises :class:`ParallelConfigError` naming the
+sizes involved and the value expected.
+
+Example::
+
+    >>> cfg = MegatronConfig(world_size=16, tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+    >>> cfg.data_parallel_size, cfg.expert_data_parallel_size
+    (4, 4)
+    >>> MegatronConfig(world_size=12, tensor_model_parallel_size=8)
+    Traceback (most recent call last):
+    ...
+    hypergrid.megatron.config.ParallelConfigError: world_size (12) is not divisible by tensor_model_parallel_size (8) * pipeline_model_parallel_size (1) * context_parallel_size (1) = 8
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Optional
+
+__all__ = ["ParallelConfigError", "MegatronConfig", "MEGATRON_KEYWORDS", "PARALLEL_TOKENS"]
+
+#: The parallelism names Megatron-Core's ``order`` string is made of.
+PARALLEL_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+
+#: Callback type of ``get_embedding_ranks`` / ``get_position_embedding_ranks``: a pipeline group's
+#: ranks in, the ranks holding the (position) embedding out.
+RanksCallback = Callable[[list], list]
+
+
+class ParallelConfigError(ValueError, RuntimeError, AssertionError):
+    """A Megatron parallel configuration that cannot be built; the message names the sizes.
+
+    A ``ValueError`` (hypergrid's convention for bad values), and also a ``RuntimeError`` and an
+    ``AssertionError``, the types Megatron-Core raises for the same mistakes, so ``except``
+    clauses written against Megatron-Core keep catching it.
+    """
+
+
+def _check_int(name: str, value: object, minimum: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    if value < minimum:
+        raise ParallelConfigError(f"{name} must be an integer >= {minimum}, got {value}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """Megatron-Core's ``initialize_model_parallel`` keywords for a world of ``world_size`` ranks.
+
+    Every field but ``world_size`` is a keyword of Megatron-Core's function, with its default and
+    its meaning. Construction validates everything (types, sizes, divisibility, ``order``, SHARP
+    and backend options) and raises before anything is built.
+
+    Example::
+
+        >>> cfg = MegatronConfig(world_size=64, tensor_model_parallel_size=2, context_parallel_size=2,
+        ...                      expert_model_parallel_size=4, expert_tensor_parallel_size=1)
+        >>> cfg.dense_dims, cfg.dense_shape
+        (('tp', 'cp', 'dp', 'pp'), (2, 2, 16, 1))
+        >>> cfg.expert_dims, cfg.expert_shape
+        (('tp', 'ep', 'dp', 'pp'), (1, 4, 16, 1))
+    """
+
+    world_size: int
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    pipeline_model_parallel_comm_backend: Optional[str] = None
+    use_sharp: bool = False
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Optional[list] = None
+    hybrid_context_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    num_distributed_optimizer_instances: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    nccl_communicator_config_path: Optional[str] = None
+    distributed_timeout_minutes: int = 30
+    order: str = "tp-cp-ep-dp-pp"
+    get_embedding_ranks: Optional[RanksCallback] = field(default=None, compare=False)
+    get_position_embedding_ranks: Optional[RanksCallback] = field(default=None, compare=False)
+    create_gloo_process_groups: bool = True
+    high_priority_stream_groups: Optional[list] = None
+    sharp_enabled_group: Optional[str] = None
+    create_all_gather_group: Optional[bool] = False
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    # ------------------------------------------------------------------ derived sizes
+    @property
+    def tp(self) -> int:
+        return self.tensor_model_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.pipeline_model_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.expert_model_parallel_size
+
+    @property
+    def model_size(self) -> int:
+        """``tp * pp * cp``: the ranks one data-parallel replica spans."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // self.model_size
+
+    @property
+    def expert_tensor_size(self) -> int:
+        """``expert_tensor_parallel_size``, defaulting to the tensor-parallel size as in Megatron."""
+        return self.tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        return self.world_size // (self.expert_tensor_size * self.ep * self.pp)
+
+    @property
+    def intra_partial_data_parallel_size(self) -> int:
+        """Ranks of one distributed-optimizer instance in a dp-cp group."""
+        return self.data_parallel_size * self.cp // self.num_distributed_optimizer_instances
+
+    @property
+    def intra_partial_expert_data_parallel_size(self) -> int:
+        """Ranks of one distributed-optimizer instance in an expert-dp group."""
+        return self.expert_data_parallel_size // self.num_distributed_optimizer_instances
+
+    @property
+    def order_tokens(self) -> tuple[str, ...]:
+        """``order`` lower-cased and split, with absent size-1 names appended as Megatron does."""
+        tokens = self.order.lower().split("-")
+        return tuple(tokens) + tuple(t for t in PARALLEL_TOKENS if t not in tokens)
+
+    @property
+    def dense_dims(self) -> tuple[str, ...]:
+        """Dims of the dense grid: the order without ``ep`` (size 1 outside expert layers)."""
+        return tuple(t for t in self.order_tokens if t != "ep")
+
+    @property
+    def dense_shape(self) -> tuple[int, ...]:
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.data_parallel_size, "pp": self.pp}
+        return tuple(sizes[d] for d in self.dense_dims)
+
+    @property
+    def expert_dims(self) -> tuple[str, ...]:
+        """Dims of the expert grid: the order without ``cp`` (expert layers have none)."""
+        return tuple(t for t in self.order_tokens if t != "cp")
+
+    @property
+    def expert_shape(self) -> tuple[int, ...]:
+        sizes = {"tp": self.expert_tensor_size, "ep": self.ep, "dp": self.expert_data_parallel_size, "pp": self.pp}
+        return tuple(sizes[d] for d in self.expert_dims)
+
+    @property
+    def hybrid_group_sizes(self) -> tuple[int, ...]:
+        """Sizes of the hybrid DP x CP groups: powers of two from 2 below the dp-cp size."""
+        if not self.hybrid_context_parallel:
+            return ()
+        n = self.data_parallel_size * self.cp
+        return tuple(2**i for i in range(int(math.log2(n))))[1:]
+
+    @property
+    def hierarchical_cp_sizes(self) -> tuple[int, ...]:
+        """The hierarchical context-parallel level sizes, () when hierarchical CP is off."""
+        return tuple(self.hierarchical_context_parallel_sizes or ())
+
+    @property
+    def sharp_group(self) -> Optional[str]:
+        """The group SHARP is enabled on: ``sharp_enabled_group``, ``"dp"`` by default, None without SHARP."""
+        if not self.use_sharp:
+            return None
+        return self.sharp_enabled_group or "dp"
+
+    def sizes(self) -> dict[str, Any]:
+        """Every size of the configuration, JSON-friendly.
+
+        Example::
+
+            >>> MegatronConfig(world_size=8, tensor_model_parallel_size=2).sizes()["data_parallel_size"]
+            4
+        """
+        return {
+            "world_size": self.world_size,
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "context_parallel_size": self.cp,
+            "hierarchical_context_parallel_sizes": list(self.hierarchical_cp_sizes) or None,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.expert_tensor_size,
+            "data_parallel_size": self.data_parallel_size,
+            "expert_data_parallel_size": self.expert_data_parallel_size,
+            "num_distributed_optimizer_instances": self.num_distributed_optimizer_instances,
+            "order": "-".join(self.order_tokens),
+        }
+
+    # ------------------------------------------------------------------ validation
+    def _validate(self) -> None:
+        _check_int("world_size", self.world_size)
+        for name in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+            "expert_model_parallel_size",
+            "num_distributed_optimizer_instances",
+        ):
+            _check_int(name, getattr(self, name))
+        if self.expert_tensor_parallel_size is not None:
+            _check_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
+        if self.virtual_pipeline_model_parallel_size is not None:
+            _check_int("virtual_pipeline_model_parallel_size", self.virtual_pipeline_model_parallel_size)
+        if isinstance(self.distributed_timeout_minutes, bool) or not isinstance(
+            self.distributed_timeout_minutes, (int, float)
+        ):
+            raise TypeError(
+                f"distributed_timeout_minutes must be a number, got "
+                f"{type(self.distributed_timeout_minutes).__name__} {self.distributed_timeout_minutes!r}"
+            )
+        if self.distributed_timeout_minutes <= 0:
+            raise ParallelConfigError(
+                f"distributed_timeout_minutes must be positive, got {self.distributed_timeout_minutes}"
+            )
+        for name in ("use_sharp", "hybrid_context_parallel", "create_gloo_process_groups"):
+            _check_bool(name, getattr(self, name))
+        if self.create_all_gather_group is not None:
+            _check_bool("create_all_gather_group", self.create_all_gather_group)
+        for name in ("get_embedding_ranks", "get_position_embedding_ranks"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"{name} must be callable or None, got {type(value).__name__} {value!r}")
+        if self.high_priority_stream_groups is not None:
+            if isinstance(self.high_priority_stream_groups, str) or not all(
+                isinstance(g, str) for g in self.high_priority_stream_groups
+            ):
+                raise TypeError(
+                    f"high_priority_stream_groups must be a list of group names (e.g. ['dp_cp', 'ep_dp']), "
+                    f"got {self.high_priority_stream_groups!r}"
+                )
+        if self.nccl_communicator_config_path is not None and not isinstance(self.nccl_communicator_config_path, str):
+            raise TypeError(
+                f"nccl_communicator_config_path must be a str path, got {self.nccl_communicator_config_path!r}"
+            )
+
+        # The checks below follow Megatron-Core's, in its order, so the first mistake reported is
+        # the one Megatron-Core would report.
+        if self.use_sharp:
+            if self.sharp_enabled_group is not None:
+                if self.sharp_enabled_group not in ("dp", "dp_replica"):
+                    raise ParallelConfigError(
+                        f"sharp_enabled_group must be 'dp' or 'dp_replica', got {self.sharp_enabled_group!r}"
+                    )
+                if self.sharp_enabled_group == "dp_replica" and self.num_distributed_optimizer_instances <= 1:
+                    raise ParallelConfigError(
+                        f"sharp_enabled_group='dp_replica' needs num_distributed_optimizer_instances > 1, "
+                        f"got {self.num_distributed_optimizer_instances}"
+                    )
+        elif self.sharp_enabled_group is not None:
+            raise ParallelConfigError(
+                f"sharp_enabled_group={self.sharp_enabled_group!r} is only valid with use_sharp=True"
+            )
+
+        if self.world_size % self.model_size != 0:
+            raise ParallelConfigError(
+                f"world_size ({self.world_size}) is not divisible by tensor_model_parallel_size "
+                f"({self.tp}) * pipeline_model_parallel_size ({self.pp}) * context_parallel_size "
+                f"({self.cp}) = {self.model_size}"
+            )
+        if self.virtual_pipeline_model_parallel_size is not None and self.pp <= 1:
+            raise ParallelConfigError(
+                f"virtual_pipeline_model_parallel_size={self.virtual_pipeline_model_parallel_size} "
+                f"needs pipeline_model_parallel_size > 1 (an interleaved schedule), got {self.pp}"
+            )
+
+        self._validate_order()
+
+        etp_ep_pp = self.expert_tensor_size * self.ep * self.pp
+        if self.world_size % etp_ep_pp != 0:
+            raise ParallelConfigError(
+                f"world_size ({self.world_size}) is not divisible by expert_tensor_parallel_size "
+                f"({self.expert_tensor_size}) * expert_model_parallel_size ({self.ep}) * "
+                f"pipeline_model_parallel_size ({self.pp}) = {etp_ep_pp}"
+            )
+        placed = self.order.lower().split("-")
+        expert_sizes = {"tp": self.expert_tensor_size, "pp": self.pp, "dp": self.expert_data_parallel_size, "ep": self.ep}
+        for name, size in expert_sizes.items():
+            if name not in placed and size != 1:
+                raise ParallelConfigError(
+                    f"the expert-layer size of {name} is {size}, but order {self.order!r} does not "
+                    f"place it; add '{name}' to the order"
+                )
+        # Megatron-Core tests the order string as given (not lower-cased) here.
+        if not self.order.endswith("pp") and self.pp != 1 and self.expert_data_parallel_size != self.data_parallel_size:
+            raise ParallelConfigError(
+                f"with order {self.order!r} (not ending in 'pp') and pipeline_model_parallel_size "
+                f"{self.pp}, the expert data-parallel size ({self.expert_data_parallel_size}) must "
+                f"equal the data-parallel size ({self.data_parallel_size})"
+            )
+        self._validate_pipeline_agreement()
+
+        ninst = self.num_distributed_optimizer_instances
+        dp_cp = self.data_parallel_size * self.cp
+        if dp_cp % ninst != 0:
+            raise ParallelConfigError(
+                f"data_parallel_size ({self.data_parallel_size}) * context_parallel_size ({self.cp}) "
+                f"= {dp_cp} is not divisible by num_distributed_optimizer_instances ({ninst})"
+            )
+        if self.hybrid_context_parallel and dp_cp % 2 != 0:
+            raise ParallelConfigError(
+                f"hybrid_context_parallel needs an even data-parallel x context-parallel size, got "
+                f"data_parallel_size ({self.data_parallel_size}) * context_parallel_size ({self.cp}) = {dp_cp}"
+            )
+        if self.hierarchical_context_parallel_sizes:
+            sizes = self.hierarchical_context_parallel_sizes
+            if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+                raise TypeError(f"hierarchical_context_parallel_sizes must be a list of ints, got {sizes!r}")
+            for i, size in enumerate(sizes):
+                _check_int(f"hierarchical_context_parallel_sizes[{i}]", size)
+            if math.prod(sizes) != self.cp:
+                raise ParallelConfigError(
+                    f"the product of hierarchical_context_parallel_sizes {list(sizes)} is "
+                    f"{math.prod(sizes)}, but context_parallel_size is {self.cp}"
+                )
+        if self.pipeline_model_parallel_comm_backend not in (None, "nccl", "ucc"):
+            raise ParallelConfigError(
+                f"pipeline_model_parallel_comm_backend must be None, 'nccl' or 'ucc', got "
+                f"{self.pipeline_model_parallel_comm_backend!r}"
+            )
+        if self.expert_data_parallel_size % ninst != 0:
+            raise ParallelConfigError(
+                f"expert data-parallel size ({self.expert_data_parallel_size} = world_size "
+                f"{self.world_size} / (expert_tensor_parallel_size {self.expert_tensor_size} * "
+                f"expert_model_parallel_size {self.ep} * pipeline_model_parallel_size {self.pp})) "
+                f"is not divisible by num_distributed_optimizer_instances ({ninst})"
+            )
+
+    def _validate_order(self) -> None:
+        if not isinstance(self.order, str):
+            raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {type(self.order).__name__} {self.order!r}")
+        tokens = self.order.lower().split("-")
+        unknown = [t for t in tokens if t not in PARALLEL_TOKENS]
+        if unknown:
+            raise ParallelConfigError(
+                f"order {self.order!r} has unknown parallelism name(s) {unknown}; expected names "
+                f"from {list(PARALLEL_TOKENS)} joined by '-', e.g. 'tp-cp-ep-dp-pp'"
+            )
+        repeated = sorted({t for t in tokens if tokens.count(t) > 1})
+        if repeated:
+            raise ParallelConfigError(f"order {self.order!r} names {repeated} more than once")
+        # The dense generator's check: a dim of size > 1 must be placed by the order.
+        dense_sizes = {"tp": self.tp, "pp": self.pp, "dp": self.data_parallel_size, "cp": self.cp}
+        for name, size in dense_sizes.items():
+            if name not in tokens and size != 1:
+                raise ParallelConfigError(
+                    f"the size of {name} is {size}, but order {self.order!r} does not place it; "
+                    f"add '{name}' to the order"
+                )
+
+    def _validate_pipeline_agreement(self) -> None:
+        # Dense and expert layers must see the same pipeline groups. Pipeline groups are equal
+        # exactly when the pipeline dim has the same stride in both layouts (or a single stage).
+        if self.pp == 1:
+            return
+        dense_stride = math.prod(self.dense_shape[: self.dense_dims.index("pp")])
+        expert_stride = math.prod(self.expert_shape[: self.expert_dims.index("pp")])
+        if dense_stride != expert_stride:
+            raise ParallelConfigError(
+                f"pipeline groups differ between dense layers (ranks {dense_stride} apart) and "
+                f"expert layers (ranks {expert_stride} apart) with order {self.order!r}: the sizes "
+                f"placed before 'pp' must have equal products (dense {dict(zip(self.dense_dims, self.dense_shape))}, "
+                f"expert {dict(zip(self.expert_dims, self.expert_shape))})"
+            )
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def from_megatron_kwargs(cls, world_size: int, kwargs: dict[str, Any]) -> "MegatronConfig":
+        """Build from the keywords of a Megatron-Core call, rejecting any it does not know.
+
+        Example::
+
+            >>> MegatronConfig.from_megatron_kwargs(8, {"tensor_model_parallel_size": 2}).data_parallel_size
+            4
+            >>> MegatronConfig.from_megatron_kwargs(8, {"tensor_parallel_size": 2})
+            Traceback (most recent call last):
+            ...
+            TypeError: initialize_model_parallel() got unexpected keyword argument(s) ['tensor_parallel_size']; ...
+        """
+        unknown = sorted(set(kwargs) - set(MEGATRON_KEYWORDS))
+        if unknown:
+            raise TypeError(
+                f"initialize_model_parallel() got unexpected keyword argument(s) {unknown}; "
+                f"Megatron-Core's keywords are {list(MEGATRON_KEYWORDS)}"
+            )
+        return cls(world_size=world_size, **kwargs)
+
+
+#: The keywords of Megatron-Core's ``initialize_model_parallel`` this module understands.
+MEGATRON_KEYWORDS: tuple[str, ...] = tuple(f.name for f in fields(MegatronConfig) if f.name != "world_size")
