@@ -37,10 +37,12 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Iterator, Optional
+from typing import Any, Callable, Hashable, Iterator, Mapping, Optional
 
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 
+from .agreement import check_agreement
 from .errors import GroupCreationError
 from .layout import Dims, GridLayout
 
@@ -166,9 +168,6 @@ class GroupRegistry:
         # How many groups of exactly these members this process created in this world: the same
         # on every member, so (members, count) names a group alike on all of them.
         self._made: dict[tuple[int, ...], int] = {}
-        #: Called as ``hook(label, members, options)`` before a ``local`` group is created, so that
-        #: the members can check they agree (see hypergrid's agreement checks); None: no check.
-        self.before_local_create: Optional[Callable[[str, tuple[int, ...], GroupOptions], None]] = None
 
     # ------------------------------------------------------------------ queries
     def count(self) -> int:
@@ -294,12 +293,9 @@ class GroupRegistry:
         if not private and key in self._by_members:
             return self._by_members[key]
         _require_initialized(request.label)
-        if self.before_local_create is not None:
-            self.before_local_create(request.label, members, options)
-        sorted_members = key[0]
-        count = self._made.get(sorted_members, 0)
-        digest = hashlib.sha1(f"{','.join(map(str, sorted_members))}#{count}".encode()).hexdigest()
-        with _torch_group_name(f"hypergrid-{digest}", list(members)):
+        name = self._next_name(members)
+        _agree(request, options, name)
+        with _torch_group_name(name, list(members)):
             pg = _call_torch(
                 request.label,
                 members,
@@ -312,8 +308,14 @@ class GroupRegistry:
                     group_desc=options.group_desc,
                 ),
             )
-        self._made[sorted_members] = count + 1
+        self._made[tuple(sorted(members))] = self._made.get(tuple(sorted(members)), 0) + 1
         return self._record(pg, members, options, None, private)
+
+    def _next_name(self, members: tuple[int, ...]) -> str:
+        """The name of the next group with exactly these members: alike on every member."""
+        ordered = tuple(sorted(members))
+        count = self._made.get(ordered, 0)
+        return "hypergrid-" + hashlib.sha1(f"{','.join(map(str, ordered))}#{count}".encode()).hexdigest()
 
     def _collective(
         self, strategy: str, request: "GroupRequest", options: GroupOptions, private: bool
@@ -326,6 +328,10 @@ class GroupRegistry:
             entry = self._by_partition[key]
             return entry if entry.pg is not None else None
         _require_initialized(request.label)
+        if members is not None:
+            # Only this rank's own group meets here; the world-wide call comes after.
+            _agree(request, options, self._next_name(members))
+            self._made[tuple(sorted(members))] = self._made.get(tuple(sorted(members)), 0) + 1
         if strategy == "enumerate":
             enumeration = request.enumerate()
             pg, _ = _call_torch(
@@ -398,12 +404,24 @@ class GroupRequest:
     members: Optional[tuple[int, ...]]
     identity: Hashable
     enumerate: Callable[[], list[list[int]]] = field(compare=False)
+    #: What the members must agree on before waiting for each other (see hypergrid.agreement);
+    #: None skips the check.
+    agreement: Optional[Mapping[str, Any]] = field(default=None, compare=False)
 
     @classmethod
-    def from_layout(cls, layout: GridLayout, dims: Dims, rank: int, label: Optional[str] = None) -> "GroupRequest":
+    def from_layout(
+        cls,
+        layout: GridLayout,
+        dims: Dims,
+        rank: int,
+        label: Optional[str] = None,
+        agreement: Optional[Mapping[str, Any]] = None,
+    ) -> "GroupRequest":
         """The ``dims`` groups of ``layout`` as seen by global ``rank``: O(group size)."""
         members = tuple(layout.group_ranks(dims, rank)) if layout.contains(rank) else None
-        return cls(label or layout.key(dims), members, layout.partition(dims), lambda: layout.enumerate(dims))
+        return cls(
+            label or layout.key(dims), members, layout.partition(dims), lambda: layout.enumerate(dims), agreement
+        )
 
     @classmethod
     def from_rank_lists(cls, label: str, groups: list[list[int]], rank: int) -> "GroupRequest":
@@ -454,6 +472,13 @@ def _torch_group_name(name: str, ranks: list[int]) -> Iterator[None]:
         yield
     finally:
         c10d._process_group_name = original
+
+
+def _agree(request: GroupRequest, options: GroupOptions, name: str) -> None:
+    if request.agreement is None or request.members is None:
+        return
+    timeout = options.timeout if options.timeout is not None else default_pg_timeout
+    check_agreement(request.label, request.members, request.agreement, namespace=name, timeout=timeout)
 
 
 def _require_initialized(label: str) -> None:

@@ -1,0 +1,313 @@
+"""Agreement across ranks: a group's members check they asked for the same thing before waiting.
+
+torch's group constructors block until every member arrives. A member that built a different grid,
+asked for groups in another order, or died, leaves the others waiting for the full timeout (30
+minutes by default) with no hint of who or why. hypergrid checks first, through the job's store:
+
+* every member publishes what it asked for (grid shape, names, offset, views, the request and its
+  position in the grid's sequence) under the group's name;
+* the group's lowest rank, its *leader*, waits for all members' entries, compares them and posts
+  a verdict; the others wait only for the verdict. The leader's cost is O(group size), everyone
+  else's O(1): nothing grows with the world size.
+* every rank also keeps its *last state* (waiting on which request, done, failed) in the store.
+  A rank waiting on a member looks at that member's last state now and then: a member that
+  failed, or waits on a different request of the same grid, will never arrive, so the wait ends
+  at once with an error naming the member and the fields that differ, instead of at the timeout.
+
+Example (inside a job; ``grid.create_pg`` does this for you)::
+
+    >>> # check_agreement("tp", members=[0, 1], fields={"grid.shape": [2, 4]},
+    >>> #                 namespace="hypergrid/agree/abc", timeout=timedelta(seconds=30))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Mapping, Optional, Sequence
+
+import torch.distributed as dist
+
+from .errors import GridMismatchError, GroupTimeoutError
+
+__all__ = ["check_agreement", "agreement_possible", "describe_ranks"]
+
+logger = logging.getLogger("hypergrid.agreement")
+
+_PREFIX = "hypergrid/agree"
+# Fields that say "the same grid": a member whose last state matches these but not the rest has
+# diverged from us rather than being merely behind.
+_GRID_IDENTITY = ("grid.dim_names", "grid.rank_offset")
+_VERDICT_OK = "ok"
+
+
+def describe_ranks(ranks: Sequence[int], limit: int = 16) -> str:
+    """A rank list short enough for an error message.
+
+    Example::
+
+        >>> describe_ranks([0, 1, 2])
+        '[0, 1, 2]'
+        >>> describe_ranks(list(range(100)))
+        '100 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 99]'
+    """
+    ranks = list(ranks)
+    if len(ranks) <= limit:
+        return str(ranks)
+    head = ", ".join(str(r) for r in ranks[: limit // 2])
+    return f"{len(ranks)} ranks [{head}, ..., {ranks[-1]}]"
+
+
+def agreement_possible() -> bool:
+    """Whether this job has a store the members can meet in (not on the fake backend)."""
+    if not dist.is_initialized():
+        return False
+    if str(dist.get_backend()).lower() == "fake":
+        return False  # one simulated rank: there is nobody to agree with
+    return _store() is not None
+
+
+def _store() -> Optional[dist.Store]:
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _encode(value: Mapping[str, Any]) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def _decode(raw: bytes) -> dict[str, Any]:
+    return json.loads(raw.decode())
+
+
+def _differences(mine: Mapping[str, Any], payloads: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """field -> {value as JSON: ranks holding it}, for the fields on which not all ranks agree."""
+    fields = sorted(set(mine).union(*[set(p) for p in payloads.values()]))
+    out: dict[str, dict[str, list[int]]] = {}
+    for name in fields:
+        by_value: dict[str, list[int]] = {}
+        for rank, payload in sorted(payloads.items()):
+            by_value.setdefault(json.dumps(payload.get(name), default=str), []).append(rank)
+        if len(by_value) > 1:
+            out[name] = by_value
+    return out
+
+
+def _format_differences(diffs: Mapping[str, Mapping[str, list[int]]]) -> str:
+    parts = []
+    for name, by_value in diffs.items():
+        held = "; ".join(f"ranks {describe_ranks(r)} have {v}" for v, r in by_value.items())
+        parts.append(f"{name}: {held}")
+    return "\n  ".join(parts)
+
+
+class _Waiter:
+    """Polls the store for keys with a growing pause, diagnosing absent ranks now and then."""
+
+    def __init__(self, store: dist.Store, deadline: float) -> None:
+        self.store = store
+        self.deadline = deadline
+
+    def wait(self, keys: list[str], on_absent: "callable") -> bool:
+        pause = 0.005
+        next_diagnosis = time.monotonic() + 0.25
+        while True:
+            if self.store.check(keys):
+                return True
+            now = time.monotonic()
+            if now >= self.deadline:
+                return False
+            if now >= next_diagnosis:
+                on_absent()
+                next_diagnosis = now + 0.5
+            time.sleep(min(pause, max(0.0, self.deadline - now)))
+            pause = min(pause * 2, 0.1)
+
+
+def check_agreement(
+    label: str,
+    members: Sequence[int],
+    fields: Mapping[str, Any],
+    *,
+    namespace: str,
+    timeout: timedelta,
+) -> None:
+    """Return once every member of ``members`` published the same ``fields`` under ``namespace``.
+
+    ``namespace`` must be the same on every member and unique to this creation (hypergrid uses the
+    name it gives the group). Raises :class:`~hypergrid.errors.GridMismatchError` naming the ranks
+    and fields that differ, or :class:`~hypergrid.errors.GroupTimeoutError` naming the members
+    that did not arrive within ``timeout``; either on every member that is still alive.
+
+    Example::
+
+        >>> # in each of ranks 0..3, before creating their tp group:
+        >>> # check_agreement("tp", [0, 1], {"grid.shape": [2, 2]}, namespace="ns/1",
+        >>> #                 timeout=timedelta(seconds=10))
+    """
+    members = list(members)
+    if len(members) <= 1 or not agreement_possible():
+        return
+    store = _store()
+    assert store is not None  # agreement_possible() checked it
+    rank = dist.get_rank()
+    leader = min(members)
+    payload = dict(fields, **{"request.members": sorted(members)})
+    base = f"{_PREFIX}/{namespace}"
+    started = time.monotonic()
+    deadline = started + timeout.total_seconds()
+    _set_last(store, rank, "waiting", base, payload)
+    try:
+        store.set(f"{base}/{rank}", _encode(payload))
+        if rank == leader:
+            _lead(store, label, members, payload, base, deadline)
+        else:
+            _follow(store, label, members, payload, base, leader, deadline, timeout)
+    except (GridMismatchError, GroupTimeoutError) as exc:
+        _set_last(store, rank, "failed", base, payload, error=str(exc).splitlines()[0])
+        raise
+    _set_last(store, rank, "done", base, payload)
+    logger.debug("members of %s agree (%.1f ms)", label, (time.monotonic() - started) * 1e3)
+
+
+def _lead(
+    store: dist.Store, label: str, members: list[int], payload: dict, base: str, deadline: float
+) -> None:
+    keys = [f"{base}/{r}" for r in members]
+    waiter = _Waiter(store, deadline)
+
+    def absent() -> list[int]:
+        return [r for r, key in zip(members, keys) if not store.check([key])]
+
+    def diagnose() -> None:
+        _fail_fast_if_diverged(store, label, members, payload, absent(), base)
+
+    try:
+        if not waiter.wait(keys, diagnose):
+            missing = absent()
+            message = (
+                f"hypergrid: process group {label!r} (members {describe_ranks(members)}): ranks "
+                f"{describe_ranks(missing)} did not arrive within the timeout; "
+                f"{_last_states(store, missing, payload)}"
+            )
+            store.set(f"{base}/verdict", message)
+            raise GroupTimeoutError(message)
+        payloads = {r: _decode(raw) for r, raw in zip(members, store.multi_get(keys))}
+        diffs = _differences(payload, payloads)
+        if diffs:
+            message = (
+                f"hypergrid: ranks disagree on process group {label!r} (members "
+                f"{describe_ranks(members)}), so it was not created:\n  {_format_differences(diffs)}"
+            )
+            store.set(f"{base}/verdict", message)
+            raise GridMismatchError(message)
+    except (GridMismatchError, GroupTimeoutError) as exc:
+        # Tell the members now rather than letting them find out at their own timeout.
+        if not store.check([f"{base}/verdict"]):
+            store.set(f"{base}/verdict", str(exc))
+        raise
+    store.set(f"{base}/verdict", _VERDICT_OK)
+
+
+def _follow(
+    store: dist.Store,
+    label: str,
+    members: list[int],
+    payload: dict,
+    base: str,
+    leader: int,
+    deadline: float,
+    timeout: timedelta,
+) -> None:
+    # The leader reports absent members at the deadline; give it a moment past that to say so.
+    grace = max(2.0, 0.1 * timeout.total_seconds())
+    waiter = _Waiter(store, deadline + grace)
+    verdict_key = f"{base}/verdict"
+
+    def diagnose() -> None:
+        if not store.check([f"{base}/{leader}"]):
+            _fail_fast_if_diverged(store, label, members, payload, [leader], base)
+
+    if not waiter.wait([verdict_key], diagnose):
+        raise GroupTimeoutError(
+            f"hypergrid: process group {label!r} (members {describe_ranks(members)}): its leader, "
+            f"rank {leader}, did not answer within the timeout; {_last_states(store, [leader], payload)}"
+        )
+    verdict = store.get(verdict_key).decode()
+    if verdict == _VERDICT_OK:
+        return
+    if "did not arrive" in verdict:
+        raise GroupTimeoutError(verdict)
+    raise GridMismatchError(verdict)
+
+
+def _set_last(store: dist.Store, rank: int, state: str, base: str, payload: dict, error: str = "") -> None:
+    store.set(
+        f"{_PREFIX}/last/{rank}",
+        _encode({"state": state, "namespace": base, "error": error, "fields": payload}),
+    )
+
+
+def _read_last(store: dist.Store, rank: int) -> Optional[dict]:
+    key = f"{_PREFIX}/last/{rank}"
+    if not store.check([key]):
+        return None
+    return _decode(store.get(key))
+
+
+def _last_states(store: dist.Store, ranks: list[int], payload: dict) -> str:
+    """What the given ranks were last doing, for a timeout message."""
+    notes = []
+    for r in ranks[:8]:
+        last = _read_last(store, r)
+        if last is None:
+            notes.append(f"rank {r} never reached a hypergrid group creation")
+            continue
+        fields = last["fields"]
+        diffs = _differences(payload, {0: payload, 1: fields})
+        differing = ", ".join(sorted(diffs)) or "nothing"
+        notes.append(
+            f"rank {r} was last {last['state']} on {fields.get('request.key')!r} "
+            f"(request #{fields.get('request.index')}; differs from this rank's request in: {differing})"
+            + (f": {last['error']}" if last.get("error") else "")
+        )
+    if len(ranks) > 8:
+        notes.append(f"and {len(ranks) - 8} more")
+    return "; ".join(notes)
+
+
+def _fail_fast_if_diverged(
+    store: dist.Store, label: str, members: list[int], payload: dict, absent: list[int], base: str
+) -> None:
+    """Raise now if an absent member can never arrive: it failed, or went another way."""
+    for r in absent[:64]:  # a bounded look: diagnosing must not cost O(group size) each poll
+        last = _read_last(store, r)
+        if last is None or last["namespace"] == base:
+            continue
+        theirs = last["fields"]
+        same_grid = all(theirs.get(f) == payload.get(f) for f in _GRID_IDENTITY)
+        if last["state"] == "failed":
+            reason = f"it failed earlier: {last['error']}"
+        elif not same_grid:
+            continue  # busy with another grid: may simply be behind
+        elif theirs.get("grid.shape") != payload.get("grid.shape") or theirs.get("grid.views") != payload.get("grid.views"):
+            reason = "it built a different grid"
+        elif last["state"] == "waiting" and theirs.get("request.index") == payload.get("request.index"):
+            reason = "it is waiting on a different request at the same position"
+        elif (theirs.get("request.index") or 0) > (payload.get("request.index") or 0):
+            reason = "it has gone past this request without making it"
+        else:
+            continue  # an earlier request of the same grid: behind, not diverged
+        diffs = _differences(payload, {min(members): payload, r: theirs})
+        raise GridMismatchError(
+            f"hypergrid: process group {label!r} (members {describe_ranks(members)}) cannot be "
+            f"created: rank {r} will not join, {reason} (its request {theirs.get('request.key')!r}, "
+            f"#{theirs.get('request.index')}):\n  {_format_differences(diffs) or 'no field differs'}"
+        )
