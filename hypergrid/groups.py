@@ -148,6 +148,8 @@ class _Entry:
     collective_key: Optional[tuple]
     private: bool
     holders: set = field(default_factory=set)
+    #: Made outside hypergrid and adopted (see GroupRegistry.adopt): shared, never destroyed.
+    adopted: bool = False
 
 
 class GroupRegistry:
@@ -273,10 +275,46 @@ class GroupRegistry:
                 if entry.holders:
                     continue
                 self._forget(entry)
-                if entry.pg is not None:
+                if entry.pg is not None and not entry.adopted:
                     _destroy_quietly(entry.pg)
                     destroyed += 1
         return destroyed
+
+    def adopt(
+        self,
+        owner: Owner,
+        pg: dist.ProcessGroup,
+        *,
+        options: GroupOptions = GroupOptions(),
+        label: str = "adopted",
+    ) -> dist.ProcessGroup:
+        """Hold a process group made outside hypergrid, and share it by its members.
+
+        Afterwards a ``local`` request for the same members and options gets ``pg`` (the newest
+        adoption wins over an earlier group with those members; holders of that one keep it).
+        ``owner`` holds it like an acquired group, but :meth:`release` never destroys an adopted
+        group: it belongs to whoever made it. A group hypergrid made itself is only held again.
+
+        Example::
+
+            >>> # mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+            >>> # REGISTRY.adopt("my-grid", mesh.get_group("tp"))
+            >>> # REGISTRY.acquire("other", GridLayout((4, 2), ("tp", "dp")), "tp", rank=r)  # that group
+        """
+        if not isinstance(pg, dist.ProcessGroup):
+            raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__} {pg!r}")
+        if not isinstance(options, GroupOptions):
+            raise TypeError(f"options must be a GroupOptions, got {type(options).__name__}")
+        members = tuple(dist.get_process_group_ranks(pg))
+        with self._lock:
+            self._follow_world()
+            entry = next((e for e in self._entries if e.pg is pg), None)
+            if entry is None:
+                entry = _Entry(pg, members, options.identity, None, False, adopted=True)
+                self._entries.append(entry)
+                self._by_members[(tuple(sorted(members)), options.identity)] = entry
+            entry.holders.add((owner, label))
+            return pg
 
     def _forget(self, entry: _Entry) -> None:
         self._entries.remove(entry)
