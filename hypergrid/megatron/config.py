@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-__all__ = ["ParallelConfigError", "MegatronConfig", "MEGATRON_KEYWORDS", "PARALLEL_TOKENS"]
+__all__ = ["ParallelConfigError", "UnknownOrderNameError", "MegatronConfig", "MEGATRON_KEYWORDS", "PARALLEL_TOKENS"]
 
 #: The parallelism names Megatron-Core's ``order`` string is made of.
 PARALLEL_TOKENS = ("tp", "cp", "ep", "dp", "pp")
@@ -40,6 +40,14 @@ class ParallelConfigError(ValueError, RuntimeError, AssertionError):
     ``AssertionError``, the types Megatron-Core raises for the same mistakes, so ``except``
     clauses written against Megatron-Core keep catching it.
     """
+
+
+class UnknownOrderNameError(ParallelConfigError, KeyError):
+    """``order`` names a parallelism Megatron-Core does not know (it raises ``KeyError`` there)."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its message; this one is a sentence.
+        return str(self.args[0]) if self.args else ""
 
 
 def _check_int(name: str, value: object, minimum: int = 1) -> None:
@@ -356,7 +364,7 @@ class MegatronConfig:
         tokens = self.order.lower().split("-")
         unknown = [t for t in tokens if t not in PARALLEL_TOKENS]
         if unknown:
-            raise ParallelConfigError(
+            raise UnknownOrderNameError(
                 f"order {self.order!r} has unknown parallelism name(s) {unknown}; expected names "
                 f"from {list(PARALLEL_TOKENS)} joined by '-', e.g. 'tp-cp-ep-dp-pp'"
             )
