@@ -171,7 +171,9 @@ def check_agreement(
         else:
             _follow(store, label, members, payload, base, leader, deadline, timeout)
     except (GridMismatchError, GroupTimeoutError) as exc:
-        _set_last(store, rank, "failed", base, payload, error=str(exc).splitlines()[0])
+        # Others who wait on this rank report the original cause, not a chain of "failed earlier".
+        root = getattr(exc, "root_cause", None) or _one_line(str(exc))
+        _set_last(store, rank, "failed", base, payload, error=root)
         raise
     _set_last(store, rank, "done", base, payload)
     logger.debug("members of %s agree (%.1f ms)", label, (time.monotonic() - started) * 1e3)
@@ -248,6 +250,11 @@ def _follow(
     raise GridMismatchError(verdict)
 
 
+def _one_line(message: str, limit: int = 400) -> str:
+    text = "; ".join(part.strip() for part in message.splitlines() if part.strip()).replace(":;", ":")
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _set_last(store: dist.Store, rank: int, state: str, base: str, payload: dict, error: str = "") -> None:
     store.set(
         f"{_PREFIX}/last/{rank}",
@@ -294,7 +301,7 @@ def _fail_fast_if_diverged(
         theirs = last["fields"]
         same_grid = all(theirs.get(f) == payload.get(f) for f in _GRID_IDENTITY)
         if last["state"] == "failed":
-            reason = f"it failed earlier: {last['error']}"
+            reason = f"it failed earlier (root cause: {last['error']})"
         elif not same_grid:
             continue  # busy with another grid: may simply be behind
         elif theirs.get("grid.shape") != payload.get("grid.shape") or theirs.get("grid.views") != payload.get("grid.views"):
@@ -305,9 +312,12 @@ def _fail_fast_if_diverged(
             reason = "it has gone past this request without making it"
         else:
             continue  # an earlier request of the same grid: behind, not diverged
-        diffs = _differences(payload, {min(members): payload, r: theirs})
-        raise GridMismatchError(
+        diffs = _differences(payload, {dist.get_rank(): payload, r: theirs})
+        error = GridMismatchError(
             f"hypergrid: process group {label!r} (members {describe_ranks(members)}) cannot be "
-            f"created: rank {r} will not join, {reason} (its request {theirs.get('request.key')!r}, "
-            f"#{theirs.get('request.index')}):\n  {_format_differences(diffs) or 'no field differs'}"
+            f"created: rank {r} will not join, {reason}; its last request was "
+            f"{theirs.get('request.key')!r} (#{theirs.get('request.index')}):\n  "
+            f"{_format_differences(diffs) or 'no field differs'}"
         )
+        error.root_cause = last["error"] if last["state"] == "failed" else _one_line(str(error))  # type: ignore[attr-defined]
+        raise error

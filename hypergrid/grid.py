@@ -13,13 +13,16 @@ import logging
 import os
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch.distributed as dist
 
 from .errors import GridDestroyedError, GridTooLargeError
-from .groups import REGISTRY, STRATEGIES, GroupOptions
+from .groups import REGISTRY, STRATEGIES, GroupOptions, GroupRequest
 from .layout import Dims, GridLayout
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["HyperCommGrid", "resolve_world_size"]
 
@@ -124,6 +127,8 @@ class HyperCommGrid:
         check_agreement: bool = True,
     ) -> None:
         layout = GridLayout(shape, dim_names, rank_offset)  # type: ignore[arg-type]
+        if not isinstance(strategy, str):
+            raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}, got {type(strategy).__name__} {strategy!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if not isinstance(check_agreement, bool):
@@ -149,6 +154,7 @@ class HyperCommGrid:
         self.backend: Optional[str] = backend
         self.size: int = layout.size
         self._pgs: dict[str, Optional[dist.ProcessGroup]] = {}
+        self._requests = 0  # create_pg calls that reached the registry: a position all ranks share
         self._view_pgs: dict[str, dict[str, Optional[dist.ProcessGroup]]] = {}
 
     # ------------------------------------------------------------------ facts
@@ -230,16 +236,16 @@ class HyperCommGrid:
             pg_options=kwargs.get("pg_options"),
             group_desc=kwargs.get("group_desc"),
         )
-        pg = REGISTRY.acquire(
-            self._id,
+        index = self._requests
+        self._requests += 1
+        request = GroupRequest.from_layout(
             layout,
             dims,
-            rank=self._current_rank(),
-            strategy=self._strategy,
-            options=options,
-            private=private,
-            label=label,
+            self._current_rank(),
+            label,
+            self._agreement_fields(label, view, index, options, private) if self._check_agreement else None,
         )
+        pg = REGISTRY.acquire_request(self._id, request, strategy=self._strategy, options=options, private=private)
         table[key] = pg
         logger.debug("grid %d created %s: this rank's group is %s", self._id, label, pg)
         return pg
@@ -356,10 +362,17 @@ class HyperCommGrid:
             [0, 1, 2, 3]
         """
         self._check_alive()
-        if not isinstance(name, str) or not name:
-            raise TypeError(f"view name must be a non-empty str, got {name!r}")
+        if not isinstance(name, str):
+            raise TypeError(f"view name must be a str, got {type(name).__name__} {name!r}")
+        if not name:
+            raise ValueError(f"view name must be a non-empty str, got {name!r}")
         if name in self._views:
             raise KeyError(f"view {name!r} is already registered on this grid")
+        if shared_dims is not None and not isinstance(shared_dims, (str, list, tuple)):
+            raise TypeError(
+                f"shared_dims must be a dim name, a list of dim names or None, got "
+                f"{type(shared_dims).__name__} {shared_dims!r}"
+            )
         shared = [] if shared_dims is None else ([shared_dims] if isinstance(shared_dims, str) else list(shared_dims))
         layout = GridLayout(shape, dim_names, self.rank_offset)  # type: ignore[arg-type]
         self._layout.check_view(layout, shared)
@@ -384,7 +397,83 @@ class HyperCommGrid:
         self._pgs.clear()
         self._view_pgs.clear()
 
+    def device_mesh(
+        self,
+        dims: Optional[Dims] = None,
+        *,
+        view: Optional[str] = None,
+        device_type: Optional[str] = None,
+        flatten: Any = None,
+    ) -> "DeviceMesh":
+        """A torch DeviceMesh over this grid's own groups (see :func:`hypergrid.mesh.device_mesh`).
+
+        Mesh dims are the reversed ``dim_names`` (slowest first); multi-dim groups of the grid
+        are its flattened dims (``mesh["dp_cp"]``). No process group is created beyond the
+        grid's own.
+
+        Example::
+
+            >>> # mesh = grid.device_mesh(device_type="cuda")   # grid dims ["tp", "cp", "dp"]
+            >>> # mesh.mesh_dim_names  -> ('dp', 'cp', 'tp'); mesh.get_group("tp") is grid.get_pg("tp")
+        """
+        from .mesh import device_mesh  # the mesh layer sits above the grid: imported on use
+
+        return device_mesh(self, dims, view=view, device_type=device_type, flatten=flatten)
+
+    @classmethod
+    def from_device_mesh(cls, mesh: "DeviceMesh", *, backend: Optional[str] = None) -> "HyperCommGrid":
+        """A grid adopting an existing DeviceMesh's groups (see :func:`hypergrid.mesh.grid_from_device_mesh`).
+
+        Example::
+
+            >>> # grid = HyperCommGrid.from_device_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
+            >>> # grid.dim_names -> ['tp', 'dp']; grid.get_pg("tp") is the mesh's tp group
+        """
+        from .mesh import grid_from_device_mesh
+
+        return grid_from_device_mesh(mesh, backend=backend, grid_type=cls)
+
+    @classmethod
+    def from_process_groups(
+        cls, groups: Sequence[dist.ProcessGroup], mesh_dim_names: Sequence[str], *, backend: Optional[str] = None
+    ) -> "HyperCommGrid":
+        """A grid adopting existing groups, slowest dim first (see :func:`hypergrid.mesh.grid_from_process_groups`).
+
+        Example::
+
+            >>> # grid = HyperCommGrid.from_process_groups([dp_pg, tp_pg], ["dp", "tp"])
+            >>> # grid.get_pg("dp") is dp_pg
+        """
+        from .mesh import grid_from_process_groups
+
+        return grid_from_process_groups(groups, mesh_dim_names, backend=backend, grid_type=cls)
+
     # ------------------------------------------------------------------ helpers
+    def _agreement_fields(
+        self, label: str, view: Optional[str], index: int, options: GroupOptions, private: bool
+    ) -> dict[str, Any]:
+        """What every member of a group must have asked for alike (see hypergrid.agreement)."""
+        return {
+            "grid.shape": self.shape,
+            "grid.dim_names": self.dim_names,
+            "grid.rank_offset": self.rank_offset,
+            "grid.strategy": self._strategy,
+            "grid.views": {
+                name: [list(layout.shape), list(layout.dim_names), sorted(shared)]
+                for name, (layout, shared) in sorted(self._views.items())
+            },
+            "request.key": label,
+            "request.view": view,
+            "request.index": index,
+            "request.private": private,
+            # pg_options objects only by type: their contents cannot be compared across processes.
+            "request.options": [
+                options.backend,
+                None if options.timeout is None else options.timeout.total_seconds(),
+                type(options.pg_options).__name__,
+            ],
+        }
+
     def _check_alive(self) -> None:
         if self._destroyed:
             raise GridDestroyedError(f"{self!r} was destroyed; build a new grid to create or get groups")
@@ -392,6 +481,8 @@ class HyperCommGrid:
     def _layout_of(self, view: Optional[str]) -> GridLayout:
         if view is None:
             return self._layout
+        if not isinstance(view, str):
+            raise TypeError(f"view must be a view name (str) or None, got {type(view).__name__} {view!r}")
         if view not in self._views:
             raise KeyError(f"unknown view {view!r}; registered views: {sorted(self._views)}")
         return self._views[view][0]

@@ -1,0 +1,152 @@
+"""Ranks that disagree, or never arrive, end in a clear error on every surviving rank: no hang.
+
+Each job gives its grid a short timeout (``TIMEOUT_S``); the harness's job timeout is only the
+guard against a hang. Each rank returns what it raised and after how long, and the tests check
+the error types and that the messages name the ranks and fields at fault.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_gloo
+
+TIMEOUT_S = 4.0
+REQUESTS = ["tp", "dp", ["tp", "dp"]]
+
+
+def _create_all(grid, requests) -> None:
+    for dims in requests:
+        pg = grid.create_pg(dims)
+        value = torch.ones(1)
+        dist.all_reduce(value, group=pg)
+
+
+def _outcome(fn):
+    """Run fn(); return ("ok", seconds) or (exception type name, message, seconds)."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # the test inspects the type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", "", time.monotonic() - start)
+
+
+def _job_agree(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
+    return _outcome(lambda: _create_all(grid, REQUESTS))
+
+
+def _job_shape(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    shape = [4, 1] if rank == 3 else [2, 2]
+    grid = HyperCommGrid(shape, ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
+    return _outcome(lambda: _create_all(grid, REQUESTS))
+
+
+def _job_order(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
+    order = ["dp", "tp", ["tp", "dp"]] if rank == 2 else REQUESTS
+    return _outcome(lambda: _create_all(grid, order))
+
+
+def _job_killed(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
+
+    def run() -> None:
+        _create_all(grid, ["tp"])
+        if rank == 3:
+            os._exit(17)  # dies in the middle of the job's group creation
+        _create_all(grid, ["dp", ["tp", "dp"]])
+
+    return _outcome(run)
+
+
+def _job_unchecked_shape(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    shape = [4, 1] if rank == 3 else [2, 2]
+    grid = HyperCommGrid(shape, ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S), check_agreement=False)
+    return _outcome(lambda: _create_all(grid, ["tp"]))
+
+
+def _results(job) -> list:
+    return run_gloo(job, 4, timeout=90, pg_timeout_s=TIMEOUT_S, expect_failure=True)
+
+
+def test_agreeing_ranks_create_every_group():
+    results = _results(_job_agree)
+    assert [r[0] for r in results] == ["ok"] * 4
+    assert [r[1][0] for r in results] == ["ok"] * 4
+
+
+def test_one_rank_with_another_shape_fails_everywhere_naming_the_shape():
+    results = _results(_job_shape)
+    assert [status for status, _ in results] == ["ok"] * 4, results  # nobody died or hung
+    outcomes = [value for _, value in results]
+    for rank, (kind, message, _) in enumerate(outcomes):
+        assert kind in ("GridMismatchError", "GroupTimeoutError"), (rank, kind, message)
+        assert "rank" in message
+    # the ranks that met rank 3 say which field differs and who holds what
+    shape_reports = [m for _, m, _ in outcomes if "grid.shape" in m]
+    assert shape_reports, outcomes
+    assert any("[4, 1]" in m and "[2, 2]" in m for m in shape_reports), shape_reports
+    assert outcomes[3][0] == "GridMismatchError", outcomes[3]
+
+
+def test_one_rank_requesting_in_another_order_fails_everywhere():
+    results = _results(_job_order)
+    assert [status for status, _ in results] == ["ok"] * 4, results
+    outcomes = [value for _, value in results]
+    for rank, (kind, message, _) in enumerate(outcomes):
+        assert kind in ("GridMismatchError", "GroupTimeoutError"), (rank, kind, message)
+    # somebody names the position in the sequence, and rank 2 is named as the odd one out
+    assert any("request.index" in m or "request.key" in m for _, m, _ in outcomes), outcomes
+    assert any("rank 2" in m or "ranks [2]" in m for _, m, _ in outcomes), outcomes
+
+
+def test_a_rank_killed_during_creation_is_named_by_every_survivor():
+    results = _results(_job_killed)
+    assert results[3] == ("dead", 17), results[3]
+    for rank in range(3):
+        status, (kind, message, _) = results[rank]
+        assert status == "ok", results[rank]
+        assert kind in ("GroupTimeoutError", "GridMismatchError"), (rank, kind, message)
+        assert "3" in message, message
+    # those waiting on rank 3 itself report it as absent, with what it last did
+    absent = [m for _, (_, m, _) in results[:3] if "did not arrive" in m or "did not answer" in m]
+    assert absent and all("rank 3" in m or "[3]" in m for m in absent), absent
+
+
+def test_without_agreement_the_error_still_names_the_group():
+    results = _results(_job_unchecked_shape)
+    assert [status for status, _ in results] == ["ok"] * 4, results
+    failed = [value for _, value in results if value[0] != "ok"]
+    assert failed, results
+    for kind, message, _ in failed:
+        assert kind == "GroupCreationError", (kind, message)
+        assert "'tp'" in message and "members" in message
+
+
+if __name__ == "__main__":  # prints the failure timings quoted in the project notes
+    for job in (_job_shape, _job_order, _job_killed, _job_unchecked_shape):
+        print(job.__name__)
+        for rank, result in enumerate(_results(job)):
+            if result[0] == "ok":
+                kind, message, seconds = result[1]
+                print(f"  rank {rank}: {kind} after {seconds:.2f}s: {message[:400]!r}")
+            else:
+                print(f"  rank {rank}: {result[0]} {result[1] if result[0] == 'dead' else ''}")
