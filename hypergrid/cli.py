@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -181,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- plan
-def _short(members: Sequence[int]) -> str:
+def _short(members: Optional[Sequence[int]]) -> str:
+    if members is None:
+        return "- (in no group of this kind)"
     if len(members) <= _MAX_MEMBERS_SHOWN:
         return "[" + ", ".join(map(str, members)) + "]"
     head = ", ".join(map(str, members[:_MAX_MEMBERS_SHOWN - 2]))
@@ -224,7 +227,8 @@ def _plan_table(plan, data: dict) -> str:
             "CROSSES NODES" if k["intra_node_groups"] == 0 else f"CROSSES NODES ({k['intra_node_groups']} inside)"
         )
         rows.append([
-            k["name"], key, str(k["count"]), str(k["size"]), str(k["max_nodes_per_group"]),
+            k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
+            str(k["max_nodes_per_group"]),
             placement, k["megatron_name"] or "",
         ])
     out.append(_table(rows, right={2, 3, 4}))
@@ -260,7 +264,8 @@ def _plan_csv(data: dict) -> str:
         row = [k["name"], k["key"], k["view"] or "", k["megatron_name"] or "", k["count"], k["size"],
                k["max_nodes_per_group"], k["intra_node_groups"], str(k["crosses_nodes"]).lower()]
         if rank is not None:
-            row.append(" ".join(map(str, rank["groups"][k["name"]])))
+            members = rank["groups"][k["name"]]
+            row.append("" if members is None else " ".join(map(str, members)))
         writer.writerow(row)
     return buf.getvalue().rstrip("\n")
 
@@ -275,6 +280,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if colour is None:
         names = [k.name for k in plan.kinds]
         colour = "tp" if "tp" in names else names[0]
+    if args.colour is not None and plan.kind(colour).derive is not None:
+        raise UsageError(f"--colour {colour}: pictures colour grid groups; {colour!r} is derived from them")
     plan.kind(colour)  # an unknown kind fails before any work, naming the known ones
     data = plan.as_dict(args.gpus_per_node, rank=args.rank)
     if args.format == "json":
@@ -304,6 +311,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
         f"{result.compared_rank_generator} RankGenerator.get_ranks) for {plan.world_size} ranks "
         f"in {elapsed:.2f}s"
     )
+    if result.not_compared:
+        print(f"not compared (megatron-core computes them only inside initialize_model_parallel): "
+              f"{', '.join(result.not_compared)}")
     for line in result.differences:
         print(f"DIFFERENCE {line}")
     print("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
@@ -324,7 +334,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
                 f"--world-size {args.world_size} differs from WORLD_SIZE={os.environ.get('WORLD_SIZE')} "
                 f"set by the launcher; leave --world-size out under torchrun"
             )
-        report = demo.run_rank(config)
+        config.check(int(os.environ["WORLD_SIZE"]))
+        try:
+            report = demo.run_rank(config)
+        except Exception:  # a failed rank: the whole traceback, for the launcher to show
+            traceback.print_exc()
+            return EXIT_FAILED
         if report is not None:  # rank 0
             print(demo.format_report(report))
             return EXIT_OK if report.ok else EXIT_FAILED

@@ -4,7 +4,10 @@ For every layout of a :class:`~hypergrid.report.Plan` (the grid and each view) a
 non-empty subset of its dims, the enumeration hypergrid computes is compared, list for list and
 rank for rank, with Megatron-Core's ``HyperCommGrid.get_rank_enum`` over the same shape; and for
 every kind made from Megatron sizes, with ``RankGenerator.get_ranks`` of its token, built as
-``initialize_model_parallel`` builds it. Megatron-Core is imported here only, when called.
+``initialize_model_parallel`` builds it (embedding groups: Megatron-Core's default callbacks over
+its pipeline groups). Kinds that Megatron-Core cuts from groups inside
+``initialize_model_parallel`` only (distributed-optimizer instances, hierarchical levels) have no
+public Megatron-Core function to compare with; they are listed in ``not_compared``. Megatron-Core is imported here only, when called.
 
 Example::
 
@@ -47,6 +50,7 @@ class ParityResult:
     compared_hyper_comm_grid: int = 0
     compared_rank_generator: int = 0
     differences: list[str] = field(default_factory=list)
+    not_compared: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -127,9 +131,20 @@ def compare_with_megatron(plan: Plan) -> ParityResult:
             "expert": RankGenerator(tp=m["etp"], ep=m["ep"], dp=m["edp"], pp=m["pp"], cp=1, order=m["order"]),
         }
         for kind in plan.kinds:
-            if kind.megatron_token is None:
+            generator = generators[kind.view]
+            if kind.derive is None:
+                # The layouts' dims are RankGenerator's tokens (the expert view's tp is expert tp).
+                theirs = generator.get_ranks("-".join(kind.dims))
+            elif kind.derive in ("embd", "pos_embd"):
+                # Megatron-Core's own default callbacks over its own pipeline groups.
+                from megatron.core import parallel_state
+
+                callback = (parallel_state.default_embedding_ranks if kind.derive == "embd"
+                            else parallel_state.default_position_embedding_ranks)
+                theirs = [callback(ranks) for ranks in generator.get_ranks("pp")]
+            else:
+                result.not_compared.append(kind.name)
                 continue
-            theirs = generators[kind.view].get_ranks(kind.megatron_token)
             result._record(f"{kind.name} ({kind.megatron_name})", "RankGenerator", kind.enumerate(), theirs)
     logger.info("compared %d enumerations, %d differences", result.compared, len(result.differences))
     return result

@@ -12,7 +12,7 @@ Example::
 
     >>> plan = plan_megatron(world_size=16, tp=2, pp=2, ep=2)
     >>> [kind.name for kind in plan.kinds][:4]
-    ['tp', 'cp', 'dp', 'pp']
+    ['dp_cp', 'dp', 'cp', 'mp']
     >>> summary = plan.summary("tp", gpus_per_node=8)
     >>> summary.count, summary.size, summary.crosses_nodes
     (8, 2, False)
@@ -36,47 +36,19 @@ __all__ = [
     "Plan",
     "plan_grid",
     "plan_megatron",
-    "MEGATRON_DENSE_KINDS",
-    "MEGATRON_EXPERT_KINDS",
 ]
 
 logger = logging.getLogger("hypergrid.report")
-
-#: Megatron-Core's dense groups: (kind name = RankGenerator token, parallel_state group name).
-MEGATRON_DENSE_KINDS: tuple[tuple[str, str], ...] = (
-    ("tp", "TENSOR_MODEL_PARALLEL_GROUP"),
-    ("cp", "CONTEXT_PARALLEL_GROUP"),
-    ("dp", "DATA_PARALLEL_GROUP"),
-    ("pp", "PIPELINE_MODEL_PARALLEL_GROUP"),
-    ("dp-cp", "DATA_PARALLEL_GROUP_WITH_CP"),
-    ("tp-cp", "TENSOR_AND_CONTEXT_PARALLEL_GROUP"),
-    ("tp-pp", "MODEL_PARALLEL_GROUP"),
-    ("tp-dp", "TENSOR_AND_DATA_PARALLEL_GROUP"),
-    ("tp-dp-cp", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP"),
-)
-
-#: Megatron-Core's expert groups: (kind name, RankGenerator token, parallel_state group name).
-#: Kind names carry an ``e`` prefix so that one name space holds both grids.
-MEGATRON_EXPERT_KINDS: tuple[tuple[str, str, str], ...] = (
-    ("ep", "ep", "EXPERT_MODEL_PARALLEL_GROUP"),
-    ("etp", "tp", "EXPERT_TENSOR_PARALLEL_GROUP"),
-    ("etp-ep", "tp-ep", "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP"),
-    ("etp-ep-pp", "tp-ep-pp", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP"),
-    ("edp", "dp", "EXPERT_DATA_PARALLEL_GROUP"),
-)
-
-# Expert-view dim names for Megatron's expert RankGenerator dims (its tp is the expert tp).
-_EXPERT_DIM = {"tp": "etp", "ep": "ep", "dp": "edp", "pp": "pp"}
-
 
 @dataclass(frozen=True)
 class GroupKind:
     """One kind of group: the groups over ``dims`` of ``layout`` (the grid or a view).
 
     ``name`` is what the command line and pictures call it; ``megatron_name`` the matching
-    ``parallel_state`` group (None for a free grid); ``megatron_token`` the token that
-    Megatron-Core's ``RankGenerator.get_ranks`` takes for it; ``view`` the name of the view
-    (None for the grid itself).
+    ``parallel_state`` global (None for a free grid); ``view`` the name of the view (None for the
+    grid itself). A kind from a Megatron plan whose groups are cut from grid groups rather than
+    being grid groups (``derive``: embedding groups, optimizer instances) asks ``source``, the
+    :class:`~hypergrid.megatron.plan.MegatronPlan`, for its members.
 
     Example::
 
@@ -90,30 +62,40 @@ class GroupKind:
     dims: tuple[str, ...]
     view: Optional[str] = None
     megatron_name: Optional[str] = None
-    megatron_token: Optional[str] = None
+    derive: Optional[str] = None
+    source: Any = field(default=None, compare=False, repr=False)
 
     @property
     def key(self) -> str:
-        """hypergrid's group key of ``dims`` (reversed ``dim_names`` order)."""
-        return self.layout.key(list(self.dims))
+        """hypergrid's group key of ``dims`` (reversed ``dim_names`` order); derived kinds add it."""
+        key = self.layout.key(list(self.dims))
+        return key if self.derive is None else f"{self.derive}({key})"
 
     @property
     def count(self) -> int:
         """How many groups of this kind the layout has."""
-        return self.layout.num_groups(list(self.dims))
+        if self.derive is None:
+            return self.layout.num_groups(list(self.dims))
+        return len(self.enumerate())
 
     @property
-    def size(self) -> int:
-        """Ranks in each group."""
-        return self.layout.group_size(list(self.dims))
+    def size(self) -> Optional[int]:
+        """Ranks in each group; None where groups of this kind differ in size."""
+        if self.derive is None:
+            return self.layout.group_size(list(self.dims))
+        return self.source.group_size(self.name)
 
-    def members(self, rank: int) -> list[int]:
-        """The group of this kind holding global ``rank``; O(group size)."""
-        return self.layout.group_ranks(list(self.dims), rank)
+    def members(self, rank: int) -> Optional[list[int]]:
+        """The group of this kind holding global ``rank`` (None: in none); O(group size)."""
+        if self.derive is None:
+            return self.layout.group_ranks(list(self.dims), rank)
+        return self.source.rank_group(self.name, rank)
 
     def enumerate(self) -> list[list[int]]:
         """Every group of this kind, in Megatron-Core's order; O(size)."""
-        return self.layout.enumerate(list(self.dims))
+        if self.derive is None:
+            return self.layout.enumerate(list(self.dims))
+        return self.source.enumerate(self.name)
 
 
 @dataclass(frozen=True)
@@ -136,7 +118,7 @@ class KindSummary:
     view: Optional[str]
     megatron_name: Optional[str]
     count: int
-    size: int
+    size: Optional[int]
     max_nodes: int
     intra_node_groups: int
 
@@ -178,6 +160,7 @@ class Plan:
     kinds: list[GroupKind]
     views: dict[str, GridLayout] = field(default_factory=dict)
     megatron: Optional[dict[str, Any]] = None
+    source: Any = field(default=None, repr=False)
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
@@ -215,6 +198,8 @@ class Plan:
         max_nodes = 0
         intra = 0
         for group in kind.enumerate():
+            if not group:
+                continue
             nodes = len({rank // gpus_per_node for rank in group})
             max_nodes = max(max_nodes, nodes)
             intra += nodes == 1
@@ -306,12 +291,15 @@ def plan_megatron(
     ep: int = 1,
     etp: Optional[int] = None,
     order: str = "tp-cp-ep-dp-pp",
+    **megatron_kwargs: Any,
 ) -> Plan:
     """The groups Megatron-Core's ``initialize_model_parallel`` builds for these sizes.
 
-    The dense grid has the dims of ``order`` except ``ep`` (size 1 there), dp taking what is
-    left; the expert view has Megatron-Core's expert dims ``etp, ep, edp, pp`` in ``order``'s
-    order with cp dropped, ``edp = world_size / (etp * ep * pp)``. Raises ValueError naming the
+    The groups come from :func:`hypergrid.megatron.plan.plan_model_parallel` (pure rank algebra,
+    no megatron import); ``megatron_kwargs`` are further keywords of Megatron-Core's function.
+    The grid is the dense layout of ``order``; the ``"expert"`` view the layout Megatron-Core's
+    expert ``RankGenerator`` uses (dims ``tp, ep, dp, pp``: expert tp and expert dp). Gloo
+    duplicates of groups (same members, gloo backend) are left out. Raises ValueError naming the
     size that does not divide the world or the dim missing from ``order``.
 
     Example::
@@ -319,58 +307,32 @@ def plan_megatron(
         >>> plan = plan_megatron(world_size=1024, tp=8, pp=4, ep=16, etp=1)
         >>> plan.layout.shape, plan.views["expert"].shape
         ((8, 1, 32, 4), (1, 16, 16, 4))
-        >>> plan.kind("edp").size
-        16
+        >>> plan.kind("expt_dp").size, plan.kind("embd").members(500)
+        (16, None)
     """
-    world = _parse_positive("world_size", world_size)
-    sizes = {"tp": tp, "pp": pp, "cp": cp, "ep": ep}
-    for name, value in sizes.items():
-        _parse_positive(f"--{name}", value)
-    etp = tp if etp is None else _parse_positive("--etp", etp)
-    if not isinstance(order, str):
-        raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {order!r}")
-    tokens = order.lower().split("-")
-    known = ("tp", "cp", "ep", "dp", "pp")
-    for token in tokens:
-        if token not in known:
-            raise ValueError(f"unknown dim {token!r} in order {order!r}; expected dims from {list(known)}")
-    if len(set(tokens)) != len(tokens):
-        raise ValueError(f"order {order!r} names a dim twice")
-    for name in known:
-        if name not in tokens:
-            if name != "dp" and sizes[name] != 1:
-                raise ValueError(f"order {order!r} has no {name!r} but --{name} is {sizes[name]}")
-            tokens.append(name)  # what RankGenerator does with a missing size-1 dim
-    model = tp * pp * cp
-    if world % model:
-        raise ValueError(
-            f"world size {world} is not divisible by tp*pp*cp = {tp}*{pp}*{cp} = {model}"
-        )
-    dp = world // model
-    expert_model = etp * ep * pp
-    if world % expert_model:
-        raise ValueError(
-            f"world size {world} is not divisible by etp*ep*pp = {etp}*{ep}*{pp} = {expert_model}"
-        )
-    edp = world // expert_model
-    dense_sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
-    dense_names = [t for t in tokens if t != "ep"]
-    dense = GridLayout(tuple(dense_sizes[n] for n in dense_names), tuple(dense_names))
-    expert_sizes = {"tp": etp, "ep": ep, "dp": edp, "pp": pp}
-    expert_tokens = [t for t in tokens if t != "cp"]
-    expert = GridLayout(
-        tuple(expert_sizes[t] for t in expert_tokens), tuple(_EXPERT_DIM[t] for t in expert_tokens)
+    from .megatron.plan import plan_model_parallel
+
+    megatron_kwargs.setdefault("create_gloo_process_groups", False)
+    mplan = plan_model_parallel(
+        world_size,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
+        expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, order=order, **megatron_kwargs,
     )
+    views = {"expert": mplan.expert}
     kinds = [
-        GroupKind(name, dense, tuple(name.split("-")), None, group, name)
-        for name, group in MEGATRON_DENSE_KINDS
+        GroupKind(
+            spec.name, mplan.layout(spec.layout), tuple(spec.dims),
+            None if spec.layout == "dense" else spec.layout, spec.megatron_global.lstrip("_") or None,
+            spec.derive, mplan,
+        )
+        for spec in mplan.specs
     ]
-    kinds += [
-        GroupKind(name, expert, tuple(_EXPERT_DIM[t] for t in token.split("-")), "expert", group, token)
-        for name, token, group in MEGATRON_EXPERT_KINDS
-    ]
+    sizes = mplan.config.sizes()
     megatron = {
-        "tp": tp, "pp": pp, "cp": cp, "ep": ep, "etp": etp, "dp": dp, "edp": edp, "order": "-".join(tokens),
+        "tp": sizes["tensor_model_parallel_size"], "pp": sizes["pipeline_model_parallel_size"],
+        "cp": sizes["context_parallel_size"], "ep": sizes["expert_model_parallel_size"],
+        "etp": sizes["expert_tensor_parallel_size"], "dp": sizes["data_parallel_size"],
+        "edp": sizes["expert_data_parallel_size"], "order": sizes["order"],
     }
-    logger.debug("megatron plan %s: dense %s, expert %s", megatron, dense, expert)
-    return Plan(world, dense, kinds, {"expert": expert}, megatron)
+    logger.debug("megatron plan %s: dense %s, expert %s", megatron, mplan.dense, mplan.expert)
+    return Plan(mplan.config.world_size, mplan.dense, kinds, views, megatron, source=mplan)

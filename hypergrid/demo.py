@@ -1,0 +1,445 @@
+"""The demo: real process groups from one grid, each verified with a collective.
+
+Two ways to run, one code path per rank:
+
+* :func:`launch` starts ``world_size`` local processes (``python -m hypergrid demo --worker``)
+  with the environment torchrun would give them, on a free loopback port, and waits for them
+  with a deadline; on failure or timeout it kills every one it started.
+* :func:`run_rank` is what each rank does, under :func:`launch` or under ``torchrun``: join a
+  gloo world, build the grid of a Megatron layout (dense dims plus the expert view), create every
+  group kind, the Megatron-Core ``parallel_state`` groups through :mod:`hypergrid.megatron` and a
+  DeviceMesh through ``grid.device_mesh`` where those adapters are installed, and verify each
+  group with an ``all_reduce`` of one-hot member ids that must equal ``grid.ranks()``. Rank 0
+  gathers every rank's results and returns a :class:`DemoReport`; :func:`format_report` renders it.
+
+Example::
+
+    >>> config = DemoConfig(tp=2, pp=2, ep=2, etp=1)
+    >>> config.plan(8).megatron["dp"], config.plan(8).megatron["edp"]
+    (2, 2)
+    >>> # from a shell: python -m hypergrid demo            (8 local gloo ranks)
+    >>> #               torchrun --nproc-per-node 8 -m hypergrid demo
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import importlib
+import logging
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .report import Plan, plan_megatron
+
+__all__ = [
+    "DEFAULT_WORLD_SIZE",
+    "DemoConfig",
+    "GroupResult",
+    "DemoReport",
+    "LaunchOutcome",
+    "launched_by_torchrun",
+    "launch",
+    "run_rank",
+    "format_report",
+]
+
+logger = logging.getLogger("hypergrid.demo")
+
+DEFAULT_WORLD_SIZE = 8
+
+@dataclass
+class DemoConfig:
+    """Layout and switches of a demo run (Megatron sizes; dp and expert dp take what is left).
+
+    Example::
+
+        >>> DemoConfig(tp=8).check(8)
+        >>> DemoConfig(tp=3).check(8)
+        Traceback (most recent call last):
+        ...
+        ValueError: world size 8 is not divisible by tp*pp*cp = 3*1*1 = 3
+    """
+
+    tp: int = 2
+    pp: int = 2
+    cp: int = 1
+    ep: int = 2
+    etp: Optional[int] = 1
+    order: str = "tp-cp-ep-dp-pp"
+    timeout_s: float = 120.0
+    megatron: bool = True
+    mesh: bool = True
+
+    @property
+    def timeout_minutes(self) -> int:
+        """``timeout_s`` rounded up to whole minutes, the unit Megatron-Core's timeout has."""
+        return max(1, -(-int(self.timeout_s) // 60))
+
+    def plan(self, world_size: int) -> Plan:
+        """The plan of this layout over ``world_size`` ranks."""
+        return plan_megatron(
+            world_size, tp=self.tp, pp=self.pp, cp=self.cp, ep=self.ep, etp=self.etp, order=self.order
+        )
+
+    def check(self, world_size: int) -> None:
+        """ValueError naming the size that does not fit ``world_size`` ranks."""
+        self.plan(world_size)
+
+
+@dataclass
+class GroupResult:
+    """One group kind on one rank (or, after :func:`run_rank` merges them, on every rank)."""
+
+    source: str
+    kind: str
+    key: str
+    count: int
+    size: int
+    members: list[int]
+    verified: bool
+    create_s: float
+    detail: str = ""
+
+
+@dataclass
+class DemoReport:
+    """What rank 0 returns: every group kind verified on every rank, and the timings.
+
+    ``phases`` maps a phase name to its slowest rank's seconds; ``notes`` says which adapters
+    were used or skipped and why.
+    """
+
+    world_size: int
+    plan: Plan
+    results: list[GroupResult]
+    phases: dict[str, float]
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.results) and all(r.verified for r in self.results)
+
+
+@dataclass
+class LaunchOutcome:
+    """How a local launch ended: ``failures`` maps a rank to its stderr (or why it was killed)."""
+
+    ok: bool
+    seconds: float
+    failures: dict[int, str]
+
+
+def launched_by_torchrun() -> bool:
+    """Whether this process is one rank of a launched job (RANK, WORLD_SIZE, MASTER_ADDR set).
+
+    Example::
+
+        >>> import os
+        >>> launched_by_torchrun() == all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+        True
+    """
+    return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# ---------------------------------------------------------------------------- launcher
+def launch(world_size: int, argv: list[str], *, timeout_s: float = 120.0) -> LaunchOutcome:
+    """Run ``argv`` as ``world_size`` local ranks with torchrun's environment; wait with a deadline.
+
+    Rank 0's stdout is this process's stdout; every rank's stderr is kept and returned for the
+    ranks that fail. When one rank fails the others get a few seconds to report, then every
+    process still running is killed, as on timeout, so none outlives the call.
+
+    Example::
+
+        >>> import sys
+        >>> launch(2, [sys.executable, "-c", "pass"], timeout_s=60).ok   # doctest: +SKIP
+        True
+    """
+    port = _free_port()
+    start = time.monotonic()
+    deadline = start + timeout_s
+    procs: list[subprocess.Popen] = []
+    logs = []
+    failures: dict[int, str] = {}
+    try:
+        for rank in range(world_size):
+            env = dict(os.environ)
+            env.update(
+                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
+                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                # N ranks share this machine's cores; one thread each avoids oversubscription.
+                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+            )
+            log = tempfile.TemporaryFile(mode="w+")
+            logs.append(log)
+            procs.append(
+                subprocess.Popen(
+                    argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL, stderr=log,
+                    start_new_session=True,
+                )
+            )
+        first_failure: Optional[float] = None
+        while any(p.poll() is None for p in procs):
+            now = time.monotonic()
+            if now > deadline:
+                for rank, p in enumerate(procs):
+                    if p.poll() is None:
+                        failures[rank] = f"still running after {timeout_s:.0f}s: killed"
+                break
+            if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
+                first_failure = now
+            # The others of a failed job would wait for it until their collective timeout.
+            if first_failure is not None and now - first_failure > 5.0:
+                for rank, p in enumerate(procs):
+                    if p.poll() is None:
+                        failures[rank] = "killed after another rank failed"
+                break
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, 9)
+        for p in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                p.wait(timeout=10)
+    for rank, (p, log) in enumerate(zip(procs, logs)):
+        if p.returncode != 0 and rank not in failures:
+            log.seek(0)
+            failures[rank] = f"exit status {p.returncode}\n" + log.read()[-4000:]
+        log.close()
+    return LaunchOutcome(ok=not failures, seconds=time.monotonic() - start, failures=failures)
+
+
+# ---------------------------------------------------------------------------- one rank
+def _verify(pg: Any, expected: Optional[list[int]], world_size: int) -> tuple[bool, str]:
+    """All-reduce one-hot member ids over ``pg``: each member must be counted exactly once."""
+    import torch
+    import torch.distributed as dist
+
+    if expected is None:  # e.g. the embedding group of a middle pipeline stage
+        return pg is None, "" if pg is None else f"a group of size {pg.size()} where none was expected"
+    if pg is None:
+        return False, "no group on this rank"
+    onehot = torch.zeros(world_size, dtype=torch.int64)
+    onehot[dist.get_rank()] = 1
+    dist.all_reduce(onehot, group=pg)
+    got = [r for r in range(world_size) if onehot[r].item() == 1]
+    wrong = [r for r in range(world_size) if onehot[r].item() not in (0, 1)]
+    if got == sorted(expected) and not wrong and pg.size() == len(expected):
+        return True, ""
+    return False, f"all_reduce counted members {got} (size {pg.size()}), expected {sorted(expected)}"
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
+    start = time.perf_counter()
+    value = fn()
+    return value, time.perf_counter() - start
+
+
+def _grid_groups(grid: Any, plan: Plan, world: int, rank: int) -> list[GroupResult]:
+    results = []
+    for kind in plan.kinds:
+        if kind.derive is not None:
+            continue  # cut from grid groups by Megatron's rules: verified in the megatron section
+        dims = list(kind.dims)
+        # get_or_create: an expert kind made only of dims shared with the grid (pp) is the grid's.
+        pg, seconds = _timed(lambda: grid.get_or_create_pg(dims, view=kind.view))
+        expected = grid.ranks(dims, view=kind.view)
+        ok, detail = _verify(pg, expected, world)
+        results.append(GroupResult("grid", kind.name, kind.key if kind.view is None else f"{kind.view}:{kind.key}",
+                                   kind.count, kind.size, expected, ok, seconds, detail))
+    return results
+
+
+def _megatron_groups(config: DemoConfig, plan: Plan, grid: Any, world: int, notes: list[str]) -> tuple[list[GroupResult], Callable[[], None]]:
+    try:
+        adapter = importlib.import_module("hypergrid.megatron")
+        initialize = getattr(adapter, "initialize_model_parallel")
+        destroy = getattr(adapter, "destroy_model_parallel")
+        from megatron.core import parallel_state
+    except (ImportError, AttributeError) as exc:
+        notes.append(f"megatron: skipped ({type(exc).__name__}: {exc})")
+        return [], lambda: None
+    _, seconds = _timed(lambda: initialize(
+        tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
+        context_parallel_size=config.cp, expert_model_parallel_size=config.ep,
+        expert_tensor_parallel_size=config.etp, order=config.order,
+        distributed_timeout_minutes=config.timeout_minutes,
+    ))
+    notes.append(f"megatron: hypergrid.megatron.initialize_model_parallel built parallel_state in {seconds:.3f}s")
+    results = []
+    rank = grid_rank()
+    for kind in plan.kinds:
+        # The global each getter returns: the one place every parallel_state getter reads.
+        pg = getattr(parallel_state, "_" + str(kind.megatron_name), None)
+        if isinstance(pg, list):  # several pipeline backends: the first is the default group
+            pg = pg[0]
+        expected = kind.members(rank)
+        ok, detail = _verify(pg, expected, world)
+        results.append(GroupResult("megatron", kind.name, str(kind.megatron_name), kind.count, kind.size or 0,
+                                   expected or [], ok, seconds, detail))
+        seconds = 0.0  # one initialize call made them all: charge it to the first row only
+    return results, destroy
+
+
+def _mesh_groups(grid: Any, world: int, notes: list[str]) -> list[GroupResult]:
+    if not hasattr(grid, "device_mesh"):
+        notes.append("mesh: skipped (this hypergrid has no grid.device_mesh)")
+        return []
+    mesh, seconds = _timed(lambda: grid.device_mesh(device_type="cpu"))
+    notes.append(f"mesh: DeviceMesh {tuple(mesh.mesh.shape)} dims {mesh.mesh_dim_names} over the grid's groups")
+    results = []
+    for name in mesh.mesh_dim_names:
+        expected = grid.ranks(name)
+        ok, detail = _verify(mesh.get_group(name), expected, world)
+        same = mesh.get_group(name) is grid.get_pg(name)
+        results.append(GroupResult("mesh", name, f'mesh["{name}"]', grid.layout.num_groups(name), len(expected),
+                                   expected, ok and same, seconds,
+                                   detail or ("" if same else "mesh group is not the grid's group")))
+        seconds = 0.0
+    return results
+
+
+def grid_rank() -> int:
+    """This process's global rank (torch.distributed must be initialized)."""
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def run_rank(config: DemoConfig) -> Optional[DemoReport]:
+    """Be one rank of the demo (environment as set by torchrun); rank 0 returns the report.
+
+    Example::
+
+        >>> # RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500: run_rank(DemoConfig(tp=1, pp=1, ep=1))
+    """
+    import torch.distributed as dist
+
+    from .grid import HyperCommGrid
+
+    phases: dict[str, float] = {}
+    notes: list[str] = []
+    total_start = time.perf_counter()
+    # Whole minutes, as Megatron's distributed_timeout_minutes: grid and Megatron groups then have
+    # equal options and share one communicator wherever their members coincide.
+    timeout = datetime.timedelta(minutes=config.timeout_minutes)
+    _, phases["init_process_group"] = _timed(lambda: dist.init_process_group("gloo", init_method="env://", timeout=timeout))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = config.plan(world)
+    grid = HyperCommGrid(list(plan.layout.shape), list(plan.layout.dim_names), timeout=timeout)
+    expert = plan.views["expert"]
+    try:
+        plan.layout.check_view(expert, ["pp"])
+        shared = ["pp"]
+    except ValueError:
+        shared = []  # pp is not last in this order: the expert pp groups are the view's own
+    grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=shared)
+    destroy_megatron: Callable[[], None] = lambda: None
+    try:
+        start = time.perf_counter()
+        results = _grid_groups(grid, plan, world, rank)
+        phases["grid groups (create + verify)"] = time.perf_counter() - start
+        if config.megatron:
+            with contextlib.suppress(ImportError):
+                # Timed apart: importing megatron-core takes seconds and is not group creation.
+                _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
+            start = time.perf_counter()
+            megatron_results, destroy_megatron = _megatron_groups(config, plan, grid, world, notes)
+            results += megatron_results
+            if megatron_results:
+                phases["megatron parallel_state (create + verify)"] = time.perf_counter() - start
+        else:
+            notes.append("megatron: skipped (--no-megatron)")
+        if config.mesh:
+            start = time.perf_counter()
+            mesh_results = _mesh_groups(grid, world, notes)
+            results += mesh_results
+            if mesh_results:
+                phases["DeviceMesh (build + verify)"] = time.perf_counter() - start
+        else:
+            notes.append("mesh: skipped (--no-mesh)")
+        phases["total on rank"] = time.perf_counter() - total_start
+        gathered: Optional[list] = [None] * world if rank == 0 else None
+        dist.gather_object((results, phases), gathered, dst=0)
+        # Nobody tears down while a peer still talks to it: gloo aborts a process whose peer
+        # closed a connection under a pending operation.
+        dist.barrier()
+    finally:
+        destroy_megatron()
+        grid.destroy()
+        dist.destroy_process_group()
+    if rank != 0:
+        return None
+    assert gathered is not None
+    merged = [r for r in gathered[0][0]]  # rank 0's members; verification and timings from all
+    for i, row in enumerate(merged):
+        others = [g[0][i] for g in gathered]
+        row.verified = all(o.verified for o in others)
+        row.create_s = max(o.create_s for o in others)
+        bad = [(r, o.detail) for r, o in enumerate(others) if not o.verified]
+        if bad:
+            row.detail = f"rank {bad[0][0]}: {bad[0][1]}"
+    slowest = {name: max(g[1][name] for g in gathered) for name in phases}
+    logger.info("demo on %d ranks: %d group kinds verified", world, len(merged))
+    return DemoReport(world, plan, merged, slowest, notes)
+
+
+def format_report(report: DemoReport) -> str:
+    """The summary table rank 0 prints: one row per group kind and source, then the timings.
+
+    Example::
+
+        >>> from hypergrid.report import plan_grid
+        >>> row = GroupResult("grid", "tp", "tp", 4, 2, [0, 1], True, 0.0012)
+        >>> print(format_report(DemoReport(8, plan_grid([2, 4], ["tp", "dp"]), [row], {"total on rank": 0.5})))
+        ... # doctest: +ELLIPSIS
+        hypergrid demo: 8 ranks, grid tp=2 x dp=4
+        ...
+        all 1 groups verified on every rank
+    """
+    plan = report.plan
+    dims = " x ".join(f"{n}={s}" for n, s in zip(plan.layout.dim_names, plan.layout.shape))
+    lines = [f"hypergrid demo: {report.world_size} ranks, grid {dims}"]
+    for name, view in plan.views.items():
+        lines.append(f"  {name} view: " + " x ".join(f"{n}={s}" for n, s in zip(view.dim_names, view.shape)))
+    header = ["source", "kind", "key", "groups", "size", "rank 0's group", "verified", "create ms"]
+    rows = [header]
+    for r in report.results:
+        members = str(r.members) if len(r.members) <= 8 else f"[{r.members[0]}, ..., {r.members[-1]}] ({len(r.members)})"
+        rows.append([r.source, r.kind, r.key, str(r.count), str(r.size), members,
+                     "yes" if r.verified else "NO", f"{r.create_s * 1000:.1f}"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for j, row in enumerate(rows):
+        lines.append("  ".join(c.rjust(widths[i]) if i in (3, 4, 7) else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    for r in report.results:
+        if not r.verified:
+            lines.append(f"FAILED {r.source} {r.kind}: {r.detail}")
+    lines.append("")
+    lines.append("timings (slowest rank):")
+    for name, seconds in report.phases.items():
+        lines.append(f"  {name:<44} {seconds * 1000:9.1f} ms")
+    for note in report.notes:
+        lines.append(f"  {note}")
+    failed = sum(not r.verified for r in report.results)
+    lines.append(
+        f"all {len(report.results)} groups verified on every rank" if not failed
+        else f"{failed} of {len(report.results)} groups FAILED verification"
+    )
+    return "\n".join(lines)
