@@ -363,8 +363,7 @@ class GroupRegistry:
         members = request.members
         key = (request.identity, options.identity)
         if not private and key in self._by_partition:
-            entry = self._by_partition[key]
-            return entry if entry.pg is not None else None
+            return self._by_partition[key]  # held (and released) alike on every rank
         _require_initialized(request.label)
         if members is not None:
             # Only this rank's own group meets here; the world-wide call comes after.
@@ -402,7 +401,9 @@ class GroupRegistry:
             if not private:
                 self._by_partition[key] = entry
             self._entries.append(entry)
-            return None
+            # Held and released like a member's entry (its pg is None): a rank that kept it
+            # after its grids let go would skip the next world-wide call the other ranks make.
+            return entry
         return self._record(pg, members, options, key, private)
 
     def _record(
