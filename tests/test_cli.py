@@ -1,0 +1,190 @@
+"""The command line, through subprocesses where it matters (exit codes, streams) and in-process
+for the matrix of bad inputs (each a subprocess would cost a torch import)."""
+
+from __future__ import annotations
+
+import json
+import struct
+import subprocess
+import sys
+import zlib
+from pathlib import Path
+from xml.etree import ElementTree
+
+import pytest
+
+from hypergrid import HyperCommGrid, cli
+from hypergrid.megatron import plan_model_parallel
+from hypergrid.report import plan_grid, plan_megatron
+
+MOE = ["--world-size", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "4", "--etp", "1"]
+
+
+def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hypergrid", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _png_size(data: bytes) -> tuple[int, int]:
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    # Walk the chunks: CRCs right, and the pixels decompress to exactly the declared size.
+    pos, idat = 8, b""
+    while pos < len(data):
+        (length,) = struct.unpack(">I", data[pos:pos + 4])
+        kind, payload = data[pos + 4:pos + 8], data[pos + 8:pos + 8 + length]
+        (crc,) = struct.unpack(">I", data[pos + 8 + length:pos + 12 + length])
+        assert crc == zlib.crc32(kind + payload) & 0xFFFFFFFF, kind
+        idat += payload if kind == b"IDAT" else b""
+        pos += 12 + length
+    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
+    return width, height
+
+
+def test_plan_json_png_svg_in_one_subprocess(tmp_path):
+    png, svg = tmp_path / "p.png", tmp_path / "p.svg"
+    proc = _run("plan", *MOE, "--rank", "37", "--format", "json", "--png", str(png), "--svg", str(svg), "--colour", "ep")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)  # stdout is only the JSON; picture notes go to stderr
+    assert "wrote" in proc.stderr and "p.png" in proc.stderr
+    # Equal to the library's answers...
+    expected = plan_megatron(64, tp=2, pp=2, cp=2, ep=4, etp=1).as_dict(8, rank=37)
+    assert data == json.loads(json.dumps(expected))
+    # ...which are Megatron's groups (adapter plan) and the grid's own.
+    megatron = plan_model_parallel(64, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                   context_parallel_size=2, expert_model_parallel_size=4,
+                                   expert_tensor_parallel_size=1, create_gloo_process_groups=False)
+    assert data["rank"]["groups"] == megatron.rank_groups(37)
+    grid = HyperCommGrid(data["grid"]["shape"], data["grid"]["dim_names"], world_size=64)
+    assert data["rank"]["groups"]["tp_dp_cp"] == grid.ranks(["tp", "dp", "cp"], rank=37)
+    assert data["rank"]["coords"] == grid.coords(37)
+    kinds = {k["name"]: k for k in data["kinds"]}
+    assert kinds["tp"]["crosses_nodes"] is False and kinds["pp"]["crosses_nodes"] is True
+    assert kinds["ep"]["count"] == 16 and kinds["ep"]["size"] == 4
+    # Pictures: written, of sensible size, one cell per rank in the SVG.
+    width, height = _png_size(png.read_bytes())
+    assert 200 < width < 2000 and 200 < height < 3000
+    assert 2_000 < png.stat().st_size < 500_000
+    tree = ElementTree.parse(svg)
+    rects = tree.getroot().findall(".//{http://www.w3.org/2000/svg}rect")
+    assert len(rects) == 64 + 1  # the background and one per rank
+    titles = [t.text for t in tree.getroot().iter("{http://www.w3.org/2000/svg}title")]
+    assert any(t.startswith("rank 37:") for t in titles)
+
+
+def test_plan_table_and_csv_and_console_script():
+    proc = _run("plan", "--shape", "2,3,4", "--dims", "tp,cp,dp", "--group", "cp,dp", "--gpus-per-node", "6",
+                "--rank", "7")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "24 ranks on 4 nodes of 6" in out
+    assert "rank 7: node 1, local rank 1" in out and "coords tp=1 cp=0 dp=1" in out
+    table = out.split("\n\n")[1]  # the kinds table, before the rank's section
+    lines = {line.split()[0]: line for line in table.splitlines() if line.split()}
+    assert "inside a node" in lines["cp"] and "CROSSES NODES" in lines["dp"]
+    script = Path(sys.executable).with_name("hypergrid")
+    if not script.exists():
+        pytest.skip("console script not installed in this environment")
+    csv_out = subprocess.run([str(script), "plan", "--shape", "2,4", "--dims", "tp,dp", "--format", "csv", "--rank", "3"],
+                             capture_output=True, text=True, timeout=60)
+    assert csv_out.returncode == 0, csv_out.stderr
+    rows = [r.split(",") for r in csv_out.stdout.strip().splitlines()]
+    assert rows[0][-1] == "rank_3_group"
+    assert rows[1][:6] == ["tp", "tp", "", "", "4", "2"] and rows[1][-1] == "2 3"
+    assert rows[2][0] == "dp" and rows[2][-1] == "1 3 5 7"
+
+
+def test_bad_input_subprocess_one_line_exit_2():
+    proc = _run("plan", "--world-size", "10", "--tp", "4")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().count("\n") == 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.startswith("hypergrid: error:") and "10" in proc.stderr and "4" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["plan", "--shape", "2,4", "--dims", "tp,dp", "--group", "tp,xx"], ["'xx'", "['tp', 'dp']"]),
+        (["plan", "--world-size", "8", "--order", "tp-xx-dp"], ["'xx'"]),
+        (["plan", "--world-size", "8", "--tp", "3"], ["8", "3"]),
+        (["plan", "--world-size", "16", "--ep", "32"], ["16", "32"]),
+        (["plan", "--shape", "2,4", "--dims", "tp,dp", "--rank", "8"], ["rank 8", "[0, 8)"]),
+        (["plan", "--shape", "2,4", "--dims", "tp,dp", "--world-size", "4"], ["8", "4"]),
+        (["plan", "--shape", "2,4", "--dims", "tp"], ["len(shape)"]),
+        (["plan", "--shape", "2,x", "--dims", "tp,dp"], ["2,x"]),
+        (["plan", "--shape", "2,4"], ["--dims"]),
+        (["plan", "--tp", "2"], ["--world-size"]),
+        (["plan", "--shape", "2,4", "--dims", "tp,dp", "--tp", "2"], ["--tp"]),
+        (["plan", "--world-size", "8", "--colour", "zz"], ["'zz'"]),
+        (["plan", "--world-size", "0"], ["0"]),
+        (["plan", "--world-size", "8", "--rank", "-1"], ["-1"]),
+        (["check", "--world-size", "8", "--cp", "16"], ["8", "16"]),
+        (["bench", "nosuch"], ["'nosuch'"]),
+        (["nosuch"], ["nosuch"]),
+        (["plan", "--shape", "2,2", "--dims", "tp,dp", "--", "x"], ["bench"]),
+    ],
+)
+def test_bad_input_in_process(argv, words, capsys):
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("hypergrid: error:") and "\n" not in err and "Traceback" not in err, err
+    for word in words:
+        assert word in err, (word, err)
+    assert captured.out == ""
+
+
+def test_check_subprocess_identical_exit_0():
+    proc = _run("check", "--world-size", "64", "--tp", "2", "--pp", "2", "--ep", "4", "--etp", "1")
+    assert proc.returncode == 0, proc.stderr
+    first = proc.stdout.splitlines()[0]
+    assert first.startswith("compared ") and "enumerations with megatron-core" in first
+    assert int(first.split()[1]) >= 30
+    assert "identical to megatron-core" in proc.stdout
+
+
+def test_check_reports_a_difference_and_exits_1(monkeypatch, capsys):
+    from hypergrid import report
+
+    real = report.GroupKind.enumerate
+
+    def wrong(self):
+        groups = real(self)
+        return groups[::-1] if self.name == "ep" else groups  # a plan that disagrees with Megatron
+
+    monkeypatch.setattr(report.GroupKind, "enumerate", wrong)
+    assert cli.main(["check", "--world-size", "16", "--ep", "4"]) == 1
+    out = capsys.readouterr().out
+    assert "DIFFERENCE ep" in out and "RankGenerator" in out and "1 differences" in out
+
+
+def test_check_free_grid_counts_every_subset(capsys):
+    assert cli.main(["check", "--shape", "2,3,4", "--dims", "tp,cp,dp"]) == 0
+    assert capsys.readouterr().out.startswith("compared 7 enumerations")
+
+
+def test_plan_in_process_rank_table_matches_library(capsys):
+    assert cli.main(["plan", "--world-size", "1024", "--tp", "8", "--pp", "4", "--ep", "16", "--etp", "1",
+                     "--rank", "1000"]) == 0
+    out = capsys.readouterr().out
+    plan = plan_megatron(1024, tp=8, pp=4, ep=16, etp=1)
+    assert f"  pp{' ' * 14}{plan.groups_of(1000)['pp']}" in out
+    assert "cross nodes (8 ranks per node): dp_cp, dp, mp, pp" in out
+    assert "- (in no group of this kind)" in out  # rank 1000 is not on the first pipeline stage
+
+
+def test_bench_streams_scripts_and_reports_missing(tmp_path, capfd):
+    (tmp_path / "bench_grid.py").write_text("import sys\nprint('progress 1', flush=True)\nprint('args', sys.argv[1:])\n")
+    assert cli.main(["bench", "grid", "--bench-dir", str(tmp_path), "--", "--worlds", "4096"]) == 0
+    out = capfd.readouterr().out
+    assert "progress 1" in out and "args ['--worlds', '4096']" in out
+    assert cli.main(["bench", "--bench-dir", str(tmp_path)]) == 2  # megatron's script is missing
+    captured = capfd.readouterr()
+    assert "bench_megatron.py does not exist" in captured.err and "progress 1" in captured.out
+    (tmp_path / "bench_grid.py").write_text("raise SystemExit(3)\n")
+    assert cli.main(["bench", "grid", "--bench-dir", str(tmp_path)]) == 1
+    assert "exited with status 3" in capfd.readouterr().err
+
+
+def test_free_grid_plan_with_world_larger_than_grid():
+    plan = plan_grid([2, 2], ["tp", "dp"], world_size=8)
+    assert plan.as_dict(4)["nodes"] == 2
