@@ -1,0 +1,257 @@
+"""Every use of torch's private DeviceMesh and c10d internals, in one place, feature-detected.
+
+hypergrid builds ``DeviceMesh`` objects over process groups it already holds. torch offers one
+public door for that, :meth:`DeviceMesh.from_group`, and hypergrid goes through it for the mesh
+itself. Two things have no public door and need torch's private attributes:
+
+* a mesh on a rank outside it (a grid with ``rank_offset`` > 0), which torch builds with
+  ``DeviceMesh(..., _init_backend=False)`` and an empty ``_dim_group_names``;
+* a *flattened* dim backed by an existing group: a 1-D mesh constructed with ``_layout``,
+  ``_rank_map`` and ``_root_mesh``, recorded in the root mesh's ``_flatten_mapping`` (which is
+  where ``mesh["dp_cp"]``, ``_flatten()`` and DTensor's redistribute look) and in its
+  ``_pg_registry`` (where compiled code resolves groups by name).
+
+Counting a rank's process groups (to prove none was created) reads
+``distributed_c10d._world.pg_map``.
+
+Supported torch: :data:`SUPPORTED_TORCH` (the ``_MeshLayout``-based DeviceMesh with
+``_MeshLayout.collapse``, first in 2.13); tested on 2.13. :func:`require_mesh_support` checks
+every attribute named above, once, and raises :class:`UnsupportedTorchError` naming the
+installed version and the missing attributes, instead of failing somewhere deep in torch.
+
+Example::
+
+    >>> require_mesh_support()          # silent on a supported torch
+    >>> SUPPORTED_TORCH
+    '>=2.13,<2.14'
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .errors import HypergridError
+
+__all__ = [
+    "SUPPORTED_TORCH",
+    "UnsupportedTorchError",
+    "require_mesh_support",
+    "mesh_from_groups",
+    "register_flattened",
+    "flattened_meshes",
+    "root_mesh",
+    "process_group_count",
+]
+
+logger = logging.getLogger("hypergrid.mesh")
+
+#: The torch versions this module is written and tested against.
+SUPPORTED_TORCH = ">=2.13,<2.14"
+_MIN = (2, 13)
+_TESTED_BELOW = (2, 14)
+
+# DeviceMesh.__init__ keywords hypergrid passes (all private in torch).
+_INIT_KEYWORDS = ("_init_backend", "_layout", "_rank_map", "_root_mesh")
+# Instance attributes hypergrid reads or writes on a DeviceMesh.
+_INSTANCE_ATTRIBUTES = ("_dim_group_names", "_flatten_mapping", "_pg_registry", "_layout", "_rank_map")
+
+
+class UnsupportedTorchError(HypergridError):
+    """The installed torch lacks a DeviceMesh internal hypergrid needs; the message names it."""
+
+
+def _torch_version() -> tuple[int, int]:
+    base = torch.__version__.split("+")[0]
+    parts = base.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+def _unsupported(missing: Sequence[str]) -> UnsupportedTorchError:
+    return UnsupportedTorchError(
+        f"hypergrid's DeviceMesh adapter needs torch {SUPPORTED_TORCH}; the installed torch "
+        f"{torch.__version__} lacks {', '.join(missing)}"
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def _detect() -> tuple[str, ...]:
+    """The names of the needed internals that the installed torch does not have."""
+    missing: list[str] = []
+    if not dist.is_available():
+        return ("torch.distributed",)
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:
+        return ("torch.distributed.device_mesh.DeviceMesh",)
+    try:
+        from torch.distributed._mesh_layout import _MeshLayout
+    except ImportError:
+        missing.append("torch.distributed._mesh_layout._MeshLayout")
+    else:
+        if not callable(getattr(_MeshLayout, "collapse", None)):
+            missing.append("_MeshLayout.collapse")
+    try:
+        params = inspect.signature(DeviceMesh.__init__).parameters
+    except (TypeError, ValueError):
+        params = {}
+    missing += [f"DeviceMesh.__init__({name}=)" for name in _INIT_KEYWORDS if name not in params]
+    for name in ("from_group", "_get_root_mesh", "_flatten"):
+        if not callable(getattr(DeviceMesh, name, None)):
+            missing.append(f"DeviceMesh.{name}")
+    if not hasattr(getattr(dist.distributed_c10d, "_world", None), "pg_map"):
+        missing.append("distributed_c10d._world.pg_map")
+    return tuple(missing)
+
+
+def require_mesh_support() -> None:
+    """Raise :class:`UnsupportedTorchError` unless this torch has every internal hypergrid uses.
+
+    A torch outside :data:`SUPPORTED_TORCH` that still has them all is used, with one warning.
+
+    Example::
+
+        >>> require_mesh_support()   # torch 2.13: returns None
+    """
+    missing = _detect()
+    if missing:
+        raise _unsupported(missing)
+    _warn_untested_once(_torch_version())
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_untested_once(version: tuple[int, int]) -> None:
+    if not (_MIN <= version < _TESTED_BELOW):
+        logger.warning(
+            "torch %s is outside the range hypergrid's DeviceMesh adapter is tested on (%s); "
+            "every internal it uses is present, so it goes on",
+            torch.__version__,
+            SUPPORTED_TORCH,
+        )
+
+
+def _check_instance(mesh: Any) -> None:
+    # Instance attributes only exist once a mesh is built, so they are checked on the first one.
+    missing = [f"DeviceMesh.{name}" for name in _INSTANCE_ATTRIBUTES if not hasattr(mesh, name)]
+    if missing:
+        raise _unsupported(missing)
+
+
+def mesh_from_groups(
+    device_type: str,
+    mesh: torch.Tensor,
+    mesh_dim_names: tuple[str, ...],
+    groups: Optional[Sequence[dist.ProcessGroup]],
+) -> Any:
+    """A root DeviceMesh over ``mesh`` whose dim ``i`` uses ``groups[i]``; creates no group.
+
+    ``groups`` None: this rank is outside ``mesh``; it gets the mesh torch gives such a rank
+    (no groups, ``get_coordinate()`` None).
+
+    Example::
+
+        >>> # dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+    """
+    require_mesh_support()
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if groups is None:
+        result = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _init_backend=False)
+        # torch's own meshes leave this empty on ranks outside them; it is set, not read, here.
+        result._dim_group_names = []
+        _check_instance(result)
+        return result
+    # from_group is public; its list form takes any number of dims, one group each.
+    result = DeviceMesh.from_group(list(groups), device_type, mesh, mesh_dim_names=mesh_dim_names)
+    _check_instance(result)
+    return result
+
+
+def register_flattened(root: Any, name: str, dims: tuple[str, ...], pg: Optional[dist.ProcessGroup]) -> Any:
+    """Make ``pg`` the group of the flattened dim ``name`` (over ``dims``) of the root mesh.
+
+    Afterwards ``root[name]``, ``root[dims]._flatten(name)`` and DTensor's search for a
+    flattened mesh by layout all find this mesh, exactly as if torch's ``_flatten`` had made it,
+    but over ``pg`` instead of a new group. Returns the flattened mesh. Idempotent for the same
+    ``name`` and ``dims``.
+
+    Example::
+
+        >>> # register_flattened(root, "dp_cp", ("dp", "cp"), grid.get_pg(["cp", "dp"]))
+    """
+    require_mesh_support()
+    from torch.distributed._mesh_layout import _MeshLayout
+    from torch.distributed.device_mesh import DeviceMesh
+
+    # Slicing a root creates no group; its layout is what torch's _flatten would collapse.
+    sub = root if tuple(dims) == tuple(root.mesh_dim_names) else root[tuple(dims)]
+    layout = _MeshLayout([sub._layout.collapse()])
+    existing = root._flatten_mapping.get(name)
+    if existing is not None:
+        if existing._layout != layout:
+            raise ValueError(
+                f"flattened dim {name!r} already exists on this mesh over other ranks; "
+                f"choose another name for the flattening of {list(dims)}"
+            )
+        return existing
+    flat = DeviceMesh(
+        root.device_type,
+        _layout=layout,
+        _rank_map=root._rank_map,
+        mesh_dim_names=(name,),
+        _root_mesh=root,
+        _init_backend=False,
+    )
+    if pg is None:
+        flat._dim_group_names = []
+    else:
+        flat._dim_group_names = [pg.group_name]
+        root._pg_registry[pg.group_name] = pg
+    root._flatten_mapping[name] = flat
+    return flat
+
+
+def flattened_meshes(mesh: Any) -> dict[str, Any]:
+    """The flattened dims registered on ``mesh``'s root, by name (a copy).
+
+    Example::
+
+        >>> # flattened_meshes(dm)  ->  {"dp_cp": DeviceMesh((dp_cp=4), 'cpu', ...)}
+    """
+    require_mesh_support()
+    return dict(root_mesh(mesh)._flatten_mapping)
+
+
+def root_mesh(mesh: Any) -> Any:
+    """The mesh ``mesh`` was sliced or flattened from (itself for a root).
+
+    Example::
+
+        >>> # root_mesh(dm["tp"]) is dm
+    """
+    require_mesh_support()
+    return mesh._get_root_mesh()
+
+
+def process_group_count() -> int:
+    """How many process groups this process has (default group included), as c10d counts them.
+
+    Example::
+
+        >>> # before = process_group_count(); grid.device_mesh(); process_group_count() == before
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return 0
+    world = getattr(dist.distributed_c10d, "_world", None)
+    pg_map = getattr(world, "pg_map", None)
+    if pg_map is None:
+        raise _unsupported(["distributed_c10d._world.pg_map"])
+    return len(pg_map)
