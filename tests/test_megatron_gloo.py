@@ -1,0 +1,171 @@
+"""Real processes over gloo: Megatron-Core's own layers and communication on hypergrid's groups.
+
+Each job runs Megatron-Core's ``initialize_model_parallel`` and hypergrid's in turn in the same
+processes and compares: every getter (gloo groups included, which the fake backend cannot
+have), ``ColumnParallelLinear`` + ``RowParallelLinear`` forward and backward with tp=2, a
+pipeline send/recv through next/prev ranks, and a collective on every
+``ProcessGroupCollection`` field.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from tests.harness import run_gloo  # noqa: E402
+
+
+def _linear_pass(seed: int) -> dict[str, torch.Tensor]:
+    """Column- then row-parallel linear, forward and backward, on the current tp group."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    config = ModelParallelConfig(
+        tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+        use_cpu_initialization=True,
+        params_dtype=torch.float32,
+    )
+    torch.manual_seed(seed)
+    column = ColumnParallelLinear(8, 12, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                  gather_output=False)
+    row = RowParallelLinear(12, 6, config=config, init_method=torch.nn.init.normal_, bias=True,
+                            input_is_parallel=True, skip_bias_add=False)
+    # Same input on every rank of a data-parallel replica, different across replicas.
+    generator = torch.Generator().manual_seed(seed + ps.get_data_parallel_rank())
+    x = torch.randn(5, 8, generator=generator, requires_grad=True)
+    hidden, _ = column(x)
+    out, _ = row(hidden)
+    (out * out).sum().backward()
+    return {
+        "out": out.detach().clone(),
+        "x.grad": x.grad.clone(),
+        "column.weight.grad": column.weight.grad.clone(),
+        "row.weight.grad": row.weight.grad.clone(),
+        "column.weight": column.weight.detach().clone(),
+    }
+
+
+def _pipeline_exchange(rank: int) -> tuple[float, float]:
+    """Send this rank to the next stage and receive the previous stage's, over the pp group."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_pipeline_model_parallel_group()
+    send = torch.tensor([float(rank)])
+    recv = torch.zeros(1)
+    ops = [
+        dist.P2POp(dist.isend, send, ps.get_pipeline_model_parallel_next_rank(), group),
+        dist.P2POp(dist.irecv, recv, ps.get_pipeline_model_parallel_prev_rank(), group),
+    ]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return float(recv.item()), float(ps.get_pipeline_model_parallel_prev_rank())
+
+
+def _collection_sums(pgc: Any) -> dict[str, Any]:
+    """all_reduce of ones over every group of the collection: each must give its size."""
+    from dataclasses import fields
+
+    out: dict[str, Any] = {}
+    for f in fields(pgc):
+        value = getattr(pgc, f.name, None)
+        groups = value if isinstance(value, list) else [value]
+        sums = []
+        for group in groups:
+            if group is None:
+                sums.append(None)
+                continue
+            t = torch.ones(1)
+            dist.all_reduce(t, group=group)
+            sums.append((int(t.item()), group.size()))
+        out[f.name] = sums
+    return out
+
+
+def _case(rank: int, kwargs: dict[str, Any], variants: list[dict[str, Any]]) -> dict[str, Any]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    import hypergrid.megatron as hm
+    from tests.test_megatron_parity import collection_snapshot, differences, snapshot
+
+    vp = kwargs.get("virtual_pipeline_model_parallel_size")
+    ps.initialize_model_parallel(**kwargs)
+    expected = snapshot(ps, vp, [])
+    expected_pgc = collection_snapshot(ProcessGroupCollection.use_mpu_process_groups())
+    reference = _linear_pass(seed=1234) if kwargs.get("tensor_model_parallel_size", 1) > 1 else None
+    hm.destroy_model_parallel()
+
+    result: dict[str, Any] = {"diffs": [], "checks": 0}
+    for variant in variants:
+        # Twice each: initialize, destroy and initialize again must work.
+        for attempt in range(2):
+            grids = hm.initialize_model_parallel(**variant, **kwargs)
+            try:
+                label = f"rank {rank} {variant} attempt {attempt}"
+                actual = snapshot(ps, vp, [])
+                result["diffs"] += [f"{label}: {d}" for d in differences(expected, actual)]
+                pgc = hm.process_group_collection()
+                result["diffs"] += [f"{label}: collection {d}" for d in differences(expected_pgc, collection_snapshot(pgc))]
+                if reference is not None:
+                    mine = _linear_pass(seed=1234)
+                    for key, value in reference.items():
+                        if not torch.equal(value, mine[key]):
+                            result["diffs"].append(f"{label}: {key} differs by {(value - mine[key]).abs().max()}")
+                received, prev = _pipeline_exchange(rank)
+                if received != prev:
+                    result["diffs"].append(f"{label}: received {received} from the previous stage, expected {prev}")
+                for name, sums in _collection_sums(pgc).items():
+                    for entry in sums:
+                        if entry is not None and entry[0] != entry[1]:
+                            result["diffs"].append(f"{label}: all_reduce over {name} gave {entry[0]}, size {entry[1]}")
+                gloo = ps.get_data_parallel_group_gloo(with_context_parallel=True)
+                t = torch.ones(1)
+                dist.all_reduce(t, group=gloo)
+                if int(t.item()) != gloo.size():
+                    result["diffs"].append(f"{label}: gloo dp-cp all_reduce gave {t.item()}")
+                result["checks"] += 1
+                result.setdefault("groups", {})[f"{variant}"] = grids.num_process_groups
+            finally:
+                hm.destroy_model_parallel()
+    return result
+
+
+def _job(rank: int, world_size: int, cases: list[tuple[dict[str, Any], list[dict[str, Any]]]]) -> list[dict[str, Any]]:
+    # One job for every case: starting processes that import megatron-core is the slow part.
+    return [_case(rank, kwargs, variants) for kwargs, variants in cases]
+
+
+TP2_PP2 = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
+MOE_CP_DISTOPT = dict(
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=2,
+    context_parallel_size=2,
+    expert_model_parallel_size=2,
+    expert_tensor_parallel_size=1,
+    num_distributed_optimizer_instances=2,
+    hierarchical_context_parallel_sizes=[2, 1],
+    create_all_gather_group=True,
+)
+
+
+def test_layers_pipeline_and_collection_on_8_gloo_ranks() -> None:
+    cases = [
+        (TP2_PP2, [{"share_groups": True}, {"share_groups": False}]),
+        (MOE_CP_DISTOPT, [{"share_groups": True}]),
+    ]
+    results = run_gloo(_job, 8, cases, timeout=300)
+    diffs = [d for per_rank in results for case in per_rank for d in case["diffs"]]
+    assert diffs == [], "\n".join(diffs[:30])
+    # Every variant ran its checks twice (init, destroy, init again) on every rank.
+    assert all([case["checks"] for case in per_rank] == [4, 2] for per_rank in results)
+    # Sharing merges identical groups (e.g. expert tp with tp): fewer communicators.
+    for per_rank in results:
+        counts = per_rank[0]["groups"]
+        assert counts["{'share_groups': True}"] < counts["{'share_groups': False}"]
