@@ -192,6 +192,8 @@ class GridLayout:
 
     def contains(self, rank: int) -> bool:
         """Whether global ``rank`` lies inside the grid's span."""
+        if not _is_int(rank):
+            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
         return self.rank_offset <= rank < self.rank_offset + self.size
 
     def _dim_index(self, name: object) -> int:
@@ -267,7 +269,7 @@ class GridLayout:
             unknown = [name for name in coords if name not in self._index]  # type: ignore[attr-defined]
             if unknown or len(coords) != len(self.dim_names):
                 raise ValueError(
-                    f"coords must give exactly the dims {list(self.dim_names)}, got {sorted(coords)}"
+                    f"coords must give exactly the dims {list(self.dim_names)}, got {list(coords)}"
                 )
             values = [coords[name] for name in self.dim_names]
         elif isinstance(coords, (list, tuple)):
@@ -278,7 +280,7 @@ class GridLayout:
                     f"{list(self.dim_names)}), got {len(values)}: {values}"
                 )
         else:
-            raise TypeError(f"coords must be a sequence or a dict, got {type(coords).__name__}")
+            raise TypeError(f"coords must be a list, tuple or dict, got {type(coords).__name__} {coords!r}")
         rank = self.rank_offset
         for name, size, stride, value in zip(self.dim_names, self.shape, self.strides, values):
             if not _is_int(value):
@@ -367,7 +369,7 @@ class GridLayout:
             >>> GridLayout((2, 2, 2), ("a", "b", "c")).gen_rank_enum(["a", "b"])
             [[0, 2, 1, 3], [4, 6, 5, 7]]
         """
-        names = self._dim_list(list(dims))
+        names = self._dim_list(dims)
         rest = [n for n in reversed(self.dim_names) if n not in names]
         inner = self._offsets(names)
         outer = self._offsets(rest)
@@ -418,6 +420,8 @@ class GridLayout:
             >>> dense = GridLayout((2, 2, 4), ("tp", "cp", "dp"))
             >>> dense.check_view(GridLayout((4, 4), ("ep", "dp")), shared_dims=["dp"])
         """
+        if not isinstance(view, GridLayout):
+            raise TypeError(f"view must be a GridLayout, got {type(view).__name__} {view!r}")
         if view.rank_offset != self.rank_offset or view.size != self.size:
             raise ValueError(
                 f"a view must span the grid's ranks [{self.rank_offset}, "
@@ -425,6 +429,8 @@ class GridLayout:
                 f"{view.rank_offset} spans [{view.rank_offset}, {view.rank_offset + view.size})"
             )
         for name in shared_dims:
+            if not isinstance(name, str):
+                raise TypeError(f"a shared dim must be a str, got {type(name).__name__} {name!r}")
             if name not in self._index or name not in view._index:  # type: ignore[attr-defined]
                 raise ValueError(
                     f"shared dim {name!r} must be a dim of both the grid {list(self.dim_names)} "
