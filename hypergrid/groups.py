@@ -108,7 +108,7 @@ class GroupOptions:
         if self.timeout is not None and self.timeout.total_seconds() <= 0:
             raise ValueError(f"timeout must be positive, got {self.timeout}")
         if self.group_desc is not None and not isinstance(self.group_desc, str):
-            raise TypeError(f"group_desc must be a str or None, got {type(self.group_desc).__name__}")
+            raise TypeError(f"group_desc must be a str or None, got {type(self.group_desc).__name__} {self.group_desc!r}")
         # Keep the options object alive: an identity fingerprint must not be reused by another.
         object.__setattr__(self, "_identity", (self.backend, self.timeout, _fingerprint(self.pg_options)))
 
@@ -241,10 +241,12 @@ class GroupRegistry:
         private: bool = False,
     ) -> Optional[dist.ProcessGroup]:
         """Like :meth:`acquire`, for any :class:`GroupRequest` (e.g. explicit rank lists)."""
+        if not isinstance(strategy, str):
+            raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}, got {type(strategy).__name__} {strategy!r}")
         if strategy not in STRATEGIES:
             raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
         if not isinstance(options, GroupOptions):
-            raise TypeError(f"options must be a GroupOptions, got {type(options).__name__}")
+            raise TypeError(f"options must be a GroupOptions, got {type(options).__name__} {options!r}")
         if strategy == "split" and not split_supported(options.backend):
             logger.debug("split_group is not available here; creating %s with strategy 'local'", request.label)
             strategy = "local"
