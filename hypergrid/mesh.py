@@ -197,7 +197,8 @@ def device_mesh(
         >>> # grid.device_mesh(["tp", "dp"]).mesh_dim_names  -> ('dp', 'tp')
 
     Raises:
-        ValueError / TypeError: unknown dims or view, a bad ``device_type`` or ``flatten``.
+        ValueError / TypeError: unknown dims, a bad ``device_type`` or ``flatten``.
+        KeyError: an unknown ``view``.
         UnsupportedTorchError: the installed torch lacks a DeviceMesh internal this needs.
     """
     compat.require_mesh_support()
