@@ -143,7 +143,7 @@ def test_rank_of_dict_in_any_key_order():
         ((0, 0, 0, 0), ValueError, "4"),  # too many
         ((0, True, 0), TypeError, "True"),  # bool is not an int
         ((0, 1.0, 0), TypeError, "1.0"),
-        ({"tp": 0, "cp": 0}, ValueError, "'cp', 'tp'"),  # missing dp
+        ({"tp": 0, "cp": 0}, ValueError, "['tp', 'cp', 'dp']"),  # missing dp
         ({"tp": 0, "cp": 0, "dp": 0, "zz": 0}, ValueError, "zz"),
         ("010", TypeError, "str"),
     ],
