@@ -555,6 +555,12 @@ def _destroy_quietly(pg: dist.ProcessGroup) -> None:
         dist.destroy_process_group(pg)
     except (ValueError, RuntimeError, KeyError) as exc:
         logger.debug("process group %s was already gone: %s", pg, exc)
+    # torch empties the group's tag list but keeps the key ("ptd:<group name>"), one per group
+    # ever created: without this, create/destroy cycles grow torch's table without bound.
+    tags = getattr(dist.distributed_c10d._world, "tags_to_pg", None)
+    if isinstance(tags, dict):
+        for tag in [t for t, pgs in tags.items() if not pgs]:
+            del tags[tag]
 
 
 #: The process-wide registry every grid uses.
