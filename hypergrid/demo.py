@@ -192,7 +192,11 @@ def launch(world_size: int, argv: list[str], *, timeout_s: float = 120.0) -> Lau
                 )
             )
         first_failure: Optional[float] = None
-        while any(p.poll() is None for p in procs):
+        while True:
+            # Poll every process each round (no short-circuit): a failure must be seen at once.
+            running = [p.poll() is None for p in procs]
+            if not any(running):
+                break
             now = time.monotonic()
             if now > deadline:
                 for rank, p in enumerate(procs):

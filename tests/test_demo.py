@@ -38,7 +38,7 @@ def test_demo_reports_a_failed_layout_with_exit_2():
 def _real_groups(rank: int, world: int) -> dict:
     from hypergrid import HyperCommGrid
 
-    plan = plan_megatron(world, tp=2, pp=2, ep=2, etp=1)
+    plan = plan_megatron(world, tp=2, ep=2, etp=1)
     grid = HyperCommGrid(list(plan.layout.shape), list(plan.layout.dim_names))
     expert = plan.views["expert"]
     grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=["pp"])
@@ -52,17 +52,53 @@ def _real_groups(rank: int, world: int) -> dict:
 
 
 def test_plan_agrees_with_groups_built_over_gloo():
-    real = run_gloo(_real_groups, 8, timeout=180)
+    real = run_gloo(_real_groups, 4, timeout=180)
     proc = subprocess.run(
-        [sys.executable, "-m", "hypergrid", "plan", "--world-size", "8", "--tp", "2", "--pp", "2", "--ep", "2",
-         "--etp", "1", "--rank", "5", "--format", "json"],
+        [sys.executable, "-m", "hypergrid", "plan", "--world-size", "4", "--tp", "2", "--ep", "2",
+         "--etp", "1", "--rank", "3", "--format", "json"],
         capture_output=True, text=True, timeout=60,
     )
     import json
 
     planned = json.loads(proc.stdout)["rank"]["groups"]
-    assert real[5] and all(sorted(planned[name]) == members for name, members in real[5].items())
-    plan = plan_megatron(8, tp=2, pp=2, ep=2, etp=1)
+    assert real[3] and all(sorted(planned[name]) == members for name, members in real[3].items())
+    assert real[3]["dp"] == [1, 3] and real[3]["ep"] == [2, 3]
+    plan = plan_megatron(4, tp=2, ep=2, etp=1)
     for rank, groups in enumerate(real):
         for name, members in groups.items():
             assert sorted(plan.groups_of(rank)[name]) == members, (rank, name)
+
+
+def test_launcher_kills_the_rest_when_one_rank_fails():
+    import os
+
+    from hypergrid.demo import launch
+
+    # Rank 1 fails at once; the others would wait 300 s for it, as ranks in a collective do.
+    script = ("import os, sys, time\n"
+              "print(os.getpid(), flush=True) if os.environ['RANK'] == '0' else None\n"
+              "sys.exit('rank 1 broke') if os.environ['RANK'] == '1' else time.sleep(300)\n")
+    outcome = launch(3, [sys.executable, "-c", script], timeout_s=120)
+    assert not outcome.ok
+    assert "rank 1 broke" in outcome.failures[1]
+    assert outcome.failures[0] == outcome.failures[2] == "killed after another rank failed"
+    assert outcome.seconds < 100  # killed after the grace period, not left to the deadline
+
+
+def test_launcher_deadline(capfd):
+    from hypergrid.demo import launch
+
+    outcome = launch(2, [sys.executable, "-c", "import time; time.sleep(300)"], timeout_s=2)
+    assert not outcome.ok and all("still running after 2s" in v for v in outcome.failures.values())
+
+
+def test_failed_verification_is_reported_and_not_ok():
+    from hypergrid.demo import DemoReport, GroupResult, format_report
+
+    plan = plan_megatron(4, tp=2)
+    rows = [GroupResult("grid", "tp", "tp", 2, 2, [0, 1], True, 0.01),
+            GroupResult("mesh", "dp", 'mesh["dp"]', 2, 2, [0, 2], False, 0.0, "rank 2: counted [0]")]
+    report = DemoReport(4, plan, rows, {"total on rank": 1.0})
+    text = format_report(report)
+    assert not report.ok
+    assert "FAILED mesh dp: rank 2: counted [0]" in text and "1 of 2 groups FAILED verification" in text
