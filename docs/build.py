@@ -147,7 +147,7 @@ td, th {{ border: 1px solid #ccc; padding: .2em .5em; }} nav a {{ margin-right: 
 """
 
 _NAV = [("index", "Home"), ("quickstart", "Quickstart"), ("concepts", "Concepts"), ("migrating", "Migrating"),
-        ("megatron", "Megatron"), ("devicemesh", "DeviceMesh"), ("cli", "CLI"), ("cluster", "Cluster"), ("api", "API")]
+        ("megatron", "Megatron"), ("devicemesh", "DeviceMesh"), ("errors", "Errors"), ("cli", "CLI"), ("cluster", "Cluster"), ("api", "API")]
 
 
 def _page(title: str, body: str, present: set[str]) -> str:

@@ -208,7 +208,7 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
 
 def _plan_table(plan, data: dict) -> str:
     nodes, gpn = data["nodes"], data["gpus_per_node"]
-    out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn}"]
+    out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
     order_note = "first dim varies fastest over ranks"
     if plan.megatron:
         m = plan.megatron

@@ -269,7 +269,7 @@ def _grid_groups(grid: Any, plan: Plan, world: int, rank: int) -> list[GroupResu
     return results
 
 
-def _megatron_groups(config: DemoConfig, plan: Plan, grid: Any, world: int, notes: list[str]) -> tuple[list[GroupResult], Callable[[], None]]:
+def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str]) -> tuple[list[GroupResult], Any, Callable[[], None]]:
     try:
         adapter = importlib.import_module("hypergrid.megatron")
         initialize = getattr(adapter, "initialize_model_parallel")
@@ -277,16 +277,20 @@ def _megatron_groups(config: DemoConfig, plan: Plan, grid: Any, world: int, note
         from megatron.core import parallel_state
     except (ImportError, AttributeError) as exc:
         notes.append(f"megatron: skipped ({type(exc).__name__}: {exc})")
-        return [], lambda: None
-    _, seconds = _timed(lambda: initialize(
+        return [], None, lambda: None
+    grids, seconds = _timed(lambda: initialize(
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
         context_parallel_size=config.cp, expert_model_parallel_size=config.ep,
         expert_tensor_parallel_size=config.etp, order=config.order,
         distributed_timeout_minutes=config.timeout_minutes,
     ))
-    notes.append(f"megatron: hypergrid.megatron.initialize_model_parallel built parallel_state in {seconds:.3f}s")
+    distinct = getattr(grids, "num_process_groups", None)
+    notes.append(
+        f"megatron: hypergrid.megatron.initialize_model_parallel filled parallel_state in {seconds:.3f}s"
+        + (f"; {distinct} distinct communicators on rank 0 for {len(plan.kinds)} group kinds" if distinct is not None else "")
+    )
     results = []
-    rank = grid_rank()
+    rank = _grid_rank()
     for kind in plan.kinds:
         # The global each getter returns: the one place every parallel_state getter reads.
         pg = getattr(parallel_state, "_" + str(kind.megatron_name), None)
@@ -297,15 +301,21 @@ def _megatron_groups(config: DemoConfig, plan: Plan, grid: Any, world: int, note
         results.append(GroupResult("megatron", kind.name, str(kind.megatron_name), kind.count, kind.size or 0,
                                    expected or [], ok, seconds, detail))
         seconds = 0.0  # one initialize call made them all: charge it to the first row only
-    return results, destroy
+    return results, grids, destroy
 
 
-def _mesh_groups(grid: Any, world: int, notes: list[str]) -> list[GroupResult]:
+def _mesh_groups(grid: Any, world: int, notes: list[str], megatron_grids: Any = None) -> list[GroupResult]:
     if not hasattr(grid, "device_mesh"):
         notes.append("mesh: skipped (this hypergrid has no grid.device_mesh)")
         return []
     mesh, seconds = _timed(lambda: grid.device_mesh(device_type="cpu"))
-    notes.append(f"mesh: DeviceMesh {tuple(mesh.mesh.shape)} dims {mesh.mesh_dim_names} over the grid's groups")
+    whose = "the Megatron grid's" if megatron_grids is not None else "the grid's"
+    notes.append(f"mesh: DeviceMesh {tuple(mesh.mesh.shape)} dims {mesh.mesh_dim_names} over {whose} groups")
+    if megatron_grids is not None:
+        from megatron.core import parallel_state
+
+        same = mesh.get_group("tp") is parallel_state.get_tensor_model_parallel_group()
+        notes.append(f"mesh: mesh.get_group('tp') is parallel_state's tensor-parallel group: {same}")
     results = []
     for name in mesh.mesh_dim_names:
         expected = grid.ranks(name)
@@ -318,7 +328,7 @@ def _mesh_groups(grid: Any, world: int, notes: list[str]) -> list[GroupResult]:
     return results
 
 
-def grid_rank() -> int:
+def _grid_rank() -> int:
     """This process's global rank (torch.distributed must be initialized)."""
     import torch.distributed as dist
 
@@ -354,6 +364,7 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
         shared = []  # pp is not last in this order: the expert pp groups are the view's own
     grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=shared)
     destroy_megatron: Callable[[], None] = lambda: None
+    megatron_grids: Any = None
     try:
         start = time.perf_counter()
         results = _grid_groups(grid, plan, world, rank)
@@ -363,7 +374,7 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
                 # Timed apart: importing megatron-core takes seconds and is not group creation.
                 _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
             start = time.perf_counter()
-            megatron_results, destroy_megatron = _megatron_groups(config, plan, grid, world, notes)
+            megatron_results, megatron_grids, destroy_megatron = _megatron_groups(config, plan, world, notes)
             results += megatron_results
             if megatron_results:
                 phases["megatron parallel_state (create + verify)"] = time.perf_counter() - start
@@ -371,7 +382,9 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
             notes.append("megatron: skipped (--no-megatron)")
         if config.mesh:
             start = time.perf_counter()
-            mesh_results = _mesh_groups(grid, world, notes)
+            # One grid for everything: the mesh over the Megatron adapter's grid where there is one.
+            mesh_grid = getattr(megatron_grids, "grid", None) or grid
+            mesh_results = _mesh_groups(mesh_grid, world, notes, megatron_grids if mesh_grid is not grid else None)
             results += mesh_results
             if mesh_results:
                 phases["DeviceMesh (build + verify)"] = time.perf_counter() - start
