@@ -60,11 +60,11 @@ class DemoConfig:
 
     Example::
 
-        >>> DemoConfig(tp=8).check(8)
-        >>> DemoConfig(tp=3).check(8)
+        >>> DemoConfig(tp=4, pp=2, ep=2, etp=1).check(8)
+        >>> DemoConfig(tp=3).check(8)   # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: world size 8 is not divisible by tp*pp*cp = 3*1*1 = 3
+        hypergrid.megatron.config.ParallelConfigError: world_size (8) is not divisible by tensor_model_parallel_size (3) ...
     """
 
     tp: int = 2
