@@ -218,7 +218,7 @@ def _plan_table(plan, data: dict) -> str:
         )
     out.append(f"grid:   {_dims_text(plan.layout)}   ({order_note})")
     for name, view in plan.views.items():
-        out.append(f"{name}: {_dims_text(view)}".replace(f"{name}:", f"{name}:".ljust(7), 1))
+        out.append(f"{name + ':':<7} {_dims_text(view)}")
     out.append("")
     rows = [["kind", "key", "groups", "size", "nodes/group", "placement", "megatron group"]]
     for k in data["kinds"]:
