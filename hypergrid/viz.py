@@ -99,8 +99,8 @@ def picture(
 ) -> Picture:
     """Lay out ``plan``'s ranks by node, coloured by their group of ``kind``.
 
-    ``rank``: outline that rank's group. Worlds over ``max_ranks`` ranks draw their first
-    nodes only (at least one) and a line saying how many nodes are not drawn.
+    ``rank``: outline that rank's group. Worlds over ``max_ranks`` ranks draw one window of
+    nodes only (the first nodes, or those around ``rank``) and a line saying which are drawn.
 
     Example::
 
@@ -116,6 +116,12 @@ def picture(
     world_nodes = -(-plan.world_size // gpus_per_node)
     drawn_ranks = end if end <= max_ranks else max(gpus_per_node, min(_SUMMARY_RANKS, end))
     drawn_nodes = -(-drawn_ranks // gpus_per_node)
+    # A summarised picture shows the window of nodes holding `rank` (else the first nodes).
+    first_node = 0
+    if rank is not None and drawn_nodes < world_nodes:
+        first_node = (rank // gpus_per_node) // drawn_nodes * drawn_nodes
+    last_node = min(first_node + drawn_nodes, world_nodes)
+    lo, hi = first_node * gpus_per_node, min(last_node * gpus_per_node, plan.world_size)
     highlight = set(group_kind.members(rank)) if rank is not None else set()
 
     where = (
@@ -125,7 +131,8 @@ def picture(
         f"{summary.intra_node_groups} of {summary.count} inside one node"
     )
     lines = [
-        f"{plan.world_size} ranks, {world_nodes} nodes of {gpus_per_node}; grid "
+        f"{plan.world_size} ranks, {world_nodes} nodes of {gpus_per_node}; "
+        + ("grid " if group_kind.view is None else f"{group_kind.view} view ")
         + " x ".join(f"{n}={s}" for n, s in zip(layout.dim_names, layout.shape)),
         f"colour: {kind} group ({summary.count} groups of {summary.size}, key {summary.key!r})",
         where,
@@ -143,14 +150,14 @@ def picture(
     index_of: dict[int, int] = {}
     for g, members in enumerate(group_kind.enumerate()):
         for r in members:
-            if r < drawn_ranks:
+            if lo <= r < hi:
                 index_of[r] = g
-    for node in range(drawn_nodes):
-        y = top + node * _CELL_H
+    for node in range(first_node, last_node):
+        y = top + (node - first_node) * _CELL_H
         pic.texts.append((_MARGIN, y + 8, f"node {node}"))
         for local in range(gpus_per_node):
             r = node * gpus_per_node + local
-            if r >= min(drawn_ranks, plan.world_size):
+            if r >= hi:
                 break
             x = _MARGIN + _LABEL_W + local * _CELL_W
             if r in index_of:
@@ -159,11 +166,11 @@ def picture(
             else:
                 fill, tip = (235, 235, 235), f"rank {r}: not on the grid"
             pic.cells.append(Cell(x, y, _CELL_W - 2, _CELL_H - 2, fill, str(r), tip, r in highlight))
-    y = top + drawn_nodes * _CELL_H + 6
-    if drawn_nodes < world_nodes:
+    y = top + (last_node - first_node) * _CELL_H + 6
+    if last_node - first_node < world_nodes:
         pic.texts.append(
-            (_MARGIN, y, f"... {world_nodes - drawn_nodes} more nodes (ranks {drawn_nodes * gpus_per_node}"
-             f"-{plan.world_size - 1}) not drawn")
+            (_MARGIN, y, f"... drawn: nodes {first_node}-{last_node - 1} (ranks {lo}-{hi - 1}); "
+             f"{world_nodes - (last_node - first_node)} other nodes not drawn")
         )
         y += _LINE_H
     pic.height = y + _MARGIN
@@ -217,6 +224,7 @@ _FONT_ROWS = {
     ":": "000010000010000", "(": "010100100100010", ")": "010001001001010", "/": "001001010100100",
     "=": "000111000111000", "+": "000010111010000", "_": "000000000000111", "[": "110100100100110",
     "]": "011001001001011", "'": "010010000000000", "?": "111001010000010", "*": "000101010101000",
+    ";": "000010000010100", "<": "001010100010001", ">": "100010001010100", "#": "101111101111101",
 }
 _SCALE = 2  # font pixels per glyph pixel: 6x10 characters, readable at 100%
 _ADVANCE = 4 * _SCALE

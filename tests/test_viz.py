@@ -50,8 +50,13 @@ def test_large_world_is_summarised_with_whole_world_counts():
     pic = picture(plan, "ep", 8)
     assert len(pic.cells) == 256 < MAX_RANKS_DRAWN
     text = " ".join(t for _, _, t in pic.texts)
-    assert "480 more nodes (ranks 256-4095) not drawn" in text
+    assert "drawn: nodes 0-31 (ranks 0-255); 480 other nodes not drawn" in text
     assert f"{plan.summary('ep', 8).count} groups of 32" in text
+    # With a rank, the window holds that rank's node, and its group is outlined there.
+    pic = picture(plan, "tp", 8, rank=3000)
+    assert [c.label for c in pic.cells][:1] == ["2816"] and len(pic.cells) == 256
+    assert sorted(int(c.label) for c in pic.cells if c.outlined) == plan.groups_of(3000)["tp"]
+    assert "drawn: nodes 352-383 (ranks 2816-3071)" in " ".join(t for _, _, t in pic.texts)
 
 
 def test_png_pixels_show_the_cell_colours(tmp_path):
