@@ -286,7 +286,7 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
     ))
     distinct = getattr(grids, "num_process_groups", None)
     notes.append(
-        f"megatron: hypergrid.megatron.initialize_model_parallel filled parallel_state in {seconds:.3f}s"
+        f"megatron: hypergrid.megatron.initialize_model_parallel filled parallel_state in {seconds:.3f}s on rank 0"
         + (f"; {distinct} distinct communicators on rank 0 for {len(plan.kinds)} group kinds" if distinct is not None else "")
     )
     results = []
@@ -434,7 +434,7 @@ def format_report(report: DemoReport) -> str:
     lines = [f"hypergrid demo: {report.world_size} ranks, grid {dims}"]
     for name, view in plan.views.items():
         lines.append(f"  {name} view: " + " x ".join(f"{n}={s}" for n, s in zip(view.dim_names, view.shape)))
-    header = ["source", "kind", "key", "groups", "size", "rank 0's group", "verified", "create ms"]
+    header = ["source", "kind", "key", "groups", "size", "rank 0's group", "verified", "create ms (slowest rank)"]
     rows = [header]
     for r in report.results:
         members = str(r.members) if len(r.members) <= 8 else f"[{r.members[0]}, ..., {r.members[-1]}] ({len(r.members)})"
