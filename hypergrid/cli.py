@@ -274,6 +274,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .viz import picture, write_picture
 
     plan = _plan_from_args(args)
+    plan.check_enumerable()  # before any work: a huge world is refused, not enumerated for hours
     if args.rank is not None:
         plan.check_rank(args.rank)
     colour = args.colour
@@ -302,6 +303,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     from .parity import compare_with_megatron
 
     plan = _plan_from_args(args)
+    plan.check_enumerable()
     start = time.perf_counter()
     result = compare_with_megatron(plan)
     elapsed = time.perf_counter() - start

@@ -36,9 +36,14 @@ __all__ = [
     "Plan",
     "plan_grid",
     "plan_megatron",
+    "MAX_ENUMERATED_RANKS",
 ]
 
 logger = logging.getLogger("hypergrid.report")
+
+#: Largest world whose groups a plan lists in full (node locality looks at every group): about
+#: ten seconds of pure Python. One rank's groups (``groups_of``) have no such limit.
+MAX_ENUMERATED_RANKS = 1 << 22
 
 @dataclass(frozen=True)
 class GroupKind:
@@ -190,8 +195,25 @@ class Plan:
         self.check_rank(rank)
         return {kind.name: kind.members(rank) for kind in self.kinds}
 
+    def check_enumerable(self) -> None:
+        """ValueError if the world is too large to list every group (:data:`MAX_ENUMERATED_RANKS`).
+
+        Example::
+
+            >>> plan_grid([2, 1 << 30], ["tp", "dp"]).check_enumerable()
+            Traceback (most recent call last):
+            ...
+            ValueError: world size 2147483648 is too large to list every group: summaries and checks enumerate all groups, up to 4194304 ranks
+        """
+        if self.world_size > MAX_ENUMERATED_RANKS:
+            raise ValueError(
+                f"world size {self.world_size} is too large to list every group: summaries and checks "
+                f"enumerate all groups, up to {MAX_ENUMERATED_RANKS} ranks"
+            )
+
     def summary(self, name: str, gpus_per_node: int) -> KindSummary:
         """Count, size and node locality of the kind called ``name``; O(grid size)."""
+        self.check_enumerable()
         if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node <= 0:
             raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
         kind = self.kind(name)
