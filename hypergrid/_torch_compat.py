@@ -14,6 +14,13 @@ itself. Two things have no public door and need torch's private attributes:
 Counting a rank's process groups (to prove none was created) reads
 ``distributed_c10d._world.pg_map``.
 
+The group registry and the agreement check need four c10d internals, also kept here:
+``distributed_c10d._process_group_name`` (overridden for one call so that a group's name depends
+only on what its members share, see :func:`group_name_override`), ``_get_default_store`` (where
+members meet to agree), ``_get_default_timeout`` and a backend's ``options._timeout`` (to tell
+whether a whole-world request can be served by the default group). Each degrades to torch's own
+behaviour, with a log line, where it is missing.
+
 Supported torch: :data:`SUPPORTED_TORCH` (the ``_MeshLayout``-based DeviceMesh with
 ``_MeshLayout.collapse``, first in 2.13); tested on 2.13. :func:`require_mesh_support` checks
 every attribute named above, once, and raises :class:`UnsupportedTorchError` naming the
@@ -28,10 +35,12 @@ Example::
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
-from typing import Any, Optional, Sequence
+from datetime import timedelta
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,6 +56,10 @@ __all__ = [
     "flattened_meshes",
     "root_mesh",
     "process_group_count",
+    "group_name_override",
+    "default_store",
+    "default_group_timeout",
+    "new_group_default_timeout",
 ]
 
 logger = logging.getLogger("hypergrid.mesh")
@@ -255,3 +268,94 @@ def process_group_count() -> int:
     if pg_map is None:
         raise _unsupported(["distributed_c10d._world.pg_map"])
     return len(pg_map)
+
+
+@contextlib.contextmanager
+def group_name_override(name: str, ranks: Sequence[int]) -> Iterator[None]:
+    """Make torch name the group it creates for exactly ``ranks`` ``name``, for one call.
+
+    With ``use_local_synchronization=True`` torch names a group by hashing its ranks together
+    with the number of groups this process already has. Members that made different numbers of
+    groups before (Megatron's embedding groups exist only on some pipeline stages, say) then
+    disagree on the name, rendezvous under different store prefixes and hang until the timeout.
+
+    Example::
+
+        >>> # with group_name_override("hypergrid-abc", [0, 1]):
+        >>> #     pg = dist.new_group([0, 1], use_local_synchronization=True)   # pg.group_name == "hypergrid-abc"
+    """
+    c10d = dist.distributed_c10d
+    original = getattr(c10d, "_process_group_name", None)
+    if original is None:
+        logger.warning("torch.distributed has no _process_group_name; group names are torch's own")
+        yield
+        return
+    wanted = sorted(ranks)
+
+    def named(group_ranks: list[int], use_hashed_name: bool) -> str:
+        if use_hashed_name and sorted(group_ranks) == wanted:
+            return c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
+        return original(group_ranks, use_hashed_name)
+
+    c10d._process_group_name = named
+    try:
+        yield
+    finally:
+        c10d._process_group_name = original
+
+
+def default_store() -> Optional[dist.Store]:
+    """The default group's store (where ranks can meet), or None where torch does not say.
+
+    Example::
+
+        >>> # default_store().set("key", "value")   # in a job
+    """
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None or not dist.is_initialized():
+        return None
+    try:
+        return getter()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def default_group_timeout() -> Optional[timedelta]:
+    """The timeout the default group was created with; None where its backend has none (fake).
+
+    Example::
+
+        >>> # dist.init_process_group("gloo", timeout=timedelta(seconds=60)); default_group_timeout()
+        >>> # datetime.timedelta(seconds=60)
+    """
+    default = dist.distributed_c10d._get_default_group()
+    devices = []
+    bound = getattr(default, "bound_device_id", None)
+    if bound is not None:
+        devices.append(bound)
+    devices += [torch.device("cuda"), torch.device("cpu")]
+    for device in devices:
+        try:
+            backend_options = default._get_backend(device).options
+        except Exception:  # no backend for this device type
+            continue
+        timeout = getattr(backend_options, "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
+
+
+def new_group_default_timeout(backend: str) -> timedelta:
+    """The timeout torch gives a new group of ``backend`` when none is passed.
+
+    Example::
+
+        >>> new_group_default_timeout("gloo")
+        datetime.timedelta(seconds=1800)
+    """
+    getter = getattr(dist.distributed_c10d, "_get_default_timeout", None)
+    if getter is None:
+        from torch.distributed.constants import default_pg_timeout
+
+        return default_pg_timeout
+    return getter(dist.Backend(backend))

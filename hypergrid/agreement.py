@@ -30,6 +30,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
+from ._torch_compat import default_store
 from .errors import GridMismatchError, GroupTimeoutError
 
 __all__ = ["check_agreement", "agreement_possible", "describe_ranks"]
@@ -70,13 +71,7 @@ def agreement_possible() -> bool:
 
 
 def _store() -> Optional[dist.Store]:
-    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
-    if getter is None:
-        return None
-    try:
-        return getter()
-    except (RuntimeError, ValueError):
-        return None
+    return default_store()
 
 
 def _encode(value: Mapping[str, Any]) -> str:

@@ -31,18 +31,18 @@ Example::
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Iterator, Mapping, Optional
+from typing import Any, Callable, Hashable, Mapping, Optional
 
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-from .agreement import check_agreement
+from ._torch_compat import group_name_override
+from .agreement import check_agreement, describe_ranks
 from .errors import GroupCreationError
 from .layout import Dims, GridLayout
 
@@ -335,7 +335,7 @@ class GroupRegistry:
         _require_initialized(request.label)
         name = self._next_name(members)
         _agree(request, options, name)
-        with _torch_group_name(name, list(members)):
+        with group_name_override(name, list(members)):
             pg = _call_torch(
                 request.label,
                 members,
@@ -485,36 +485,6 @@ class GroupRequest:
         return cls(label, None if members is None else tuple(members), ("members-only", label), unknown)
 
 
-@contextlib.contextmanager
-def _torch_group_name(name: str, ranks: list[int]) -> Iterator[None]:
-    """Make torch name the group it creates for exactly ``ranks`` ``name``, for one call.
-
-    With ``use_local_synchronization=True`` torch names a group by hashing its ranks together
-    with the number of groups this process already has. Members that made different numbers of
-    groups before (Megatron's embedding groups exist only on some pipeline stages, say) then
-    disagree on the name, rendezvous under different store prefixes and hang until the timeout.
-    hypergrid's names depend only on what all members share.
-    """
-    c10d = dist.distributed_c10d
-    original = getattr(c10d, "_process_group_name", None)
-    if original is None:  # a torch without the hook: keep its naming (and its hazard)
-        logger.warning("torch.distributed has no _process_group_name; group names are torch's own")
-        yield
-        return
-    wanted = sorted(ranks)
-
-    def named(group_ranks: list[int], use_hashed_name: bool) -> str:
-        if use_hashed_name and sorted(group_ranks) == wanted:
-            return c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
-        return original(group_ranks, use_hashed_name)
-
-    c10d._process_group_name = named
-    try:
-        yield
-    finally:
-        c10d._process_group_name = original
-
-
 def _agree(request: GroupRequest, options: GroupOptions, name: str) -> None:
     if request.agreement is None or request.members is None:
         return
@@ -538,9 +508,7 @@ def _call_torch(label: str, members: Optional[tuple[int, ...]], create: Callable
     except (TypeError, ValueError):
         raise
     except Exception as exc:
-        shown = list(members) if members is not None and len(members) <= 64 else (
-            f"{len(members)} ranks from {members[0]} to {members[-1]}" if members else "none (not a member)"
-        )
+        shown = describe_ranks(members) if members is not None else "none (not a member)"
         raise GroupCreationError(
             f"creating process group {label!r} with members {shown} failed: {type(exc).__name__}: {exc}"
         ) from exc

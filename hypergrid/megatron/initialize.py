@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from .._torch_compat import default_group_timeout, new_group_default_timeout
 from ..grid import HyperCommGrid
 from ..groups import REGISTRY, STRATEGIES, GroupOptions, GroupRequest
 from .config import MEGATRON_KEYWORDS, MegatronConfig
@@ -391,35 +392,15 @@ def _same_as_world(options: GroupOptions) -> bool:
     """Whether a group of every rank with these options is interchangeable with the default group."""
     if options.pg_options is not None:
         return False
-    default = dist.distributed_c10d._get_default_group()
-    backend = str(dist.get_backend(default)).lower()
+    backend = str(dist.get_backend()).lower()
     if options.backend is not None and str(options.backend).lower() != backend:
         return False
-    world_timeout = _default_group_timeout(default)
+    world_timeout = default_group_timeout()
     if world_timeout is None:
         # A backend without timeouts (e.g. torch's fake backend): nothing to differ in.
         return True
-    wanted = options.timeout
-    if wanted is None:
-        wanted = dist.distributed_c10d._get_default_timeout(backend)  # type: ignore[arg-type]
+    wanted = options.timeout if options.timeout is not None else new_group_default_timeout(backend)
     return wanted == world_timeout
-
-
-def _default_group_timeout(default: dist.ProcessGroup) -> Optional[timedelta]:
-    devices = []
-    bound = getattr(default, "bound_device_id", None)
-    if bound is not None:
-        devices.append(bound)
-    devices += [torch.device("cuda"), torch.device("cpu")]
-    for device in devices:
-        try:
-            backend_options = default._get_backend(device).options
-        except Exception:  # no backend for this device type
-            continue
-        timeout = getattr(backend_options, "_timeout", None)
-        if timeout is not None:
-            return timeout
-    return None
 
 
 def _prepare_ucc() -> None:
