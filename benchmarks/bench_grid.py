@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [w for w in worlds if w not in SHAPES]
     if unknown:
         parser.error(f"no grid shape for world sizes {unknown}; known: {sorted(SHAPES)}")
-    print(f"7 groups of a 4-D grid (tp, cp, pp, dp, tp-cp, dp-cp, pp-tp) on one rank, fake backend", flush=True)
+    print("7 groups of a 4-D grid (tp, cp, pp, dp, tp-cp, dp-cp, pp-tp) on one rank, fake backend", flush=True)
     header = f"{'world':>9}  {'shape (tp,cp,pp,dp)':>20}  {'hypergrid':>11}  {'megatron-core':>13}  {'ratio':>8}"
     print(header, flush=True)
     print("-" * len(header), flush=True)

@@ -30,7 +30,6 @@ import logging
 import os
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field

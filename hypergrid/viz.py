@@ -112,7 +112,7 @@ def picture(
     summary = plan.summary(kind, gpus_per_node)
     group_kind = plan.kind(kind)
     layout = plan.layout if group_kind.view is None else plan.views[group_kind.view]
-    first, end = layout.rank_offset, layout.rank_offset + layout.size
+    end = layout.rank_offset + layout.size
     world_nodes = -(-plan.world_size // gpus_per_node)
     drawn_ranks = end if end <= max_ranks else max(gpus_per_node, min(_SUMMARY_RANKS, end))
     drawn_nodes = -(-drawn_ranks // gpus_per_node)

@@ -11,7 +11,6 @@ import os
 import time
 from datetime import timedelta
 
-import pytest
 import torch
 import torch.distributed as dist
 

@@ -70,7 +70,6 @@ def test_plan_agrees_with_groups_built_over_gloo():
 
 
 def test_launcher_kills_the_rest_when_one_rank_fails():
-    import os
 
     from hypergrid.demo import launch
 
