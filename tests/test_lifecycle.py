@@ -44,13 +44,21 @@ def _traced() -> int:
     return tracemalloc.get_traced_memory()[0]
 
 
-def _traced_from_hypergrid() -> int:
-    """Traced memory allocated with a hypergrid frame on the stack (torch's own init excluded)."""
+def _traced_at(pattern: str, all_frames: bool) -> int:
     gc.collect()
-    snapshot = tracemalloc.take_snapshot().filter_traces(
-        [tracemalloc.Filter(True, "*/hypergrid/*", all_frames=True)]
-    )
+    snapshot = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, pattern, all_frames=all_frames)])
     return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+def _traced_by_hypergrid() -> int:
+    """Traced memory allocated at a line of hypergrid's own code (the innermost frame)."""
+    return _traced_at("*/hypergrid/*", all_frames=False)
+
+
+def _traced_under_hypergrid() -> int:
+    """Traced memory allocated with a hypergrid frame anywhere on the stack: torch's
+    allocations inside the group constructors hypergrid calls are counted too."""
+    return _traced_at("*/hypergrid/*", all_frames=True)
 
 
 def _rss() -> int:
@@ -147,31 +155,34 @@ def _world_cycle(rank: int, world_size: int) -> None:
 
 def test_100_init_destroy_cycles_fake_backend_leave_nothing_behind():
     assert not dist.is_initialized()
-    # torch's init_process_group itself keeps ~0.5 kB per call (it chains sys.excepthook), so
-    # the memory checked is what was allocated under hypergrid's frames; the total is printed.
     tracemalloc.start(25)
     try:
         for _ in range(5):  # warm-up: first-use caches, lazy imports, interned strings
             _world_cycle(5, 32)
         tables_before, count_before = _torch_tables(), REGISTRY.count()
-        total_before, mem_before = _traced(), _traced_from_hypergrid()
+        total_before, under_before, own_before = _traced(), _traced_under_hypergrid(), _traced_by_hypergrid()
         for i in range(100):
             _world_cycle(i % 32, 32)
             if i == 19:
-                mem_at_20 = _traced_from_hypergrid()
+                own_at_20 = _traced_by_hypergrid()
         tables_after, count_after = _torch_tables(), REGISTRY.count()
-        total_after, mem_after = _traced(), _traced_from_hypergrid()
+        total_after, under_after, own_after = _traced(), _traced_under_hypergrid(), _traced_by_hypergrid()
     finally:
         tracemalloc.stop()
     print(f"\n[fake, 100 init/grid/7 groups/destroy cycles] torch tables {tables_before} -> {tables_after}; "
-          f"REGISTRY.count() {count_before} -> {count_after}; memory under hypergrid frames {mem_before} -> "
-          f"{mem_at_20} (20) -> {mem_after} (100) bytes; all traced memory {total_before} -> {total_after} bytes")
+          f"REGISTRY.count() {count_before} -> {count_after}; allocated at hypergrid's lines {own_before} -> "
+          f"{own_at_20} (20) -> {own_after} (100) bytes; under hypergrid frames, torch's included "
+          f"{under_before} -> {under_after} bytes; all traced memory {total_before} -> {total_after} bytes")
     assert tables_after == tables_before == dict.fromkeys(tables_before, 0)
     assert count_after == count_before == 0
-    # A leak of even one small object per group would be 700 objects (> 50 kB) over 100 cycles;
-    # the slack allows allocator noise, not growth proportional to the cycles.
-    assert mem_after - mem_before < 32 * 1024, (mem_before, mem_after)
-    assert mem_after - mem_at_20 < 16 * 1024, (mem_at_20, mem_after)
+    # What hypergrid itself allocates stays flat: a leak of one small object per group would be
+    # 700 objects (tens of kB) over 100 cycles. Memory torch allocates inside the group
+    # constructors hypergrid calls is not asserted on: torch's fake backend and its Backend name
+    # lookups warm up to a plateau of some tens of kB over the first ~200 groups whoever calls
+    # them (measured: flat from 200 to 400 cycles), and torch's init_process_group keeps ~0.5 kB
+    # per call (it chains sys.excepthook); the figures are printed above.
+    assert own_after - own_before < 4 * 1024, (own_before, own_after)
+    assert own_after - own_at_20 < 2 * 1024, (own_at_20, own_after)
 
 
 def test_100_grid_cycles_in_one_fake_world_leave_nothing_behind():
