@@ -139,8 +139,16 @@ def picture(
     ]
     if rank is not None:
         lines.append(f"outlined: the {kind} group of rank {rank}")
+    footer = (
+        f"... drawn: nodes {first_node}-{last_node - 1} (ranks {lo}-{hi - 1}); "
+        f"{world_nodes - (last_node - first_node)} other nodes not drawn"
+        if last_node - first_node < world_nodes
+        else None
+    )
     top = _MARGIN + _LINE_H * len(lines) + 6
-    width = max(_MARGIN * 2 + _LABEL_W + gpus_per_node * _CELL_W, 8 * max(len(t) for t in lines) + 2 * _MARGIN)
+    # Wide enough for the cells and for every line of text, the footer included.
+    longest_text = max(len(t) for t in lines + ([footer] if footer else []))
+    width = max(_MARGIN * 2 + _LABEL_W + gpus_per_node * _CELL_W, 8 * longest_text + 2 * _MARGIN)
     pic = Picture(width=width, height=0)
     for i, text in enumerate(lines):
         pic.texts.append((_MARGIN, _MARGIN + _LINE_H * i, text))
@@ -167,11 +175,8 @@ def picture(
                 fill, tip = (235, 235, 235), f"rank {r}: not on the grid"
             pic.cells.append(Cell(x, y, _CELL_W - 2, _CELL_H - 2, fill, str(r), tip, r in highlight))
     y = top + (last_node - first_node) * _CELL_H + 6
-    if last_node - first_node < world_nodes:
-        pic.texts.append(
-            (_MARGIN, y, f"... drawn: nodes {first_node}-{last_node - 1} (ranks {lo}-{hi - 1}); "
-             f"{world_nodes - (last_node - first_node)} other nodes not drawn")
-        )
+    if footer:
+        pic.texts.append((_MARGIN, y, footer))
         y += _LINE_H
     pic.height = y + _MARGIN
     logger.debug("picture of %s: %d cells, %dx%d", kind, len(pic.cells), pic.width, pic.height)
