@@ -22,6 +22,7 @@ Example (inside a job; ``grid.create_pg`` does this for you)::
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import time
@@ -33,7 +34,7 @@ import torch.distributed as dist
 from ._torch_compat import default_store
 from .errors import GridMismatchError, GroupTimeoutError
 
-__all__ = ["check_agreement", "agreement_possible", "describe_ranks"]
+__all__ = ["check_agreement", "agreement_possible", "describe_ranks", "members_fingerprint"]
 
 logger = logging.getLogger("hypergrid.agreement")
 
@@ -59,6 +60,27 @@ def describe_ranks(ranks: Sequence[int], limit: int = 16) -> str:
         return str(ranks)
     head = ", ".join(str(r) for r in ranks[: limit // 2])
     return f"{len(ranks)} ranks [{head}, ..., {ranks[-1]}]"
+
+
+def members_fingerprint(members: Sequence[int]) -> str:
+    """What members publish about a group's member list: short, whatever the group's size.
+
+    Each member's entry is read by the group's leader, so an entry holding the whole list would
+    cost the leader O(group size squared) bytes; a digest keeps it O(group size). Small groups
+    are shown whole, larger ones summarised, with the digest deciding equality.
+
+    Example::
+
+        >>> members_fingerprint([3, 1, 2])
+        '[1, 2, 3]'
+        >>> members_fingerprint(range(1000))[:50]
+        '1000 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 999] sha1:'
+    """
+    ordered = sorted(members)
+    if len(ordered) <= 16:
+        return str(ordered)
+    digest = hashlib.sha1(",".join(map(str, ordered)).encode()).hexdigest()[:16]
+    return f"{describe_ranks(ordered)} sha1:{digest}"
 
 
 def agreement_possible() -> bool:
@@ -154,7 +176,7 @@ def check_agreement(
     assert store is not None  # agreement_possible() checked it
     rank = dist.get_rank()
     leader = min(members)
-    payload = dict(fields, **{"request.members": sorted(members)})
+    payload = dict(fields, **{"request.members": members_fingerprint(members)})
     base = f"{_PREFIX}/{namespace}"
     started = time.monotonic()
     deadline = started + timeout.total_seconds()

@@ -149,3 +149,15 @@ if __name__ == "__main__":  # prints the failure timings quoted in the project n
                 print(f"  rank {rank}: {kind} after {seconds:.2f}s: {message[:400]!r}")
             else:
                 print(f"  rank {rank}: {result[0]} {result[1] if result[0] == 'dead' else ''}")
+
+
+def test_what_members_publish_stays_short_for_large_groups():
+    # The leader reads every member's entry: an entry must not hold the whole member list.
+    from hypergrid.agreement import members_fingerprint
+
+    big = members_fingerprint(range(0, 2_000_000, 2))
+    assert len(big) < 120, big
+    assert big.startswith("1000000 ranks [0, 2, 4")
+    assert members_fingerprint(range(0, 2_000_000, 2)) == big
+    assert members_fingerprint([*range(0, 1_999_998, 2), 1_999_999]) != big  # last member differs
+    assert members_fingerprint([5, 1, 3]) == "[1, 3, 5]"  # small groups are shown whole
