@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed as dist
 
 from .errors import GridDestroyedError, GridTooLargeError
-from .groups import REGISTRY, STRATEGIES, GroupOptions, GroupRequest
+from .groups import REGISTRY, GroupOptions, GroupRequest, check_strategy
 from .layout import Dims, GridLayout
 
 if TYPE_CHECKING:
@@ -127,10 +127,7 @@ class HyperCommGrid:
         check_agreement: bool = True,
     ) -> None:
         layout = GridLayout(shape, dim_names, rank_offset)  # type: ignore[arg-type]
-        if not isinstance(strategy, str):
-            raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}, got {type(strategy).__name__} {strategy!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+        check_strategy(strategy)
         if not isinstance(check_agreement, bool):
             raise TypeError(f"check_agreement must be a bool, got {check_agreement!r}")
         self._defaults = GroupOptions(backend=backend, timeout=timeout)

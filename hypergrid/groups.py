@@ -117,6 +117,23 @@ class GroupOptions:
         return self._identity  # type: ignore[attr-defined]
 
 
+def check_strategy(strategy: object) -> None:
+    """Raise unless ``strategy`` names one of :data:`STRATEGIES`.
+
+    Example::
+
+        >>> check_strategy("local")
+        >>> check_strategy("fast")
+        Traceback (most recent call last):
+        ...
+        ValueError: strategy must be one of ['local', 'enumerate', 'split'], got 'fast'
+    """
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}, got {type(strategy).__name__} {strategy!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+
+
 def split_supported(backend: Optional[str] = None) -> bool:
     """Whether ``split_group`` can make groups on this process's default group.
 
@@ -241,10 +258,7 @@ class GroupRegistry:
         private: bool = False,
     ) -> Optional[dist.ProcessGroup]:
         """Like :meth:`acquire`, for any :class:`GroupRequest` (e.g. explicit rank lists)."""
-        if not isinstance(strategy, str):
-            raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}, got {type(strategy).__name__} {strategy!r}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+        check_strategy(strategy)
         if not isinstance(options, GroupOptions):
             raise TypeError(f"options must be a GroupOptions, got {type(options).__name__} {options!r}")
         if strategy == "split" and not split_supported(options.backend):

@@ -23,7 +23,7 @@ from megatron.core import parallel_state as ps
 
 from .._torch_compat import default_group_timeout, new_group_default_timeout
 from ..grid import HyperCommGrid
-from ..groups import REGISTRY, STRATEGIES, GroupOptions, GroupRequest
+from ..groups import REGISTRY, GroupOptions, GroupRequest, check_strategy
 from .config import MEGATRON_KEYWORDS, MegatronConfig
 from .plan import ALIAS_GLOBALS, GroupSpec, MegatronPlan
 
@@ -269,8 +269,7 @@ def initialize_model_parallel(
         kwargs[name] = value
     if not isinstance(share_groups, bool):
         raise TypeError(f"share_groups must be a bool, got {share_groups!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    check_strategy(strategy)
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group() first"
