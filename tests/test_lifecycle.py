@@ -199,19 +199,23 @@ def test_100_grid_cycles_in_one_fake_world_leave_nothing_behind():
         try:
             for i in range(4):
                 cycle(i)
-            tables_before, count_before, mem_before = _torch_tables(), REGISTRY.count(), _traced()
+            tables_before, count_before = _torch_tables(), REGISTRY.count()
+            total_before, own_before = _traced(), _traced_by_hypergrid()
             for i in range(100):
                 cycle(i)
-            tables_after, count_after, mem_after = _torch_tables(), REGISTRY.count(), _traced()
+            tables_after, count_after = _torch_tables(), REGISTRY.count()
+            total_after, own_after = _traced(), _traced_by_hypergrid()
         finally:
             tracemalloc.stop()
         print(f"\n[fake, 100 grid cycles in one world] torch tables {tables_before} -> {tables_after}; "
-              f"REGISTRY.count() {count_before} -> {count_after}; traced memory {mem_before} -> {mem_after} bytes")
+              f"REGISTRY.count() {count_before} -> {count_after}; allocated at hypergrid's lines {own_before} -> "
+              f"{own_after} bytes; all traced memory, torch's included, {total_before} -> {total_after} bytes")
         assert tables_after == tables_before
         assert tables_before["pg_map"] == 1  # the default group only
         assert count_after == count_before == 0
         assert not REGISTRY._entries and not REGISTRY._by_members and not REGISTRY._by_partition
-        assert mem_after - mem_before < 32 * 1024, (mem_before, mem_after)
+        # As above: hypergrid's own allocations stay flat; torch's warm-up is printed, not asserted.
+        assert own_after - own_before < 4 * 1024, (own_before, own_after)
 
 
 def _gloo_cycles(rank: int, world_size: int, cycles: int) -> dict:
