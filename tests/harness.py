@@ -1,7 +1,7 @@
 """Shared helpers for tests: real gloo jobs on loopback and one rank of a fake world.
 
 ``run_gloo(fn, world_size)`` starts ``world_size`` fresh processes, each with a gloo default group
-on a free loopback port, calls ``fn(rank, world_size, *args)`` in each and returns their results
+over a store that the calling process hosts on a free loopback port, calls ``fn(rank, world_size, *args)`` in each and returns their results
 in rank order. Every wait has a timeout: a job that does not finish in ``timeout`` seconds is
 killed, process group and all, and the test fails naming the ranks still running. ``fn`` must be
 a module-level function (it is pickled by name into the children).
@@ -16,7 +16,6 @@ import contextlib
 import datetime
 import os
 import queue
-import socket
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
@@ -25,12 +24,6 @@ import torch.multiprocessing as mp
 
 #: Default limit for one whole gloo job (start-up included).
 JOB_TIMEOUT_S = 120.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _child(
@@ -48,13 +41,9 @@ def _child(
         {"RANK": str(rank), "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     )
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=pg_timeout_s),
-        )
+        timeout = datetime.timedelta(seconds=pg_timeout_s)
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException as exc:  # reported to the parent, which fails the test with it
@@ -82,7 +71,11 @@ def run_gloo(
     """
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    # The job's store lives in this process, as torchrun's agent hosts it, not in rank 0: a rank
+    # that fails fast and exits must not take the store from ranks still reporting their errors.
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout))
+    port = store.port
     procs = [
         ctx.Process(
             target=_child,
