@@ -22,6 +22,7 @@ Example (inside a job; ``grid.create_pg`` does this for you)::
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -32,7 +33,7 @@ from typing import Any, Mapping, Optional, Sequence
 import torch.distributed as dist
 
 from ._torch_compat import default_store
-from .errors import GridMismatchError, GroupTimeoutError
+from .errors import GridMismatchError, GroupCreationError, GroupTimeoutError
 
 __all__ = ["check_agreement", "agreement_possible", "describe_ranks", "members_fingerprint"]
 
@@ -89,11 +90,7 @@ def agreement_possible() -> bool:
         return False
     if str(dist.get_backend()).lower() == "fake":
         return False  # one simulated rank: there is nobody to agree with
-    return _store() is not None
-
-
-def _store() -> Optional[dist.Store]:
-    return default_store()
+    return default_store() is not None
 
 
 def _encode(value: Mapping[str, Any]) -> str:
@@ -161,7 +158,9 @@ def check_agreement(
     ``namespace`` must be the same on every member and unique to this creation (hypergrid uses the
     name it gives the group). Raises :class:`~hypergrid.errors.GridMismatchError` naming the ranks
     and fields that differ, or :class:`~hypergrid.errors.GroupTimeoutError` naming the members
-    that did not arrive within ``timeout``; either on every member that is still alive.
+    that did not arrive within ``timeout``; either on every member that is still alive. A store
+    that stops answering (its host exited) raises :class:`~hypergrid.errors.GroupCreationError`
+    naming the group.
 
     Example::
 
@@ -172,7 +171,7 @@ def check_agreement(
     members = list(members)
     if len(members) <= 1 or not agreement_possible():
         return
-    store = _store()
+    store = default_store()
     assert store is not None  # agreement_possible() checked it
     rank = dist.get_rank()
     leader = min(members)
@@ -180,19 +179,29 @@ def check_agreement(
     base = f"{_PREFIX}/{namespace}"
     started = time.monotonic()
     deadline = started + timeout.total_seconds()
-    _set_last(store, rank, "waiting", base, payload)
     try:
-        store.set(f"{base}/{rank}", _encode(payload))
-        if rank == leader:
-            _lead(store, label, members, payload, base, deadline)
-        else:
-            _follow(store, label, members, payload, base, leader, deadline, timeout)
-    except (GridMismatchError, GroupTimeoutError) as exc:
-        # Others who wait on this rank report the original cause, not a chain of "failed earlier".
-        root = getattr(exc, "root_cause", None) or _one_line(str(exc))
-        _set_last(store, rank, "failed", base, payload, error=root)
-        raise
-    _set_last(store, rank, "done", base, payload)
+        _set_last(store, rank, "waiting", base, payload)
+        try:
+            store.set(f"{base}/{rank}", _encode(payload))
+            if rank == leader:
+                _lead(store, label, members, payload, base, deadline)
+            else:
+                _follow(store, label, members, payload, base, leader, deadline, timeout)
+        except (GridMismatchError, GroupTimeoutError) as exc:
+            # Others who wait on this rank report the original cause, not a chain of "failed earlier".
+            root = getattr(exc, "root_cause", None) or _one_line(str(exc))
+            with contextlib.suppress(dist.DistError):  # the error at hand says more than a lost store
+                _set_last(store, rank, "failed", base, payload, error=root)
+            raise
+        _set_last(store, rank, "done", base, payload)
+    except dist.DistError as exc:
+        raise GroupCreationError(
+            f"hypergrid: process group {label!r} (members {describe_ranks(members)}): the job's store "
+            f"stopped answering while the members were checking that they agree "
+            f"({type(exc).__name__}: {_one_line(str(exc), 200)}). The process hosting the store (rank 0 "
+            f"with init_method 'env://' or 'tcp://', or the launcher's agent) has likely exited: "
+            f"look at its error first."
+        ) from exc
     logger.debug("members of %s agree (%.1f ms)", label, (time.monotonic() - started) * 1e3)
 
 

@@ -11,6 +11,7 @@ import os
 import time
 from datetime import timedelta
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -161,3 +162,29 @@ def test_what_members_publish_stays_short_for_large_groups():
     assert members_fingerprint(range(0, 2_000_000, 2)) == big
     assert members_fingerprint([*range(0, 1_999_998, 2), 1_999_999]) != big  # last member differs
     assert members_fingerprint([5, 1, 3]) == "[1, 3, 5]"  # small groups are shown whole
+
+
+class _LostStore(dist.Store):
+    """A store whose host has gone: every call fails as torch's TCPStore does then."""
+
+    def _gone(self, *args, **kwargs):
+        raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
+
+    set = get = check = multi_get = wait = _gone
+
+
+def test_a_store_that_stops_answering_is_named_with_the_group(monkeypatch):
+    import hypergrid.agreement as agreement
+    from hypergrid.errors import GroupCreationError
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        monkeypatch.setattr(agreement, "default_store", lambda: _LostStore())
+        with pytest.raises(GroupCreationError) as info:
+            agreement.check_agreement("dp-cp", [0, 4], {"grid.shape": [2, 4]}, namespace="ns/lost",
+                                      timeout=timedelta(seconds=5))
+    finally:
+        dist.destroy_process_group()
+    message = str(info.value)
+    assert "'dp-cp'" in message and "[0, 4]" in message and "store stopped answering" in message
+    assert isinstance(info.value.__cause__, dist.DistNetworkError)
