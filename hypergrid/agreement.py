@@ -194,6 +194,10 @@ def check_agreement(
                 _set_last(store, rank, "failed", base, payload, error=root)
             raise
         _set_last(store, rank, "done", base, payload)
+        # Agreed: nobody reads this member's entry again (the leader has compared them all), so
+        # the store does not keep one entry per member per group for the rest of the job.
+        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without delete_key
+            store.delete_key(f"{base}/{rank}")
     except dist.DistError as exc:
         raise GroupCreationError(
             f"hypergrid: process group {label!r} (members {describe_ranks(members)}): the job's store "

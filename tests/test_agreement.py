@@ -45,6 +45,30 @@ def _job_agree(rank: int, world_size: int) -> tuple:
     return _outcome(lambda: _create_all(grid, REQUESTS))
 
 
+def _job_agree_and_clean_up(rank: int, world_size: int) -> dict:
+    """Create groups as _job_agree does; report whether this rank's agreement entries are left."""
+    import hypergrid.groups as groups
+    from hypergrid import HyperCommGrid
+    from hypergrid._torch_compat import default_store
+
+    namespaces = []
+    check = groups.check_agreement
+
+    def recording(label, members, fields, *, namespace, timeout):
+        namespaces.append(namespace)
+        return check(label, members, fields, namespace=namespace, timeout=timeout)
+
+    groups.check_agreement = recording
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
+    _create_all(grid, REQUESTS)
+    store = default_store()
+    return {
+        "checked": len(namespaces),
+        "left": [ns for ns in namespaces if store.check([f"hypergrid/agree/{ns}/{rank}"])],
+        "verdicts": sum(store.check([f"hypergrid/agree/{ns}/verdict"]) for ns in namespaces),
+    }
+
+
 def _job_shape(rank: int, world_size: int) -> tuple:
     from hypergrid import HyperCommGrid
 
@@ -91,6 +115,14 @@ def test_agreeing_ranks_create_every_group():
     results = _results(_job_agree)
     assert [r[0] for r in results] == ["ok"] * 4
     assert [r[1][0] for r in results] == ["ok"] * 4
+
+
+def test_agreed_members_remove_their_entries_from_the_store():
+    # One small verdict per group stays; the per-member entries (O(group size) per group) go.
+    for result in run_gloo(_job_agree_and_clean_up, 4, timeout=90, pg_timeout_s=TIMEOUT_S):
+        assert result["checked"] == len(REQUESTS), result
+        assert result["left"] == [], result
+        assert result["verdicts"] == len(REQUESTS), result
 
 
 def test_one_rank_with_another_shape_fails_everywhere_naming_the_shape():
