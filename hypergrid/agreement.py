@@ -196,7 +196,9 @@ def check_agreement(
         _set_last(store, rank, "done", base, payload)
         # Agreed: nobody reads this member's entry again (the leader has compared them all), so
         # the store does not keep one entry per member per group for the rest of the job.
-        with contextlib.suppress(RuntimeError, NotImplementedError):  # a store without delete_key
+        # Tidying up must not fail a creation the members already agreed on: a store without
+        # delete_key (NotImplementedError) or one that just went away (a RuntimeError) is let be.
+        with contextlib.suppress(RuntimeError, NotImplementedError):
             store.delete_key(f"{base}/{rank}")
     except dist.DistError as exc:
         raise GroupCreationError(
