@@ -60,6 +60,9 @@ __all__ = [
     "default_store",
     "default_group_timeout",
     "new_group_default_timeout",
+    "world_split_source",
+    "torchcomms_enabled",
+    "default_group",
 ]
 
 logger = logging.getLogger("hypergrid.mesh")
@@ -359,3 +362,57 @@ def new_group_default_timeout(backend: str) -> timedelta:
 
         return default_pg_timeout
     return getter(dist.Backend(backend))
+
+
+def default_group() -> dist.ProcessGroup:
+    """The default (world) process group; torch.distributed must be initialized.
+
+    Example::
+
+        >>> # default_group() is dist.group.WORLD   # in a job
+    """
+    return dist.distributed_c10d._get_default_group()
+
+
+def world_split_source() -> Any:
+    """The backend torch would split new communicators from, or None where it makes them afresh.
+
+    torch splits only once the default group is bound to a device (``init_process_group(...,
+    device_id=...)``) and that device's backend can split (NCCL); then every rank of the world
+    must take part in each new communicator of that backend. torch's own ``_get_split_source``
+    decides this inside ``new_group``; asking it here makes hypergrid's choice the same as
+    torch's. Where torch lacks the helper, the bound backend's ``supports_splitting`` is read.
+
+    Example::
+
+        >>> world_split_source() is None    # no process group, or gloo / lazy NCCL
+        True
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    world = default_group()
+    if getattr(world, "bound_device_id", None) is None:
+        return None
+    helper = getattr(dist.distributed_c10d, "_get_split_source", None)
+    if helper is not None:
+        return helper(world)
+    try:
+        backend = world._get_backend(world.bound_device_id)
+    except RuntimeError:
+        return None
+    return backend if getattr(backend, "supports_splitting", False) else None
+
+
+def torchcomms_enabled() -> bool:
+    """Whether torch routes group creation through TorchComms (``TORCH_DISTRIBUTED_USE_TORCHCOMMS``).
+
+    Then ``new_group`` becomes ``split_group``, which every rank of the world must join and
+    which refuses ``use_local_synchronization=True``.
+
+    Example::
+
+        >>> torchcomms_enabled()
+        False
+    """
+    probe = getattr(dist.distributed_c10d, "_use_torchcomms_enabled", None)
+    return bool(probe()) if probe is not None else False

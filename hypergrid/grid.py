@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch.distributed as dist
 
 from .errors import GridDestroyedError, GridTooLargeError
-from .groups import REGISTRY, GroupOptions, GroupRequest, check_strategy
+from .groups import REGISTRY, GroupOptions, GroupRequest
+from .strategy import resolve_strategy
 from .layout import Dims, GridLayout
 
 if TYPE_CHECKING:
@@ -101,9 +102,12 @@ class HyperCommGrid:
         rank_offset: first global rank of the grid, for grids that do not start at rank 0.
         backend: backend of the groups; None uses the default group's backend.
         world_size: the world to fit in when torch.distributed is not initialized (planning).
-        strategy: how groups are made: ``"local"`` (default; each rank creates only its own
-            groups), ``"enumerate"`` (Megatron-Core's call pattern, all ranks create all groups)
-            or ``"split"`` (``split_group`` where supported, else ``"local"``).
+        strategy: how groups are made (see :mod:`hypergrid.strategy`): ``"auto"`` (the
+            default unless :func:`~hypergrid.strategy.set_default_strategy` or
+            ``HYPERGRID_STRATEGY`` say otherwise: ``"split"`` on a device-bound NCCL default
+            group, else ``"local"``), ``"local"`` (each rank creates only its own groups),
+            ``"split"`` (every rank joins one ``split_group`` per request) or ``"enumerate"``
+            (Megatron-Core's call pattern, all ranks create all groups).
         timeout: default timeout of the grid's groups (a ``create_pg`` timeout overrides it).
         check_agreement: check before each group is created that its members requested the
             same grid and group (see :mod:`hypergrid.agreement`); on by default.
@@ -122,12 +126,12 @@ class HyperCommGrid:
         backend: Optional[str] = None,
         *,
         world_size: Optional[int] = None,
-        strategy: str = "local",
+        strategy: Optional[str] = None,
         timeout: Optional[timedelta] = None,
         check_agreement: bool = True,
     ) -> None:
         layout = GridLayout(shape, dim_names, rank_offset)  # type: ignore[arg-type]
-        check_strategy(strategy)
+        resolved_strategy = resolve_strategy(strategy)
         if not isinstance(check_agreement, bool):
             raise TypeError(f"check_agreement must be a bool, got {check_agreement!r}")
         self._defaults = GroupOptions(backend=backend, timeout=timeout)
@@ -139,7 +143,7 @@ class HyperCommGrid:
             )
         self._layout = layout
         self._world_size = world
-        self._strategy = strategy
+        self._strategy = resolved_strategy
         self._check_agreement = check_agreement
         self._id = next(_grid_ids)
         self._destroyed = False
@@ -167,8 +171,8 @@ class HyperCommGrid:
 
     @property
     def strategy(self) -> str:
-        """How this grid creates groups: ``"local"``, ``"enumerate"`` or ``"split"``."""
-        return self._strategy
+        """How this grid creates groups: ``"auto"``, ``"local"``, ``"split"`` or ``"enumerate"``."""
+        return self._strategy.value
 
     @property
     def check_agreement(self) -> bool:
@@ -183,7 +187,7 @@ class HyperCommGrid:
     def __repr__(self) -> str:
         return (
             f"HyperCommGrid(shape={self.shape}, dim_names={self.dim_names}, "
-            f"rank_offset={self.rank_offset}, backend={self.backend!r}, strategy={self._strategy!r}"
+            f"rank_offset={self.rank_offset}, backend={self.backend!r}, strategy={self._strategy.value!r}"
             f"{', destroyed' if self._destroyed else ''})"
         )
 
@@ -454,7 +458,7 @@ class HyperCommGrid:
             "grid.shape": self.shape,
             "grid.dim_names": self.dim_names,
             "grid.rank_offset": self.rank_offset,
-            "grid.strategy": self._strategy,
+            "grid.strategy": self._strategy.value,
             "grid.views": {
                 name: [list(layout.shape), list(layout.dim_names), sorted(shared)]
                 for name, (layout, shared) in sorted(self._views.items())

@@ -36,7 +36,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Mapping, Optional
+from typing import Any, Callable, Hashable, Mapping, Optional, Union
 
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
@@ -45,13 +45,14 @@ from ._torch_compat import group_name_override
 from .agreement import check_agreement, describe_ranks
 from .errors import GroupCreationError
 from .layout import Dims, GridLayout
+from .strategy import CreationMode, Strategy, creation_mode, parse_strategy
 
 __all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "split_supported"]
 
 logger = logging.getLogger("hypergrid.groups")
 
-#: The ways a grid can create its groups (see the module docstring).
-STRATEGIES = ("local", "enumerate", "split")
+#: The ways a grid can create its groups (see :mod:`hypergrid.strategy`).
+STRATEGIES = tuple(s.value for s in Strategy)
 
 #: What a grid passes as the owner of the groups it holds; released together by ``release``.
 Owner = Hashable
@@ -117,21 +118,19 @@ class GroupOptions:
         return self._identity  # type: ignore[attr-defined]
 
 
-def check_strategy(strategy: object) -> None:
-    """Raise unless ``strategy`` names one of :data:`STRATEGIES`.
+def check_strategy(strategy: object) -> Strategy:
+    """``strategy`` as a :class:`~hypergrid.strategy.Strategy`, or a clear error.
 
     Example::
 
         >>> check_strategy("local")
+        <Strategy.LOCAL: 'local'>
         >>> check_strategy("fast")
         Traceback (most recent call last):
         ...
-        ValueError: strategy must be one of ['local', 'enumerate', 'split'], got 'fast'
+        ValueError: strategy must be one of ['auto', 'local', 'split', 'enumerate'], got 'fast'
     """
-    if not isinstance(strategy, str):
-        raise TypeError(f"strategy must be a str, one of {list(STRATEGIES)}, got {type(strategy).__name__} {strategy!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy must be one of {list(STRATEGIES)}, got {strategy!r}")
+    return parse_strategy(strategy)  # type: ignore[arg-type]
 
 
 def split_supported(backend: Optional[str] = None) -> bool:
@@ -232,7 +231,7 @@ class GroupRegistry:
         dims: Dims,
         *,
         rank: int,
-        strategy: str = "local",
+        strategy: Union[str, Strategy] = Strategy.AUTO,
         options: GroupOptions = GroupOptions(),
         private: bool = False,
         label: Optional[str] = None,
@@ -253,23 +252,20 @@ class GroupRegistry:
         owner: Owner,
         request: "GroupRequest",
         *,
-        strategy: str = "local",
+        strategy: Union[str, Strategy] = Strategy.AUTO,
         options: GroupOptions = GroupOptions(),
         private: bool = False,
     ) -> Optional[dist.ProcessGroup]:
         """Like :meth:`acquire`, for any :class:`GroupRequest` (e.g. explicit rank lists)."""
-        check_strategy(strategy)
         if not isinstance(options, GroupOptions):
             raise TypeError(f"options must be a GroupOptions, got {type(options).__name__} {options!r}")
-        if strategy == "split" and not split_supported(options.backend):
-            logger.debug("split_group is not available here; creating %s with strategy 'local'", request.label)
-            strategy = "local"
+        mode = creation_mode(strategy, options.backend)
         with self._lock:
             self._follow_world()
-            if strategy == "local":
+            if mode is CreationMode.LOCAL:
                 entry = self._local(request, options, private)
             else:
-                entry = self._collective(strategy, request, options, private)
+                entry = self._collective(mode.value, request, options, private)
             if entry is None:
                 return None
             entry.holders.add((owner, request.label))

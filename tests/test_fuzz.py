@@ -235,7 +235,11 @@ def test_constructor_bad_world_size(grid, world):
 
 
 @FUZZ
-@given(valid_grids(), st.text(max_size=8).filter(lambda s: s not in ("local", "enumerate", "split")) | not_str)
+@given(
+    valid_grids(),
+    st.text(max_size=8).filter(lambda s: s not in ("auto", "local", "enumerate", "split"))
+    | not_str.filter(lambda v: v is not None),  # None: the process-wide default
+)
 def test_constructor_bad_strategy(grid, strategy):
     shape, dim_names = grid
     expected = ValueError if isinstance(strategy, str) else TypeError

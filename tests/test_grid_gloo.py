@@ -82,7 +82,7 @@ def job_grids_and_strategies(rank, world_size):
 
     # A 3-D grid: every subset of dims, each group verified.
     grid3 = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-    assert grid3.is_current_rank_in_grid() and grid3.strategy == "local"
+    assert grid3.is_current_rank_in_grid() and grid3.strategy == "auto"
     made3, n = create_and_verify_all(grid3, rank, all_subsets(["tp", "cp", "dp"]))
     checked += n
     # 7 keys, 7 distinct memberships on every rank -> 7 distinct groups
