@@ -63,6 +63,7 @@ __all__ = [
     "world_split_source",
     "torchcomms_enabled",
     "default_group",
+    "forget_empty_tags",
 ]
 
 logger = logging.getLogger("hypergrid.mesh")
@@ -416,3 +417,19 @@ def torchcomms_enabled() -> bool:
     """
     probe = getattr(dist.distributed_c10d, "_use_torchcomms_enabled", None)
     return bool(probe()) if probe is not None else False
+
+
+def forget_empty_tags() -> None:
+    """Drop torch's empty ``tags_to_pg`` entries left behind by destroyed groups.
+
+    torch empties a destroyed group's tag list but keeps the key (``"ptd:<group name>"``), one
+    per group ever created: without this, create/destroy cycles grow torch's table without bound.
+
+    Example::
+
+        >>> forget_empty_tags()   # nothing to drop without a process group
+    """
+    tags = getattr(getattr(dist.distributed_c10d, "_world", None), "tags_to_pg", None)
+    if isinstance(tags, dict):
+        for tag in [t for t, pgs in tags.items() if not pgs]:
+            del tags[tag]

@@ -1,51 +1,191 @@
 """Agreement across ranks: a group's members check they asked for the same thing before waiting.
 
 torch's group constructors block until every member arrives. A member that built a different grid,
-asked for groups in another order, or died, leaves the others waiting for the full timeout (30
-minutes by default) with no hint of who or why. hypergrid checks first, through the job's store:
+asked for groups in another order, or died, leaves the others waiting for the full timeout with no
+hint of who or why. hypergrid checks first, through the job's store.
 
-* every member publishes what it asked for (grid shape, names, offset, views, the request and its
-  position in the grid's sequence) under the group's name;
-* the group's lowest rank, its *leader*, waits for all members' entries, compares them and posts
-  a verdict; the others wait only for the verdict. The leader's cost is O(group size), everyone
-  else's O(1): nothing grows with the world size.
-* every rank also keeps its *last state* (waiting on which request, done, failed) in the store.
-  A rank waiting on a member looks at that member's last state now and then: a member that
-  failed, or waits on a different request of the same grid, will never arrive, so the wait ends
-  at once with an error naming the member and the fields that differ, instead of at the timeout.
+What members compare is an :class:`Agreement`: typed facts about the grid (:class:`GridFacts`), the
+request (:class:`RequestFacts`) and where the request stands in its owner's sequence
+(:class:`Position`). Every rank issues requests in the same order, so a position names one
+*creation round* alike on every member, and positions of one family are ordered: a member whose
+last position is earlier is late (waited for), one whose last position is later, or who stands at
+the same position with another request, has diverged (an error at once).
 
-Example (inside a job; ``grid.create_pg`` does this for you)::
+The store holds, per member set, one entry per member and one verdict, and per rank one *last
+state*. Entries and verdicts are overwritten by later rounds of the same members (a value names
+its round, so a stale one is never read as this round's), so the store does not grow when a job
+destroys and re-creates its groups. The group's lowest rank, its *leader*, reads the entries and
+posts the verdict; the others read only the verdict: O(group size) for the leader, O(1) for the
+rest, nothing that grows with the world.
 
-    >>> # check_agreement("tp", members=[0, 1], fields={"grid.shape": [2, 4]},
-    >>> #                 namespace="hypergrid/agree/abc", timeout=timedelta(seconds=30))
+Example::
+
+    >>> facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
+    >>> request = RequestFacts(label="dp", view=None, private=False, backend=None, timeout_s=None,
+    ...                        pg_options=None, mode="local")
+    >>> agreement = Agreement(Position("grid:tp,dp", 0, 3), facts, request)
+    >>> agreement.round_id
+    'grid:tp,dp#0#3'
+    >>> sorted(agreement.fields())[:3]
+    ['grid.dim_names', 'grid.rank_offset', 'grid.shape']
+    >>> # in each member, before creating its group (grid.create_pg does this for you):
+    >>> # check_agreement("dp", members=[1, 3, 5, 7], agreement=agreement, timeout=timedelta(seconds=30))
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import hashlib
 import json
 import logging
 import time
+from dataclasses import asdict, dataclass, field
 from datetime import timedelta
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch.distributed as dist
 
 from ._torch_compat import default_store
 from .errors import GridMismatchError, GroupCreationError, GroupTimeoutError
 
-__all__ = ["check_agreement", "agreement_possible", "describe_ranks", "members_fingerprint"]
+__all__ = [
+    "Position",
+    "GridFacts",
+    "ViewFacts",
+    "RequestFacts",
+    "Agreement",
+    "VerdictKind",
+    "check_agreement",
+    "publish_position",
+    "explain_creation_failure",
+    "world_checkpoint",
+    "agreement_possible",
+    "describe_ranks",
+    "members_fingerprint",
+]
 
 logger = logging.getLogger("hypergrid.agreement")
 
 _PREFIX = "hypergrid/agree"
-# Fields that say "the same grid": a member whose last state matches these but not the rest has
-# diverged from us rather than being merely behind.
-_GRID_IDENTITY = ("grid.dim_names", "grid.rank_offset")
-_VERDICT_OK = "ok"
+#: How long survivors of a failed creation wait for the other members to report their own failure
+#: before naming those who did not as the ones that died or hung.
+_FAILURE_GRACE_S = 2.0
 
 
+# ---------------------------------------------------------------------- the typed payload
+@dataclass(frozen=True)
+class Position:
+    """Where a request stands: the ``index``-th request of the ``generation``-th owner of ``family``.
+
+    Every rank issues the requests of a family in the same order, so a position is alike on every
+    member of a group; two positions of one family are ordered (:meth:`order`).
+
+    Example::
+
+        >>> Position("grid:tp,dp", 1, 0).order > Position("grid:tp,dp", 0, 7).order
+        True
+    """
+
+    family: str
+    generation: int
+    index: int
+
+    @property
+    def order(self) -> tuple[int, int]:
+        return (self.generation, self.index)
+
+    def describe(self) -> str:
+        return f"request #{self.index} of {self.family} (generation {self.generation})"
+
+
+@dataclass(frozen=True)
+class ViewFacts:
+    """A registered view, as members compare it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    shared_dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GridFacts:
+    """What makes two ranks' grids the same grid.
+
+    Example::
+
+        >>> GridFacts.of([2, 2], ["tp", "dp"], 4).family
+        'grid:tp,dp'
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    rank_offset: int
+    views: tuple[ViewFacts, ...] = ()
+
+    @classmethod
+    def of(cls, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int, views: Sequence[ViewFacts] = ()) -> "GridFacts":
+        return cls(tuple(shape), tuple(dim_names), rank_offset, tuple(views))
+
+    @property
+    def family(self) -> str:
+        """Grids with the same dim names issue comparable sequences (a new shape is a new generation)."""
+        return "grid:" + ",".join(self.dim_names)
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What one request asks torch for. ``pg_options`` only by type: contents do not cross processes."""
+
+    label: str
+    view: Optional[str]
+    private: bool
+    backend: Optional[str]
+    timeout_s: Optional[float]
+    pg_options: Optional[str]
+    mode: str
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Everything the members of one group must have asked for alike."""
+
+    position: Position
+    grid: GridFacts
+    request: RequestFacts
+
+    @property
+    def round_id(self) -> str:
+        """The creation round this request is: alike on every member, unlike any other round."""
+        p = self.position
+        return f"{p.family}#{p.generation}#{p.index}"
+
+    def fields(self) -> dict[str, Any]:
+        """Flat ``section.name`` -> JSON value, for comparing and for messages."""
+        out: dict[str, Any] = {}
+        for section, value in (("grid", asdict(self.grid)), ("request", asdict(self.request))):
+            for name, item in value.items():
+                out[f"{section}.{name}"] = json.loads(json.dumps(item, default=str))
+        out["request.position"] = [self.position.family, self.position.generation, self.position.index]
+        return out
+
+
+class VerdictKind(str, enum.Enum):
+    """What a leader tells its group."""
+
+    OK = "ok"
+    MISMATCH = "mismatch"
+    TIMEOUT = "timeout"
+
+
+class _LastState(str, enum.Enum):
+    WAITING = "waiting"  # published its entry, waiting for the others
+    FAILED = "failed"  # its creation of this round failed (the error says why)
+    PASSED = "passed"  # issued this request without being a member of any of its groups
+
+
+# ---------------------------------------------------------------------- small helpers
 def describe_ranks(ranks: Sequence[int], limit: int = 16) -> str:
     """A rank list short enough for an error message.
 
@@ -66,9 +206,8 @@ def describe_ranks(ranks: Sequence[int], limit: int = 16) -> str:
 def members_fingerprint(members: Sequence[int]) -> str:
     """What members publish about a group's member list: short, whatever the group's size.
 
-    Each member's entry is read by the group's leader, so an entry holding the whole list would
-    cost the leader O(group size squared) bytes; a digest keeps it O(group size). Small groups
-    are shown whole, larger ones summarised, with the digest deciding equality.
+    Small groups are shown whole, larger ones summarised, with a digest deciding equality (an
+    entry holding the whole list would cost the leader O(group size squared) bytes).
 
     Example::
 
@@ -84,9 +223,19 @@ def members_fingerprint(members: Sequence[int]) -> str:
     return f"{describe_ranks(ordered)} sha1:{digest}"
 
 
+def _members_digest(members: Sequence[int]) -> str:
+    return hashlib.sha1(",".join(map(str, sorted(members))).encode()).hexdigest()[:20]
+
+
 def agreement_possible() -> bool:
-    """Whether this job has a store the members can meet in (not on the fake backend)."""
-    if not dist.is_initialized():
+    """Whether this job has a store the members can meet in (not on the fake backend).
+
+    Example::
+
+        >>> agreement_possible()     # no process group
+        False
+    """
+    if not dist.is_available() or not dist.is_initialized():
         return False
     if str(dist.get_backend()).lower() == "fake":
         return False  # one simulated rank: there is nobody to agree with
@@ -101,11 +250,11 @@ def _decode(raw: bytes) -> dict[str, Any]:
     return json.loads(raw.decode())
 
 
-def _differences(mine: Mapping[str, Any], payloads: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[int]]]:
+def _differences(payloads: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[int]]]:
     """field -> {value as JSON: ranks holding it}, for the fields on which not all ranks agree."""
-    fields = sorted(set(mine).union(*[set(p) for p in payloads.values()]))
+    names = sorted(set().union(*[set(p) for p in payloads.values()]))
     out: dict[str, dict[str, list[int]]] = {}
-    for name in fields:
+    for name in names:
         by_value: dict[str, list[int]] = {}
         for rank, payload in sorted(payloads.items()):
             by_value.setdefault(json.dumps(payload.get(name), default=str), []).append(rank)
@@ -119,167 +268,7 @@ def _format_differences(diffs: Mapping[str, Mapping[str, list[int]]]) -> str:
     for name, by_value in diffs.items():
         held = "; ".join(f"ranks {describe_ranks(r)} have {v}" for v, r in by_value.items())
         parts.append(f"{name}: {held}")
-    return "\n  ".join(parts)
-
-
-class _Waiter:
-    """Polls the store for keys with a growing pause, diagnosing absent ranks now and then."""
-
-    def __init__(self, store: dist.Store, deadline: float) -> None:
-        self.store = store
-        self.deadline = deadline
-
-    def wait(self, keys: list[str], on_absent: "callable") -> bool:
-        pause = 0.005
-        next_diagnosis = time.monotonic() + 0.25
-        while True:
-            if self.store.check(keys):
-                return True
-            now = time.monotonic()
-            if now >= self.deadline:
-                return False
-            if now >= next_diagnosis:
-                on_absent()
-                next_diagnosis = now + 0.5
-            time.sleep(min(pause, max(0.0, self.deadline - now)))
-            pause = min(pause * 2, 0.1)
-
-
-def check_agreement(
-    label: str,
-    members: Sequence[int],
-    fields: Mapping[str, Any],
-    *,
-    namespace: str,
-    timeout: timedelta,
-) -> None:
-    """Return once every member of ``members`` published the same ``fields`` under ``namespace``.
-
-    ``namespace`` must be the same on every member and unique to this creation (hypergrid uses the
-    name it gives the group). Raises :class:`~hypergrid.errors.GridMismatchError` naming the ranks
-    and fields that differ, or :class:`~hypergrid.errors.GroupTimeoutError` naming the members
-    that did not arrive within ``timeout``; either on every member that is still alive. A store
-    that stops answering (its host exited) raises :class:`~hypergrid.errors.GroupCreationError`
-    naming the group.
-
-    Example::
-
-        >>> # in each of ranks 0..3, before creating their tp group:
-        >>> # check_agreement("tp", [0, 1], {"grid.shape": [2, 2]}, namespace="ns/1",
-        >>> #                 timeout=timedelta(seconds=10))
-    """
-    members = list(members)
-    if len(members) <= 1 or not agreement_possible():
-        return
-    store = default_store()
-    assert store is not None  # agreement_possible() checked it
-    rank = dist.get_rank()
-    leader = min(members)
-    payload = dict(fields, **{"request.members": members_fingerprint(members)})
-    base = f"{_PREFIX}/{namespace}"
-    started = time.monotonic()
-    deadline = started + timeout.total_seconds()
-    try:
-        _set_last(store, rank, "waiting", base, payload)
-        try:
-            store.set(f"{base}/{rank}", _encode(payload))
-            if rank == leader:
-                _lead(store, label, members, payload, base, deadline)
-            else:
-                _follow(store, label, members, payload, base, leader, deadline, timeout)
-        except (GridMismatchError, GroupTimeoutError) as exc:
-            # Others who wait on this rank report the original cause, not a chain of "failed earlier".
-            root = getattr(exc, "root_cause", None) or _one_line(str(exc))
-            with contextlib.suppress(dist.DistError):  # the error at hand says more than a lost store
-                _set_last(store, rank, "failed", base, payload, error=root)
-            raise
-        _set_last(store, rank, "done", base, payload)
-        # Agreed: nobody reads this member's entry again (the leader has compared them all), so
-        # the store does not keep one entry per member per group for the rest of the job.
-        # Tidying up must not fail a creation the members already agreed on: a store without
-        # delete_key (NotImplementedError) or one that just went away (a RuntimeError) is let be.
-        with contextlib.suppress(RuntimeError, NotImplementedError):
-            store.delete_key(f"{base}/{rank}")
-    except dist.DistError as exc:
-        raise GroupCreationError(
-            f"hypergrid: process group {label!r} (members {describe_ranks(members)}): the job's store "
-            f"stopped answering while the members were checking that they agree "
-            f"({type(exc).__name__}: {_one_line(str(exc), 200)}). The process hosting the store (rank 0 "
-            f"with init_method 'env://' or 'tcp://', or the launcher's agent) has likely exited: "
-            f"look at its error first."
-        ) from exc
-    logger.debug("members of %s agree (%.1f ms)", label, (time.monotonic() - started) * 1e3)
-
-
-def _lead(
-    store: dist.Store, label: str, members: list[int], payload: dict, base: str, deadline: float
-) -> None:
-    keys = [f"{base}/{r}" for r in members]
-    waiter = _Waiter(store, deadline)
-
-    def absent() -> list[int]:
-        return [r for r, key in zip(members, keys) if not store.check([key])]
-
-    def diagnose() -> None:
-        _fail_fast_if_diverged(store, label, members, payload, absent(), base)
-
-    try:
-        if not waiter.wait(keys, diagnose):
-            missing = absent()
-            message = (
-                f"hypergrid: process group {label!r} (members {describe_ranks(members)}): ranks "
-                f"{describe_ranks(missing)} did not arrive within the timeout; "
-                f"{_last_states(store, missing, payload)}"
-            )
-            store.set(f"{base}/verdict", message)
-            raise GroupTimeoutError(message)
-        payloads = {r: _decode(raw) for r, raw in zip(members, store.multi_get(keys))}
-        diffs = _differences(payload, payloads)
-        if diffs:
-            message = (
-                f"hypergrid: ranks disagree on process group {label!r} (members "
-                f"{describe_ranks(members)}), so it was not created:\n  {_format_differences(diffs)}"
-            )
-            store.set(f"{base}/verdict", message)
-            raise GridMismatchError(message)
-    except (GridMismatchError, GroupTimeoutError) as exc:
-        # Tell the members now rather than letting them find out at their own timeout.
-        if not store.check([f"{base}/verdict"]):
-            store.set(f"{base}/verdict", str(exc))
-        raise
-    store.set(f"{base}/verdict", _VERDICT_OK)
-
-
-def _follow(
-    store: dist.Store,
-    label: str,
-    members: list[int],
-    payload: dict,
-    base: str,
-    leader: int,
-    deadline: float,
-    timeout: timedelta,
-) -> None:
-    # The leader reports absent members at the deadline; give it a moment past that to say so.
-    grace = max(2.0, 0.1 * timeout.total_seconds())
-    waiter = _Waiter(store, deadline + grace)
-    verdict_key = f"{base}/verdict"
-
-    def diagnose() -> None:
-        if not store.check([f"{base}/{leader}"]):
-            _fail_fast_if_diverged(store, label, members, payload, [leader], base)
-
-    if not waiter.wait([verdict_key], diagnose):
-        raise GroupTimeoutError(
-            f"hypergrid: process group {label!r} (members {describe_ranks(members)}): its leader, "
-            f"rank {leader}, did not answer within the timeout; {_last_states(store, [leader], payload)}"
-        )
-    verdict = store.get(verdict_key).decode()
-    if verdict == _VERDICT_OK:
-        return
-    if "did not arrive" in verdict:
-        raise GroupTimeoutError(verdict)
-    raise GridMismatchError(verdict)
+    return "\n  ".join(parts) or "no field differs"
 
 
 def _one_line(message: str, limit: int = 400) -> str:
@@ -287,34 +276,296 @@ def _one_line(message: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _set_last(store: dist.Store, rank: int, state: str, base: str, payload: dict, error: str = "") -> None:
-    store.set(
-        f"{_PREFIX}/last/{rank}",
-        _encode({"state": state, "namespace": base, "error": error, "fields": payload}),
-    )
+# ---------------------------------------------------------------------- one round
+@dataclass
+class _Round:
+    """One member's view of one creation round, with the store keys it uses."""
+
+    store: dist.Store
+    label: str
+    members: list[int]
+    agreement: Agreement
+    rank: int
+    deadline: float
+    fields: dict[str, Any] = field(init=False)
+    digest: str = field(init=False)
+    base: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.fields = dict(self.agreement.fields(), **{"request.members": members_fingerprint(self.members)})
+        self.digest = hashlib.sha1(_encode(self.fields).encode()).hexdigest()
+        self.base = f"{_PREFIX}/{_members_digest(self.members)}"
+
+    @property
+    def round_id(self) -> str:
+        return self.agreement.round_id
+
+    @property
+    def leader(self) -> int:
+        return min(self.members)
+
+    def entry_key(self, rank: int) -> str:
+        return f"{self.base}/{rank}"
+
+    @property
+    def verdict_key(self) -> str:
+        return f"{self.base}/verdict"
+
+    def last_state(self, state: _LastState, error: str = "", diverged: bool = False) -> str:
+        p = self.agreement.position
+        return _encode(
+            {
+                "state": state.value,
+                "round": self.round_id,
+                "position": [p.family, p.generation, p.index],
+                "group": self.base,
+                "fields": self.fields,
+                "error": error,
+                # Failed because ranks went different ways (not a timeout or torch error, after
+                # which a rank may retry the same grid): it will not come back to this grid.
+                "diverged": diverged,
+            }
+        )
+
+    def where(self) -> str:
+        return f"process group {self.label!r} (members {describe_ranks(self.members)})"
+
+
+def _last_key(rank: int) -> str:
+    return f"{_PREFIX}/last/{rank}"
 
 
 def _read_last(store: dist.Store, rank: int) -> Optional[dict]:
-    key = f"{_PREFIX}/last/{rank}"
+    key = _last_key(rank)
     if not store.check([key]):
         return None
     return _decode(store.get(key))
 
 
-def _last_states(store: dist.Store, ranks: list[int], payload: dict) -> str:
+def publish_position(agreement: Agreement) -> None:
+    """Record that this rank issued ``agreement``'s request without being in any of its groups.
+
+    A member waiting on this rank then sees it at this position with its own facts (say, another
+    ``rank_offset``) and reports the difference at once instead of waiting for the timeout.
+
+    Example::
+
+        >>> # publish_position(agreement)   # done by the registry on ranks outside every group
+    """
+    if not agreement_possible():
+        return
+    store = default_store()
+    assert store is not None
+    p = agreement.position
+    with contextlib.suppress(dist.DistError):  # a lost store is reported where someone waits on it
+        store.set(
+            _last_key(dist.get_rank()),
+            _encode(
+                {
+                    "state": _LastState.PASSED.value,
+                    "round": agreement.round_id,
+                    "position": [p.family, p.generation, p.index],
+                    "group": None,
+                    "fields": dict(agreement.fields(), **{"request.members": None}),
+                    "error": "",
+                }
+            ),
+        )
+
+
+def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *, timeout: timedelta) -> None:
+    """Return once every member of ``members`` published the same ``agreement`` for this round.
+
+    Raises :class:`~hypergrid.errors.GridMismatchError` naming the ranks and fields that differ,
+    or :class:`~hypergrid.errors.GroupTimeoutError` naming the members that did not arrive within
+    ``timeout``; either on every member still alive, the one that differs included. A store that
+    stops answering raises :class:`~hypergrid.errors.GroupCreationError` naming the group.
+
+    Example::
+
+        >>> # in each of ranks 0..3, before creating their tp group:
+        >>> # check_agreement("tp", [0, 1], agreement, timeout=timedelta(seconds=10))
+    """
+    members = sorted(members)
+    if len(members) <= 1 or not agreement_possible():
+        return
+    store = default_store()
+    assert store is not None  # agreement_possible() checked it
+    started = time.monotonic()
+    rnd = _Round(store, label, members, agreement, dist.get_rank(), started + timeout.total_seconds())
+    try:
+        try:
+            entry = _encode({"round": rnd.round_id, "digest": rnd.digest, "fields": rnd.fields})
+            # One round trip: the entry the leader reads and the last state others diagnose by.
+            store.multi_set([_last_key(rnd.rank), rnd.entry_key(rnd.rank)], [rnd.last_state(_LastState.WAITING), entry])
+            if rnd.rank == rnd.leader:
+                _lead(rnd)
+            else:
+                _follow(rnd, timeout)
+        except (GridMismatchError, GroupTimeoutError) as exc:
+            root = getattr(exc, "root_cause", None) or _one_line(str(exc))
+            with contextlib.suppress(dist.DistError):  # the error at hand says more than a lost store
+                diverged = isinstance(exc, GridMismatchError)
+                store.set(_last_key(rnd.rank), rnd.last_state(_LastState.FAILED, root, diverged))
+            raise
+    except dist.DistError as exc:
+        raise GroupCreationError(
+            f"hypergrid: {rnd.where()}: the job's store stopped answering while the members were "
+            f"checking that they agree ({type(exc).__name__}: {_one_line(str(exc), 200)}). The process "
+            f"hosting the store (rank 0 with init_method 'env://' or 'tcp://', or the launcher's "
+            f"agent) has likely exited: look at its error first."
+        ) from exc
+    logger.debug("members of %s agree (%.1f ms)", label, (time.monotonic() - started) * 1e3)
+
+
+def _poll(deadline: float, ready: Callable[[], bool], diagnose: Callable[[], None]) -> bool:
+    """Call ``ready`` with a growing pause until it is True or ``deadline`` passes; diagnose now and then."""
+    pause = 0.002
+    next_diagnosis = time.monotonic() + 0.25
+    while True:
+        if ready():
+            return True
+        now = time.monotonic()
+        if now >= deadline:
+            return False
+        if now >= next_diagnosis:
+            diagnose()
+            next_diagnosis = now + 0.5
+        time.sleep(min(pause, max(0.0, deadline - now)))
+        pause = min(pause * 2, 0.1)
+
+
+def _post(rnd: _Round, kind: VerdictKind, message: str = "") -> None:
+    rnd.store.set(rnd.verdict_key, _encode({"round": rnd.round_id, "kind": kind.value, "message": message}))
+
+
+def _lead(rnd: _Round) -> None:
+    keys = [rnd.entry_key(r) for r in rnd.members]
+    entries: dict[int, dict] = {}
+
+    def arrived() -> bool:
+        # Entries of an earlier round of the same members are still there: only this round's count.
+        if not rnd.store.check(keys):
+            return False
+        entries.clear()
+        for r, raw in zip(rnd.members, rnd.store.multi_get(keys)):
+            entries[r] = _decode(raw)
+        return all(e["round"] == rnd.round_id for e in entries.values())
+
+    def absent() -> list[int]:
+        present = {r for r, e in entries.items() if e.get("round") == rnd.round_id}
+        if len(entries) < len(rnd.members):
+            present |= {r for r, key in zip(rnd.members, keys) if r not in entries and rnd.store.check([key])}
+        return [r for r in rnd.members if r not in present]
+
+    try:
+        if not _poll(rnd.deadline, arrived, lambda: _judge_absent(rnd, absent())):
+            missing = absent()
+            raise GroupTimeoutError(
+                f"hypergrid: {rnd.where()}: ranks {describe_ranks(missing)} did not arrive within the "
+                f"timeout; {_last_states(rnd, missing)}"
+            )
+        if len({e["digest"] for e in entries.values()}) > 1:
+            diffs = _differences({r: e["fields"] for r, e in entries.items()})
+            raise GridMismatchError(
+                f"hypergrid: ranks disagree on {rnd.where()}, so it was not created:\n  {_format_differences(diffs)}"
+            )
+    except GroupTimeoutError as exc:
+        _post(rnd, VerdictKind.TIMEOUT, str(exc))
+        raise
+    except GridMismatchError as exc:
+        _post(rnd, VerdictKind.MISMATCH, str(exc))
+        raise
+    _post(rnd, VerdictKind.OK)
+
+
+def _follow(rnd: _Round, timeout: timedelta) -> None:
+    # The leader reports absent members at the deadline; give it a moment past that to say so.
+    deadline = rnd.deadline + max(2.0, 0.1 * timeout.total_seconds())
+    verdict: dict[str, Any] = {}
+
+    def posted() -> bool:
+        if not rnd.store.check([rnd.verdict_key]):
+            return False
+        value = _decode(rnd.store.get(rnd.verdict_key))
+        if value["round"] != rnd.round_id:
+            return False  # an earlier round's verdict for the same members
+        verdict.update(value)
+        return True
+
+    def diagnose() -> None:
+        last = _read_last(rnd.store, rnd.leader)
+        if last is None or last["round"] != rnd.round_id or last["group"] != rnd.base:
+            _judge_absent(rnd, [rnd.leader])
+
+    if not _poll(deadline, posted, diagnose):
+        raise GroupTimeoutError(
+            f"hypergrid: {rnd.where()}: its leader, rank {rnd.leader}, did not answer within the "
+            f"timeout; {_last_states(rnd, [rnd.leader])}"
+        )
+    kind = VerdictKind(verdict["kind"])
+    if kind is VerdictKind.TIMEOUT:
+        raise GroupTimeoutError(verdict["message"])
+    if kind is VerdictKind.MISMATCH:
+        raise GridMismatchError(verdict["message"])
+
+
+def _judge_absent(rnd: _Round, absent: list[int]) -> None:
+    """Raise now if an absent member can never arrive: it failed this round, or went another way.
+
+    A member whose last position is earlier than this round's is late and is waited for.
+    """
+    mine = rnd.agreement.position
+    for r in absent[:64]:  # a bounded look: diagnosing must not cost O(group size) each poll
+        last = _read_last(rnd.store, r)
+        if last is None:
+            continue
+        family, generation, index = last["position"]
+        theirs = (generation, index)
+        if last["round"] == rnd.round_id:
+            if last["state"] == _LastState.FAILED.value:
+                reason = "its creation of this group failed"
+            elif last["group"] != rnd.base:
+                reason = (
+                    "at this same request it waits on a group of other members"
+                    if last["state"] == _LastState.WAITING.value
+                    else "at this same request it is in none of the groups, by its own grid"
+                )
+            else:
+                continue  # here, arriving
+        elif family != mine.family:
+            continue  # busy with another family of requests: may simply be behind
+        elif theirs > mine.order:
+            reason = f"it has gone past this request (it is at request #{index}, generation {generation})"
+        elif last["state"] == _LastState.FAILED.value and last.get("diverged") and generation == mine.generation:
+            reason = f"it stopped at an earlier request of this grid because ranks went different ways"
+        else:
+            continue  # an earlier request: late, not diverged
+        diffs = _differences({rnd.rank: rnd.fields, r: last["fields"]})
+        error = GridMismatchError(
+            f"hypergrid: {rnd.where()} cannot be created: rank {r} will not join, {reason}; its last "
+            f"request was {last['fields'].get('request.label')!r} ({Position(family, generation, index).describe()}):\n  "
+            f"{_format_differences(diffs)}"
+            + (f"\n  root cause on rank {r}: {last['error']}" if last.get("error") else "")
+        )
+        error.root_cause = last["error"] or _one_line(str(error))  # type: ignore[attr-defined]
+        raise error
+
+
+def _last_states(rnd: _Round, ranks: list[int]) -> str:
     """What the given ranks were last doing, for a timeout message."""
     notes = []
     for r in ranks[:8]:
-        last = _read_last(store, r)
+        last = _read_last(rnd.store, r)
         if last is None:
             notes.append(f"rank {r} never reached a hypergrid group creation")
             continue
-        fields = last["fields"]
-        diffs = _differences(payload, {0: payload, 1: fields})
-        differing = ", ".join(sorted(diffs)) or "nothing"
+        family, generation, index = last["position"]
+        diffs = _differences({rnd.rank: rnd.fields, r: last["fields"]})
         notes.append(
-            f"rank {r} was last {last['state']} on {fields.get('request.key')!r} "
-            f"(request #{fields.get('request.index')}; differs from this rank's request in: {differing})"
+            f"rank {r} was last {last['state']} on {last['fields'].get('request.label')!r} "
+            f"({Position(family, generation, index).describe()}; differs from this rank's request in: "
+            f"{', '.join(sorted(diffs)) or 'nothing'})"
             + (f": {last['error']}" if last.get("error") else "")
         )
     if len(ranks) > 8:
@@ -322,34 +573,88 @@ def _last_states(store: dist.Store, ranks: list[int], payload: dict) -> str:
     return "; ".join(notes)
 
 
-def _fail_fast_if_diverged(
-    store: dist.Store, label: str, members: list[int], payload: dict, absent: list[int], base: str
-) -> None:
-    """Raise now if an absent member can never arrive: it failed, or went another way."""
-    for r in absent[:64]:  # a bounded look: diagnosing must not cost O(group size) each poll
-        last = _read_last(store, r)
-        if last is None or last["namespace"] == base:
-            continue
-        theirs = last["fields"]
-        same_grid = all(theirs.get(f) == payload.get(f) for f in _GRID_IDENTITY)
-        if last["state"] == "failed":
-            reason = f"it failed earlier (root cause: {last['error']})"
-        elif not same_grid:
-            continue  # busy with another grid: may simply be behind
-        elif theirs.get("grid.shape") != payload.get("grid.shape") or theirs.get("grid.views") != payload.get("grid.views"):
-            reason = "it built a different grid"
-        elif last["state"] == "waiting" and theirs.get("request.index") == payload.get("request.index"):
-            reason = "it is waiting on a different request at the same position"
-        elif (theirs.get("request.index") or 0) > (payload.get("request.index") or 0):
-            reason = "it has gone past this request without making it"
-        else:
-            continue  # an earlier request of the same grid: behind, not diverged
-        diffs = _differences(payload, {dist.get_rank(): payload, r: theirs})
-        error = GridMismatchError(
-            f"hypergrid: process group {label!r} (members {describe_ranks(members)}) cannot be "
-            f"created: rank {r} will not join, {reason}; its last request was "
-            f"{theirs.get('request.key')!r} (#{theirs.get('request.index')}):\n  "
-            f"{_format_differences(diffs) or 'no field differs'}"
+def explain_creation_failure(label: str, members: Sequence[int], agreement: Optional[Agreement]) -> str:
+    """After torch failed to create an agreed group: which members never finished, if any can tell.
+
+    Marks this rank's round as failed, waits briefly for the other members to mark theirs, and
+    names those that did not (they died or hang inside torch). Empty when nothing can be said.
+
+    Example::
+
+        >>> explain_creation_failure("tp", [0, 1], None)   # no agreement, nothing to say
+        ''
+    """
+    if agreement is None or len(members) <= 1 or not agreement_possible():
+        return ""
+    store = default_store()
+    assert store is not None
+    rnd = _Round(store, label, sorted(members), agreement, dist.get_rank(), time.monotonic() + _FAILURE_GRACE_S)
+    try:
+        store.set(_last_key(rnd.rank), rnd.last_state(_LastState.FAILED, "torch failed to create the group"))
+        silent: list[int] = []
+
+        def everyone_reported() -> bool:
+            silent.clear()
+            for r in rnd.members[:64]:
+                last = _read_last(store, r)
+                if last is None or last["round"] != rnd.round_id or last["state"] != _LastState.FAILED.value:
+                    silent.append(r)
+            return not silent
+
+        if _poll(rnd.deadline, everyone_reported, lambda: None):
+            return ""
+    except dist.DistError:
+        return (
+            "the job's store stopped answering too: the process hosting it (rank 0 with 'env://' or "
+            "'tcp://', or the launcher's agent) has likely exited"
         )
-        error.root_cause = last["error"] if last["state"] == "failed" else _one_line(str(error))  # type: ignore[attr-defined]
-        raise error
+    return f"ranks {describe_ranks(silent)} never reported back from this creation (died, or hang inside torch)"
+
+
+def world_checkpoint(label: str, round_id: str, error: Optional[BaseException], *, timeout: timedelta) -> None:
+    """Every rank of the world reports how ``label`` ended for it; each learns if any failed.
+
+    For steps that span many groups (Megatron's ``initialize_model_parallel``): a rank that
+    failed posts its error and returns (the caller re-raises its own); the others block until
+    every rank arrived, or one posted a failure, which they raise as
+    :class:`~hypergrid.errors.GridMismatchError` naming that rank and its error. Each rank makes
+    one ``add`` and one blocking ``wait`` on the store: no polling, whatever the world size.
+    ``round_id`` must be alike on every rank and unlike any earlier checkpoint.
+
+    Example::
+
+        >>> world_checkpoint("initialize_model_parallel", "megatron#0", None, timeout=timedelta(seconds=60))
+    """
+    if not agreement_possible():
+        return
+    store = default_store()
+    assert store is not None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    base = f"{_PREFIX}/world/{round_id}"
+    try:
+        if error is not None:
+            store.set(f"{base}/go", _encode({"failed": rank, "error": _one_line(f"{type(error).__name__}: {error}")}))
+            return
+        if store.add(f"{base}/arrived", 1) == world:
+            store.set(f"{base}/go", _encode({"failed": None}))
+        try:
+            store.wait([f"{base}/go"], timeout)
+        except dist.DistStoreError:
+            arrived = store.add(f"{base}/arrived", 0)
+            raise GroupTimeoutError(
+                f"hypergrid: {label}: only {arrived} of {world} ranks finished it within the timeout "
+                f"({timeout}); the others are still at it, hang, or died"
+            ) from None
+        verdict = _decode(store.get(f"{base}/go"))
+    except dist.DistError as exc:
+        if error is not None:
+            return  # the caller's own error says more
+        raise GroupCreationError(
+            f"hypergrid: {label}: the job's store stopped answering at the end ({type(exc).__name__}: "
+            f"{_one_line(str(exc), 200)}); the process hosting it has likely exited"
+        ) from exc
+    if verdict["failed"] is not None:
+        raise GridMismatchError(
+            f"hypergrid: {label} failed on rank {verdict['failed']}, so it cannot be used on this rank "
+            f"either: {verdict['error']}"
+        )

@@ -11,15 +11,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
 from collections.abc import Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch.distributed as dist
 
+from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
 from .errors import GridDestroyedError, GridTooLargeError
 from .groups import REGISTRY, GroupOptions, GroupRequest
-from .strategy import resolve_strategy
+from .strategy import creation_mode, resolve_strategy
 from .layout import Dims, GridLayout
 
 if TYPE_CHECKING:
@@ -31,6 +33,19 @@ logger = logging.getLogger("hypergrid.grid")
 
 # Distinguishes grids in the registry's holder table; a counter, not id(), because ids are reused.
 _grid_ids = itertools.count()
+
+# How many grids of each family (dim names) issued requests in this process. Every rank builds
+# and uses its grids in the same order, so the count names a grid's creation rounds alike on all
+# of them, and a rank still busy with an earlier grid is recognised as late, not diverged.
+_generations: dict[str, int] = {}
+_generations_lock = threading.Lock()
+
+
+def _next_generation(family: str) -> int:
+    with _generations_lock:
+        value = _generations.get(family, 0)
+        _generations[family] = value + 1
+        return value
 
 _CREATE_KWARGS = ("timeout", "pg_options", "group_desc", "backend")
 
@@ -155,7 +170,8 @@ class HyperCommGrid:
         self.backend: Optional[str] = backend
         self.size: int = layout.size
         self._pgs: dict[str, Optional[dist.ProcessGroup]] = {}
-        self._requests = 0  # create_pg calls that reached the registry: a position all ranks share
+        self._requests = 0  # requests that reached the registry: a position all ranks share
+        self._generation: Optional[int] = None  # assigned at the first request (see _next_generation)
         self._view_pgs: dict[str, dict[str, Optional[dist.ProcessGroup]]] = {}
 
     # ------------------------------------------------------------------ facts
@@ -237,16 +253,8 @@ class HyperCommGrid:
             pg_options=kwargs.get("pg_options"),
             group_desc=kwargs.get("group_desc"),
         )
-        index = self._requests
-        self._requests += 1
-        request = GroupRequest.from_layout(
-            layout,
-            dims,
-            self._current_rank(),
-            label,
-            self._agreement_fields(label, view, index, options, private) if self._check_agreement else None,
-        )
-        pg = REGISTRY.acquire_request(self._id, request, strategy=self._strategy, options=options, private=private)
+        request = GroupRequest.from_layout(layout, dims, self._current_rank(), label)
+        pg = self._acquire(self._id, request, view, options, private)
         table[key] = pg
         logger.debug("grid %d created %s: this rank's group is %s", self._id, label, pg)
         return pg
@@ -279,6 +287,47 @@ class HyperCommGrid:
         if key in table:
             return table[key]
         return self.create_pg(dims, view=view, **kwargs)
+
+    def create_derived_pg(
+        self,
+        label: str,
+        members: Optional[Sequence[int]],
+        *,
+        groups: Optional[Callable[[], list[list[int]]]] = None,
+        owner: Any = None,
+        private: bool = False,
+        **kwargs: Any,
+    ) -> Optional[dist.ProcessGroup]:
+        """A group the grid's dims do not name, made through the same door as :meth:`create_pg`.
+
+        For groups derived from the grid by a rule of their own (Megatron's embedding group from
+        the pipeline group, a distributed-optimizer instance, ...): ``members`` is this rank's
+        group (None: it is in none), ``groups`` every group of the request (needed only by the
+        ``enumerate`` strategy). The request takes the grid's next position, so its members
+        check they agree exactly as for :meth:`create_pg`, and it follows the grid's strategy:
+        under ``split`` every rank of the world must call this, members or not. The group is
+        not stored under a key; ``owner`` (default: the grid) holds it until released.
+
+        Example::
+
+            >>> # grid = HyperCommGrid([1, 2, 4], ["tp", "dp", "pp"])               # in a job
+            >>> # pp = grid.ranks("pp"); embd = grid.create_derived_pg("embd", [pp[0], pp[-1]] if ...)
+        """
+        self._check_alive()
+        unknown = sorted(set(kwargs) - set(_CREATE_KWARGS))
+        if unknown:
+            raise TypeError(f"create_derived_pg() got unexpected keyword argument(s) {unknown}; it accepts {list(_CREATE_KWARGS)}")
+        if not isinstance(label, str) or not label:
+            raise TypeError(f"label must be a non-empty str, got {label!r}")
+        mine = None if members is None else tuple(members)
+        request = GroupRequest(label, mine, ("derived", label), groups)
+        options = GroupOptions(
+            backend=kwargs.get("backend", self.backend),
+            timeout=kwargs.get("timeout", self._defaults.timeout),
+            pg_options=kwargs.get("pg_options"),
+            group_desc=kwargs.get("group_desc"),
+        )
+        return self._acquire(self._id if owner is None else owner, request, None, options, private)
 
     def get_rank_enum(self, dims: Dims, *, view: Optional[str] = None) -> list[list[int]]:
         r"""Every group over ``dims``: the enumeration create_pg uses, equal to Megatron-Core's.
@@ -450,30 +499,42 @@ class HyperCommGrid:
         return grid_from_process_groups(groups, mesh_dim_names, backend=backend, grid_type=cls)
 
     # ------------------------------------------------------------------ helpers
-    def _agreement_fields(
-        self, label: str, view: Optional[str], index: int, options: GroupOptions, private: bool
-    ) -> dict[str, Any]:
+    def _acquire(
+        self, owner: Any, request: GroupRequest, view: Optional[str], options: GroupOptions, private: bool
+    ) -> Optional[dist.ProcessGroup]:
+        """Stamp ``request`` with the grid's next position and hand it to the registry."""
+        if self._generation is None:
+            self._generation = _next_generation(self._facts().family)
+        index = self._requests
+        self._requests += 1
+        if self._check_agreement:
+            request = request.with_agreement(self._agreement(request.label, view, index, options, private))
+        return REGISTRY.acquire_request(owner, request, strategy=self._strategy, options=options, private=private)
+
+    def _facts(self) -> GridFacts:
+        views = tuple(
+            ViewFacts(name, tuple(layout.shape), tuple(layout.dim_names), tuple(sorted(shared)))
+            for name, (layout, shared) in sorted(self._views.items())
+        )
+        return GridFacts.of(self.shape, self.dim_names, self.rank_offset, views)
+
+    def _agreement(self, label: str, view: Optional[str], index: int, options: GroupOptions, private: bool) -> Agreement:
         """What every member of a group must have asked for alike (see hypergrid.agreement)."""
-        return {
-            "grid.shape": self.shape,
-            "grid.dim_names": self.dim_names,
-            "grid.rank_offset": self.rank_offset,
-            "grid.strategy": self._strategy.value,
-            "grid.views": {
-                name: [list(layout.shape), list(layout.dim_names), sorted(shared)]
-                for name, (layout, shared) in sorted(self._views.items())
-            },
-            "request.key": label,
-            "request.view": view,
-            "request.index": index,
-            "request.private": private,
-            # pg_options objects only by type: their contents cannot be compared across processes.
-            "request.options": [
-                options.backend,
-                None if options.timeout is None else options.timeout.total_seconds(),
-                type(options.pg_options).__name__,
-            ],
-        }
+        facts = self._facts()
+        assert self._generation is not None
+        return Agreement(
+            position=Position(facts.family, self._generation, index),
+            grid=facts,
+            request=RequestFacts(
+                label=label,
+                view=view,
+                private=private,
+                backend=options.backend,
+                timeout_s=None if options.timeout is None else options.timeout.total_seconds(),
+                pg_options=None if options.pg_options is None else type(options.pg_options).__name__,
+                mode=creation_mode(self._strategy, options.backend).value,
+            ),
+        )
 
     def _check_alive(self) -> None:
         if self._destroyed:

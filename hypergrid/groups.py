@@ -6,20 +6,30 @@ communicators interchangeable: its member ranks, its backend, its timeout and it
 Whoever asks for an identical group gets the existing object (unless they ask for a private one),
 and a group is destroyed only when the last grid holding it lets go.
 
-How a missing group gets made is the grid's *strategy*:
+How a missing group gets made is decided per request by :func:`~hypergrid.strategy.creation_mode`
+from the grid's strategy and how the job was started, alike on every rank:
 
-``local`` (default)
+``local``
     Only the members of a group call ``new_group(..., use_local_synchronization=True)``; the
-    other ranks do nothing. A rank's cost is its own groups, independent of the world size.
-    Sharing is decided by member ranks, which every member of a group sees alike.
+    other ranks do nothing. Sharing is decided by member ranks, which every member sees alike.
+``split``
+    Every rank of the world calls ``split_group`` once per request, passing only its own group
+    (a rank in none passes a group it is not in and gets None). Required on a default group bound
+    to a device whose backend splits (NCCL with ``device_id``): there torch builds every
+    communicator by splitting the world's, which all ranks must join.
 ``enumerate``
     Megatron-Core's call pattern: every rank of the world calls
-    ``new_subgroups_by_enumeration`` with every group of the request. Sharing is decided per
-    whole request (its :class:`~hypergrid.layout.Partition`), which every rank sees alike.
-``split``
-    Every rank of the world calls ``split_group`` on the default group once per request, passing
-    only its own group. Needs a default group bound to a device on a backend that can split
-    (NCCL); otherwise it falls back to ``local``, the same way on every rank.
+    ``new_subgroups_by_enumeration`` with every group of the request.
+
+Under ``split`` and ``enumerate`` every rank takes part, so whether a request reuses an existing
+group is decided by the request's world-wide identity, which every rank computes alike.
+
+Every group hypergrid makes, the Megatron adapter's derived and duplicate groups included, comes
+through :meth:`GroupRegistry.acquire_request` with one :class:`GroupRequest`: one strategy choice,
+one agreement check (:mod:`hypergrid.agreement`) and one error type naming the group. The
+registry's lock is taken only to look up, reserve and publish, never across a network wait;
+creations themselves run one at a time per process (:attr:`GroupRegistry.creation_lock`), because
+world-wide calls must be made in the same order on every rank.
 
 Example::
 
@@ -39,15 +49,20 @@ from datetime import timedelta
 from typing import Any, Callable, Hashable, Mapping, Optional, Union
 
 import torch.distributed as dist
-from torch.distributed.constants import default_pg_timeout
 
-from ._torch_compat import group_name_override
-from .agreement import check_agreement, describe_ranks
+from ._torch_compat import (
+    default_group,
+    default_group_timeout,
+    forget_empty_tags,
+    group_name_override,
+    new_group_default_timeout,
+)
+from .agreement import Agreement, check_agreement, describe_ranks, explain_creation_failure, publish_position
 from .errors import GroupCreationError
 from .layout import Dims, GridLayout
 from .strategy import CreationMode, Strategy, creation_mode, parse_strategy
 
-__all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "split_supported"]
+__all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "check_strategy", "effective_timeout"]
 
 logger = logging.getLogger("hypergrid.groups")
 
@@ -133,36 +148,33 @@ def check_strategy(strategy: object) -> Strategy:
     return parse_strategy(strategy)  # type: ignore[arg-type]
 
 
-def split_supported(backend: Optional[str] = None) -> bool:
-    """Whether ``split_group`` can make groups on this process's default group.
+def effective_timeout(options: "GroupOptions") -> timedelta:
+    """The timeout a group is created, and agreed on, with: the request's, else the job's.
 
-    True only when the default group is bound to a device, its backend for that device can
-    split, and the requested backend (if any) is the default one. Every rank of a job that was
-    started alike answers the same, which is what lets ``split`` fall back consistently.
+    With none given, the default group's timeout (``init_process_group(timeout=...)``) rules,
+    so a rank that dies is reported within the job's own timeout rather than torch's 30-minute
+    default for new groups.
+
+    Example::
+
+        >>> effective_timeout(GroupOptions(timeout=timedelta(seconds=5)))
+        datetime.timedelta(seconds=5)
     """
-    if not dist.is_initialized():
-        return False
-    default = dist.distributed_c10d._get_default_group()
-    device = getattr(default, "bound_device_id", None)
-    if device is None:
-        return False
-    if backend is not None and str(backend).lower() != str(dist.get_backend(default)).lower():
-        return False
-    try:
-        return bool(default._get_backend(device).supports_splitting)
-    except Exception:  # backends without a per-device entry cannot split
-        return False
+    if options.timeout is not None:
+        return options.timeout
+    job = default_group_timeout() if dist.is_initialized() else None
+    if job is not None:
+        return job
+    return new_group_default_timeout(options.backend or (str(dist.get_backend()) if dist.is_initialized() else "gloo"))
 
 
 @dataclass
 class _Entry:
-    """One process group this rank holds (``pg`` None: a request this rank is not part of)."""
+    """One process group this rank holds (``pg`` None: a world-wide request this rank is in no group of)."""
 
     pg: Optional[dist.ProcessGroup]
-    members: Optional[tuple[int, ...]]
-    identity: Hashable
-    collective_key: Optional[tuple]
-    private: bool
+    #: The keys under which the registry finds this entry for sharing (none for private groups).
+    keys: tuple = ()
     holders: set = field(default_factory=set)
     #: Made outside hypergrid and adopted (see GroupRegistry.adopt): shared, never destroyed.
     adopted: bool = False
@@ -171,21 +183,24 @@ class _Entry:
 class GroupRegistry:
     """This process's table of the groups hypergrid created, with who holds each.
 
-    Thread-safe: every method takes the registry's lock, so adapters on other threads may read
-    while a grid creates. One instance, :data:`REGISTRY`, serves the whole process.
+    Thread-safe. Readers (:meth:`count`, :meth:`groups`, :meth:`holders_of`) take the registry's
+    lock only briefly and are never blocked by a creation waiting on other ranks: creations hold
+    :attr:`creation_lock` instead, which serialises them because every rank must make its
+    world-wide calls in the same order. One instance, :data:`REGISTRY`, serves the whole process.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
-        self._by_members: dict[tuple, _Entry] = {}
-        self._by_partition: dict[tuple, _Entry] = {}
+        #: Held while a group is being created (agreement and torch's call); never by readers.
+        self.creation_lock = threading.RLock()
+        self._shared: dict[tuple, _Entry] = {}
         self._entries: list[_Entry] = []
         # The default group the entries were created under; a new one means a new world, in
         # which the old entries are dead (destroy_process_group() + init_process_group()).
         self._world: Optional[dist.ProcessGroup] = None
-        # How many groups of exactly these members this process created in this world: the same
-        # on every member, so (members, count) names a group alike on all of them.
-        self._made: dict[tuple[int, ...], int] = {}
+        # Attempts to create a group of exactly these members without an agreement round (which
+        # names the group itself): the same count on every member, so it names the group alike.
+        self._attempts: dict[tuple[int, ...], int] = {}
 
     # ------------------------------------------------------------------ queries
     def count(self) -> int:
@@ -209,14 +224,13 @@ class GroupRegistry:
     def reset(self) -> None:
         """Forget every entry without destroying anything (the world they lived in is gone)."""
         with self._lock:
-            self._by_members.clear()
-            self._by_partition.clear()
+            self._shared.clear()
             self._entries.clear()
-            self._made.clear()
+            self._attempts.clear()
             self._world = None
 
     def _follow_world(self) -> None:
-        current = dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
+        current = default_group() if dist.is_initialized() else None
         if current is not self._world:
             if self._entries:
                 logger.debug("default process group changed; forgetting %d stale groups", len(self._entries))
@@ -238,14 +252,15 @@ class GroupRegistry:
     ) -> Optional[dist.ProcessGroup]:
         """The group of ``dims`` holding ``rank``, created if no identical one exists yet.
 
-        Returns None on a rank outside ``layout`` (Megatron-Core returns None there too).
-        ``owner`` is recorded as a holder; :meth:`release` with the same owner lets go.
+        Shorthand for :meth:`acquire_request` with :meth:`GroupRequest.from_layout` (no agreement
+        check). Returns None on a rank outside ``layout`` (Megatron-Core returns None there too).
 
         Example::
 
             >>> # pg = REGISTRY.acquire("my-grid", GridLayout((2, 4), ("tp", "dp")), "dp", rank=5)
         """
-        return self.acquire_request(owner, GroupRequest.from_layout(layout, dims, rank, label), strategy=strategy, options=options, private=private)
+        request = GroupRequest.from_layout(layout, dims, rank, label)
+        return self.acquire_request(owner, request, strategy=strategy, options=options, private=private)
 
     def acquire_request(
         self,
@@ -256,27 +271,75 @@ class GroupRegistry:
         options: GroupOptions = GroupOptions(),
         private: bool = False,
     ) -> Optional[dist.ProcessGroup]:
-        """Like :meth:`acquire`, for any :class:`GroupRequest` (e.g. explicit rank lists)."""
+        """This rank's group of ``request``: an identical existing one, or a new one. The one door.
+
+        ``owner`` is recorded as a holder; :meth:`release` with the same owner lets go. Every rank
+        of the world must call this for a request whose creation mode (see
+        :mod:`hypergrid.strategy`) is ``split`` or ``enumerate``; only members for ``local``.
+
+        Example::
+
+            >>> # req = GroupRequest.from_members("embd", [0, 7])
+            >>> # pg = REGISTRY.acquire_request("owner", req, options=GroupOptions(group_desc="EMBD"))
+        """
         if not isinstance(options, GroupOptions):
             raise TypeError(f"options must be a GroupOptions, got {type(options).__name__} {options!r}")
+        if not isinstance(request, GroupRequest):
+            raise TypeError(f"request must be a GroupRequest, got {type(request).__name__} {request!r}")
         mode = creation_mode(strategy, options.backend)
+        if mode is CreationMode.ENUMERATE and request.enumeration is None:
+            raise ValueError(
+                f"group {request.label!r} was requested by its members alone, which strategy "
+                f"'enumerate' cannot create (it needs every group of the request); use "
+                f"GroupRequest.from_rank_lists, or strategy 'auto', 'local' or 'split'"
+            )
+        if mode is CreationMode.LOCAL:
+            if request.members is None:
+                if request.agreement is not None:
+                    publish_position(request.agreement)
+                return None
+            key: tuple = ("members", tuple(sorted(request.members)), options.identity)
+        else:
+            key = ("request", request.identity, options.identity)
+        held = None if private else self._hold_existing(owner, request.label, key)
+        if held is not None:
+            return held.pg
+        with self.creation_lock:
+            # Another thread may have made it while this one waited for the creation lock.
+            held = None if private else self._hold_existing(owner, request.label, key)
+            if held is not None:
+                return held.pg
+            _require_initialized(request.label)
+            entry = self._create(mode, request, options)
+            with self._lock:
+                self._follow_world()
+                if not private:
+                    keys = [key]
+                    if entry.pg is not None and mode is not CreationMode.LOCAL:
+                        keys.append(("members", tuple(sorted(request.members or ())), options.identity))
+                    entry.keys = tuple(keys)
+                    for k in keys:
+                        self._shared[k] = entry
+                self._entries.append(entry)
+                # Held and released like a member's entry even when its pg is None: a rank that
+                # kept it after its grids let go would skip the next world-wide call others make.
+                entry.holders.add((owner, request.label))
+        return entry.pg
+
+    def _hold_existing(self, owner: Owner, label: str, key: tuple) -> Optional[_Entry]:
         with self._lock:
             self._follow_world()
-            if mode is CreationMode.LOCAL:
-                entry = self._local(request, options, private)
-            else:
-                entry = self._collective(mode.value, request, options, private)
-            if entry is None:
-                return None
-            entry.holders.add((owner, request.label))
-            return entry.pg
+            entry = self._shared.get(key)
+            if entry is not None:
+                entry.holders.add((owner, label))
+            return entry
 
     def release(self, owner: Owner) -> int:
         """Drop every hold of ``owner``; destroy groups nobody holds any more. Returns how many.
 
         Idempotent: releasing an owner that holds nothing does nothing.
         """
-        destroyed = 0
+        dead: list[_Entry] = []
         with self._lock:
             self._follow_world()
             for entry in list(self._entries):
@@ -284,12 +347,14 @@ class GroupRegistry:
                 if not stale:
                     continue
                 entry.holders.difference_update(stale)
-                if entry.holders:
-                    continue
-                self._forget(entry)
-                if entry.pg is not None and not entry.adopted:
-                    _destroy_quietly(entry.pg)
-                    destroyed += 1
+                if not entry.holders:
+                    self._forget(entry)
+                    dead.append(entry)
+        destroyed = 0
+        for entry in dead:
+            if entry.pg is not None and not entry.adopted:
+                _destroy_quietly(entry.pg)
+                destroyed += 1
         return destroyed
 
     def adopt(
@@ -311,7 +376,6 @@ class GroupRegistry:
 
             >>> # mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
             >>> # REGISTRY.adopt("my-grid", mesh.get_group("tp"))
-            >>> # REGISTRY.acquire("other", GridLayout((4, 2), ("tp", "dp")), "tp", rank=r)  # that group
         """
         if not isinstance(pg, dist.ProcessGroup):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__} {pg!r}")
@@ -322,142 +386,151 @@ class GroupRegistry:
             self._follow_world()
             entry = next((e for e in self._entries if e.pg is pg), None)
             if entry is None:
-                entry = _Entry(pg, members, options.identity, None, False, adopted=True)
+                key = ("members", tuple(sorted(members)), options.identity)
+                entry = _Entry(pg, keys=(key,), adopted=True)
                 self._entries.append(entry)
-                self._by_members[(tuple(sorted(members)), options.identity)] = entry
+                self._shared[key] = entry
             entry.holders.add((owner, label))
             return pg
 
     def _forget(self, entry: _Entry) -> None:
         self._entries.remove(entry)
-        for table in (self._by_members, self._by_partition):
-            for key in [k for k, v in table.items() if v is entry]:
-                del table[key]
+        for key in entry.keys:
+            if self._shared.get(key) is entry:
+                del self._shared[key]
 
-    # ------------------------------------------------------------------ strategies
-    def _local(self, request: "GroupRequest", options: GroupOptions, private: bool) -> Optional[_Entry]:
+    # ------------------------------------------------------------------ creation
+    def _create(self, mode: CreationMode, request: "GroupRequest", options: GroupOptions) -> _Entry:
         members = request.members
-        if members is None:
-            return None
-        key = (tuple(sorted(members)), options.identity)
-        if not private and key in self._by_members:
-            return self._by_members[key]
-        _require_initialized(request.label)
-        name = self._next_name(members)
-        _agree(request, options, name)
-        with group_name_override(name, list(members)):
-            pg = _call_torch(
-                request.label,
-                members,
+        timeout = effective_timeout(options)
+        name = self._group_name(request)
+        if members is not None and request.agreement is not None:
+            check_agreement(request.label, members, request.agreement, timeout=timeout)
+        elif members is None and request.agreement is not None:
+            publish_position(request.agreement)
+        if mode is CreationMode.LOCAL:
+            assert members is not None
+            pg = self._call_torch(
+                request,
+                name,
+                list(members),
                 lambda: dist.new_group(
                     ranks=list(members),
-                    timeout=options.timeout,
+                    timeout=timeout,
                     backend=options.backend,
                     pg_options=options.pg_options,
                     use_local_synchronization=True,
                     group_desc=options.group_desc,
                 ),
             )
-        self._made[tuple(sorted(members))] = self._made.get(tuple(sorted(members)), 0) + 1
-        return self._record(pg, members, options, None, private)
-
-    def _next_name(self, members: tuple[int, ...]) -> str:
-        """The name of the next group with exactly these members: alike on every member."""
-        ordered = tuple(sorted(members))
-        count = self._made.get(ordered, 0)
-        return "hypergrid-" + hashlib.sha1(f"{','.join(map(str, ordered))}#{count}".encode()).hexdigest()
-
-    def _collective(
-        self, strategy: str, request: "GroupRequest", options: GroupOptions, private: bool
-    ) -> Optional[_Entry]:
-        # Every rank of the world takes part, so whether to reuse must be decided alike on all of
-        # them: by the request's world-wide identity, which every rank computes the same.
-        members = request.members
-        key = (request.identity, options.identity)
-        if not private and key in self._by_partition:
-            return self._by_partition[key]  # held (and released) alike on every rank
-        _require_initialized(request.label)
-        if members is not None:
-            # Only this rank's own group meets here; the world-wide call comes after.
-            _agree(request, options, self._next_name(members))
-            self._made[tuple(sorted(members))] = self._made.get(tuple(sorted(members)), 0) + 1
-        if strategy == "enumerate":
+        elif mode is CreationMode.ENUMERATE:
             enumeration = request.enumerate()
-            pg, _ = _call_torch(
-                request.label,
-                members,
+            pg, _ = self._call_torch(
+                request,
+                name,
+                list(members or ()),
                 lambda: dist.new_subgroups_by_enumeration(
                     enumeration,
-                    timeout=options.timeout,
+                    timeout=timeout,
                     backend=options.backend,
                     pg_options=options.pg_options,
                     group_desc=options.group_desc,
                 ),
             )
         else:
-            # split_group takes the caller's own split; a rank in no group passes some split it
-            # is not in and gets None back, as split_group documents.
-            mine = list(members) if members is not None else list(request.enumerate()[0])
-            pg = _call_torch(
-                request.label,
-                members,
+            # split_group uses only the caller's own split; a rank in no group passes one it is
+            # not in and takes part in the world-wide split as a non-member (None back).
+            mine = list(members) if members is not None else _a_group_without(dist.get_rank())
+            pg = self._call_torch(
+                request,
+                name,
+                mine,
                 lambda: dist.split_group(
                     split_ranks=[mine],
-                    timeout=options.timeout,
+                    timeout=timeout,
                     pg_options=options.pg_options,
                     group_desc=options.group_desc,
                 ),
             )
         if members is None or pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
-            entry = _Entry(None, None, options.identity, key, private)
-            if not private:
-                self._by_partition[key] = entry
-            self._entries.append(entry)
-            # Held and released like a member's entry (its pg is None): a rank that kept it
-            # after its grids let go would skip the next world-wide call the other ranks make.
-            return entry
-        return self._record(pg, members, options, key, private)
+            return _Entry(None)
+        return _Entry(pg)
 
-    def _record(
-        self,
-        pg: dist.ProcessGroup,
-        members: tuple[int, ...],
-        options: GroupOptions,
-        collective_key: Optional[tuple],
-        private: bool,
-    ) -> _Entry:
-        entry = _Entry(pg, members, options.identity, collective_key, private)
-        self._entries.append(entry)
-        if not private:
-            self._by_members[(tuple(sorted(members)), options.identity)] = entry
-            if collective_key is not None:
-                self._by_partition[collective_key] = entry
-        return entry
+    def _group_name(self, request: "GroupRequest") -> Optional[str]:
+        """The torch name of this rank's new group: alike on every member, unlike any earlier one."""
+        if request.members is None:
+            return None
+        ordered = tuple(sorted(request.members))
+        if request.agreement is not None:
+            seed = f"{request.agreement.round_id}|{','.join(map(str, ordered))}"
+        else:
+            attempt = self._attempts.get(ordered, 0)
+            self._attempts[ordered] = attempt + 1
+            seed = f"{','.join(map(str, ordered))}#{attempt}"
+        return "hypergrid-" + hashlib.sha1(seed.encode()).hexdigest()
+
+    @staticmethod
+    def _call_torch(request: "GroupRequest", name: Optional[str], ranks: list[int], create: Callable[[], Any]) -> Any:
+        """Run a torch group constructor under hypergrid's name, its failures named with the group."""
+        try:
+            if name is None:
+                return create()
+            with group_name_override(name, ranks):
+                return create()
+        except (TypeError, ValueError) as exc:
+            if request.members is not None and "pg_options" in str(exc):
+                raise TypeError(f"process group {request.label!r}: torch refused its pg_options: {exc}") from exc
+            raise
+        except Exception as exc:
+            members = request.members
+            shown = describe_ranks(members) if members is not None else "none (not a member)"
+            who = explain_creation_failure(request.label, members or (), request.agreement)
+            raise GroupCreationError(
+                f"creating process group {request.label!r} with members {shown} failed: "
+                f"{type(exc).__name__}: {exc}" + (f"; {who}" if who else "")
+            ) from exc
+
+
+def _a_group_without(rank: int) -> list[int]:
+    """A one-rank split that does not hold ``rank``: what a non-member passes to split_group."""
+    return [1 if rank == 0 else 0]
 
 
 @dataclass(frozen=True)
 class GroupRequest:
-    """One request for groups, as the registry sees it.
+    """One request for groups, as the registry sees it: the one kind every creation goes through.
 
     ``members``: this rank's group, in enumeration order (None: this rank is in none).
     ``identity``: a hashable value equal on every rank for the same set of groups, world-wide;
-    the collective strategies share by it. ``enumerate``: every group of the request, computed
-    only when a collective strategy needs it (O(world)).
+    the world-wide modes share by it. ``enumeration``: every group of the request, computed only
+    when the ``enumerate`` mode needs it (O(world)); None where only members are known.
+    ``agreement``: what the members check they asked for alike before waiting on each other
+    (None skips the check).
 
     Example::
 
         >>> req = GroupRequest.from_rank_lists("embd", [[0, 3], [4, 7]], rank=3)
-        >>> req.members
-        (0, 3)
+        >>> req.members, req.enumerate()
+        ((0, 3), [[0, 3], [4, 7]])
     """
 
     label: str
     members: Optional[tuple[int, ...]]
     identity: Hashable
-    enumerate: Callable[[], list[list[int]]] = field(compare=False)
-    #: What the members must agree on before waiting for each other (see hypergrid.agreement);
-    #: None skips the check.
-    agreement: Optional[Mapping[str, Any]] = field(default=None, compare=False)
+    enumeration: Optional[Callable[[], list[list[int]]]] = field(default=None, compare=False)
+    agreement: Optional[Agreement] = field(default=None, compare=False)
+
+    def enumerate(self) -> list[list[int]]:
+        """Every group of the request (O(world)); a ValueError where only the members are known."""
+        if self.enumeration is None:
+            raise ValueError(
+                f"group {self.label!r} was requested by its members alone; its other groups are unknown"
+            )
+        return self.enumeration()
+
+    def with_agreement(self, agreement: Optional[Agreement]) -> "GroupRequest":
+        """The same request, checked with ``agreement``."""
+        return GroupRequest(self.label, self.members, self.identity, self.enumeration, agreement)
 
     @classmethod
     def from_layout(
@@ -466,13 +539,11 @@ class GroupRequest:
         dims: Dims,
         rank: int,
         label: Optional[str] = None,
-        agreement: Optional[Mapping[str, Any]] = None,
+        agreement: Optional[Agreement] = None,
     ) -> "GroupRequest":
         """The ``dims`` groups of ``layout`` as seen by global ``rank``: O(group size)."""
         members = tuple(layout.group_ranks(dims, rank)) if layout.contains(rank) else None
-        return cls(
-            label or layout.key(dims), members, layout.partition(dims), lambda: layout.enumerate(dims), agreement
-        )
+        return cls(label or layout.key(dims), members, layout.partition(dims), lambda: layout.enumerate(dims), agreement)
 
     @classmethod
     def from_rank_lists(cls, label: str, groups: list[list[int]], rank: int) -> "GroupRequest":
@@ -484,22 +555,8 @@ class GroupRequest:
 
     @classmethod
     def from_members(cls, label: str, members: Optional[list[int]]) -> "GroupRequest":
-        """Only this rank's own group (``local`` strategy only: nothing else is known)."""
-
-        def unknown() -> list[list[int]]:
-            raise ValueError(
-                f"group {label!r} was requested by its members alone, which only the 'local' "
-                f"strategy can create; pass every group (GroupRequest.from_rank_lists) instead"
-            )
-
-        return cls(label, None if members is None else tuple(members), ("members-only", label), unknown)
-
-
-def _agree(request: GroupRequest, options: GroupOptions, name: str) -> None:
-    if request.agreement is None or request.members is None:
-        return
-    timeout = options.timeout if options.timeout is not None else default_pg_timeout
-    check_agreement(request.label, request.members, request.agreement, namespace=name, timeout=timeout)
+        """Only this rank's own group: the ``local`` and ``split`` modes need no more."""
+        return cls(label, None if members is None else tuple(members), ("members-only", label), None)
 
 
 def _require_initialized(label: str) -> None:
@@ -511,19 +568,6 @@ def _require_initialized(label: str) -> None:
         )
 
 
-def _call_torch(label: str, members: Optional[tuple[int, ...]], create: Callable[[], Any]) -> Any:
-    """Run a torch group constructor, turning its failures into errors that name the group."""
-    try:
-        return create()
-    except (TypeError, ValueError):
-        raise
-    except Exception as exc:
-        shown = describe_ranks(members) if members is not None else "none (not a member)"
-        raise GroupCreationError(
-            f"creating process group {label!r} with members {shown} failed: {type(exc).__name__}: {exc}"
-        ) from exc
-
-
 def _destroy_quietly(pg: dist.ProcessGroup) -> None:
     # The user may already have torn everything down with destroy_process_group(); then the
     # group is gone and there is nothing left to release.
@@ -533,12 +577,7 @@ def _destroy_quietly(pg: dist.ProcessGroup) -> None:
         dist.destroy_process_group(pg)
     except (ValueError, RuntimeError, KeyError) as exc:
         logger.debug("process group %s was already gone: %s", pg, exc)
-    # torch empties the group's tag list but keeps the key ("ptd:<group name>"), one per group
-    # ever created: without this, create/destroy cycles grow torch's table without bound.
-    tags = getattr(dist.distributed_c10d._world, "tags_to_pg", None)
-    if isinstance(tags, dict):
-        for tag in [t for t, pgs in tags.items() if not pgs]:
-            del tags[tag]
+    forget_empty_tags()
 
 
 #: The process-wide registry every grid uses.

@@ -45,28 +45,36 @@ def _job_agree(rank: int, world_size: int) -> tuple:
     return _outcome(lambda: _create_all(grid, REQUESTS))
 
 
-def _job_agree_and_clean_up(rank: int, world_size: int) -> dict:
-    """Create groups as _job_agree does; report whether this rank's agreement entries are left."""
-    import hypergrid.groups as groups
+def _job_store_keys_over_cycles(rank: int, world_size: int) -> list:
+    """Create and destroy the same grid's groups several times; the agreement keys written per cycle."""
+    import hypergrid.agreement as agreement
     from hypergrid import HyperCommGrid
-    from hypergrid._torch_compat import default_store
 
-    namespaces = []
-    check = groups.check_agreement
+    real = agreement.default_store()
+    written: set = set()
 
-    def recording(label, members, fields, *, namespace, timeout):
-        namespaces.append(namespace)
-        return check(label, members, fields, namespace=namespace, timeout=timeout)
+    class Recording:
+        """The job's store, noting every key hypergrid's agreement writes."""
 
-    groups.check_agreement = recording
-    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
-    _create_all(grid, REQUESTS)
-    store = default_store()
-    return {
-        "checked": len(namespaces),
-        "left": [ns for ns in namespaces if store.check([f"hypergrid/agree/{ns}/{rank}"])],
-        "verdicts": sum(store.check([f"hypergrid/agree/{ns}/verdict"]) for ns in namespaces),
-    }
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def set(self, key, value):
+            written.add(key)
+            return real.set(key, value)
+
+        def multi_set(self, keys, values):
+            written.update(keys)
+            return real.multi_set(keys, values)
+
+    agreement.default_store = lambda: Recording()
+    per_cycle = []
+    for _ in range(4):
+        grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
+        _create_all(grid, REQUESTS)
+        grid.destroy()
+        per_cycle.append(sorted(written))
+    return per_cycle
 
 
 def _job_shape(rank: int, world_size: int) -> tuple:
@@ -117,12 +125,14 @@ def test_agreeing_ranks_create_every_group():
     assert [r[1][0] for r in results] == ["ok"] * 4
 
 
-def test_agreed_members_remove_their_entries_from_the_store():
-    # One small verdict per group stays; the per-member entries (O(group size) per group) go.
-    for result in run_gloo(_job_agree_and_clean_up, 4, timeout=90, pg_timeout_s=TIMEOUT_S):
-        assert result["checked"] == len(REQUESTS), result
-        assert result["left"] == [], result
-        assert result["verdicts"] == len(REQUESTS), result
+def test_re_creating_groups_does_not_grow_the_store():
+    # Entries and verdicts are per member set, overwritten by later rounds: four create/destroy
+    # cycles write the same keys as the first one (a key per round would grow with every cycle).
+    for per_cycle in run_gloo(_job_store_keys_over_cycles, 4, timeout=90, pg_timeout_s=TIMEOUT_S):
+        assert per_cycle[0], per_cycle
+        assert all(keys == per_cycle[0] for keys in per_cycle), per_cycle
+        # this rank's last state, plus an entry and a verdict for each of its 3 groups at most
+        assert len(per_cycle[0]) <= 1 + 2 * len(REQUESTS), per_cycle[0]
 
 
 def test_one_rank_with_another_shape_fails_everywhere_naming_the_shape():
@@ -146,7 +156,7 @@ def test_one_rank_requesting_in_another_order_fails_everywhere():
     for rank, (kind, message, _) in enumerate(outcomes):
         assert kind in ("GridMismatchError", "GroupTimeoutError"), (rank, kind, message)
     # somebody names the position in the sequence, and rank 2 is named as the odd one out
-    assert any("request.index" in m or "request.key" in m for _, m, _ in outcomes), outcomes
+    assert any("request.position" in m or "request.label" in m for _, m, _ in outcomes), outcomes
     assert any("rank 2" in m or "ranks [2]" in m for _, m, _ in outcomes), outcomes
 
 
@@ -202,7 +212,18 @@ class _LostStore(dist.Store):
     def _gone(self, *args, **kwargs):
         raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
-    set = get = check = multi_get = wait = _gone
+    set = get = check = multi_get = multi_set = wait = _gone
+
+
+def _make_agreement():
+    from hypergrid.agreement import Agreement, GridFacts, Position, RequestFacts
+
+    facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
+    request = RequestFacts("dp-cp", None, False, None, None, None, "local")
+    return Agreement(Position(facts.family, 0, 0), facts, request)
+
+
+_AGREEMENT = _make_agreement()
 
 
 def test_a_store_that_stops_answering_is_named_with_the_group(monkeypatch):
@@ -213,8 +234,7 @@ def test_a_store_that_stops_answering_is_named_with_the_group(monkeypatch):
     try:
         monkeypatch.setattr(agreement, "default_store", lambda: _LostStore())
         with pytest.raises(GroupCreationError) as info:
-            agreement.check_agreement("dp-cp", [0, 4], {"grid.shape": [2, 4]}, namespace="ns/lost",
-                                      timeout=timedelta(seconds=5))
+            agreement.check_agreement("dp-cp", [0, 4], _AGREEMENT, timeout=timedelta(seconds=5))
     finally:
         dist.destroy_process_group()
     message = str(info.value)

@@ -213,7 +213,7 @@ def test_100_grid_cycles_in_one_fake_world_leave_nothing_behind():
         assert tables_after == tables_before
         assert tables_before["pg_map"] == 1  # the default group only
         assert count_after == count_before == 0
-        assert not REGISTRY._entries and not REGISTRY._by_members and not REGISTRY._by_partition
+        assert not REGISTRY._entries and not REGISTRY._shared
         # As above: hypergrid's own allocations stay flat; torch's warm-up is printed, not asserted.
         assert own_after - own_before < 4 * 1024, (own_before, own_after)
 

@@ -15,7 +15,7 @@ import itertools
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,7 +23,9 @@ from megatron.core import parallel_state as ps
 
 from .._torch_compat import default_group_timeout, new_group_default_timeout
 from ..grid import HyperCommGrid
-from ..groups import REGISTRY, GroupOptions, GroupRequest, check_strategy
+from ..agreement import world_checkpoint
+from ..groups import REGISTRY, GroupOptions, effective_timeout
+from ..strategy import resolve_strategy
 from .config import MEGATRON_KEYWORDS, MegatronConfig
 from .plan import ALIAS_GLOBALS, GroupSpec, MegatronPlan
 
@@ -32,6 +34,8 @@ __all__ = ["MegatronGrids", "initialize_model_parallel", "destroy_model_parallel
 logger = logging.getLogger("hypergrid.megatron")
 
 _owner_ids = itertools.count()
+# Initializations this process made: alike on every rank, so it names the end-of-init checkpoint.
+_checkpoints = itertools.count()
 
 #: The state made by the last ``initialize_model_parallel`` not yet destroyed.
 _ACTIVE: Optional["MegatronGrids"] = None
@@ -215,7 +219,7 @@ def active_grids() -> Optional[MegatronGrids]:
 def initialize_model_parallel(
     *args: Any,
     share_groups: bool = True,
-    strategy: str = "local",
+    strategy: Optional[str] = None,
     check_agreement: bool = True,
     **kwargs: Any,
 ) -> MegatronGrids:
@@ -238,10 +242,12 @@ def initialize_model_parallel(
         communicators could overlap. Groups made to overlap (the all-gather group of
         ``create_all_gather_group``) and SHARP targets are never shared. ``False`` gives every
         Megatron group its own communicator, exactly as Megatron-Core does.
-    ``strategy`` (default ``"local"``)
-        How the grid makes groups: ``"local"`` (each rank creates only its own groups; start-up
-        does not grow with the world size), ``"enumerate"`` (Megatron-Core's call pattern, every
-        rank takes part in every group) or ``"split"`` (``split_group`` where the backend can).
+    ``strategy`` (default: the process-wide default, ``"auto"`` unless set)
+        How the grid makes groups (see :mod:`hypergrid.strategy`): ``"auto"`` (``"split"`` on a
+        device-bound NCCL default group, else ``"local"``), ``"local"`` (each rank creates only
+        its own groups; start-up does not grow with the world size), ``"split"`` (every rank
+        joins one ``split_group`` per request) or ``"enumerate"`` (Megatron-Core's call pattern,
+        every rank takes part in every group).
     ``check_agreement``
         Passed to the grid: check that the members of each group asked for the same group.
 
@@ -269,7 +275,7 @@ def initialize_model_parallel(
         kwargs[name] = value
     if not isinstance(share_groups, bool):
         raise TypeError(f"share_groups must be a bool, got {share_groups!r}")
-    check_strategy(strategy)
+    strategy = resolve_strategy(strategy).value
     if not dist.is_initialized():
         raise RuntimeError(
             "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group() first"
@@ -304,9 +310,19 @@ def initialize_model_parallel(
     grids._members.update(members)
     # NCCL applies SHARP to the first communicator made with NCCL_COLLNET_ENABLE=1 only.
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
+    checkpoint = f"megatron#{next(_checkpoints)}"
+    checkpoint_timeout = effective_timeout(GroupOptions(timeout=timeout))
     try:
         _create_all(grids, options, to_world)
-    except BaseException:
+    except Exception as exc:
+        grids.release()
+        # Ranks that got through every group of their own would otherwise go on and hang in their
+        # first collective with this rank: they learn of the failure here.
+        world_checkpoint("initialize_model_parallel", checkpoint, exc, timeout=checkpoint_timeout)
+        raise
+    try:
+        world_checkpoint("initialize_model_parallel", checkpoint, None, timeout=checkpoint_timeout)
+    except Exception:
         grids.release()
         raise
     _fill_parallel_state(grids)
@@ -416,7 +432,7 @@ def _prepare_ucc() -> None:
 def _create_all(grids: MegatronGrids, options: dict[str, GroupOptions], to_world: set[str]) -> None:
     plan, grid, rank = grids.plan, grids.grid, grids.rank
     sharp = plan.config.sharp_group
-    created_keys: set[tuple[str, str]] = set()
+    created: set[tuple[str, str]] = set()  # (layout, grid key) made by create_pg already
     world = dist.group.WORLD
     for index, spec in enumerate(plan.specs):
         if sharp == "dp" and spec.name == "dp_cp":
@@ -428,30 +444,22 @@ def _create_all(grids: MegatronGrids, options: dict[str, GroupOptions], to_world
         if spec.name in to_world:
             pg: Optional[dist.ProcessGroup] = world
             grids._world_shared.add(spec.name)
-        elif spec.derive is None:
+        elif spec.derive is None and (spec.layout, plan.layout(spec.layout).key(list(spec.dims))) not in created:
+            created.add((spec.layout, plan.layout(spec.layout).key(list(spec.dims))))
             view = None if spec.layout == "dense" else "expert"
-            key = (spec.layout, plan.layout(spec.layout).key(list(spec.dims)))
-            if key not in created_keys:
-                created_keys.add(key)
-                pg = grid.create_pg(
-                    list(spec.dims), view=view, private=private, backend=opts.backend,
-                    timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
-                )
-            else:
-                # A second communicator kind over the same dims (gloo, all-gather).
-                pg = REGISTRY.acquire(
-                    grids._owner, plan.layout(spec.layout), list(spec.dims), rank=rank,
-                    strategy=grid.strategy, options=opts, private=private, label=spec.name,
-                )
+            pg = grid.create_pg(
+                list(spec.dims), view=view, private=private, backend=opts.backend,
+                timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
+            )
         else:
-            if grid.strategy == "enumerate":
-                request = GroupRequest.from_rank_lists(spec.name, plan.enumerate(spec.name), rank)
-                strategy = "enumerate"
-            else:
-                # Only the members take part; no rank needs the world's other groups.
-                request = GroupRequest.from_members(spec.name, grids._members[spec.name])
-                strategy = "local"
-            pg = REGISTRY.acquire_request(grids._owner, request, strategy=strategy, options=opts, private=private)
+            # Derived by a rule of its own (embedding, optimizer instances, hierarchical CP) or a
+            # second communicator over dims already made (gloo, all-gather): the same door as the
+            # grid's groups, so members check they agree and the strategy holds.
+            pg = grid.create_derived_pg(
+                spec.name, grids._members[spec.name], groups=_enumerator(plan, spec.name),
+                owner=grids._owner, private=private, backend=opts.backend, timeout=opts.timeout,
+                pg_options=opts.pg_options, group_desc=opts.group_desc,
+            )
         grids._groups[spec.name] = pg
         following = plan.specs[index + 1].name if index + 1 < len(plan.specs) else None
         if sharp == "dp" and spec.name.startswith(("dp_cp", "intra_dp_cp")) and not (
@@ -462,6 +470,11 @@ def _create_all(grids: MegatronGrids, options: dict[str, GroupOptions], to_world
             "inter_expt_dp"
         ):
             _sharp_barrier(grids._groups["inter_expt_dp"], rank)
+
+
+def _enumerator(plan: MegatronPlan, name: str) -> Callable[[], list[list[int]]]:
+    """Every group of kind ``name``, computed only if the ``enumerate`` strategy asks (O(world))."""
+    return lambda: plan.enumerate(name)
 
 
 def _sharp_barrier(group: Optional[dist.ProcessGroup], rank: int) -> None:
