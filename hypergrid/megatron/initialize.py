@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from .._torch_compat import default_group_timeout, new_group_default_timeout
+from .._torch_compat import UnsupportedTorchError, default_group_timeout, new_group_default_timeout
 from ..grid import HyperCommGrid
 from ..agreement import world_checkpoint
 from ..groups import REGISTRY, GroupOptions, effective_timeout
 from ..strategy import resolve_strategy
-from .config import MEGATRON_KEYWORDS, MegatronConfig
+from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
 from .plan import ALIAS_GLOBALS, GroupSpec, MegatronPlan
 
 __all__ = ["MegatronGrids", "initialize_model_parallel", "destroy_model_parallel", "active_grids"]
@@ -285,7 +285,13 @@ def initialize_model_parallel(
     plan = MegatronPlan(config)
     rank = dist.get_rank()
     world = dist.get_world_size()
-    timeout = timedelta(minutes=config.distributed_timeout_minutes)
+    try:
+        timeout = timedelta(minutes=config.distributed_timeout_minutes)
+    except OverflowError:
+        raise ParallelConfigError(
+            f"distributed_timeout_minutes={config.distributed_timeout_minutes} is longer than a "
+            f"datetime.timedelta can hold ({timedelta.max.days * 24 * 60} minutes at most)"
+        ) from None
 
     # Everything that can fail on the arguments happens here, before the first group: options,
     # the (user) embedding callbacks, and the ranks of this rank's groups.
@@ -389,6 +395,14 @@ def _load_nccl_cfgs(config: MegatronConfig) -> dict[str, dict]:
             cfgs = yaml.safe_load(stream) or {}
     for name in config.high_priority_stream_groups or []:
         cfgs.setdefault(name, {})["is_high_priority_stream"] = True
+    if cfgs and not dist.is_nccl_available():
+        # Megatron-Core builds ProcessGroupNCCL.Options from these, which a torch without NCCL
+        # does not have (it fails there with an AttributeError deep inside).
+        given = "nccl_communicator_config_path" if config.nccl_communicator_config_path else "high_priority_stream_groups"
+        raise UnsupportedTorchError(
+            f"{given} configures NCCL communicators, but this torch ({torch.__version__}) was built "
+            f"without NCCL; drop {given} or use a CUDA build of torch"
+        )
     return cfgs
 
 
