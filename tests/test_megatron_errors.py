@@ -14,10 +14,19 @@ from megatron.core import parallel_state as ps  # noqa: E402
 
 import hypergrid.megatron as hm  # noqa: E402
 from hypergrid.groups import REGISTRY  # noqa: E402
-from hypergrid.megatron import ParallelConfigError, plan_model_parallel  # noqa: E402
+from hypergrid.megatron import (  # noqa: E402
+    MEGATRON_CORE_0_16,
+    SUPPORTED_PROFILES,
+    ParallelConfigError,
+    ParallelStateError,
+    plan_model_parallel,
+)
 from tests.harness import fake_world  # noqa: E402
 
-# (id, world size, keywords, fragments the message must contain)
+INSTALLED = hm.installed_features()
+
+# (id, world size, keywords, fragments the message must contain). Entries using a keyword the
+# installed version lacks are skipped; ONLY_WITH marks entries invalid only where a feature exists.
 INVALID: list[tuple[str, int, dict[str, Any], list[str]]] = [
     ("world-not-divisible", 12, dict(tensor_model_parallel_size=8), ["world_size (12)", "= 8"]),
     ("vp-without-pp", 8, dict(virtual_pipeline_model_parallel_size=2), ["virtual_pipeline_model_parallel_size=2", "got 1"]),
@@ -35,14 +44,30 @@ INVALID: list[tuple[str, int, dict[str, Any], list[str]]] = [
     ("sharp-group-without-sharp", 8, dict(sharp_enabled_group="dp"), ["sharp_enabled_group='dp'", "use_sharp=True"]),
     ("sharp-group-unknown", 8, dict(use_sharp=True, sharp_enabled_group="tp"), ["'tp'", "'dp_replica'"]),
     ("sharp-replica-one-instance", 8, dict(use_sharp=True, sharp_enabled_group="dp_replica"), ["num_distributed_optimizer_instances > 1", "got 1"]),
+    # megatron-core 0.19
+    ("gtp-with-distopt", 16, dict(gtp_remat_size=2, num_distributed_optimizer_instances=2), ["gtp_remat_size=2", "num_distributed_optimizer_instances=2", "expected num_distributed_optimizer_instances=1"]),
+    ("egtp-with-distopt", 16, dict(expert_gtp_remat_size=2, expert_model_parallel_size=2, num_distributed_optimizer_instances=2), ["expert_gtp_remat_size=2", "num_distributed_optimizer_instances=2"]),
+    ("gtp-not-divisible", 12, dict(tensor_model_parallel_size=2, gtp_remat_size=4), ["world_size (12)", "gtp_remat_size (4)", "= 8"]),
+    ("egtp-not-divisible", 12, dict(expert_model_parallel_size=2, expert_gtp_remat_size=4), ["world_size (12)", "expert_gtp_remat_size (4)", "= 8"]),
+    ("offset-beyond-world", 16, dict(rank_offset=12, local_world_size=8), ["[12, 20)", "world of 16 ranks"]),
+    ("offset-without-local-size", 16, dict(rank_offset=4), ["[4, 20)", "rank_offset + local_world_size <= 16"]),
+    ("local-world-not-divisible", 16, dict(tensor_model_parallel_size=4, local_world_size=6), ["world_size (6)", "= 4"]),
+    ("order-without-tp", 16, dict(order="cp-ep-dp-pp"), ["'cp-ep-dp-pp'", "does not place 'tp'"]),
 ]
+#: Entries that are valid configurations on a version without the feature named.
+ONLY_WITH = {"order-without-tp": "gtp_remat_size"}
 
 
-@pytest.mark.parametrize("world,kwargs,fragments", [c[1:] for c in INVALID], ids=[c[0] for c in INVALID])
-def test_invalid_configuration_rejected_like_megatron(world: int, kwargs: dict[str, Any], fragments: list[str]) -> None:
+@pytest.mark.parametrize("name,world,kwargs,fragments", INVALID, ids=[c[0] for c in INVALID])
+def test_invalid_configuration_rejected_like_megatron(name: str, world: int, kwargs: dict[str, Any], fragments: list[str]) -> None:
+    missing = sorted(set(kwargs) - set(INSTALLED.keywords))
+    if name in ONLY_WITH and not INSTALLED.accepts(ONLY_WITH[name]):
+        missing.append(ONLY_WITH[name])
+    if missing:
+        pytest.skip(f"megatron-core {INSTALLED.version} has no {missing}")
     # The pure plan rejects it, naming the sizes.
     with pytest.raises(ParallelConfigError) as planned:
-        plan_model_parallel(world, **kwargs)
+        plan_model_parallel(world, features=INSTALLED, **kwargs)
     for fragment in fragments:
         assert fragment in str(planned.value), f"{fragment!r} missing from: {planned.value}"
     assert isinstance(planned.value, ValueError)
@@ -76,7 +101,7 @@ def test_zero_size_is_a_value_error_naming_it() -> None:
     [
         (dict(tensor_model_parallel_size="2"), r"tensor_model_parallel_size must be an int, got str '2'"),
         (dict(use_sharp=1), r"use_sharp must be a bool"),
-        (dict(tensor_parallel_size=2), r"unexpected keyword argument\(s\) \['tensor_parallel_size'\]"),
+        (dict(tensor_parallel_size=2), r"got keyword argument\(s\) \['tensor_parallel_size'\] that megatron-core"),
         (dict(get_embedding_ranks=[0, 1]), r"get_embedding_ranks must be callable"),
         (dict(hierarchical_context_parallel_sizes="22", context_parallel_size=1), r"hierarchical_context_parallel_sizes must be a list"),
     ],
@@ -110,15 +135,21 @@ def test_positional_arguments_follow_megatron_signature() -> None:
 
 
 def test_double_initialization_and_uninitialized_torch() -> None:
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    # Megatron-Core asserts in both cases: ours is an AssertionError too (and a RuntimeError).
+    with pytest.raises(ParallelStateError, match="init_process_group") as uninitialized:
         hm.initialize_model_parallel()
+    assert isinstance(uninitialized.value, (AssertionError, RuntimeError))
     with fake_world(0, 4):
         try:
             hm.initialize_model_parallel(create_gloo_process_groups=False)
             count = REGISTRY.count()
-            with pytest.raises(RuntimeError, match="already initialized"):
+            with pytest.raises(AssertionError, match="already initialized") as again:
                 hm.initialize_model_parallel(create_gloo_process_groups=False)
+            assert isinstance(again.value, RuntimeError)
             assert REGISTRY.count() == count
+            # Megatron-Core's own second call is an AssertionError as well.
+            with pytest.raises(AssertionError):
+                ps.initialize_model_parallel(create_gloo_process_groups=False)
         finally:
             hm.destroy_model_parallel()
         # After Megatron-Core's own initialization, too.
@@ -136,3 +167,49 @@ def test_hypergrid_keywords_are_checked() -> None:
             hm.initialize_model_parallel(strategy="fast")
         with pytest.raises(TypeError, match="share_groups must be a bool"):
             hm.initialize_model_parallel(share_groups="yes")
+
+
+#: Keywords of a supported megatron-core other than the installed one, and one of none.
+FOREIGN_KEYWORDS = sorted({k for p in SUPPORTED_PROFILES for k in p.keywords} - set(INSTALLED.keywords)) + ["tensor_parallel_size"]
+
+
+@pytest.mark.parametrize("keyword", FOREIGN_KEYWORDS)
+def test_keyword_the_installed_version_lacks_is_a_type_error_naming_it_and_the_version(keyword: str) -> None:
+    with fake_world(0, 8):
+        # Megatron-Core's own function has no such parameter...
+        with pytest.raises(TypeError, match=keyword):
+            ps.initialize_model_parallel(create_gloo_process_groups=False, **{keyword: 1})
+        # ...and hypergrid's says so, naming the keyword and the installed version, before any group.
+        before = len(dist.distributed_c10d._world.pg_map)
+        with pytest.raises(TypeError) as refused:
+            hm.initialize_model_parallel(create_gloo_process_groups=False, **{keyword: 1})
+        assert repr(keyword) in str(refused.value) and f"megatron-core {INSTALLED.version}" in str(refused.value)
+        assert len(dist.distributed_c10d._world.pg_map) == before and hm.active_grids() is None
+
+
+def test_installed_keywords_match_megatron_signature_and_defaults() -> None:
+    import inspect
+
+    signature = inspect.signature(ps.initialize_model_parallel)
+    assert INSTALLED.keywords == tuple(signature.parameters)
+    # Every keyword of the installed version is one hypergrid knows, with Megatron-Core's default.
+    from dataclasses import fields
+
+    from hypergrid.megatron import MEGATRON_KEYWORDS, MegatronConfig
+
+    ours = {f.name: f.default for f in fields(MegatronConfig)}
+    for name, param in signature.parameters.items():
+        assert name in MEGATRON_KEYWORDS, f"megatron-core {INSTALLED.version} keyword {name!r} unknown to hypergrid"
+        assert ours[name] == param.default, (name, ours[name], param.default)
+    # The profile of the installed release, used to plan without megatron-core, is truthful.
+    profile = [p for p in SUPPORTED_PROFILES if p.version == INSTALLED.version]
+    if profile:
+        assert profile[0].keywords == INSTALLED.keywords
+
+
+def test_pure_plan_refuses_keywords_of_another_version() -> None:
+    with pytest.raises(TypeError, match=r"\['gtp_remat_size'\] that megatron-core 0.16.1 does not have"):
+        plan_model_parallel(8, features=MEGATRON_CORE_0_16, gtp_remat_size=2)
+    # The default plans the groups every supported version makes, so neither version's extras.
+    with pytest.raises(TypeError, match="create_all_gather_group"):
+        plan_model_parallel(8, create_all_gather_group=True)

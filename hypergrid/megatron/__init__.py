@@ -7,7 +7,10 @@ Switching is one import::
 
 The pure planning part (:func:`plan_model_parallel`, :class:`MegatronPlan`,
 :class:`MegatronConfig`) needs neither megatron-core nor a process group and is imported eagerly;
-the parts that create groups import megatron-core on first use.
+the parts that create groups import megatron-core on first use. Supported: megatron-core 0.16.1
+(Python 3.11) to 0.19.2 (Python 3.12); what the installed one offers is read from its
+``parallel_state`` (:func:`installed_features`), and ``initialize_model_parallel`` takes exactly
+its keywords.
 
 Example::
 
@@ -21,20 +24,29 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
+from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from .features import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, SUPPORTED_PROFILES, MegatronFeatures
 from .plan import GroupSpec, MegatronPlan, plan_model_parallel
 
 __all__ = [
     "initialize_model_parallel",
     "destroy_model_parallel",
+    "create_all_gather_groups",
     "process_group_collection",
     "active_grids",
+    "installed_features",
     "MegatronGrids",
     "plan_model_parallel",
     "MegatronPlan",
     "MegatronConfig",
+    "MegatronFeatures",
+    "MEGATRON_CORE_0_16",
+    "MEGATRON_CORE_0_19",
+    "COMMON_FEATURES",
+    "SUPPORTED_PROFILES",
     "GroupSpec",
     "ParallelConfigError",
+    "ParallelStateError",
     "MEGATRON_KEYWORDS",
 ]
 
@@ -42,7 +54,9 @@ __all__ = [
 _LAZY = {
     "initialize_model_parallel": "initialize",
     "destroy_model_parallel": "initialize",
+    "create_all_gather_groups": "initialize",
     "active_grids": "initialize",
+    "installed_features": "initialize",
     "MegatronGrids": "initialize",
     "process_group_collection": "collection",
 }

@@ -1,10 +1,12 @@
 """The arguments of Megatron-Core's ``initialize_model_parallel``, checked, with the sizes they imply.
 
 Pure Python: no torch.distributed, no megatron import. :class:`MegatronConfig` holds every keyword
-of ``megatron.core.parallel_state.initialize_model_parallel`` (megatron-core 0.16) plus the world
-size, and checks them the way Megatron-Core does, up front. Where Megatron-Core raises a bare
-``assert`` or a ``ZeroDivisionError``, this module raises :class:`ParallelConfigError` naming the
-sizes involved and the value expected.
+of ``megatron.core.parallel_state.initialize_model_parallel`` that hypergrid knows (megatron-core
+0.16.1 to 0.19.2) plus the world size and the :class:`~hypergrid.megatron.features.MegatronFeatures`
+of the version planned for, which says which of those keywords exist there. It checks them the
+way that version does, up front. Where Megatron-Core raises a bare ``assert`` or a
+``ZeroDivisionError``, this module raises :class:`ParallelConfigError` naming the sizes involved
+and the value expected.
 
 Example::
 
@@ -23,10 +25,23 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-__all__ = ["ParallelConfigError", "UnknownOrderNameError", "MegatronConfig", "MEGATRON_KEYWORDS", "PARALLEL_TOKENS"]
+from .features import COMMON_FEATURES, MegatronFeatures
+
+__all__ = [
+    "ParallelConfigError",
+    "UnknownOrderNameError",
+    "ParallelStateError",
+    "MegatronConfig",
+    "MEGATRON_KEYWORDS",
+    "PARALLEL_TOKENS",
+    "GTP_REMAT_TOKEN",
+]
 
 #: The parallelism names Megatron-Core's ``order`` string is made of.
 PARALLEL_TOKENS = ("tp", "cp", "ep", "dp", "pp")
+#: The generalized tensor-parallel axis megatron-core 0.19 injects into the order (after ``tp`` in
+#: the dense grid, after ``ep`` in the expert grid) unless the order places it itself.
+GTP_REMAT_TOKEN = "gtp_remat"
 
 #: Callback type of ``get_embedding_ranks`` / ``get_position_embedding_ranks``: a pipeline group's
 #: ranks in, the ranks holding the (position) embedding out.
@@ -39,6 +54,13 @@ class ParallelConfigError(ValueError, RuntimeError, AssertionError):
     A ``ValueError`` (hypergrid's convention for bad values), and also a ``RuntimeError`` and an
     ``AssertionError``, the types Megatron-Core raises for the same mistakes, so ``except``
     clauses written against Megatron-Core keep catching it.
+    """
+
+
+class ParallelStateError(RuntimeError, AssertionError):
+    """``parallel_state`` is in the wrong state for the call: already initialized, or not yet.
+
+    A ``RuntimeError`` and an ``AssertionError`` (what Megatron-Core's ``assert`` raises there).
     """
 
 
@@ -66,9 +88,12 @@ def _check_bool(name: str, value: object) -> None:
 class MegatronConfig:
     """Megatron-Core's ``initialize_model_parallel`` keywords for a world of ``world_size`` ranks.
 
-    Every field but ``world_size`` is a keyword of Megatron-Core's function, with its default and
-    its meaning. Construction validates everything (types, sizes, divisibility, ``order``, SHARP
-    and backend options) and raises before anything is built.
+    Every field but ``world_size`` and ``features`` is a keyword of Megatron-Core's function, with
+    its default and its meaning; ``features`` says which of them the megatron-core version planned
+    for has (:data:`~hypergrid.megatron.features.COMMON_FEATURES`, the keywords of every
+    supported release, unless told otherwise). A keyword that version lacks, set to anything but
+    its default, is a ``TypeError``. Construction validates everything (types, sizes,
+    divisibility, ``order``, SHARP and backend options) and raises before anything is built.
 
     Example::
 
@@ -78,6 +103,11 @@ class MegatronConfig:
         (('tp', 'cp', 'dp', 'pp'), (2, 2, 16, 1))
         >>> cfg.expert_dims, cfg.expert_shape
         (('tp', 'ep', 'dp', 'pp'), (1, 4, 16, 1))
+        >>> from hypergrid.megatron.features import MEGATRON_CORE_0_19
+        >>> gtp = MegatronConfig(world_size=16, tensor_model_parallel_size=2, gtp_remat_size=2,
+        ...                      rank_offset=8, local_world_size=8, features=MEGATRON_CORE_0_19)
+        >>> gtp.dense_dims, gtp.dense_shape, gtp.grid_ranks
+        (('tp', 'gtp_remat', 'cp', 'dp', 'pp'), (2, 2, 1, 2, 1), range(8, 16))
     """
 
     world_size: int
@@ -90,6 +120,8 @@ class MegatronConfig:
     hierarchical_context_parallel_sizes: Optional[list] = None
     hybrid_context_parallel: bool = False
     expert_model_parallel_size: int = 1
+    gtp_remat_size: int = 1
+    expert_gtp_remat_size: int = 1
     num_distributed_optimizer_instances: int = 1
     expert_tensor_parallel_size: Optional[int] = None
     nccl_communicator_config_path: Optional[str] = None
@@ -101,6 +133,9 @@ class MegatronConfig:
     high_priority_stream_groups: Optional[list] = None
     sharp_enabled_group: Optional[str] = None
     create_all_gather_group: Optional[bool] = False
+    rank_offset: int = 0
+    local_world_size: Optional[int] = None
+    features: MegatronFeatures = COMMON_FEATURES
 
     def __post_init__(self) -> None:
         self._validate()
@@ -123,13 +158,39 @@ class MegatronConfig:
         return self.expert_model_parallel_size
 
     @property
+    def gtp(self) -> int:
+        """``gtp_remat_size``: ranks one dense weight is sharded over (1 where the version has none)."""
+        return self.gtp_remat_size
+
+    @property
+    def egtp(self) -> int:
+        """``expert_gtp_remat_size``: the same for routed-expert weights."""
+        return self.expert_gtp_remat_size
+
+    @property
+    def gtp_active(self) -> bool:
+        """Whether either gtp_remat axis spans more than one rank (megatron-core then skips the
+        gloo groups and makes the distributed-optimizer group span every rank)."""
+        return self.gtp > 1 or self.egtp > 1
+
+    @property
+    def grid_size(self) -> int:
+        """Ranks the grids span: ``local_world_size`` if given, else the world."""
+        return self.world_size if self.local_world_size is None else self.local_world_size
+
+    @property
+    def grid_ranks(self) -> range:
+        """The global ranks the grids span, ``rank_offset`` first."""
+        return range(self.rank_offset, self.rank_offset + self.grid_size)
+
+    @property
     def model_size(self) -> int:
-        """``tp * pp * cp``: the ranks one data-parallel replica spans."""
-        return self.tp * self.pp * self.cp
+        """``tp * pp * cp * gtp_remat``: the ranks one data-parallel replica spans."""
+        return self.tp * self.pp * self.cp * self.gtp
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // self.model_size
+        return self.grid_size // self.model_size
 
     @property
     def expert_tensor_size(self) -> int:
@@ -137,8 +198,13 @@ class MegatronConfig:
         return self.tp if self.expert_tensor_parallel_size is None else self.expert_tensor_parallel_size
 
     @property
+    def expert_model_size(self) -> int:
+        """``etp * ep * pp * expert_gtp_remat``: the ranks one expert data-parallel replica spans."""
+        return self.expert_tensor_size * self.ep * self.pp * self.egtp
+
+    @property
     def expert_data_parallel_size(self) -> int:
-        return self.world_size // (self.expert_tensor_size * self.ep * self.pp)
+        return self.grid_size // self.expert_model_size
 
     @property
     def intra_partial_data_parallel_size(self) -> int:
@@ -151,29 +217,62 @@ class MegatronConfig:
         return self.expert_data_parallel_size // self.num_distributed_optimizer_instances
 
     @property
+    def dense_gloo(self) -> bool:
+        """Whether the dense gloo groups are made (megatron-core 0.19 skips them under gtp_remat)."""
+        return self.create_gloo_process_groups and self.gtp == 1
+
+    @property
+    def expert_gloo(self) -> bool:
+        """Whether the expert gloo groups are made (skipped under either gtp_remat axis)."""
+        return self.dense_gloo and self.egtp == 1
+
+    @property
     def order_tokens(self) -> tuple[str, ...]:
         """``order`` lower-cased and split, with absent size-1 names appended as Megatron does."""
         tokens = self.order.lower().split("-")
         return tuple(tokens) + tuple(t for t in PARALLEL_TOKENS if t not in tokens)
 
+    def _grid_tokens(self, anchor: str) -> tuple[str, ...]:
+        # megatron-core 0.19 inserts 'gtp_remat' into the order *as given* (before lower-casing):
+        # after `anchor`, else after 'tp', else first. An order that places it is kept.
+        raw = self.order.split("-")
+        if self.features.gtp_remat and GTP_REMAT_TOKEN not in raw:
+            at = anchor if anchor in raw else "tp"
+            raw.insert(raw.index(at) + 1 if at in raw else 0, GTP_REMAT_TOKEN)
+        tokens = [t.lower() for t in raw]
+        return tuple(tokens) + tuple(t for t in PARALLEL_TOKENS if t not in tokens)
+
+    @property
+    def dense_tokens(self) -> tuple[str, ...]:
+        """The dense grid's order with the gtp_remat axis where megatron-core puts it (after 'tp')."""
+        return self._grid_tokens("tp")
+
+    @property
+    def expert_tokens(self) -> tuple[str, ...]:
+        """The expert grid's order with the gtp_remat axis where megatron-core puts it (after 'ep')."""
+        return self._grid_tokens("ep")
+
     @property
     def dense_dims(self) -> tuple[str, ...]:
-        """Dims of the dense grid: the order without ``ep`` (size 1 outside expert layers)."""
-        return tuple(t for t in self.order_tokens if t != "ep")
+        """Dims of the dense grid: the order without ``ep`` (size 1 outside expert layers), with
+        ``gtp_remat`` where it spans more than one rank."""
+        return tuple(t for t in self.dense_tokens if t != "ep" and (t != GTP_REMAT_TOKEN or self.gtp > 1))
 
     @property
     def dense_shape(self) -> tuple[int, ...]:
-        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.data_parallel_size, "pp": self.pp}
+        sizes = {"tp": self.tp, "cp": self.cp, "dp": self.data_parallel_size, "pp": self.pp, GTP_REMAT_TOKEN: self.gtp}
         return tuple(sizes[d] for d in self.dense_dims)
 
     @property
     def expert_dims(self) -> tuple[str, ...]:
-        """Dims of the expert grid: the order without ``cp`` (expert layers have none)."""
-        return tuple(t for t in self.order_tokens if t != "cp")
+        """Dims of the expert grid: the order without ``cp`` (expert layers have none), with
+        ``gtp_remat`` where the expert axis spans more than one rank."""
+        return tuple(t for t in self.expert_tokens if t != "cp" and (t != GTP_REMAT_TOKEN or self.egtp > 1))
 
     @property
     def expert_shape(self) -> tuple[int, ...]:
-        sizes = {"tp": self.expert_tensor_size, "ep": self.ep, "dp": self.expert_data_parallel_size, "pp": self.pp}
+        sizes = {"tp": self.expert_tensor_size, "ep": self.ep, "dp": self.expert_data_parallel_size, "pp": self.pp,
+                 GTP_REMAT_TOKEN: self.egtp}
         return tuple(sizes[d] for d in self.expert_dims)
 
     @property
@@ -197,14 +296,14 @@ class MegatronConfig:
         return self.sharp_enabled_group or "dp"
 
     def sizes(self) -> dict[str, Any]:
-        """Every size of the configuration, JSON-friendly.
+        """Every size of the configuration, JSON-friendly (sizes the version lacks left out).
 
         Example::
 
             >>> MegatronConfig(world_size=8, tensor_model_parallel_size=2).sizes()["data_parallel_size"]
             4
         """
-        return {
+        out: dict[str, Any] = {
             "world_size": self.world_size,
             "tensor_model_parallel_size": self.tp,
             "pipeline_model_parallel_size": self.pp,
@@ -218,18 +317,35 @@ class MegatronConfig:
             "num_distributed_optimizer_instances": self.num_distributed_optimizer_instances,
             "order": "-".join(self.order_tokens),
         }
+        if self.features.gtp_remat:
+            out["gtp_remat_size"] = self.gtp
+        if self.features.expert_gtp_remat:
+            out["expert_gtp_remat_size"] = self.egtp
+        if self.features.rank_offset:
+            out["rank_offset"] = self.rank_offset
+        if self.features.local_world_size:
+            out["local_world_size"] = self.local_world_size
+        return out
 
     # ------------------------------------------------------------------ validation
     def _validate(self) -> None:
+        if not isinstance(self.features, MegatronFeatures):
+            raise TypeError(f"features must be a MegatronFeatures, got {type(self.features).__name__} {self.features!r}")
+        self._validate_features()
         _check_int("world_size", self.world_size)
         for name in (
             "tensor_model_parallel_size",
             "pipeline_model_parallel_size",
             "context_parallel_size",
             "expert_model_parallel_size",
+            "gtp_remat_size",
+            "expert_gtp_remat_size",
             "num_distributed_optimizer_instances",
         ):
             _check_int(name, getattr(self, name))
+        _check_int("rank_offset", self.rank_offset, minimum=0)
+        if self.local_world_size is not None:
+            _check_int("local_world_size", self.local_world_size)
         if self.expert_tensor_parallel_size is not None:
             _check_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
         if self.virtual_pipeline_model_parallel_size is not None:
@@ -265,6 +381,13 @@ class MegatronConfig:
             raise TypeError(
                 f"nccl_communicator_config_path must be a str path, got {self.nccl_communicator_config_path!r}"
             )
+        # The grids must fit in the world (Megatron-Core finds out inside torch, groups half made).
+        if self.rank_offset + self.grid_size > self.world_size:
+            raise ParallelConfigError(
+                f"the grids span ranks [{self.rank_offset}, {self.rank_offset + self.grid_size}) "
+                f"(rank_offset {self.rank_offset}, local_world_size {self.local_world_size}), beyond "
+                f"the world of {self.world_size} ranks; expected rank_offset + local_world_size <= {self.world_size}"
+            )
 
         # The checks below follow Megatron-Core's, in its order, so the first mistake reported is
         # the one Megatron-Core would report.
@@ -284,11 +407,20 @@ class MegatronConfig:
                 f"sharp_enabled_group={self.sharp_enabled_group!r} is only valid with use_sharp=True"
             )
 
-        if self.world_size % self.model_size != 0:
+        if self.gtp_active and self.num_distributed_optimizer_instances > 1:
             raise ParallelConfigError(
-                f"world_size ({self.world_size}) is not divisible by tensor_model_parallel_size "
+                f"gtp_remat_size={self.gtp}, expert_gtp_remat_size={self.egtp} with "
+                f"num_distributed_optimizer_instances={self.num_distributed_optimizer_instances}: "
+                f"megatron-core {self.features.version} supports GTP_remat with one distributed-optimizer "
+                f"instance only; expected num_distributed_optimizer_instances=1 or both gtp_remat sizes 1"
+            )
+
+        if self.grid_size % self.model_size != 0:
+            gtp = f" * gtp_remat_size ({self.gtp})" if self.features.gtp_remat else ""
+            raise ParallelConfigError(
+                f"world_size ({self.grid_size}) is not divisible by tensor_model_parallel_size "
                 f"({self.tp}) * pipeline_model_parallel_size ({self.pp}) * context_parallel_size "
-                f"({self.cp}) = {self.model_size}"
+                f"({self.cp}){gtp} = {self.model_size}"
             )
         if self.virtual_pipeline_model_parallel_size is not None and self.pp <= 1:
             raise ParallelConfigError(
@@ -298,12 +430,12 @@ class MegatronConfig:
 
         self._validate_order()
 
-        etp_ep_pp = self.expert_tensor_size * self.ep * self.pp
-        if self.world_size % etp_ep_pp != 0:
+        if self.grid_size % self.expert_model_size != 0:
+            egtp = f" * expert_gtp_remat_size ({self.egtp})" if self.features.expert_gtp_remat else ""
             raise ParallelConfigError(
-                f"world_size ({self.world_size}) is not divisible by expert_tensor_parallel_size "
+                f"world_size ({self.grid_size}) is not divisible by expert_tensor_parallel_size "
                 f"({self.expert_tensor_size}) * expert_model_parallel_size ({self.ep}) * "
-                f"pipeline_model_parallel_size ({self.pp}) = {etp_ep_pp}"
+                f"pipeline_model_parallel_size ({self.pp}){egtp} = {self.expert_model_size}"
             )
         placed = self.order.lower().split("-")
         expert_sizes = {"tp": self.expert_tensor_size, "pp": self.pp, "dp": self.expert_data_parallel_size, "ep": self.ep}
@@ -353,24 +485,44 @@ class MegatronConfig:
         if self.expert_data_parallel_size % ninst != 0:
             raise ParallelConfigError(
                 f"expert data-parallel size ({self.expert_data_parallel_size} = world_size "
-                f"{self.world_size} / (expert_tensor_parallel_size {self.expert_tensor_size} * "
+                f"{self.grid_size} / (expert_tensor_parallel_size {self.expert_tensor_size} * "
                 f"expert_model_parallel_size {self.ep} * pipeline_model_parallel_size {self.pp})) "
                 f"is not divisible by num_distributed_optimizer_instances ({ninst})"
             )
+
+    def _validate_features(self) -> None:
+        # A keyword this version lacks may only hold its default (the value every version before
+        # it behaved as); anything else is what Megatron-Core calls an unexpected keyword.
+        set_but_absent = [
+            f.name
+            for f in fields(self)
+            if f.name in MEGATRON_KEYWORDS and not self.features.accepts(f.name) and getattr(self, f.name) != f.default
+        ]
+        self.features.check_keywords(set_but_absent)
 
     def _validate_order(self) -> None:
         if not isinstance(self.order, str):
             raise TypeError(f"order must be a str like 'tp-cp-ep-dp-pp', got {type(self.order).__name__} {self.order!r}")
         tokens = self.order.lower().split("-")
-        unknown = [t for t in tokens if t not in PARALLEL_TOKENS]
+        known = PARALLEL_TOKENS + ((GTP_REMAT_TOKEN,) if self.features.gtp_remat else ())
+        unknown = [t for t in tokens if t not in known]
         if unknown:
             raise UnknownOrderNameError(
                 f"order {self.order!r} has unknown parallelism name(s) {unknown}; expected names "
-                f"from {list(PARALLEL_TOKENS)} joined by '-', e.g. 'tp-cp-ep-dp-pp'"
+                f"from {list(known)} joined by '-', e.g. 'tp-cp-ep-dp-pp'"
             )
-        repeated = sorted({t for t in tokens if tokens.count(t) > 1})
-        if repeated:
-            raise ParallelConfigError(f"order {self.order!r} names {repeated} more than once")
+        for grid_tokens in (self.dense_tokens, self.expert_tokens):
+            repeated = sorted({t for t in grid_tokens if grid_tokens.count(t) > 1})
+            if repeated:
+                raise ParallelConfigError(f"order {self.order!r} names {repeated} more than once")
+        if self.features.gtp_remat and "tp" not in tokens:
+            # megatron-core 0.19 appends a missing size-1 name only if its text is nowhere in the
+            # order, and the injected 'gtp_remat' contains 'tp': its rank generator then has no
+            # 'tp' dim and fails (ValueError) on its first tensor-parallel group.
+            raise ParallelConfigError(
+                f"order {self.order!r} does not place 'tp'; megatron-core {self.features.version} "
+                f"needs it (its gtp_remat axis hides a missing 'tp'), e.g. 'tp-cp-ep-dp-pp'"
+            )
         # The dense generator's check: a dim of size > 1 must be placed by the order.
         dense_sizes = {"tp": self.tp, "pp": self.pp, "dp": self.data_parallel_size, "cp": self.cp}
         for name, size in dense_sizes.items():
@@ -397,8 +549,10 @@ class MegatronConfig:
 
     # ------------------------------------------------------------------ construction helpers
     @classmethod
-    def from_megatron_kwargs(cls, world_size: int, kwargs: dict[str, Any]) -> "MegatronConfig":
-        """Build from the keywords of a Megatron-Core call, rejecting any it does not know.
+    def from_megatron_kwargs(
+        cls, world_size: int, kwargs: dict[str, Any], features: MegatronFeatures = COMMON_FEATURES
+    ) -> "MegatronConfig":
+        """Build from the keywords of a Megatron-Core call, rejecting any ``features`` lacks.
 
         Example::
 
@@ -407,16 +561,24 @@ class MegatronConfig:
             >>> MegatronConfig.from_megatron_kwargs(8, {"tensor_parallel_size": 2})
             Traceback (most recent call last):
             ...
-            TypeError: initialize_model_parallel() got unexpected keyword argument(s) ['tensor_parallel_size']; ...
+            TypeError: initialize_model_parallel() got keyword argument(s) ['tensor_parallel_size'] that megatron-core ... does not have; ...
         """
-        unknown = sorted(set(kwargs) - set(MEGATRON_KEYWORDS))
-        if unknown:
+        if not isinstance(features, MegatronFeatures):
+            raise TypeError(f"features must be a MegatronFeatures, got {type(features).__name__} {features!r}")
+        features.check_keywords(kwargs)
+        # A keyword the installed version has but hypergrid does not know cannot be honoured.
+        unsupported = sorted(set(kwargs) - set(MEGATRON_KEYWORDS))
+        if unsupported:
             raise TypeError(
-                f"initialize_model_parallel() got unexpected keyword argument(s) {unknown}; "
-                f"Megatron-Core's keywords are {list(MEGATRON_KEYWORDS)}"
+                f"initialize_model_parallel() keyword argument(s) {unsupported} of megatron-core "
+                f"{features.version} are not supported by hypergrid.megatron, which knows "
+                f"{list(MEGATRON_KEYWORDS)}"
             )
-        return cls(world_size=world_size, **kwargs)
+        return cls(world_size=world_size, features=features, **kwargs)
 
 
-#: The keywords of Megatron-Core's ``initialize_model_parallel`` this module understands.
-MEGATRON_KEYWORDS: tuple[str, ...] = tuple(f.name for f in fields(MegatronConfig) if f.name != "world_size")
+#: Every keyword of Megatron-Core's ``initialize_model_parallel`` this module understands, from any
+#: supported version (a given version takes the subset its :class:`MegatronFeatures` lists).
+MEGATRON_KEYWORDS: tuple[str, ...] = tuple(
+    f.name for f in fields(MegatronConfig) if f.name not in ("world_size", "features")
+)

@@ -1,16 +1,23 @@
 """Megatron-Core's ``initialize_model_parallel`` / ``destroy_model_parallel``, built on hypergrid grids.
 
-``initialize_model_parallel`` takes every keyword of the installed megatron-core's function, plans
-the groups with :mod:`hypergrid.megatron.plan`, creates this rank's groups through one
+``initialize_model_parallel`` takes every keyword of the installed megatron-core's function (read
+from its signature: :func:`installed_features`), plans the groups with
+:mod:`hypergrid.megatron.plan`, creates this rank's groups through one
 :class:`~hypergrid.grid.HyperCommGrid` (the dense layout, with the expert layout as its
 ``"expert"`` view) and hypergrid's registry, and fills ``megatron.core.parallel_state`` so that
-every getter there answers as after Megatron-Core's own call. What changes is the cost: a rank
+every getter there answers as after that version's own call. What changes is the cost: a rank
 creates only the groups it belongs to (Megatron-Core creates every group of the world on every
 rank), and identical groups share one communicator unless ``share_groups=False``.
+
+Supported: megatron-core 0.16.1 (Python 3.11) to 0.19.2 (Python 3.12). What differs between them
+(the gtp_remat groups of 0.19, its ``rank_offset``/``local_world_size``, 0.16's
+``create_all_gather_group``) is decided from what the installed ``parallel_state`` defines, not
+from its version number.
 """
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import logging
 import os
@@ -26,10 +33,18 @@ from ..grid import HyperCommGrid
 from ..agreement import world_checkpoint
 from ..groups import REGISTRY, GroupOptions, effective_timeout
 from ..strategy import resolve_strategy
-from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
+from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from .features import MegatronFeatures
 from .plan import ALIAS_GLOBALS, GroupSpec, MegatronPlan
 
-__all__ = ["MegatronGrids", "initialize_model_parallel", "destroy_model_parallel", "active_grids"]
+__all__ = [
+    "MegatronGrids",
+    "initialize_model_parallel",
+    "destroy_model_parallel",
+    "create_all_gather_groups",
+    "active_grids",
+    "installed_features",
+]
 
 logger = logging.getLogger("hypergrid.megatron")
 
@@ -40,21 +55,6 @@ _checkpoints = itertools.count()
 #: The state made by the last ``initialize_model_parallel`` not yet destroyed.
 _ACTIVE: Optional["MegatronGrids"] = None
 
-# parallel_state globals Megatron-Core's own destroy_model_parallel leaves set; ours clears them
-# too, so that a later initialization cannot read a previous one's ranks.
-_LEFT_BY_MEGATRON_DESTROY = (
-    "_EMBEDDING_GLOBAL_RANKS",
-    "_PIPELINE_GLOBAL_RANKS",
-    "_DATA_PARALLEL_GLOBAL_RANKS",
-    "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS",
-    "_MODEL_PARALLEL_GLOBAL_RANKS",
-    "_EXPERT_MODEL_PARALLEL_RANKS",
-    "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
-)
-
 # Globals whose groups Megatron-Core's destroy_model_parallel destroys itself (its gloo groups).
 _DESTROYED_BY_MEGATRON = (
     "_DATA_PARALLEL_GROUP_GLOO",
@@ -63,10 +63,16 @@ _DESTROYED_BY_MEGATRON = (
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
 )
 
-# Globals of groups that only some configurations create; None otherwise, as in Megatron-Core.
+# Globals of groups that only some configurations (or versions) create; None otherwise, as in
+# Megatron-Core. Set only where the installed parallel_state has them.
 _OPTIONAL_GLOBALS = (
     "_DATA_PARALLEL_GROUP_WITH_CP_AG",
     "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
     "_DATA_PARALLEL_GROUP_GLOO",
     "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
     "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
@@ -82,6 +88,7 @@ _INITIALIZED_MARKERS = (
     "_MODEL_PARALLEL_GROUP",
     "_CONTEXT_PARALLEL_GROUP",
     "_EXPERT_MODEL_PARALLEL_GROUP",
+    "_GTP_WEIGHT_REMAT_GROUP",
     "_GLOBAL_MEMORY_BUFFER",
 )
 
@@ -106,9 +113,13 @@ class MegatronGrids:
     :class:`~hypergrid.megatron.plan.MegatronPlan` of every group. :meth:`group` and
     :meth:`ranks` answer by kind name (``"tp"``, ``"dp_cp"``, ``"expt_dp"``, ...).
 
+    ``all_gather_groups`` holds the ``(dp_cp_ag, expt_dp_ag)`` pairs
+    :func:`create_all_gather_groups` made, released with the rest.
+
     Example::
 
-        >>> # grids = initialize_model_parallel(tensor_model_parallel_size=2)   # in a job
+        >>> # initialize_model_parallel(tensor_model_parallel_size=2)   # in a job
+        >>> # grids = active_grids()
         >>> # grids.grid.get_pg("tp") is parallel_state.get_tensor_model_parallel_group()   # True
         >>> # grids.ranks("dp"), grids.grid.coords()
     """
@@ -124,6 +135,7 @@ class MegatronGrids:
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
         self._members: dict[str, Optional[list[int]]] = {}
         self._world_shared: set[str] = set()
+        self.all_gather_groups: list[tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]] = []
         self._destroyed = False
 
     def __repr__(self) -> str:
@@ -216,19 +228,57 @@ def active_grids() -> Optional[MegatronGrids]:
     return _ACTIVE
 
 
+def installed_features() -> MegatronFeatures:
+    """The installed megatron-core's ``initialize_model_parallel`` keywords, read with :mod:`inspect`.
+
+    Example::
+
+        >>> features = installed_features()
+        >>> features.keywords[:2]
+        ('tensor_model_parallel_size', 'pipeline_model_parallel_size')
+        >>> features.gtp_remat == ("gtp_remat_size" in features.keywords)
+        True
+    """
+    import megatron.core
+
+    parameters = inspect.signature(ps.initialize_model_parallel).parameters.values()
+    keywords = tuple(
+        p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    )
+    return MegatronFeatures(str(getattr(megatron.core, "__version__", "(version unknown)")), keywords)
+
+
+def _bind_arguments(features: MegatronFeatures, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Positional arguments named by the installed signature's order, merged into ``kwargs``."""
+    if len(args) > len(features.keywords):
+        raise TypeError(
+            f"initialize_model_parallel() of megatron-core {features.version} takes at most "
+            f"{len(features.keywords)} positional arguments, got {len(args)}"
+        )
+    bound = dict(kwargs)
+    for name, value in zip(features.keywords, args):
+        if name in bound:
+            raise TypeError(f"initialize_model_parallel() got multiple values for argument {name!r}")
+        bound[name] = value
+    return bound
+
+
 def initialize_model_parallel(
     *args: Any,
     share_groups: bool = True,
     strategy: Optional[str] = None,
     check_agreement: bool = True,
     **kwargs: Any,
-) -> MegatronGrids:
+) -> None:
     """Megatron-Core's ``initialize_model_parallel``, with groups made by hypergrid.
 
-    Takes every argument of the installed megatron-core's function, positionally or by keyword,
-    with the same meaning, defaults and validation (errors are raised before any group is made
-    and name the sizes; see :class:`~hypergrid.megatron.config.ParallelConfigError`). Afterwards
-    every ``megatron.core.parallel_state`` getter answers as after Megatron-Core's own call.
+    Takes exactly the arguments of the installed megatron-core's function, positionally (in its
+    signature's order) or by keyword, with the same meaning, defaults and validation (errors are
+    raised before any group is made and name the sizes; see
+    :class:`~hypergrid.megatron.config.ParallelConfigError`). A keyword the installed version
+    does not have is a ``TypeError`` naming it and the version. Afterwards every
+    ``megatron.core.parallel_state`` getter answers as after that version's own call. Returns
+    None, as Megatron-Core does; :func:`active_grids` gives the :class:`MegatronGrids` built.
 
     hypergrid-only keywords:
 
@@ -239,9 +289,9 @@ def initialize_model_parallel(
         is the default group itself. Fewer communicators means less start-up time and less
         memory (each NCCL communicator holds buffers on every member GPU). The trade-off:
         collectives on two names that share a communicator are serialized on it, where separate
-        communicators could overlap. Groups made to overlap (the all-gather group of
-        ``create_all_gather_group``) and SHARP targets are never shared. ``False`` gives every
-        Megatron group its own communicator, exactly as Megatron-Core does.
+        communicators could overlap. Groups made to overlap (the all-gather groups) and SHARP
+        targets are never shared. ``False`` gives every Megatron group its own communicator,
+        exactly as Megatron-Core does.
     ``strategy`` (default: the process-wide default, ``"auto"`` unless set)
         How the grid makes groups (see :mod:`hypergrid.strategy`): ``"auto"`` (``"split"`` on a
         device-bound NCCL default group, else ``"local"``), ``"local"`` (each rank creates only
@@ -251,36 +301,38 @@ def initialize_model_parallel(
     ``check_agreement``
         Passed to the grid: check that the members of each group asked for the same group.
 
-    Returns a :class:`MegatronGrids` holding the grid and the groups.
-
     Example::
 
-        >>> # from hypergrid.megatron import initialize_model_parallel     # was: megatron.core.parallel_state
-        >>> # grids = initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
-        >>> #                                   expert_model_parallel_size=4, create_gloo_process_groups=False)
-        >>> # parallel_state.get_tensor_model_parallel_world_size()   -> 2
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from megatron.core import parallel_state
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)  # rank 5 of 16
+        >>> initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+        ...                           create_gloo_process_groups=False)
+        >>> parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_pipeline_model_parallel_next_rank()
+        (2, 9)
+        >>> active_grids().ranks("dp")
+        [5, 7]
+        >>> destroy_model_parallel(); dist.destroy_process_group()
 
     Raises:
         ParallelConfigError (a ValueError, RuntimeError and AssertionError): a configuration
-            Megatron-Core rejects, named with its sizes.
-        TypeError: unknown keywords or values of the wrong type.
-        RuntimeError: torch.distributed not initialized, or parallel state already initialized.
+            the installed megatron-core rejects, named with its sizes.
+        TypeError: keywords the installed version does not have, values of the wrong type.
+        ParallelStateError (a RuntimeError and AssertionError): torch.distributed not
+            initialized, or parallel state already initialized.
     """
     global _ACTIVE
-    if len(args) > len(MEGATRON_KEYWORDS):
-        raise TypeError(f"initialize_model_parallel() takes at most {len(MEGATRON_KEYWORDS)} positional arguments, got {len(args)}")
-    for name, value in zip(MEGATRON_KEYWORDS, args):
-        if name in kwargs:
-            raise TypeError(f"initialize_model_parallel() got multiple values for argument {name!r}")
-        kwargs[name] = value
+    features = installed_features()
+    kwargs = _bind_arguments(features, args, kwargs)
     if not isinstance(share_groups, bool):
         raise TypeError(f"share_groups must be a bool, got {share_groups!r}")
     strategy = resolve_strategy(strategy).value
     if not dist.is_initialized():
-        raise RuntimeError(
+        raise ParallelStateError(
             "initialize_model_parallel needs torch.distributed: call torch.distributed.init_process_group() first"
         )
-    config = MegatronConfig.from_megatron_kwargs(dist.get_world_size(), kwargs)
+    _warn_unknown_keywords(features)
+    config = MegatronConfig.from_megatron_kwargs(dist.get_world_size(), kwargs, features)
     _check_not_initialized()
     plan = MegatronPlan(config)
     rank = dist.get_rank()
@@ -307,8 +359,8 @@ def initialize_model_parallel(
         _prepare_ucc()
 
     grid = HyperCommGrid(
-        list(plan.dense.shape), list(plan.dense.dim_names), world_size=world, strategy=strategy,
-        check_agreement=check_agreement,
+        list(plan.dense.shape), list(plan.dense.dim_names), rank_offset=config.rank_offset, world_size=world,
+        strategy=strategy, check_agreement=check_agreement,
     )
     shared = ["pp"] if plan.dense.dim_size("pp") > 1 else []
     grid.register_view("expert", list(plan.expert.shape), list(plan.expert.dim_names), shared_dims=shared)
@@ -320,6 +372,7 @@ def initialize_model_parallel(
     checkpoint_timeout = effective_timeout(GroupOptions(timeout=timeout))
     try:
         _create_all(grids, options, to_world)
+        _fill_parallel_state(grids)
     except Exception as exc:
         grids.release()
         # Ranks that got through every group of their own would otherwise go on and hang in their
@@ -331,14 +384,12 @@ def initialize_model_parallel(
     except Exception:
         grids.release()
         raise
-    _fill_parallel_state(grids)
     ps._set_global_memory_buffer()
     _ACTIVE = grids
     logger.info(
-        "rank %d: initialized %s with %d communicators (share_groups=%s, strategy=%s)",
-        rank, plan, grids.num_process_groups, share_groups, strategy,
+        "rank %d: initialized %s with %d communicators (share_groups=%s, strategy=%s, megatron-core %s)",
+        rank, plan, grids.num_process_groups, share_groups, strategy, features.version,
     )
-    return grids
 
 
 def destroy_model_parallel() -> None:
@@ -346,7 +397,8 @@ def destroy_model_parallel() -> None:
 
     Calls Megatron-Core's own ``destroy_model_parallel`` for its globals (after taking out the
     groups hypergrid owns, so that no shared group is destroyed behind the registry's back),
-    clears the globals Megatron-Core's version leaves set, and releases the grid and the derived
+    clears the globals Megatron-Core's version leaves set (rank lists and group lists, whichever
+    the installed version has), and releases the grid, the derived groups and the all-gather
     groups through the registry: a group is destroyed when nothing else holds it. Initializing
     again afterwards works. Also cleans up after Megatron-Core's own initialization.
 
@@ -363,19 +415,119 @@ def destroy_model_parallel() -> None:
             if hasattr(ps, name):
                 setattr(ps, name, None)
     ps.destroy_model_parallel()
-    for name in _LEFT_BY_MEGATRON_DESTROY:
-        if hasattr(ps, name):
-            setattr(ps, name, None)
-    ps._HYBRID_DP_CP_GROUPS = {}
+    _clear_left_state()
     if grids is not None:
         grids.release()
 
 
+def create_all_gather_groups(
+    for_expert_parallelism: bool = False,
+    timeout: Optional[timedelta] = None,
+    nccl_comm_cfgs: Optional[dict] = None,
+) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    """Megatron-Core 0.19's ``parallel_state.create_all_gather_groups``, through hypergrid.
+
+    Returns ``(dp_cp_ag, expt_dp_ag)``: a new communicator over this rank's data-parallel group
+    with context parallelism, and, with ``for_expert_parallelism=True`` and more than one expert
+    rank, one over its expert data-parallel group (else None). Each is a communicator of its own,
+    never shared with the group it mirrors or with anything else, whatever ``share_groups`` was:
+    its point is to run parameter all-gathers while the reduce-scatters run on the other one.
+    ``timeout`` (None: torch's default) and ``nccl_comm_cfgs`` (the ``dp_cp`` / ``ep_dp``
+    entries, as Megatron-Core reads them) go to torch. The groups are released by
+    :func:`destroy_model_parallel`. Works with either supported megatron-core; megatron-core's
+    own function also works after hypergrid's initialization.
+
+    Members are those of the groups initialization made (``order``, ``rank_offset`` and
+    ``gtp_remat`` included), where megatron-core 0.19.2's function recomputes them for the
+    default order ``tp-cp-ep-dp-pp`` from rank 0; the two agree for that order.
+
+    Example::
+
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from megatron.core import parallel_state
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=8)  # rank 3 of 8
+        >>> initialize_model_parallel(tensor_model_parallel_size=2, expert_model_parallel_size=2,
+        ...                           create_gloo_process_groups=False)
+        >>> dp_cp_ag, expt_dp_ag = create_all_gather_groups(for_expert_parallelism=True)
+        >>> dist.get_process_group_ranks(dp_cp_ag), dist.get_process_group_ranks(expt_dp_ag)
+        ([1, 3, 5, 7], [3, 7])
+        >>> dp_cp_ag is parallel_state.get_data_parallel_group(with_context_parallel=True)
+        False
+        >>> destroy_model_parallel(); dist.destroy_process_group()
+
+    Raises:
+        ParallelStateError (a RuntimeError): nothing is initialized.
+        TypeError: an argument of the wrong type.
+    """
+    grids = _ACTIVE
+    if grids is None or not ps.is_initialized():
+        raise ParallelStateError(
+            "create_all_gather_groups() requires parallel state to be initialized: call "
+            "hypergrid.megatron.initialize_model_parallel() first"
+        )
+    if not isinstance(for_expert_parallelism, bool):
+        raise TypeError(f"for_expert_parallelism must be a bool, got {for_expert_parallelism!r}")
+    if timeout is not None and not isinstance(timeout, timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__} {timeout!r}")
+    if nccl_comm_cfgs is not None and not isinstance(nccl_comm_cfgs, dict):
+        raise TypeError(f"nccl_comm_cfgs must be a dict or None, got {type(nccl_comm_cfgs).__name__} {nccl_comm_cfgs!r}")
+    grids._check_alive()
+    cfgs = nccl_comm_cfgs or {}
+    index = len(grids.all_gather_groups)
+    wanted = [("dp_cp", "dense", ("dp", "cp"), "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP_AG")]
+    if for_expert_parallelism and grids.config.ep > 1:
+        wanted.append(("expt_dp", "expert", ("dp",), "ep_dp", "EXPERT_DATA_PARALLEL_GROUP_AG"))
+    made: list[Optional[dist.ProcessGroup]] = []
+    for kind, layout, dims, nccl_name, group_desc in wanted:
+        options = GroupOptions(
+            timeout=timeout,
+            pg_options=ps.get_nccl_options(nccl_name, cfgs) if cfgs else None,
+            group_desc=group_desc,
+        )
+        grid_layout = grids.plan.layout(layout)
+        members = grid_layout.group_ranks(list(dims), grids.rank) if grid_layout.contains(grids.rank) else None
+        pg = grids.grid.create_derived_pg(
+            f"{kind}_ag#{index}", members, groups=lambda g=grid_layout, d=list(dims): g.enumerate(d),
+            owner=grids._owner, private=True, timeout=options.timeout, pg_options=options.pg_options,
+            group_desc=options.group_desc,
+        )
+        made.append(pg)
+        if pg is not None:
+            # update_pg_timeout walks this list, as it does for Megatron-Core's own groups.
+            ps._global_process_group_list.append(pg)
+    pair = (made[0], made[1] if len(made) > 1 else None)
+    grids.all_gather_groups.append(pair)
+    return pair
+
+
 # ---------------------------------------------------------------------- helpers
+def _warn_unknown_keywords(features: MegatronFeatures) -> None:
+    unknown = [k for k in features.keywords if k not in MEGATRON_KEYWORDS]
+    if unknown:
+        logger.warning(
+            "megatron-core %s's initialize_model_parallel has keyword(s) %s that hypergrid.megatron "
+            "does not know; passing them is refused, and parallel_state may hold groups hypergrid "
+            "does not make", features.version, unknown,
+        )
+
+
+def _clear_left_state() -> None:
+    """Empty every ``parallel_state`` global that Megatron-Core's destroy leaves holding groups or
+    rank lists (which ones depends on the version), so that a later initialization cannot read a
+    previous one's ranks."""
+    for name, value in list(vars(ps).items()):
+        if not (name.startswith("_") and name[1:2].isupper()):
+            continue
+        if isinstance(value, dict) and value:
+            setattr(ps, name, {})
+        elif isinstance(value, (list, tuple, dist.ProcessGroup)):
+            setattr(ps, name, None)
+
+
 def _check_not_initialized() -> None:
     set_already = [name for name in _INITIALIZED_MARKERS if getattr(ps, name, None) is not None]
     if set_already or _ACTIVE is not None:
-        raise RuntimeError(
+        raise ParallelStateError(
             f"model parallel state is already initialized ({', '.join(set_already) or 'hypergrid grids'} "
             f"set); call hypergrid.megatron.destroy_model_parallel() first"
         )
@@ -505,9 +657,9 @@ def _sharp_barrier(group: Optional[dist.ProcessGroup], rank: int) -> None:
 def _fill_parallel_state(grids: MegatronGrids) -> None:
     plan, config = grids.plan, grids.config
     g = grids._groups
-
-    def member_list(name: str) -> Optional[list[int]]:
-        return grids.ranks(name)
+    # Megatron-Core assigns a global only `if rank in ranks`: a rank outside the grids' span
+    # (rank_offset / local_world_size) keeps None everywhere, and empty hierarchical/hybrid sets.
+    inside = plan.dense.contains(grids.rank)
 
     values: dict[str, Any] = {}
     for spec in plan.specs:
@@ -515,35 +667,51 @@ def _fill_parallel_state(grids: MegatronGrids) -> None:
         # has no global (Megatron-Core makes it but no getter returns it).
         if spec.megatron_global and not spec.name.startswith(("hcp_", "hybrid_dp_cp_")):
             values[spec.megatron_global] = g[spec.name]
-    # Kinds that are the same group as another when there is one optimizer instance.
+    # Kinds that are the same group as another (one optimizer instance, gtp_remat of size 1).
     for alias, target in plan.aliases.items():
         values[ALIAS_GLOBALS[alias]] = g[target]
-    for glob in _OPTIONAL_GLOBALS:
-        values.setdefault(glob, None)
     values["_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"] = (
         [g[f"hcp_{level}"] for level in range(len(config.hierarchical_cp_sizes))]
-        if config.hierarchical_cp_sizes else None
+        if config.hierarchical_cp_sizes and inside else None
     )
-    values["_HYBRID_DP_CP_GROUPS"] = {size: g[f"hybrid_dp_cp_{size}"] for size in config.hybrid_group_sizes}
+    values["_HYBRID_DP_CP_GROUPS"] = (
+        {size: g[f"hybrid_dp_cp_{size}"] for size in config.hybrid_group_sizes} if inside else {}
+    )
     # Rank lists the getters read.
-    values["_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP"] = member_list("dp_cp")
-    values["_DATA_PARALLEL_GLOBAL_RANKS"] = member_list("dp")
-    values["_CONTEXT_PARALLEL_GLOBAL_RANKS"] = member_list("cp")
-    values["_MODEL_PARALLEL_GLOBAL_RANKS"] = member_list("mp")
-    values["_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS"] = member_list("tp")
-    values["_PIPELINE_GLOBAL_RANKS"] = member_list("pp")
-    values["_EMBEDDING_GLOBAL_RANKS"] = member_list("embd")
-    values["_POSITION_EMBEDDING_GLOBAL_RANKS"] = member_list("pos_embd")
-    values["_EXPERT_MODEL_PARALLEL_RANKS"] = member_list("ep")
+    rank_lists = {
+        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp_cp",
+        "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
+        "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
+        "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
+        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
+        "_PIPELINE_GLOBAL_RANKS": "pp",
+        "_EMBEDDING_GLOBAL_RANKS": "embd",
+        "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
+        "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
+    }
+    if plan.features.gtp_remat:
+        rank_lists["_GTP_WEIGHT_REMAT_GLOBAL_RANKS"] = "gtp_remat"
+    if plan.features.expert_gtp_remat:
+        rank_lists["_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS"] = "expt_gtp_remat"
+    for glob, kind in rank_lists.items():
+        values[glob] = grids.ranks(kind)
     if config.virtual_pipeline_model_parallel_size is not None:
         values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK"] = 0
         values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = config.virtual_pipeline_model_parallel_size
     # update_pg_timeout walks this list; None stands for the default group.
     values["_global_process_group_list"] = [None] + grids.distinct_groups()
+    missing = sorted(name for name in values if not hasattr(ps, name))
+    if missing:
+        # The plan follows the installed signature; globals it lacks mean a version whose
+        # keywords and state disagree with every version hypergrid was built against.
+        raise RuntimeError(
+            f"megatron.core.parallel_state of megatron-core {plan.features.version} has no {missing}, "
+            f"which its initialize_model_parallel keywords imply; hypergrid.megatron supports "
+            f"megatron-core 0.16.1 to 0.19.2"
+        )
+    # Groups this configuration (or version) does not make: None, where the version has them.
+    for glob in _OPTIONAL_GLOBALS:
+        if hasattr(ps, glob):
+            values.setdefault(glob, None)
     for name, value in values.items():
-        if not hasattr(ps, name):
-            raise RuntimeError(
-                f"megatron.core.parallel_state has no {name}; this megatron-core version is not one "
-                f"hypergrid.megatron supports (built against 0.16)"
-            )
         setattr(ps, name, value)

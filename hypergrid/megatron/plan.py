@@ -37,7 +37,8 @@ from functools import cached_property
 from typing import Any, Optional
 
 from ..layout import GridLayout
-from .config import MegatronConfig
+from .config import GTP_REMAT_TOKEN, MegatronConfig
+from .features import COMMON_FEATURES, MegatronFeatures
 
 __all__ = [
     "GroupSpec",
@@ -54,6 +55,12 @@ ALIAS_GLOBALS = {
     "intra_dp_cp_gloo": "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
     "intra_expt_dp": "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
     "intra_expt_dp_gloo": "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
+    # megatron-core 0.19's data-distribution groups (spanning gtp_remat): the plain ones at size 1.
+    "dp_gtp": "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+    "dp_cp_gtp": "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+    "intra_dp_cp_gtp": "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+    "expt_dp_gtp": "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+    "intra_expt_dp_gtp": "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
 }
 
 
@@ -87,8 +94,10 @@ class GroupSpec:
     the *base* groups a derived kind is cut from. ``derive`` is None for grid groups, else one of
     ``"chunk"`` (consecutive slices of ``size`` of each base group), ``"level"`` (a hierarchical
     level: ``size`` ranks ``stride`` apart inside blocks of each base group), ``"embd"`` /
-    ``"pos_embd"`` (the embedding callback applied to each pipeline group) or ``"dist_opt"``
-    (``size`` consecutive expert tp-ep-pp groups joined). ``nccl_name`` is the key Megatron-Core
+    ``"pos_embd"`` (the embedding callback applied to each pipeline group), ``"dist_opt"``
+    (``size`` consecutive expert tp-ep-pp groups joined), ``"single"`` (every rank alone: an axis
+    of size 1 megatron-core still makes groups for) or ``"span"`` (one group of every rank the
+    grids span, in rank order). ``nccl_name`` is the key Megatron-Core
     looks up in ``nccl_comm_cfgs`` for the group's options (None: no options); ``backend`` the
     backend it asks for (None: the default; ``"pp"``: ``pipeline_model_parallel_comm_backend``);
     ``timeout`` whether it passes ``distributed_timeout_minutes``. ``private``: the group must be
@@ -152,37 +161,74 @@ class MegatronPlan:
         if not isinstance(config, MegatronConfig):
             raise TypeError(f"config must be a MegatronConfig, got {type(config).__name__}")
         self.config = config
-        self.dense = GridLayout(config.dense_shape, config.dense_dims)
-        self.expert = GridLayout(config.expert_shape, config.expert_dims)
+        self.features: MegatronFeatures = config.features
+        self.dense = GridLayout(config.dense_shape, config.dense_dims, config.rank_offset)
+        self.expert = GridLayout(config.expert_shape, config.expert_dims, config.rank_offset)
         self._embd = config.get_embedding_ranks or default_embedding_ranks
         self._pos_embd = config.get_position_embedding_ranks or default_position_embedding_ranks
         self.specs: tuple[GroupSpec, ...] = tuple(self._build_specs())
         self._by_name = {spec.name: spec for spec in self.specs}
-        self.aliases: dict[str, str] = {}
-        if config.num_distributed_optimizer_instances == 1:
-            self.aliases["intra_dp_cp"] = "dp_cp"
-            self.aliases["intra_expt_dp"] = "expt_dp"
-            if config.create_gloo_process_groups:
-                self.aliases["intra_dp_cp_gloo"] = "dp_cp_gloo"
-                self.aliases["intra_expt_dp_gloo"] = "expt_dp_gloo"
+        self.aliases: dict[str, str] = self._build_aliases()
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{k}={v}" for k, v in self.config.sizes().items() if v is not None)
         return f"MegatronPlan({sizes})"
 
     # ------------------------------------------------------------------ the kinds of groups
+    def _build_aliases(self) -> dict[str, str]:
+        """Kinds that are another kind's group, each resolved to a created kind."""
+        c, f = self.config, self.features
+        aliases: dict[str, str] = {}
+        if c.num_distributed_optimizer_instances == 1:
+            aliases["intra_dp_cp"] = "dp_cp"
+            aliases["intra_expt_dp"] = "expt_dp"
+            if c.dense_gloo:
+                aliases["intra_dp_cp_gloo"] = "dp_cp_gloo"
+            if c.expert_gloo:
+                aliases["intra_expt_dp_gloo"] = "expt_dp_gloo"
+        if f.gtp_remat:
+            # The data-distribution groups span gtp_remat; at size 1 they are the plain ones.
+            if c.gtp == 1:
+                aliases.update(dp_gtp="dp", dp_cp_gtp="dp_cp", intra_dp_cp_gtp="intra_dp_cp")
+            else:
+                aliases["intra_dp_cp_gtp"] = "dp_cp_gtp"
+        if f.expert_gtp_remat:
+            if c.egtp == 1:
+                aliases.update(expt_dp_gtp="expt_dp", intra_expt_dp_gtp="intra_expt_dp")
+            else:
+                aliases["intra_expt_dp_gtp"] = "expt_dp_gtp"
+        resolved = {}
+        for alias, target in aliases.items():
+            while target in aliases:
+                target = aliases[target]
+            resolved[alias] = target
+        return resolved
+
+    def _axis_spec(self, name: str, megatron_global: str, group_desc: str, layout: str, size: int,
+                   nccl_name: str) -> GroupSpec:
+        # megatron-core makes the gtp_remat groups even at size 1: one group per rank.
+        if size > 1:
+            return GroupSpec(name, megatron_global, group_desc, layout, (GTP_REMAT_TOKEN,), nccl_name=nccl_name)
+        return GroupSpec(name, megatron_global, group_desc, layout, (), nccl_name=nccl_name, derive="single")
+
     def _build_specs(self) -> list[GroupSpec]:
-        c = self.config
-        gloo = c.create_gloo_process_groups
+        c, f = self.config, self.features
+        gloo = c.dense_gloo
+        expert_gloo = c.expert_gloo
         ninst = c.num_distributed_optimizer_instances
         sharp = c.sharp_group
         dense, expert = "dense", "expert"
         dp_cp = ("dp", "cp")
-        s: list[GroupSpec] = [
-            GroupSpec("dp_cp", "_DATA_PARALLEL_GROUP_WITH_CP", "DATA_PARALLEL_GROUP_WITH_CP", dense, dp_cp,
-                      nccl_name="dp_cp", private=sharp == "dp"),
-        ]
-        if c.create_all_gather_group:
+        # Dims that span the gtp_remat axis where it has more than one rank.
+        gtp = (GTP_REMAT_TOKEN,) if c.gtp > 1 else ()
+        egtp = (GTP_REMAT_TOKEN,) if c.egtp > 1 else ()
+        s: list[GroupSpec] = []
+        if f.gtp_remat:
+            s.append(self._axis_spec("gtp_remat", "_GTP_WEIGHT_REMAT_GROUP", "GTP_WEIGHT_REMAT_GROUP", dense, c.gtp,
+                                     "gtp_remat"))
+        s.append(GroupSpec("dp_cp", "_DATA_PARALLEL_GROUP_WITH_CP", "DATA_PARALLEL_GROUP_WITH_CP", dense, dp_cp,
+                           nccl_name="dp_cp", private=sharp == "dp"))
+        if f.all_gather_keyword and c.create_all_gather_group:
             # Its purpose is a second communicator over the same ranks: never shared.
             s.append(GroupSpec("dp_cp_ag", "_DATA_PARALLEL_GROUP_WITH_CP_AG", "DATA_PARALLEL_GROUP_WITH_CP_AG",
                                dense, dp_cp, nccl_name="dp_cp", private=True))
@@ -205,6 +251,14 @@ class MegatronPlan:
         if gloo:
             s.append(GroupSpec("dp_gloo", "_DATA_PARALLEL_GROUP_GLOO", "DATA_PARALLEL_GROUP_GLOO", dense, ("dp",),
                                backend="gloo"))
+        if f.gtp_remat and c.gtp > 1:
+            s += [
+                GroupSpec("dp_gtp", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+                          dense, (GTP_REMAT_TOKEN, "dp"), nccl_name="gtp_remat_dp"),
+                GroupSpec("dp_cp_gtp", "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+                          "DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", dense, (GTP_REMAT_TOKEN, "dp", "cp"),
+                          nccl_name="gtp_remat_dp_cp"),
+            ]
         s.append(GroupSpec("cp", "_CONTEXT_PARALLEL_GROUP", "CONTEXT_PARALLEL_GROUP", dense, ("cp",), nccl_name="cp"))
         stride = 1
         for level, size in enumerate(c.hierarchical_cp_sizes):
@@ -213,7 +267,8 @@ class MegatronPlan:
                                nccl_name="hcp", derive="level", size=size, stride=stride))
             stride *= size
         s += [
-            GroupSpec("mp", "_MODEL_PARALLEL_GROUP", "MODEL_PARALLEL_GROUP", dense, ("tp", "pp"), nccl_name="mp"),
+            GroupSpec("mp", "_MODEL_PARALLEL_GROUP", "MODEL_PARALLEL_GROUP", dense, ("tp",) + gtp + ("pp",),
+                      nccl_name="mp"),
             GroupSpec("tp", "_TENSOR_MODEL_PARALLEL_GROUP", "TENSOR_MODEL_PARALLEL_GROUP", dense, ("tp",),
                       nccl_name="tp"),
             GroupSpec("pp", "_PIPELINE_MODEL_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP", dense, ("pp",),
@@ -221,12 +276,18 @@ class MegatronPlan:
             GroupSpec("embd", "_EMBEDDING_GROUP", "EMBEDDING_GROUP", dense, ("pp",), nccl_name="embd", derive="embd"),
             GroupSpec("pos_embd", "_POSITION_EMBEDDING_GROUP", "POSITION_EMBEDDING_GROUP", dense, ("pp",),
                       nccl_name="pos_embd", derive="pos_embd"),
+            # Both span gtp_remat, like dp: its peers hold distinct data.
             GroupSpec("tp_dp_cp", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
-                      dense, ("tp", "dp", "cp"), nccl_name="tp_dp_cp"),
+                      dense, ("tp",) + gtp + ("dp", "cp"), nccl_name="tp_dp_cp"),
             GroupSpec("tp_dp", "_TENSOR_AND_DATA_PARALLEL_GROUP", "TENSOR_AND_DATA_PARALLEL_GROUP", dense,
-                      ("tp", "dp"), nccl_name="tp_dp"),
+                      ("tp",) + gtp + ("dp",), nccl_name="tp_dp"),
             GroupSpec("tp_cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "TENSOR_AND_CONTEXT_PARALLEL_GROUP", dense,
                       ("tp", "cp"), nccl_name="tp_cp"),
+        ]
+        if f.expert_gtp_remat:
+            s.append(self._axis_spec("expt_gtp_remat", "_EXPERT_GTP_WEIGHT_REMAT_GROUP", "EXPERT_GTP_WEIGHT_REMAT_GROUP",
+                                     expert, c.egtp, "expt_gtp_remat"))
+        s += [
             GroupSpec("ep", "_EXPERT_MODEL_PARALLEL_GROUP", "EXPERT_MODEL_PARALLEL_GROUP", expert, ("ep",),
                       nccl_name="ep"),
             GroupSpec("expt_tp", "_EXPERT_TENSOR_PARALLEL_GROUP", "EXPERT_TENSOR_PARALLEL_GROUP", expert, ("tp",),
@@ -235,10 +296,16 @@ class MegatronPlan:
                       expert, ("tp", "ep"), nccl_name="tp_ep_mp"),
             GroupSpec("tp_ep_pp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
                       "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", expert, ("tp", "ep", "pp"), nccl_name="tp_ep_pp"),
-            GroupSpec("expt_dp", "_EXPERT_DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP", expert, ("dp",),
-                      nccl_name="ep_dp"),
         ]
-        if gloo:
+        if f.expert_gtp_remat:
+            # Made even when the expert gtp_remat axis has one rank: then a second communicator
+            # over the tp-ep-pp ranks.
+            s.append(GroupSpec("tp_ep_pp_egtp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP",
+                               "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", expert,
+                               ("tp", "ep") + egtp + ("pp",), nccl_name="tp_ep_gtp_remat_pp"))
+        s.append(GroupSpec("expt_dp", "_EXPERT_DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP", expert, ("dp",),
+                           nccl_name="ep_dp"))
+        if expert_gloo:
             # Megatron-Core creates this one without the distributed timeout.
             s.append(GroupSpec("expt_dp_gloo", "_EXPERT_DATA_PARALLEL_GROUP_GLOO", "EXPERT_DATA_PARALLEL_GROUP_GLOO",
                                expert, ("dp",), backend="gloo", timeout=False))
@@ -250,16 +317,26 @@ class MegatronPlan:
                 s.append(GroupSpec(name, glob, f"HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L{level}", expert, ("dp",),
                                    nccl_name=nccl, derive="level", size=size, stride=stride,
                                    private=name == "inter_expt_dp" and sharp == "dp_replica"))
-                if gloo:
+                if expert_gloo:
                     # Megatron-Core passes the level's NCCL options to the gloo group too; the inter
                     # level's gloo group is created though no getter returns it.
                     s.append(GroupSpec(f"{name}_gloo", f"{glob}_GLOO" if level == 0 else "",
                                        f"HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_GLOO_L{level}", expert, ("dp",),
                                        nccl_name=nccl, backend="gloo", derive="level", size=size, stride=stride))
-        s.append(GroupSpec("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
-                           "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", expert, ("tp", "ep", "pp"),
-                           nccl_name="intra_dist_opt_instance", derive="dist_opt",
-                           size=c.intra_partial_expert_data_parallel_size))
+        if f.expert_gtp_remat and c.egtp > 1:
+            s.append(GroupSpec("expt_dp_gtp", "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+                               "EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", expert, (GTP_REMAT_TOKEN, "dp"),
+                               nccl_name="ep_gtp_remat_dp"))
+        if c.gtp_active:
+            # Under gtp_remat the grad-norm group must cover every rank: one group of them all.
+            s.append(GroupSpec("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+                               "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", expert, (),
+                               nccl_name="intra_dist_opt_instance", derive="span"))
+        else:
+            s.append(GroupSpec("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
+                               "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", expert, ("tp", "ep", "pp"),
+                               nccl_name="intra_dist_opt_instance", derive="dist_opt",
+                               size=c.intra_partial_expert_data_parallel_size))
         return s
 
     # ------------------------------------------------------------------ queries
@@ -293,6 +370,10 @@ class MegatronPlan:
             64
         """
         spec = self.spec(name)
+        if spec.derive == "single":
+            return 1
+        if spec.derive == "span":
+            return self.config.grid_size
         layout = self.layout(spec.layout)
         base = layout.group_size(list(spec.dims))
         if spec.derive is None:
@@ -322,8 +403,15 @@ class MegatronPlan:
         """
         spec = self.spec(name)
         layout = self.layout(spec.layout)
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.config.world_size:
+            raise ValueError(f"rank {rank!r} is outside the world of {self.config.world_size} ranks")
         if not layout.contains(rank):
-            raise ValueError(f"rank {rank} is outside the world of {self.config.world_size} ranks")
+            # Megatron-Core leaves a rank outside [rank_offset, rank_offset + local_world_size) in no group.
+            return None
+        if spec.derive == "single":
+            return [rank]
+        if spec.derive == "span":
+            return list(layout.ranks)
         base = layout.group_ranks(list(spec.dims), rank) if spec.derive != "dist_opt" else None
         if spec.derive is None:
             return base
@@ -361,6 +449,10 @@ class MegatronPlan:
         """
         spec = self.spec(name)
         layout = self.layout(spec.layout)
+        if spec.derive == "single":
+            return [[r] for r in layout.ranks]
+        if spec.derive == "span":
+            return [list(layout.ranks)]
         if spec.derive == "dist_opt":
             groups = layout.enumerate(list(spec.dims))
             return [sum(groups[i:i + spec.size], []) for i in range(0, len(groups), spec.size)]
@@ -397,6 +489,7 @@ class MegatronPlan:
             ({'dim_names': ['tp', 'cp', 'dp', 'pp'], 'shape': [2, 1, 2, 1]}, [0, 1])
         """
         out: dict[str, Any] = {
+            "megatron_core": {"version": self.features.version, "keywords": list(self.features.keywords)},
             "sizes": self.config.sizes(),
             "dense": {"dim_names": list(self.dense.dim_names), "shape": list(self.dense.shape)},
             "expert": {"dim_names": list(self.expert.dim_names), "shape": list(self.expert.shape)},
@@ -448,12 +541,18 @@ def _level_group(base: list[int], position: int, size: int, stride: int) -> list
     return [base[start + j * stride] for j in range(size)]
 
 
-def plan_model_parallel(world_size: int, **megatron_kwargs: Any) -> MegatronPlan:
+def plan_model_parallel(
+    world_size: int, *, features: MegatronFeatures = COMMON_FEATURES, **megatron_kwargs: Any
+) -> MegatronPlan:
     """Plan Megatron-Core's groups for ``world_size`` ranks from its ``initialize_model_parallel`` keywords.
 
-    Accepts every keyword of Megatron-Core's function (unknown ones raise ``TypeError``) and
-    validates them as :class:`~hypergrid.megatron.config.MegatronConfig` does. Needs no process
-    group and no megatron-core.
+    ``features`` is the megatron-core version planned for
+    (:data:`~hypergrid.megatron.features.MEGATRON_CORE_0_16`, ``..._0_19``, or
+    :func:`hypergrid.megatron.installed_features` for the installed one); by default the keywords
+    and groups every supported version has. Accepts every keyword of that version's function
+    (others raise ``TypeError`` naming them and the version) and validates them as
+    :class:`~hypergrid.megatron.config.MegatronConfig` does. Needs no process group and no
+    megatron-core.
 
     Example::
 
@@ -463,5 +562,9 @@ def plan_model_parallel(world_size: int, **megatron_kwargs: Any) -> MegatronPlan
         (8, 4)
         >>> plan.rank_group("intra_dp_cp", 13)
         [1, 5, 9, 13]
+        >>> from hypergrid.megatron.features import MEGATRON_CORE_0_19
+        >>> gtp = plan_model_parallel(16, features=MEGATRON_CORE_0_19, tensor_model_parallel_size=2, gtp_remat_size=2)
+        >>> gtp.rank_group("gtp_remat", 5), gtp.rank_group("dp", 5), gtp.rank_group("dp_gtp", 5)
+        ([5, 7], [1, 5, 9, 13], [1, 3, 5, 7, 9, 11, 13, 15])
     """
-    return MegatronPlan(MegatronConfig.from_megatron_kwargs(world_size, megatron_kwargs))
+    return MegatronPlan(MegatronConfig.from_megatron_kwargs(world_size, megatron_kwargs, features))
