@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "HypergridError",
     "GridTooLargeError",
+    "ShapeTypeError",
     "GridDestroyedError",
     "GroupCreationError",
     "GroupTimeoutError",
@@ -26,6 +27,14 @@ class GridTooLargeError(ValueError, RuntimeError):
 
     A bad value (``ValueError``), and also a ``RuntimeError`` because that is what
     Megatron-Core's ``HyperCommGrid`` raises for the same mistake.
+    """
+
+
+class ShapeTypeError(TypeError, ValueError):
+    """A size in a shape that is not an integer (``2.5``, ``"4"``, ``True``).
+
+    A wrong type (``TypeError``), and also a ``ValueError`` because that is what
+    Megatron-Core's ``register_view`` raises for it ("shape must be positive ints").
     """
 
 

@@ -10,24 +10,26 @@ from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 import os
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch.distributed as dist
 
 from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
-from .errors import GridDestroyedError, GridTooLargeError
+from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
 from .groups import REGISTRY, GroupOptions, GroupRequest
 from .strategy import creation_mode, resolve_strategy
-from .layout import Dims, GridLayout
+from .layout import KEY_SEPARATOR, Dims, GridLayout
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["HyperCommGrid", "resolve_world_size"]
+__all__ = ["HyperCommGrid", "RankView", "resolve_world_size"]
 
 logger = logging.getLogger("hypergrid.grid")
 
@@ -49,32 +51,72 @@ def _next_generation(family: str) -> int:
 
 _CREATE_KWARGS = ("timeout", "pg_options", "group_desc", "backend")
 
+#: The name of the grid's own factorization among its views, as in Megatron-Core 0.17+.
+BASE_VIEW = "base"
 
-def resolve_world_size(world_size: Optional[int] = None) -> int:
-    """The world size a grid must fit in.
+#: A key of ``grid._pgs``, as Megatron-Core 0.17+ stores it: ``"dp-tp"`` for a group of the grid
+#: (or of a view's shared dims), ``("expert", ("ep", "etp"))`` for a group private to a view.
+GroupKey = Union[str, tuple[str, tuple[str, ...]]]
 
-    From torch.distributed when it is initialized (``world_size``, if given, must agree);
-    otherwise ``world_size`` if given; otherwise the ``WORLD_SIZE`` environment variable.
+
+@dataclass(frozen=True)
+class RankView:
+    """One factorization of the grid's ranks: what ``grid._views[name]`` holds.
+
+    The fields Megatron-Core 0.17+'s ``_RankViewSpec`` has (``name``, ``shape``, ``dim_names``,
+    ``shared_dims``, as lists), and the :class:`~hypergrid.layout.GridLayout` they make.
 
     Example::
 
-        >>> resolve_world_size(world_size=64)   # no process group: plan for 64 ranks
+        >>> view = RankView.of("expert", [4, 2], ["ep", "dp"], ["dp"], rank_offset=0)
+        >>> view.shape, view.shared_dims, view.layout.strides
+        ([4, 2], ['dp'], (1, 4))
+    """
+
+    name: str
+    shape: list[int]
+    dim_names: list[str]
+    shared_dims: list[str]
+    layout: GridLayout
+
+    @classmethod
+    def of(cls, name: str, shape: Sequence[int], dim_names: Sequence[str], shared_dims: Sequence[str],
+           rank_offset: int) -> "RankView":
+        """A view from the caller's values, copied (the caller's lists are not kept)."""
+        layout = GridLayout(tuple(shape), tuple(dim_names), rank_offset)
+        return cls(name, list(layout.shape), list(layout.dim_names), list(shared_dims), layout)
+
+
+def resolve_world_size(world_size: Optional[int] = None) -> int:
+    """The world size a grid is planned in, resolved as Megatron-Core's ``HyperCommGrid`` does.
+
+    ``world_size`` if given; otherwise the ``WORLD_SIZE`` environment variable; otherwise
+    torch.distributed's world size when it is initialized. Megatron-Core (0.16 and 0.19 alike)
+    reads ``WORLD_SIZE`` *before* torch.distributed so that a grid larger than the running job
+    can be planned and enumerated (its own tests plan a 120-rank grid inside an 8-rank job);
+    hypergrid does the same. Whether the grid fits the real world is checked when a group is
+    created (:meth:`HyperCommGrid.create_pg` raises
+    :class:`~hypergrid.errors.GridTooLargeError` naming both sizes), not here.
+
+    Example::
+
+        >>> resolve_world_size(world_size=64)   # plan for 64 ranks, whatever the job
         64
+        >>> import os; os.environ["WORLD_SIZE"] = "120"
+        >>> resolve_world_size()                # WORLD_SIZE before torch.distributed
+        120
+        >>> del os.environ["WORLD_SIZE"]
+
+    Raises:
+        TypeError / ValueError: ``world_size`` or ``WORLD_SIZE`` is not a positive integer.
+        RuntimeError: none of the three says how large the world is.
     """
     if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, int):
+        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
             raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
         if world_size <= 0:
             raise ValueError(f"world_size must be positive, got {world_size}")
-    if dist.is_initialized():
-        actual = dist.get_world_size()
-        if world_size is not None and world_size != actual:
-            raise ValueError(
-                f"world_size={world_size} was given but torch.distributed's world has {actual} ranks"
-            )
-        return actual
-    if world_size is not None:
-        return world_size
+        return int(world_size)
     env = os.environ.get("WORLD_SIZE")
     if env is not None:
         try:
@@ -84,10 +126,12 @@ def resolve_world_size(world_size: Optional[int] = None) -> int:
         if value <= 0:
             raise ValueError(f"WORLD_SIZE environment variable must be positive, got {value}")
         return value
+    if dist.is_initialized():
+        return dist.get_world_size()
     raise RuntimeError(
-        "Cannot determine world size: torch.distributed is not initialized, no world_size= was "
-        "given and the WORLD_SIZE environment variable is not set. Initialize torch.distributed, "
-        "set WORLD_SIZE, or pass world_size= to plan without a process group."
+        "Cannot determine world size: no world_size= was given, the WORLD_SIZE environment "
+        "variable is not set and torch.distributed is not initialized. Set WORLD_SIZE, "
+        "initialize torch.distributed, or pass world_size= to plan without a process group."
     )
 
 
@@ -162,17 +206,19 @@ class HyperCommGrid:
         self._check_agreement = check_agreement
         self._id = next(_grid_ids)
         self._destroyed = False
-        self._views: dict[str, tuple[GridLayout, frozenset[str]]] = {}
+        # Megatron-Core 0.17+ keeps the grid itself as view "base": view="base" means the grid,
+        # and no view may be registered under that name.
+        self._views: dict[str, RankView] = {BASE_VIEW: RankView.of(BASE_VIEW, layout.shape, layout.dim_names, [], layout.rank_offset)}
         # Megatron-compatible attributes; lists, as Megatron-Core keeps them.
         self.shape: list[int] = list(layout.shape)
         self.dim_names: list[str] = list(layout.dim_names)
         self.rank_offset: int = layout.rank_offset
         self.backend: Optional[str] = backend
         self.size: int = layout.size
-        self._pgs: dict[str, Optional[dist.ProcessGroup]] = {}
+        # Every group this grid created, under Megatron-Core's keys (see GroupKey).
+        self._pgs: dict[GroupKey, Optional[dist.ProcessGroup]] = {}
         self._requests = 0  # requests that reached the registry: a position all ranks share
         self._generation: Optional[int] = None  # assigned at the first request (see _next_generation)
-        self._view_pgs: dict[str, dict[str, Optional[dist.ProcessGroup]]] = {}
 
     # ------------------------------------------------------------------ facts
     @property
@@ -197,8 +243,8 @@ class HyperCommGrid:
 
     @property
     def views(self) -> dict[str, GridLayout]:
-        """The registered views, by name."""
-        return {name: layout for name, (layout, _) in self._views.items()}
+        """The registered views' layouts, by name (the grid's own ``"base"`` is :attr:`layout`)."""
+        return {name: view.layout for name, view in self._views.items() if name != BASE_VIEW}
 
     def __repr__(self) -> str:
         return (
@@ -239,14 +285,16 @@ class HyperCommGrid:
             )
         if not isinstance(private, bool):
             raise TypeError(f"private must be a bool, got {private!r}")
-        layout, table, key, label = self._resolve(dims, view)
-        if key in table:
+        layout, key, label = self._resolve(dims, view)
+        if key in self._pgs:
+            where = "" if isinstance(key, str) else f" for view {key[0]!r}"
             raise KeyError(
-                f"Process group {dims} has already been created under key {key!r}. Because there is "
-                f"no way to check whether options to create process group matches the first, we "
-                f"error out instead of returning the process group that has already been created "
-                f"before; use get_pg({dims!r}) or get_or_create_pg()."
+                f"Process group {dims}{where} has already been created under key {key!r}. Because "
+                f"there is no way to check whether options to create process group matches the "
+                f"first, we error out instead of returning the process group that has already been "
+                f"created before; use get_pg({dims!r}) or get_or_create_pg()."
             )
+        self._check_fits_world(label)
         options = GroupOptions(
             backend=kwargs.get("backend", self.backend),
             timeout=kwargs.get("timeout", self._defaults.timeout),
@@ -255,7 +303,7 @@ class HyperCommGrid:
         )
         request = GroupRequest.from_layout(layout, dims, self._current_rank(), label)
         pg = self._acquire(self._id, request, view, options, private)
-        table[key] = pg
+        self._pgs[key] = pg
         logger.debug("grid %d created %s: this rank's group is %s", self._id, label, pg)
         return pg
 
@@ -270,10 +318,15 @@ class HyperCommGrid:
             KeyError: no group with this key was created; call create_pg first.
         """
         self._check_alive()
-        _, table, key, label = self._resolve(dims, view)
-        if key not in table:
-            raise KeyError(f"Process group for {label} hasn't been created. Call create_pg first.")
-        return table[key]
+        _, key, _ = self._resolve(dims, view)
+        if key not in self._pgs:
+            if isinstance(key, str):
+                raise KeyError(f"Process group for {key} hasn't been created. Call create_pg first.")
+            raise KeyError(
+                f"Process group {dims} for view {key[0]!r} hasn't been created (key {key!r}). "
+                f"Call create_pg first."
+            )
+        return self._pgs[key]
 
     def get_or_create_pg(self, dims: Dims, *, view: Optional[str] = None, **kwargs: Any) -> Optional[dist.ProcessGroup]:
         """:meth:`get_pg` if the group exists, else :meth:`create_pg` with ``kwargs``.
@@ -283,9 +336,9 @@ class HyperCommGrid:
             >>> # tp = grid.get_or_create_pg("tp")   # safe to call from several places
         """
         self._check_alive()
-        _, table, key, _ = self._resolve(dims, view)
-        if key in table:
-            return table[key]
+        _, key, _ = self._resolve(dims, view)
+        if key in self._pgs:
+            return self._pgs[key]
         return self.create_pg(dims, view=view, **kwargs)
 
     def create_derived_pg(
@@ -337,7 +390,7 @@ class HyperCommGrid:
             >>> HyperCommGrid([2, 2, 2], ["a", "b", "c"], world_size=8).get_rank_enum(["b", "a"])
             [[0, 1, 2, 3], [4, 5, 6, 7]]
         """
-        return self._layout_of(view).enumerate(dims)
+        return self._layout_of(view, dims).enumerate(dims)
 
     def _gen_rank_enum(self, dims: list[str]) -> list[list[int]]:
         r"""Megatron-Core's helper: groups over ``dims`` taken in the order given (last fastest).
@@ -359,6 +412,42 @@ class HyperCommGrid:
         """
         return self._layout.order_dims(dims)
 
+    def _order_dims_for(self, dim_names: Sequence[str], dims: Dims) -> tuple[list[str], str]:
+        r"""Megatron-Core 0.17+'s helper: ``dims`` in reversed ``dim_names`` order, and their key.
+
+        ``dim_names`` is given explicitly (a view's, or the grid's). Unlike Megatron-Core's, a
+        name missing from ``dim_names`` is a ValueError even when ``dims`` is a single str.
+
+        Example::
+
+            >>> grid = HyperCommGrid([2, 3, 4], ["tp", "cp", "dp"], world_size=24)
+            >>> grid._order_dims_for(grid.dim_names, ["tp", "dp"])
+            (['dp', 'tp'], 'dp-tp')
+            >>> grid._order_dims_for(["ep", "pp"], "ep")
+            (['ep'], 'ep')
+        """
+        names = list(dim_names)
+        requested = [dims] if isinstance(dims, str) else list(dims)
+        missing = [d for d in requested if d not in names]
+        if missing:
+            raise ValueError(f"{missing[0]!r} is not in dim_names {names}")
+        # Later in dim_names sorts first: the reversed order Megatron-Core keys groups by.
+        ordered = sorted(requested, key=lambda d: -names.index(d))
+        return ordered, KEY_SEPARATOR.join(ordered)
+
+    def _gen_rank_enum_for(self, shape: Sequence[int], dim_names: Sequence[str], dims: list[str]) -> list[list[int]]:
+        r"""Megatron-Core 0.17+'s helper: :meth:`_gen_rank_enum` for an explicit shape and names.
+
+        The ranks start at this grid's ``rank_offset``; ``dims`` are taken in the order given.
+
+        Example::
+
+            >>> grid = HyperCommGrid([2, 2, 2], ["a", "b", "c"], world_size=8)
+            >>> grid._gen_rank_enum_for([4, 2], ["ep", "pp"], ["ep"])
+            [[0, 1, 2, 3], [4, 5, 6, 7]]
+        """
+        return GridLayout(tuple(shape), tuple(dim_names), self.rank_offset).gen_rank_enum(dims)
+
     # ------------------------------------------------------------------ beyond Megatron
     def ranks(self, dims: Dims, rank: Optional[int] = None, *, view: Optional[str] = None) -> list[int]:
         """The members of the ``dims`` group that holds ``rank`` (default: this rank).
@@ -370,7 +459,7 @@ class HyperCommGrid:
             >>> HyperCommGrid([2, 3, 4], ["tp", "cp", "dp"], world_size=24).ranks("dp", rank=7)
             [1, 7, 13, 19]
         """
-        return self._layout_of(view).group_ranks(dims, self._current_rank() if rank is None else rank)
+        return self._layout_of(view, dims).group_ranks(dims, self._current_rank() if rank is None else rank)
 
     def coords(self, rank: Optional[int] = None, *, view: Optional[str] = None) -> dict[str, int]:
         """Coordinates of ``rank`` (default: this rank), by dim name in ``dim_names`` order.
@@ -394,44 +483,125 @@ class HyperCommGrid:
         shape: Sequence[int],
         dim_names: Sequence[str],
         shared_dims: Optional[Sequence[str]] = None,
-    ) -> GridLayout:
+    ) -> None:
         """Register another factorization of the grid's ranks, for ``create_pg(..., view=name)``.
 
         A view spans the same ranks as the grid with other dims, e.g. the expert layout of an MoE
         model beside the dense one. Groups whose members coincide are one communicator whatever
         grid or view asked for them. ``shared_dims`` names dims the view has in common with the
-        grid (same size and stride, checked); a request made only of shared dims uses the grid's
-        own key, so ``get_pg("pp", view="expert")`` finds the grid's ``pp`` group.
+        grid: each must make the same groups in both, and so must all of them together (dims of
+        size 1 always do). A request made only of shared dims is the grid's own group, under the
+        grid's key, so ``get_pg("pp", view="expert")`` finds the grid's ``pp`` group.
+
+        Accepts and rejects what Megatron-Core 0.17+'s ``register_view`` does, with its exception
+        types, and returns None as it does; the view's layout is ``grid.views[name]``.
 
         Example::
 
             >>> grid = HyperCommGrid([2, 2, 4], ["tp", "cp", "dp"], world_size=16)
             >>> grid.register_view("expert", [4, 4], ["ep", "dp"], shared_dims=["dp"])
+            >>> grid.views["expert"]
             GridLayout(shape=(4, 4), dim_names=('ep', 'dp'), rank_offset=0)
             >>> grid.get_rank_enum("ep", view="expert")[0]
             [0, 1, 2, 3]
+
+        Raises:
+            ValueError: the name is taken (``"base"`` included), shape and names differ in
+                length, a name repeats, a size is not a positive integer, the view spans another
+                number of ranks, or a shared dim is repeated, missing from the grid or the view,
+                or makes other groups in the view than in the grid.
+            TypeError: values of the wrong type (a non-integer size raises
+                :class:`~hypergrid.errors.ShapeTypeError`, also a ValueError as in Megatron-Core).
         """
         self._check_alive()
         if not isinstance(name, str):
             raise TypeError(f"view name must be a str, got {type(name).__name__} {name!r}")
         if not name:
             raise ValueError(f"view name must be a non-empty str, got {name!r}")
+        # Megatron-Core's checks, in its order and with its exception types and wording.
         if name in self._views:
-            raise KeyError(f"view {name!r} is already registered on this grid")
+            raise ValueError(f"View {name!r} is already registered (registered views: {sorted(self._views)})")
+        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+            raise TypeError(f"View {name!r} shape must be a list of ints, got {type(shape).__name__} {shape!r}")
+        if isinstance(dim_names, (str, bytes)) or not isinstance(dim_names, Sequence):
+            raise TypeError(
+                f"View {name!r} dim_names must be a list of str, got {type(dim_names).__name__} {dim_names!r}"
+            )
+        if len(shape) != len(dim_names):
+            raise ValueError(f"len(shape) {list(shape)} != len(dim_names) {list(dim_names)} in view {name!r}")
+        repeated = sorted({d for d in dim_names if isinstance(d, str) and list(dim_names).count(d) > 1})
+        if repeated:
+            raise ValueError(f"View {name!r} has duplicate dim_names: {list(dim_names)} repeats {repeated}")
+        for size in shape:
+            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+                raise ShapeTypeError(
+                    f"View {name!r} shape must be positive ints, got {list(shape)}: "
+                    f"{type(size).__name__} {size!r} is not an int"
+                )
+            if size <= 0:
+                raise ValueError(f"View {name!r} shape must be positive ints, got {list(shape)}")
+        view_size = 1
+        for size in shape:
+            view_size *= int(size)
+        if view_size != self.size:
+            raise ValueError(
+                f"View {name!r} shape {list(shape)} has size {view_size}, but the grid size is {self.size}"
+            )
         if shared_dims is not None and not isinstance(shared_dims, (str, list, tuple)):
             raise TypeError(
                 f"shared_dims must be a dim name, a list of dim names or None, got "
                 f"{type(shared_dims).__name__} {shared_dims!r}"
             )
         shared = [] if shared_dims is None else ([shared_dims] if isinstance(shared_dims, str) else list(shared_dims))
-        layout = GridLayout(shape, dim_names, self.rank_offset)  # type: ignore[arg-type]
-        self._layout.check_view(layout, shared)
-        self._views[name] = (layout, frozenset(shared))
-        self._view_pgs[name] = {}
-        return layout
+        for dim in shared:
+            if not isinstance(dim, str):
+                raise TypeError(f"a shared dim of view {name!r} must be a str, got {type(dim).__name__} {dim!r}")
+        if len(set(shared)) != len(shared):
+            raise ValueError(f"View {name!r} has duplicate shared_dims: {shared}")
+        view = RankView.of(name, shape, dim_names, shared, self.rank_offset)
+        for dim in shared:
+            if dim not in self.dim_names:
+                raise ValueError(f"Shared dim {dim!r} of view {name!r} is not in the base view {self.dim_names}")
+            if dim not in view.dim_names:
+                raise ValueError(
+                    f"Shared dim {dim!r} of view {name!r} is not in the view's dim_names {view.dim_names}"
+                )
+            if self._layout.partition([dim]) != view.layout.partition([dim]):
+                raise ValueError(
+                    f"Shared dim {dim!r} has different membership across views: base enumeration "
+                    f"{self._summary(self._layout, [dim])} != view {name!r} enumeration "
+                    f"{self._summary(view.layout, [dim])}"
+                )
+        if len(shared) > 1 and self._layout.partition(shared) != view.layout.partition(shared):
+            raise ValueError(
+                f"Shared dims {shared!r} have different membership across views: base enumeration "
+                f"{self._summary(self._layout, shared)} != view {name!r} enumeration "
+                f"{self._summary(view.layout, shared)}"
+            )
+        self._layout.check_view(view.layout, shared)  # the same rules, in the layout's terms
+        self._views[name] = view
+
+    @staticmethod
+    def _summary(layout: GridLayout, dims: list[str], shown: int = 4) -> str:
+        """The first groups of an enumeration, computed one by one: O(shown x group size)."""
+        groups = [layout.group_ranks(dims, layout.rank_offset)]
+        while len(groups) < min(shown, layout.num_groups(dims)):
+            # The next group starts at the smallest rank not yet in one (enumerations are sorted).
+            taken = {r for g in groups for r in g}
+            start = next(r for r in layout.ranks if r not in taken)
+            groups.append(layout.group_ranks(dims, start))
+        more = layout.num_groups(dims) - len(groups)
+        return f"{groups}{f' and {more} more' if more > 0 else ''}"
 
     def destroy(self) -> None:
-        """Release every group this grid holds; groups still held elsewhere stay alive.
+        """Destroy the groups this grid created that this rank is in, as Megatron-Core does.
+
+        Every group goes through ``torch.distributed.destroy_process_group``, once each, as in
+        Megatron-Core 0.17+ (``None`` and the non-member sentinel are skipped). One difference:
+        a communicator hypergrid shares with another grid or adapter (same members and options)
+        is destroyed when its last holder lets go, not while others still use it; and a group
+        adopted from a DeviceMesh belongs to whoever made it and is never destroyed. A group put
+        into ``grid._pgs`` from outside is destroyed here, like Megatron-Core's.
 
         Idempotent. Afterwards creating or getting a group raises
         :class:`~hypergrid.errors.GridDestroyedError`; enumerations still work.
@@ -443,9 +613,18 @@ class HyperCommGrid:
         if self._destroyed:
             return
         self._destroyed = True
+        non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
+        destroyed: set[int] = set()
+        for pg in list(self._pgs.values()):
+            if pg is None or pg is non_member or id(pg) in destroyed:
+                continue
+            destroyed.add(id(pg))
+            if not REGISTRY.holders_of(pg):
+                # Not hypergrid's: nobody else can be holding it through hypergrid.
+                dist.destroy_process_group(pg)
+        # hypergrid's own groups: destroyed (by destroy_process_group) once nobody holds them.
         REGISTRY.release(self._id)
         self._pgs.clear()
-        self._view_pgs.clear()
 
     def device_mesh(
         self,
@@ -513,8 +692,9 @@ class HyperCommGrid:
 
     def _facts(self) -> GridFacts:
         views = tuple(
-            ViewFacts(name, tuple(layout.shape), tuple(layout.dim_names), tuple(sorted(shared)))
-            for name, (layout, shared) in sorted(self._views.items())
+            ViewFacts(name, tuple(view.shape), tuple(view.dim_names), tuple(sorted(view.shared_dims)))
+            for name, view in sorted(self._views.items())
+            if name != BASE_VIEW
         )
         return GridFacts.of(self.shape, self.dim_names, self.rank_offset, views)
 
@@ -540,25 +720,58 @@ class HyperCommGrid:
         if self._destroyed:
             raise GridDestroyedError(f"{self!r} was destroyed; build a new grid to create or get groups")
 
-    def _layout_of(self, view: Optional[str]) -> GridLayout:
+    def _view_spec(self, view: Optional[str]) -> RankView:
+        """The registered view called ``view`` (None: the grid itself, ``"base"``)."""
         if view is None:
-            return self._layout
+            return self._views[BASE_VIEW]
         if not isinstance(view, str):
             raise TypeError(f"view must be a view name (str) or None, got {type(view).__name__} {view!r}")
         if view not in self._views:
-            raise KeyError(f"unknown view {view!r}; registered views: {sorted(self._views)}")
-        return self._views[view][0]
+            raise KeyError(f"View {view!r} is not registered. Registered views: {sorted(self._views)}")
+        return self._views[view]
 
-    def _resolve(self, dims: Dims, view: Optional[str]):
-        """(layout, key table, key, label) for a request, following shared dims to the grid."""
-        layout = self._layout_of(view)
+    def _layout_of(self, view: Optional[str], dims: Optional[Dims] = None) -> GridLayout:
+        """The layout of ``view``, after checking that ``dims`` (if given) are among its dims."""
+        spec = self._view_spec(view)
+        if dims is not None:
+            requested = [dims] if isinstance(dims, str) else list(dims) if isinstance(dims, (list, tuple)) else []
+            missing = [d for d in requested if isinstance(d, str) and d not in spec.dim_names]
+            if missing:
+                # Megatron-Core's wording; other views are named because the dim may be theirs.
+                elsewhere = sorted(name for name, v in self._views.items() if missing[0] in v.dim_names)
+                raise ValueError(
+                    f"{missing[0]!r} is not in view {spec.name!r} with dim_names {spec.dim_names}"
+                    + (f"; it is a dim of view(s) {elsewhere}: pass view=" if elsewhere else "")
+                )
+        return spec.layout
+
+    def _resolve(self, dims: Dims, view: Optional[str]) -> tuple[GridLayout, GroupKey, str]:
+        """(layout, key in ``_pgs``, label) of a request, following shared dims to the grid.
+
+        Keys are Megatron-Core 0.17+'s: the grid's ``"dp-tp"`` for the grid's groups and for
+        requests made only of a view's shared dims, ``(view, ordered dims)`` for the others.
+        """
+        layout = self._layout_of(view, dims)
         ordered, key = layout.order_dims(dims)
-        if view is None:
-            return layout, self._pgs, key, key
-        shared = self._views[view][1]
-        if all(name in shared for name in ordered):
-            return self._layout, self._pgs, self._layout.key(ordered), self._layout.key(ordered)
-        return layout, self._view_pgs[view], key, f"{view}:{key}"
+        if view is None or view == BASE_VIEW:
+            return layout, key, key
+        if all(name in self._views[view].shared_dims for name in ordered):
+            base_key = self._layout.key(ordered)
+            return self._layout, base_key, base_key
+        return layout, (view, tuple(ordered)), f"{view}:{key}"
+
+    def _check_fits_world(self, label: str) -> None:
+        """A grid planned for a larger world (world_size=, WORLD_SIZE) cannot create groups."""
+        if not dist.is_initialized():
+            return  # the registry says so with its own error if a group is really needed
+        actual = dist.get_world_size()
+        if self.rank_offset + self.size > actual:
+            raise GridTooLargeError(
+                f"cannot create process group {label!r}: grid shape {self.shape} needs "
+                f"{self.size} ranks from rank_offset {self.rank_offset} (ranks up to "
+                f"{self.rank_offset + self.size - 1}), but torch.distributed's world has {actual} "
+                f"ranks; the grid was planned for a world of {self._world_size}"
+            )
 
     @staticmethod
     def _current_rank() -> int:

@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -48,8 +49,9 @@ KEY_SEPARATOR = "-"
 
 
 def _is_int(value: object) -> bool:
-    # bool is an int subclass, but a shape of [True, 2] is a bug, not a size of 1.
-    return isinstance(value, int) and not isinstance(value, bool)
+    # Any integral number (numpy's included: shapes are often computed with numpy, and
+    # Megatron-Core accepts them), but not bool: a shape of [True, 2] is a bug, not a size of 1.
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def validate_shape_and_names(shape: object, dim_names: object) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -159,7 +161,8 @@ class GridLayout:
             )
         if self.rank_offset < 0:
             raise ValueError(f"rank_offset must be non-negative, got {self.rank_offset}")
-        # Normalise lists to tuples so that equal grids hash equal.
+        # Normalise lists to tuples and numpy ints to ints so that equal grids hash equal.
+        object.__setattr__(self, "rank_offset", int(self.rank_offset))
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dim_names", names)
         strides = []
@@ -413,12 +416,18 @@ class GridLayout:
         """Check that ``view`` is another factorization of the same span of ranks.
 
         ``shared_dims`` are dims the view claims to have in common with this grid: each must
-        exist in both with the same size and the same stride, so that its groups coincide.
+        exist in both and make the same groups in both, alone and all together (what
+        Megatron-Core's ``register_view`` compares, enumeration against enumeration). Compared
+        by :class:`Partition` in O(ndims), so a dim of size 1 is shared whatever its stride.
 
         Example::
 
             >>> dense = GridLayout((2, 2, 4), ("tp", "cp", "dp"))
             >>> dense.check_view(GridLayout((4, 4), ("ep", "dp")), shared_dims=["dp"])
+            >>> dense.check_view(GridLayout((4, 4), ("dp", "ep")), shared_dims=["dp"])
+            Traceback (most recent call last):
+            ...
+            ValueError: shared dim 'dp' has different membership across views: (size, stride) (4, 1) in the view but (4, 4) in the grid; a shared dim must make the same groups in both
         """
         if not isinstance(view, GridLayout):
             raise TypeError(f"view must be a GridLayout, got {type(view).__name__} {view!r}")
@@ -436,11 +445,17 @@ class GridLayout:
                     f"shared dim {name!r} must be a dim of both the grid {list(self.dim_names)} "
                     f"and the view {list(view.dim_names)}"
                 )
-            mine = (self.dim_size(name), self.strides[self._index[name]])  # type: ignore[attr-defined]
-            theirs = (view.dim_size(name), view.strides[view._index[name]])  # type: ignore[attr-defined]
-            if mine != theirs:
+            if self.partition([name]) != view.partition([name]):
+                mine = (self.dim_size(name), self.strides[self._index[name]])  # type: ignore[attr-defined]
+                theirs = (view.dim_size(name), view.strides[view._index[name]])  # type: ignore[attr-defined]
                 raise ValueError(
-                    f"shared dim {name!r} has (size, stride) {theirs} in the view but {mine} in "
-                    f"the grid, so its groups differ; a shared dim must have the same size and "
-                    f"the same product of faster dims in both"
+                    f"shared dim {name!r} has different membership across views: (size, stride) "
+                    f"{theirs} in the view but {mine} in the grid; a shared dim must make the same "
+                    f"groups in both"
                 )
+        if len(shared_dims) > 1 and self.partition(shared_dims) != view.partition(shared_dims):
+            raise ValueError(
+                f"shared dims {list(shared_dims)} have different membership across views: "
+                f"together they make groups {view.partition(shared_dims)} in the view but "
+                f"{self.partition(shared_dims)} in the grid"
+            )

@@ -154,18 +154,33 @@ def test_world_size_unknown():
 
 
 def test_world_size_from_initialized_torch_distributed(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     with fake_world(3, 64):
         assert HyperCommGrid([2, 4, 8], ["tp", "cp", "dp"]).world_size == 64
         assert HyperCommGrid([2, 4, 8], ["tp", "cp", "dp"], world_size=64).world_size == 64
-        # torch.distributed's world is the truth; a WORLD_SIZE that disagrees does not override it
-        monkeypatch.setenv("WORLD_SIZE", "128")
-        assert HyperCommGrid([2, 4], ["tp", "dp"]).world_size == 64
         with pytest.raises(GridTooLargeError):
             HyperCommGrid([2, 64], ["tp", "dp"])
-        # a world_size= that disagrees with torch.distributed is an error naming both
-        with pytest.raises(ValueError) as info:
-            HyperCommGrid([2, 4], ["tp", "dp"], world_size=32)
-        assert "32" in str(info.value) and "64" in str(info.value)
+
+
+def test_world_size_environment_before_torch_distributed_like_megatron(monkeypatch):
+    """Megatron-Core reads WORLD_SIZE before torch.distributed: a larger grid can be planned in a job.
+
+    Creating a group of such a grid is refused at once, naming both sizes (it could never
+    complete: the ranks it needs do not exist).
+    """
+    with fake_world(3, 64):
+        monkeypatch.setenv("WORLD_SIZE", "128")
+        big = HyperCommGrid([2, 64], ["tp", "dp"])
+        assert big.world_size == 128 and big.get_rank_enum("tp")[-1] == [126, 127]
+        with pytest.raises(GridTooLargeError) as info:
+            big.create_pg("dp")
+        message = str(info.value)
+        assert "'dp'" in message and "128" in message and "64 ranks" in message
+        # world_size= plans alike, whatever the job's size
+        assert HyperCommGrid([2, 4], ["tp", "dp"], world_size=32).world_size == 32
+        with pytest.raises(GridTooLargeError) as info:
+            HyperCommGrid([2, 4], ["tp", "dp"], rank_offset=60, world_size=128).create_pg("tp")
+        assert "rank_offset 60" in str(info.value) and "64 ranks" in str(info.value)
 
 
 @pytest.mark.parametrize("catch", [ValueError, RuntimeError, GridTooLargeError])

@@ -271,9 +271,11 @@ def job_four_ranks(rank, world_size):
         assert (pg is None) == (not offset <= rank < offset + 2)
         half.destroy()
 
-    # World size comes from torch.distributed once it is initialized.
+    # The world size comes from WORLD_SIZE (4, set by the launcher), then torch.distributed, as
+    # in Megatron-Core; a grid planned for a larger world is refused when it creates a group.
     assert local.world_size == 4
-    expect_raises(ValueError, lambda: HyperCommGrid([2, 2], ["tp", "dp"], world_size=8), "8", "4")
+    planned = HyperCommGrid([2, 4], ["tp", "dp"], world_size=8)
+    expect_raises(GridTooLargeError, lambda: planned.create_pg("tp"), "'tp'", "8", "4 ranks")
     err = expect_raises(GridTooLargeError, lambda: HyperCommGrid([2, 4], ["tp", "dp"]), "[2, 4]", "4")
     assert isinstance(err, ValueError) and isinstance(err, RuntimeError)
     expect_raises(RuntimeError, lambda: HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=1), "1")

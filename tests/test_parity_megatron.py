@@ -3,10 +3,15 @@
 Compared with Megatron-Core's own code, not a copy of it:
 
 * ``megatron.core.hyper_comm_grid.HyperCommGrid``: ``get_rank_enum``, ``_gen_rank_enum`` (dims
-  in the order given), ``_order_dims`` (ordered dims and key), ``rank_offset`` included;
+  in the order given), ``_order_dims`` (ordered dims and key; 0.16) or ``_order_dims_for`` and
+  ``_gen_rank_enum_for`` (0.17+), ``rank_offset`` included;
 * ``megatron.core.parallel_state.RankGenerator(...).get_ranks(token)`` for every order of
   ``tp-cp-ep-dp-pp`` (and orders naming only some dims) and every subset of dims as the token;
-* grids with registered views: a view's enumerations equal a Megatron grid of the view's shape.
+* grids with registered views: a view's enumerations equal a Megatron grid of the view's shape;
+  on megatron-core 0.17+ (which has views) also ``register_view`` itself: what it accepts and
+  rejects (exception types), what it returns and stores, every view's enumerations, and, in a
+  fake 8-rank world, the keys groups are stored under, their members, and the KeyErrors of
+  ``create_pg`` / ``get_pg`` / unknown views.
 
 Every comparison is counted; each test asserts that it made comparisons and found no mismatch.
 Run with ``-s`` to see the totals.
@@ -17,6 +22,7 @@ from __future__ import annotations
 import itertools
 import random
 import sys
+from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -29,6 +35,12 @@ from megatron.core import hyper_comm_grid as mcore_hcg  # noqa: E402
 from megatron.core.parallel_state import RankGenerator  # noqa: E402
 
 import hypergrid  # noqa: E402
+from tests.harness import fake_world  # noqa: E402
+
+#: Megatron-Core 0.17+ has rank views and ``_order_dims_for``; 0.16 has ``_order_dims``.
+MEGATRON_HAS_VIEWS = hasattr(mcore_hcg.HyperCommGrid, "register_view")
+MEGATRON_HAS_ORDER_DIMS = hasattr(mcore_hcg.HyperCommGrid, "_order_dims")
+needs_views = pytest.mark.skipif(not MEGATRON_HAS_VIEWS, reason="the installed megatron-core has no register_view (0.16)")
 
 WORLD = 1 << 16
 DIMS5 = ("tp", "cp", "ep", "dp", "pp")
@@ -88,14 +100,27 @@ def compare_grids(tally, ours, theirs, rng, label):
         dims = list(sub)
         rng.shuffle(dims)
         tally.check(ours.get_rank_enum(dims), theirs.get_rank_enum(dims), f"{label} get_rank_enum({dims})")
-        tally.check(ours._order_dims(dims), theirs._order_dims(dims), f"{label} _order_dims({dims})")
+        if MEGATRON_HAS_ORDER_DIMS:
+            tally.check(ours._order_dims(dims), theirs._order_dims(dims), f"{label} _order_dims({dims})")
+        else:
+            tally.check(ours._order_dims(dims), theirs._order_dims_for(names, dims), f"{label} _order_dims({dims})")
+        if MEGATRON_HAS_VIEWS:
+            tally.check(
+                ours._order_dims_for(names, dims), theirs._order_dims_for(names, dims), f"{label} _order_dims_for({dims})"
+            )
+            tally.check(
+                ours._gen_rank_enum_for(theirs.shape, names, dims),
+                theirs._gen_rank_enum_for(theirs.shape, names, dims),
+                f"{label} _gen_rank_enum_for({dims})",
+            )
         # _gen_rank_enum takes the dims exactly as given: try the given and another order
         tally.check(ours._gen_rank_enum(dims), theirs._gen_rank_enum(dims), f"{label} _gen_rank_enum({dims})")
         other = list(reversed(dims))
         tally.check(ours._gen_rank_enum(other), theirs._gen_rank_enum(other), f"{label} _gen_rank_enum({other})")
         if len(dims) == 1:
             tally.check(ours.get_rank_enum(dims[0]), theirs.get_rank_enum(dims[0]), f"{label} get_rank_enum({dims[0]!r})")
-            tally.check(ours._order_dims(dims[0]), theirs._order_dims(dims[0]), f"{label} _order_dims({dims[0]!r})")
+            theirs_order = theirs._order_dims(dims[0]) if MEGATRON_HAS_ORDER_DIMS else theirs._order_dims_for(names, dims[0])
+            tally.check(ours._order_dims(dims[0]), theirs_order, f"{label} _order_dims({dims[0]!r})")
 
 
 # ---------------------------------------------------------------------------- HyperCommGrid
@@ -157,7 +182,9 @@ def test_same_error_types_as_megatron():
     cases = [
         (lambda m: m([2, 2], ["tp"]), ValueError),  # length mismatch
         (lambda m: m([2, 2], ["tp", "dp"], rank_offset=-1), ValueError),
-        (lambda m: m([2, 2], ["tp", "dp"])._order_dims(["tp", "zz"]), ValueError),
+        (lambda m: m([2, 2], ["tp", "dp"])._order_dims_for(["tp", "dp"], ["tp", "zz"]), ValueError)
+        if MEGATRON_HAS_VIEWS
+        else (lambda m: m([2, 2], ["tp", "dp"])._order_dims(["tp", "zz"]), ValueError),
         (lambda m: m([2, 2], ["tp", "dp"]).get_rank_enum(["zz"]), ValueError),
         (lambda m: m([2, 2], ["tp", "dp"]).get_pg("tp"), KeyError),
     ]
@@ -302,3 +329,198 @@ def test_view_enumerations_equal_megatron_grid_of_the_view(case):
     # the shared dim has the same groups in both
     tally.check(ours.get_rank_enum("pp", view="expert"), theirs_dense.get_rank_enum("pp"), "shared pp")
     tally.close(minimum=15 * 2 + 15)
+
+
+def test_world_size_resolved_in_megatron_order(monkeypatch):
+    """WORLD_SIZE before torch.distributed, in both: a 120-rank grid planned in an 8-rank job."""
+    with fake_world(0, 8):
+        monkeypatch.setenv("WORLD_SIZE", "120")
+        ours = hypergrid.HyperCommGrid([2, 3, 4, 5], ["tp", "cp", "pp", "dp"])
+        theirs = mcore_hcg.HyperCommGrid([2, 3, 4, 5], ["tp", "cp", "pp", "dp"])
+        assert ours.world_size == 120 and ours.get_rank_enum("dp") == theirs.get_rank_enum("dp")
+        # without WORLD_SIZE both fall back to torch.distributed's 8 ranks
+        monkeypatch.delenv("WORLD_SIZE")
+        assert hypergrid.HyperCommGrid([2, 4], ["tp", "dp"]).world_size == 8
+        mcore_hcg.HyperCommGrid([2, 4], ["tp", "dp"])
+        for build in (hypergrid.HyperCommGrid, mcore_hcg.HyperCommGrid):
+            with pytest.raises(RuntimeError, match="over sized"):
+                build([4, 4], ["tp", "dp"])
+
+
+# ---------------------------------------------------------------------------- register_view (0.17+)
+VIEW_NAMES = ("tp", "cp", "dp", "pp", "ep", "etp", "edp", "x")
+
+
+def _factorizations(n: int, parts: int) -> list[list[int]]:
+    """Every way to write n as an ordered product of `parts` positive factors."""
+    if parts == 1:
+        return [[n]]
+    return [[d] + rest for d in range(1, n + 1) if n % d == 0 for rest in _factorizations(n // d, parts - 1)]
+
+
+@st.composite
+def views_of_grids(draw):
+    """A grid and a view request that may or may not be valid: what register_view must judge.
+
+    Views are drawn to hit every check: the grid's dims regrouped (shared dims that match,
+    including size-1 dims at other strides and several shared dims at once), dims in another
+    order (shared dims that do not match), wrong sizes, repeated names, bad shared dims.
+    """
+    ndims = draw(st.integers(1, 4))
+    names = list(draw(st.permutations(VIEW_NAMES[:5]))[:ndims])
+    shape = [draw(st.integers(1, 3)) for _ in range(ndims)]
+    size = 1
+    for n in shape:
+        size *= n
+    k = draw(st.integers(1, 4))
+    view_shape = list(draw(st.sampled_from(_factorizations(size, k))))
+    pool = list(names) + ["ep", "etp", "edp", "x"]
+    view_names = list(draw(st.lists(st.sampled_from(pool), min_size=k, max_size=k)))
+    mutation = draw(st.sampled_from(["none", "none", "none", "size", "length", "nonpositive"]))
+    if mutation == "size":
+        view_shape[0] += 1
+    elif mutation == "length" and k > 1:
+        view_names = view_names[:-1]
+    elif mutation == "nonpositive":
+        view_shape[draw(st.integers(0, k - 1))] = draw(st.sampled_from([0, -1]))
+    candidates = sorted(set(names) | set(view_names))
+    shared = draw(st.one_of(st.none(), st.lists(st.sampled_from(candidates), max_size=3)))
+    offset = draw(st.sampled_from([0, 3]))
+    return shape, names, offset, view_shape, view_names, shared
+
+
+def _outcome(call):
+    try:
+        return ("ok", call())
+    except Exception as exc:  # noqa: BLE001 - compared with what the other side raised
+        return ("raised", exc)
+
+
+@needs_views
+@settings(SETTINGS, max_examples=600)
+@given(views_of_grids(), st.randoms(use_true_random=False))
+def test_register_view_accepts_and_rejects_like_megatron(case, rng):
+    shape, names, offset, view_shape, view_names, shared = case
+    tally = Tally("register_view")
+    ours, theirs = both_grids(shape, names, offset)
+    mine = _outcome(lambda: ours.register_view("v", list(view_shape), list(view_names), shared))
+    other = _outcome(lambda: theirs.register_view("v", list(view_shape), list(view_names), shared))
+    label = f"grid {shape} {names} view {view_shape} {view_names} shared={shared}"
+    if other[0] == "raised":
+        assert mine[0] == "raised", f"{label}: megatron raised {other[1]!r}, hypergrid accepted"
+        tally.check(isinstance(mine[1], type(other[1])), True, f"{label}: {mine[1]!r} vs {other[1]!r}")
+        assert "v" not in ours.views
+    else:
+        assert mine[0] == "ok", f"{label}: megatron accepted, hypergrid raised {mine[1]!r}"
+        tally.check(mine[1], other[1], f"{label} return value")  # None
+        spec, theirs_spec = ours._views["v"], theirs._views["v"]
+        tally.check(
+            (spec.name, spec.shape, spec.dim_names, spec.shared_dims),
+            (theirs_spec.name, theirs_spec.shape, theirs_spec.dim_names, theirs_spec.shared_dims),
+            f"{label} stored view",
+        )
+        for sub in subsets(view_names):
+            dims = list(sub)
+            rng.shuffle(dims)
+            tally.check(ours.get_rank_enum(dims, view="v"), theirs.get_rank_enum(dims, view="v"), f"{label} {dims}")
+    tally.close()
+
+
+@needs_views
+def test_register_view_cases_megatron_tests_name():
+    """Size-1 dims, several shared dims at once, "base", numpy sizes: accepted or refused alike."""
+    import numpy as np
+
+    cases = [
+        # (grid shape, grid names, view shape, view names, shared)
+        ([1, 2, 4], ["tp", "cp", "dp"], [2, 1, 4], ["ep", "tp", "dp"], ["tp", "dp"]),  # size-1 dim, other stride
+        ([2, 2, 2], ["tp", "dp", "pp"], [2, 2, 2], ["ep", "dp", "pp"], ["dp", "pp"]),  # two shared dims
+        ([2, 2, 2], ["tp", "dp", "pp"], [2, 2, 2], ["dp", "ep", "pp"], ["dp", "pp"]),  # dp at another stride
+        ([2, 2, 2], ["tp", "dp", "pp"], [2, 4], ["pp", "ep"], ["pp"]),                 # pp leading: differs
+        ([2, 2, 2], ["tp", "dp", "pp"], [2, 2, 2], ["expt_tp", "ep", "pp"], ["pp", "pp"]),
+        ([2, 2, 2], ["tp", "dp", "pp"], [np.int64(4), np.int64(2)], ["ep", "pp"], ["pp"]),
+        ([2, 2, 2], ["tp", "dp", "pp"], [8], ["base"], None),
+        ([2, 2, 2], ["tp", "dp", "pp"], [2.0, 4], ["ep", "x"], None),
+    ]
+    for shape, names, view_shape, view_names, shared in cases:
+        ours, theirs = both_grids(shape, names, 0)
+        for name in ("expert", "base"):
+            mine = _outcome(lambda: ours.register_view(name, list(view_shape), list(view_names), shared))
+            other = _outcome(lambda: theirs.register_view(name, list(view_shape), list(view_names), shared))
+            assert mine[0] == other[0], f"{view_shape} {view_names} {shared} as {name!r}: {mine} vs {other}"
+            if other[0] == "raised":
+                assert isinstance(mine[1], type(other[1])), f"{mine[1]!r} vs {other[1]!r}"
+            else:
+                assert mine[1] is None and other[1] is None
+
+
+@needs_views
+@pytest.mark.parametrize("rank", [0, 5])
+def test_view_groups_stored_under_megatron_keys(monkeypatch, rank):
+    """In a fake 8-rank world: the same keys in ``_pgs``, the same members, the same KeyErrors."""
+    with fake_world(rank, 8):
+        monkeypatch.setenv("WORLD_SIZE", "8")
+        ours, theirs = both_grids([2, 2, 2], ["tp", "dp", "pp"], 0)
+        for grid in (ours, theirs):
+            grid.register_view("expert", [2, 2, 2], ["expt_tp", "ep", "pp"], shared_dims=["pp"])
+        requests = [("tp", None), ("pp", None), (["ep", "expt_tp"], "expert"), ("pp", "expert"), ("ep", "expert"),
+                    (["dp", "tp"], None), (["pp", "ep"], "expert"), ("tp", "base")]
+        for dims, view in requests:
+            mine = _outcome(lambda: ours.create_pg(dims, view=view))
+            other = _outcome(lambda: theirs.create_pg(dims, view=view))
+            assert mine[0] == other[0], f"create_pg({dims}, view={view}): {mine} vs {other}"
+            if other[0] == "raised":
+                assert type(mine[1]) is type(other[1]) and "already been created" in str(mine[1])
+                continue
+            assert dist_ranks(mine[1]) == dist_ranks(other[1]), f"{dims} view={view}"
+        assert set(ours._pgs) == set(theirs._pgs), f"{sorted(map(str, ours._pgs))} vs {sorted(map(str, theirs._pgs))}"
+        for key in theirs._pgs:
+            assert dist_ranks(ours._pgs[key]) == dist_ranks(theirs._pgs[key]), key
+        for dims, view in [("cp", None), ("dp", "expert"), ("ep", "nope"), ("ep", None), (["expt_tp"], "expert")]:
+            mine = _outcome(lambda: ours.get_pg(dims, view=view))
+            other = _outcome(lambda: theirs.get_pg(dims, view=view))
+            assert mine[0] == other[0] == "raised", f"get_pg({dims}, view={view}): {mine} vs {other}"
+            assert type(mine[1]) is type(other[1]), f"get_pg({dims}, view={view}): {mine[1]!r} vs {other[1]!r}"
+            shown = view if isinstance(other[1], KeyError) and view else (dims if isinstance(dims, str) else dims[0])
+            assert str(shown) in str(mine[1]), f"{mine[1]!r} does not name {shown!r}"
+        # destroy: through torch.distributed.destroy_process_group, then empty. hypergrid made one
+        # communicator where two keys have the same members ("dp-tp" and the expert "ep-expt_tp"
+        # are ranks 0-3), so it destroys that one once; the same members are destroyed.
+        with mock.patch("torch.distributed.destroy_process_group") as mine_destroyed:
+            ours.destroy()
+        with mock.patch("torch.distributed.destroy_process_group") as theirs_destroyed:
+            theirs.destroy()
+        mine_pgs = [c.args[0] for c in mine_destroyed.call_args_list]
+        assert len({id(pg) for pg in mine_pgs}) == len(mine_pgs), "a communicator destroyed twice"
+        assert sorted({tuple(dist_ranks(pg)) for pg in mine_pgs}) == sorted(
+            {tuple(dist_ranks(c.args[0])) for c in theirs_destroyed.call_args_list}
+        )
+        assert ours._pgs == theirs._pgs == {}
+
+
+def dist_ranks(pg):
+    import torch.distributed as dist
+
+    if pg is None or pg is dist.GroupMember.NON_GROUP_MEMBER:
+        return None
+    return dist.get_process_group_ranks(pg)
+
+
+@needs_views
+def test_view_errors_like_megatron():
+    ours, theirs = both_grids([2, 2, 2], ["tp", "dp", "pp"], 0)
+    for grid in (ours, theirs):
+        grid.register_view("expert", [2, 2, 2], ["expt_tp", "ep", "pp"], shared_dims=["pp"])
+    calls = {
+        "unknown view": lambda g: g.get_rank_enum("ep", view="nope"),
+        "view dim without view=": lambda g: g.get_rank_enum("ep"),
+        "grid dim in a view": lambda g: g.get_rank_enum("tp", view="expert"),
+        "get_pg unknown view": lambda g: g.get_pg("ep", view="nope"),
+        "create_pg unknown view": lambda g: g.create_pg("ep", view="nope"),
+    }
+    for what, call in calls.items():
+        mine, other = _outcome(lambda: call(ours)), _outcome(lambda: call(theirs))
+        assert mine[0] == other[0] == "raised", f"{what}: {mine} vs {other}"
+        assert type(mine[1]) is type(other[1]), f"{what}: {mine[1]!r} vs {other[1]!r}"
+        # Megatron-Core's wording is kept, so tests matching its messages pass on hypergrid
+        assert str(other[1]).strip("\"'").split(".")[0].split(" with ")[0] in str(mine[1]), f"{what}: {mine[1]} vs {other[1]}"
