@@ -60,9 +60,9 @@ from ._torch_compat import (
 from .agreement import Agreement, check_agreement, describe_ranks, explain_creation_failure, publish_position
 from .errors import GroupCreationError
 from .layout import Dims, GridLayout
-from .strategy import CreationMode, Strategy, creation_mode, parse_strategy
+from .strategy import CreationMode, Strategy, creation_mode
 
-__all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "check_strategy", "effective_timeout"]
+__all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "effective_timeout"]
 
 logger = logging.getLogger("hypergrid.groups")
 
@@ -131,21 +131,6 @@ class GroupOptions:
     @property
     def identity(self) -> Hashable:
         return self._identity  # type: ignore[attr-defined]
-
-
-def check_strategy(strategy: object) -> Strategy:
-    """``strategy`` as a :class:`~hypergrid.strategy.Strategy`, or a clear error.
-
-    Example::
-
-        >>> check_strategy("local")
-        <Strategy.LOCAL: 'local'>
-        >>> check_strategy("fast")
-        Traceback (most recent call last):
-        ...
-        ValueError: strategy must be one of ['auto', 'local', 'split', 'enumerate'], got 'fast'
-    """
-    return parse_strategy(strategy)  # type: ignore[arg-type]
 
 
 def effective_timeout(options: "GroupOptions") -> timedelta:

@@ -111,6 +111,11 @@ def test_the_simulated_job_is_seen_as_one_that_must_split(monkeypatch):
             creation_mode("local")
 
 
+def assert_groups_as_planned(played: dict[int, tuple[Recorder, Any]]) -> None:
+    for rank, (_, (made, expected)) in played.items():
+        assert made == expected, rank
+
+
 def test_grid_groups_are_split_by_every_rank_once_per_request(monkeypatch):
     def scenario(rank):
         grid = HyperCommGrid(SHAPE, NAMES)
@@ -121,8 +126,7 @@ def test_grid_groups_are_split_by_every_rank_once_per_request(monkeypatch):
 
     played = play(scenario, monkeypatch)
     assert_world_wide(played, len(REQUESTS))
-    for rank, (_, (made, expected)) in played.items():
-        assert made == expected, rank
+    assert_groups_as_planned(played)
 
 
 def test_explicit_local_on_a_splitting_world_is_refused_before_any_call(monkeypatch):
@@ -163,8 +167,7 @@ def test_views_and_shared_groups_are_split_alike(monkeypatch):
 
     played = play(scenario, monkeypatch)
     assert_world_wide(played, 4)
-    for rank, (_, (made, expected)) in played.items():
-        assert made == expected, rank
+    assert_groups_as_planned(played)
 
 
 def test_device_mesh_over_a_splitting_world(monkeypatch):
@@ -178,8 +181,7 @@ def test_device_mesh_over_a_splitting_world(monkeypatch):
 
     played = play(scenario, monkeypatch)
     assert_world_wide(played, len(NAMES))
-    for rank, (_, (made, expected)) in played.items():
-        assert made == expected, rank
+    assert_groups_as_planned(played)
 
 
 def test_initialize_model_parallel_splits_every_group_on_every_rank(monkeypatch):
