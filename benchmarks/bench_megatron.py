@@ -54,8 +54,9 @@ def _worker(impl: str, world: int, rank: int, repeat: int) -> None:
         if impl == "megatron":
             ps.initialize_model_parallel(**kwargs)
         else:
-            grids = hm.initialize_model_parallel(share_groups=(impl == "hypergrid"), **kwargs)
+            hm.initialize_model_parallel(share_groups=(impl == "hypergrid"), **kwargs)
         times.append(time.perf_counter() - start)
+        grids = hm.active_grids()
         if impl == "megatron":
             groups = len(ps._global_process_group_list) - 1
         else:
