@@ -22,9 +22,11 @@ setup(
     # use_local_synchronization, which hypergrid relies on, are older than that.
     install_requires=["torch>=2.13.0"],
     extras_require={
-        "megatron": ["megatron-core>=0.16.1"],
+        # The adapter is tested against 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); pip picks
+        # the newest release the interpreter can run.
+        "megatron": ["megatron-core>=0.16.1,<0.20"],
         # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests.
-        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1"],
+        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1,<0.20"],
     },
     entry_points={"console_scripts": ["hypergrid=hypergrid.cli:main"]},
     classifiers=[

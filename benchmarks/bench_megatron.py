@@ -54,8 +54,9 @@ def _worker(impl: str, world: int, rank: int, repeat: int) -> None:
         if impl == "megatron":
             ps.initialize_model_parallel(**kwargs)
         else:
-            grids = hm.initialize_model_parallel(share_groups=(impl == "hypergrid"), **kwargs)
+            hm.initialize_model_parallel(share_groups=(impl == "hypergrid"), **kwargs)
         times.append(time.perf_counter() - start)
+        grids = hm.active_grids()
         if impl == "megatron":
             groups = len(ps._global_process_group_list) - 1
         else:
@@ -94,7 +95,14 @@ def main() -> None:
 
     header = (f"{'ranks':>9} {'megatron s':>11} {'hypergrid s (cold/best)':>24} {'speed-up best/cold':>18} "
               f"{'groups: megatron':>17} {'hg shared':>10} {'hg private':>11}  {'hg private s':>12}")
-    print("Megatron-Core initialize_model_parallel vs hypergrid.megatron, one rank on the fake backend")
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = f"megatron-core {version('megatron-core')}"
+    except PackageNotFoundError:
+        installed = "megatron-core (version unknown)"
+    print(f"Megatron-Core initialize_model_parallel vs hypergrid.megatron, one rank on the fake backend "
+          f"({installed}, Python {sys.version.split()[0]})")
     print(header)
     for world in args.worlds:
         rank = world // 2 + 3 if args.rank is None else args.rank

@@ -272,17 +272,20 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
     try:
         adapter = importlib.import_module("hypergrid.megatron")
         initialize = getattr(adapter, "initialize_model_parallel")
+        active_grids = getattr(adapter, "active_grids")
         destroy = getattr(adapter, "destroy_model_parallel")
         from megatron.core import parallel_state
     except (ImportError, AttributeError) as exc:
         notes.append(f"megatron: skipped ({type(exc).__name__}: {exc})")
         return [], None, lambda: None
-    grids, seconds = _timed(lambda: initialize(
+    _, seconds = _timed(lambda: initialize(
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
         context_parallel_size=config.cp, expert_model_parallel_size=config.ep,
         expert_tensor_parallel_size=config.etp, order=config.order,
         distributed_timeout_minutes=config.timeout_minutes,
     ))
+    # initialize_model_parallel returns None, as Megatron-Core's does; the grids it built:
+    grids = active_grids()
     distinct = getattr(grids, "num_process_groups", None)
     notes.append(
         f"megatron: hypergrid.megatron.initialize_model_parallel filled parallel_state in {seconds:.3f}s on rank 0"

@@ -302,11 +302,9 @@ def _megatron_job(rank: int, world_size: int) -> Optional[dict]:
     import torch.distributed._functional_collectives as funcol
 
     from hypergrid._torch_compat import process_group_count
-    from hypergrid.megatron import destroy_model_parallel, initialize_model_parallel
+    from hypergrid.megatron import active_grids, destroy_model_parallel, initialize_model_parallel
 
     initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
-    from hypergrid.megatron import active_grids
-
     grids = active_grids()
     before = process_group_count()
     mesh = grids.grid.device_mesh(device_type="cpu")

@@ -239,13 +239,24 @@ def installed_features() -> MegatronFeatures:
         >>> features.gtp_remat == ("gtp_remat_size" in features.keywords)
         True
     """
-    import megatron.core
-
     parameters = inspect.signature(ps.initialize_model_parallel).parameters.values()
     keywords = tuple(
         p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     )
-    return MegatronFeatures(str(getattr(megatron.core, "__version__", "(version unknown)")), keywords)
+    return MegatronFeatures(_installed_version(), keywords)
+
+
+def _installed_version() -> str:
+    """The installed distribution's version, for messages. (megatron.core.__version__ can carry a
+    suffix from the git checkout of the current directory, e.g. '0.19.2+f368578'.)"""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        import megatron.core
+
+        return str(getattr(megatron.core, "__version__", "(version unknown)"))
 
 
 def _bind_arguments(features: MegatronFeatures, args: tuple, kwargs: dict[str, Any]) -> dict[str, Any]:
