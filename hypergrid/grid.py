@@ -294,6 +294,14 @@ class HyperCommGrid:
                 f"first, we error out instead of returning the process group that has already been "
                 f"created before; use get_pg({dims!r}) or get_or_create_pg()."
             )
+        if not dist.is_initialized():
+            # Refused here, before the registry: it would take a world that is not initialized
+            # for the end of the old one and forget the groups it holds.
+            raise RuntimeError(
+                f"cannot create process group {label!r}: torch.distributed is not initialized; call "
+                f"torch.distributed.init_process_group() first (a grid built with world_size= or "
+                f"WORLD_SIZE alone can plan and enumerate, but not create groups)"
+            )
         self._check_fits_world(label)
         options = GroupOptions(
             backend=kwargs.get("backend", self.backend),
@@ -762,8 +770,6 @@ class HyperCommGrid:
 
     def _check_fits_world(self, label: str) -> None:
         """A grid planned for a larger world (world_size=, WORLD_SIZE) cannot create groups."""
-        if not dist.is_initialized():
-            return  # the registry says so with its own error if a group is really needed
         actual = dist.get_world_size()
         if self.rank_offset + self.size > actual:
             raise GridTooLargeError(

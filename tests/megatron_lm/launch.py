@@ -162,7 +162,7 @@ def run_suite(
             log = open(out / f"rank{rank}.log", "w")
             procs.append(subprocess.Popen(
                 [python, "-m", "pytest", str(HERE / version_dir), "-q", "-p", "no:cacheprovider",
-                 "-o", "junit_family=xunit2", f"--junitxml={out / f'rank{rank}.xml'}", *pytest_args],
+                 "-o", "junit_family=xunit2", "-o", "faulthandler_timeout=300", f"--junitxml={out / f'rank{rank}.xml'}", *pytest_args],
                 cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
             ))
         deadline = time.monotonic() + timeout_s
