@@ -22,8 +22,8 @@ import torch.distributed as dist
 
 from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
 from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
-from .groups import REGISTRY, GroupOptions, GroupRequest
-from .strategy import creation_mode, resolve_strategy
+from .groups import REGISTRY, GroupOptions, GroupRequest, enumerate_before_init, require_initialized
+from .strategy import Strategy, creation_mode, resolve_strategy
 from .layout import KEY_SEPARATOR, Dims, GridLayout
 
 if TYPE_CHECKING:
@@ -294,21 +294,21 @@ class HyperCommGrid:
                 f"first, we error out instead of returning the process group that has already been "
                 f"created before; use get_pg({dims!r}) or get_or_create_pg()."
             )
-        if not dist.is_initialized():
-            # Refused here, before the registry: it would take a world that is not initialized
-            # for the end of the old one and forget the groups it holds.
-            raise RuntimeError(
-                f"cannot create process group {label!r}: torch.distributed is not initialized; call "
-                f"torch.distributed.init_process_group() first (a grid built with world_size= or "
-                f"WORLD_SIZE alone can plan and enumerate, but not create groups)"
-            )
-        self._check_fits_world(label)
         options = GroupOptions(
             backend=kwargs.get("backend", self.backend),
             timeout=kwargs.get("timeout", self._defaults.timeout),
             pg_options=kwargs.get("pg_options"),
             group_desc=kwargs.get("group_desc"),
         )
+        if not dist.is_initialized():
+            # Decided here, before the registry: it would take a world that is not initialized
+            # for the end of the old one and forget the groups it holds.
+            if self._strategy is Strategy.ENUMERATE:
+                pg = enumerate_before_init(label, layout.enumerate(dims), options)
+                self._pgs[key] = pg
+                return pg
+            require_initialized(label)
+        self._check_fits_world(label)
         request = GroupRequest.from_layout(layout, dims, self._current_rank(), label)
         pg = self._acquire(self._id, request, view, options, private)
         self._pgs[key] = pg

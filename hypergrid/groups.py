@@ -278,6 +278,10 @@ class GroupRegistry:
                 f"'enumerate' cannot create (it needs every group of the request); use "
                 f"GroupRequest.from_rank_lists, or strategy 'auto', 'local' or 'split'"
             )
+        if mode is CreationMode.ENUMERATE:
+            # Megatron-Core's call pattern is one torch call per created group, never a reused
+            # one: code that counts or mocks torch's constructor sees exactly that.
+            private = True
         if mode is CreationMode.LOCAL:
             if request.members is None:
                 if request.agreement is not None:
@@ -294,7 +298,7 @@ class GroupRegistry:
             held = None if private else self._hold_existing(owner, request.label, key)
             if held is not None:
                 return held.pg
-            _require_initialized(request.label)
+            require_initialized(request.label)
             entry = self._create(mode, request, options)
             with self._lock:
                 self._follow_world()
@@ -544,13 +548,43 @@ class GroupRequest:
         return cls(label, None if members is None else tuple(members), ("members-only", label), None)
 
 
-def _require_initialized(label: str) -> None:
-    if not dist.is_initialized():
-        raise RuntimeError(
-            f"cannot create process group {label!r}: torch.distributed is not initialized; call "
-            f"torch.distributed.init_process_group() first (a grid built with world_size= alone "
-            f"can plan and enumerate, but not create groups)"
+def enumerate_before_init(label: str, enumeration: list[list[int]], options: GroupOptions) -> Optional[dist.ProcessGroup]:
+    """Strategy ``enumerate`` before ``init_process_group``: hand the enumeration to torch, as Megatron-Core does.
+
+    Nothing is registered (there is no world to follow); torch's refusal comes back as
+    hypergrid's RuntimeError naming the group. Code that patches torch's constructor (Megatron-LM's
+    unit tests) gets its mock back, exactly as from Megatron-Core's ``create_pg``.
+
+    Example::
+
+        >>> # enumerate_before_init("tp", [[0, 1], [2, 3]], GroupOptions())
+        >>> # RuntimeError: cannot create process group 'tp': torch.distributed is not initialized ...
+    """
+    try:
+        pg, _ = dist.new_subgroups_by_enumeration(
+            enumeration,
+            timeout=options.timeout,
+            backend=options.backend,
+            pg_options=options.pg_options,
+            group_desc=options.group_desc,
         )
+    except ValueError as exc:
+        raise RuntimeError(_not_initialized(label)) from exc
+    return pg
+
+
+def _not_initialized(label: str) -> str:
+    return (
+        f"cannot create process group {label!r}: torch.distributed is not initialized; call "
+        f"torch.distributed.init_process_group() first (a grid built with world_size= or "
+        f"WORLD_SIZE alone can plan and enumerate, but not create groups)"
+    )
+
+
+def require_initialized(label: str) -> None:
+    """Refuse to create ``label`` in a world that torch.distributed has not started."""
+    if not dist.is_initialized():
+        raise RuntimeError(_not_initialized(label))
 
 
 def _destroy_quietly(pg: dist.ProcessGroup) -> None:

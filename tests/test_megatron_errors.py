@@ -207,6 +207,14 @@ def test_installed_keywords_match_megatron_signature_and_defaults() -> None:
         assert profile[0].keywords == INSTALLED.keywords
 
 
+def test_drop_in_replacement_keeps_the_installed_keywords(monkeypatch) -> None:
+    # The drop-in use: Megatron's module attribute replaced by hypergrid's function. What the
+    # installed version takes must still come from megatron-core's own signature.
+    monkeypatch.setattr(ps, "initialize_model_parallel", hm.initialize_model_parallel)
+    assert hm.installed_features().keywords == INSTALLED.keywords
+    assert "strategy" not in hm.installed_features().keywords
+
+
 def test_pure_plan_refuses_keywords_of_another_version() -> None:
     with pytest.raises(TypeError, match=r"\['gtp_remat_size'\] that megatron-core 0.16.1 does not have"):
         plan_model_parallel(8, features=MEGATRON_CORE_0_16, gtp_remat_size=2)

@@ -22,46 +22,9 @@ megatron_core = pytest.importorskip("megatron.core")
 from tests.megatron_lm.launch import VERSIONS, run_suite  # noqa: E402
 
 #: Tests that pass on Megatron-Core and not (yet) on hypergrid, by version dir, with the reason.
-#: Test ids are "<module path>.<class>::<test>[<params>]" as the launcher reports them.
-_RETURNS_GRIDS = (
-    "hypergrid.megatron.initialize_model_parallel returns its MegatronGrids (truthy) where "
-    "Megatron-Core returns None, so the test's `assert ps.initialize_model_parallel(...)` raises no "
-    "AssertionError (the adapter is being changed to return None)"
-)
-_ENUMERATE_SHARES = (
-    "with strategy 'enumerate' the registry gives a request the groups an identical earlier request "
-    "made (same partition, another grid of an earlier test), so torch's mocked "
-    "new_subgroups_by_enumeration is not called and the earlier test's mock comes back; needs "
-    "'enumerate' to call torch for every create_pg, as Megatron-Core does (hypergrid/groups.py)"
-)
-_REFUSES_UNINITIALIZED = (
-    "with torch.distributed.is_initialized patched to return False, hypergrid's create_pg raises "
-    "RuntimeError (no group can be made in a world said not to exist) where Megatron-Core calls "
-    "the mocked new_subgroups_by_enumeration anyway"
-)
-_ADAPTER_PREDATES_0_19 = (
-    "hypergrid.megatron on this branch predates megatron-core 0.19 (its parallel_state has no "
-    "_DATA_PARALLEL_GROUP_WITH_CP_AG); the adapter for 0.19.2 is being written on its own branch"
-)
-_HCG19 = "tests.megatron_lm.v0_19.test_hyper_comm_grid.TestHyperCommGrid::"
-KNOWN_DIFFERENCES: dict[str, dict[str, str]] = {
-    "v0_16": {
-        "tests.megatron_lm.v0_16.test_parallel_state::test_initialize_and_destroy_model_parallel[tp-cp-ep-dp-pp]": _RETURNS_GRIDS,
-        "tests.megatron_lm.v0_16.test_parallel_state::test_initialize_and_destroy_model_parallel[tp-cp-pp-ep-dp]": _RETURNS_GRIDS,
-        "tests.megatron_lm.v0_16.test_hyper_comm_grid.TestHyperCommGrid::test_end_to_end_workflow": _ENUMERATE_SHARES,
-        "tests.megatron_lm.v0_16.test_hyper_comm_grid.TestHyperCommGrid::test_get_pg_multiple_dims": _ENUMERATE_SHARES,
-    },
-    "v0_19": {
-        _HCG19 + "test_end_to_end_workflow": _ENUMERATE_SHARES,
-        _HCG19 + "test_get_pg_multiple_dims": _ENUMERATE_SHARES,
-        _HCG19 + "test_create_pg_with_view_uses_view_rank_order": _ENUMERATE_SHARES,
-        _HCG19 + "test_create_pg_skips_log_when_not_initialized": _REFUSES_UNINITIALIZED,
-        "tests.megatron_lm.v0_19.test_process_groups_config.TestPGConfigDefaultInitialization::test_default_initialization":
-            _ADAPTER_PREDATES_0_19,
-        # With HYPERGRID_MEGATRON_LM=full, 41 parallel_state tests fail for the same reason, unlisted
-        # on purpose: they must pass once the 0.19 adapter is merged.
-    },
-}
+#: Test ids are "<module path>.<class>::<test>[<params>]" as the launcher reports them. Empty:
+#: everything that passes on Megatron-Core passes on hypergrid, for both versions.
+KNOWN_DIFFERENCES: dict[str, dict[str, str]] = {"v0_16": {}, "v0_19": {}}
 
 
 def _installed(version_dir: str) -> bool:

@@ -37,6 +37,11 @@ from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, Para
 from .features import MegatronFeatures
 from .plan import ALIAS_GLOBALS, GroupSpec, MegatronPlan
 
+# megatron-core's own function, kept from import time: the drop-in use of hypergrid is
+# `parallel_state.initialize_model_parallel = hypergrid.megatron.initialize_model_parallel`, after
+# which the module's attribute no longer tells what the installed version takes.
+_MEGATRON_INITIALIZE = ps.initialize_model_parallel
+
 __all__ = [
     "MegatronGrids",
     "initialize_model_parallel",
@@ -239,7 +244,7 @@ def installed_features() -> MegatronFeatures:
         >>> features.gtp_remat == ("gtp_remat_size" in features.keywords)
         True
     """
-    parameters = inspect.signature(ps.initialize_model_parallel).parameters.values()
+    parameters = inspect.signature(_MEGATRON_INITIALIZE).parameters.values()
     keywords = tuple(
         p.name for p in parameters if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     )
