@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 import os
 import threading
 from collections.abc import Sequence
@@ -24,7 +23,7 @@ from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
 from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
 from .groups import REGISTRY, GroupOptions, GroupRequest, enumerate_before_init, require_initialized
 from .strategy import Strategy, creation_mode, resolve_strategy
-from .layout import KEY_SEPARATOR, Dims, GridLayout
+from .layout import KEY_SEPARATOR, Dims, GridLayout, as_int
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -112,19 +111,12 @@ def resolve_world_size(world_size: Optional[int] = None) -> int:
         RuntimeError: none of the three says how large the world is.
     """
     if world_size is not None:
-        if isinstance(world_size, bool) or not isinstance(world_size, numbers.Integral):
-            raise TypeError(f"world_size must be an int, got {type(world_size).__name__} {world_size!r}")
-        if world_size <= 0:
-            raise ValueError(f"world_size must be positive, got {world_size}")
-        return int(world_size)
-    env = os.environ.get("WORLD_SIZE")
-    if env is not None:
-        try:
-            value = int(env)
-        except ValueError:
-            raise ValueError(f"WORLD_SIZE environment variable must be an integer, got {env!r}") from None
-        if value <= 0:
-            raise ValueError(f"WORLD_SIZE environment variable must be positive, got {value}")
+        size = as_int(world_size, "world_size")
+        if size <= 0:
+            raise ValueError(f"world_size must be positive, got {size}")
+        return size
+    value = int_from_environment("WORLD_SIZE", minimum=1)
+    if value is not None:
         return value
     if dist.is_initialized():
         return dist.get_world_size()
@@ -133,6 +125,33 @@ def resolve_world_size(world_size: Optional[int] = None) -> int:
         "variable is not set and torch.distributed is not initialized. Set WORLD_SIZE, "
         "initialize torch.distributed, or pass world_size= to plan without a process group."
     )
+
+
+def int_from_environment(name: str, minimum: int) -> Optional[int]:
+    """The integer in environment variable ``name``, None when it is not set.
+
+    Set but malformed (not an integer, or below ``minimum``) is a ValueError naming the variable
+    and its value: a launcher's typo must not read as "not set".
+
+    Example::
+
+        >>> import os; os.environ["RANK"] = "x"
+        >>> int_from_environment("RANK", minimum=0)
+        Traceback (most recent call last):
+        ...
+        ValueError: environment variable RANK is set to 'x', which is not an integer >= 0
+        >>> del os.environ["RANK"]
+    """
+    text = os.environ.get(name)
+    if text is None:
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        raise ValueError(f"environment variable {name} is set to {text!r}, which is not an integer >= {minimum}")
+    return value
 
 
 class HyperCommGrid:
@@ -541,16 +560,18 @@ class HyperCommGrid:
         if repeated:
             raise ValueError(f"View {name!r} has duplicate dim_names: {list(dim_names)} repeats {repeated}")
         for size in shape:
-            if isinstance(size, bool) or not isinstance(size, numbers.Integral):
+            try:
+                size = as_int(size, "a view size")
+            except TypeError:
                 raise ShapeTypeError(
                     f"View {name!r} shape must be positive ints, got {list(shape)}: "
                     f"{type(size).__name__} {size!r} is not an int"
-                )
+                ) from None
             if size <= 0:
                 raise ValueError(f"View {name!r} shape must be positive ints, got {list(shape)}")
         view_size = 1
         for size in shape:
-            view_size *= int(size)
+            view_size *= as_int(size, "a view size")
         if view_size != self.size:
             raise ValueError(
                 f"View {name!r} shape {list(shape)} has size {view_size}, but the grid size is {self.size}"
@@ -783,9 +804,9 @@ class HyperCommGrid:
     def _current_rank() -> int:
         if dist.is_initialized():
             return dist.get_rank()
-        env = os.environ.get("RANK")
-        if env is not None and env.lstrip("-").isdigit():
-            return int(env)
+        env = int_from_environment("RANK", minimum=0)
+        if env is not None:
+            return env
         raise RuntimeError(
             "this rank is unknown: torch.distributed is not initialized and RANK is not set; "
             "pass rank= explicitly"

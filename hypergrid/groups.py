@@ -117,6 +117,8 @@ class GroupOptions:
     def __post_init__(self) -> None:
         if self.backend is not None and not isinstance(self.backend, str):
             raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__} {self.backend!r}")
+        if self.backend is not None:
+            _check_backend_known(self.backend)
         if self.timeout is not None and not isinstance(self.timeout, timedelta):
             raise TypeError(
                 f"timeout must be a datetime.timedelta or None, got {type(self.timeout).__name__} {self.timeout!r}"
@@ -131,6 +133,21 @@ class GroupOptions:
     @property
     def identity(self) -> Hashable:
         return self._identity  # type: ignore[attr-defined]
+
+
+def _check_backend_known(backend: str) -> None:
+    """Refuse a backend torch has not registered, here rather than at the first create_pg.
+
+    ``backend`` may be one name (``"nccl"``) or torch's per-device form (``"cpu:gloo,cuda:nccl"``).
+    """
+    known = [name for name in dist.Backend.backend_list if name != "undefined"]
+    for part in backend.split(","):
+        name = part.split(":", 1)[-1].strip().lower()
+        if name not in known:
+            raise ValueError(
+                f"backend {backend!r}: {name!r} is not a backend torch knows; registered backends "
+                f"are {known} (a device-specific form like 'cpu:gloo,cuda:nccl' is accepted too)"
+            )
 
 
 def effective_timeout(options: "GroupOptions") -> timedelta:
@@ -401,6 +418,7 @@ class GroupRegistry:
             assert members is not None
             pg = self._call_torch(
                 request,
+                options,
                 name,
                 list(members),
                 lambda: dist.new_group(
@@ -416,6 +434,7 @@ class GroupRegistry:
             enumeration = request.enumerate()
             pg, _ = self._call_torch(
                 request,
+                options,
                 name,
                 list(members or ()),
                 lambda: dist.new_subgroups_by_enumeration(
@@ -432,6 +451,7 @@ class GroupRegistry:
             mine = list(members) if members is not None else _a_group_without(dist.get_rank())
             pg = self._call_torch(
                 request,
+                options,
                 name,
                 mine,
                 lambda: dist.split_group(
@@ -459,16 +479,26 @@ class GroupRegistry:
         return "hypergrid-" + hashlib.sha1(seed.encode()).hexdigest()
 
     @staticmethod
-    def _call_torch(request: "GroupRequest", name: Optional[str], ranks: list[int], create: Callable[[], Any]) -> Any:
+    def _call_torch(
+        request: "GroupRequest", options: GroupOptions, name: Optional[str], ranks: list[int], create: Callable[[], Any]
+    ) -> Any:
         """Run a torch group constructor under hypergrid's name, its failures named with the group."""
         try:
             if name is None:
                 return create()
             with group_name_override(name, ranks):
                 return create()
-        except (TypeError, ValueError) as exc:
-            if request.members is not None and "pg_options" in str(exc):
-                raise TypeError(f"process group {request.label!r}: torch refused its pg_options: {exc}") from exc
+        except (TypeError, ValueError, AttributeError) as exc:
+            # pg_options reach torch's C++ backends untouched (a mock must pass, as on
+            # Megatron-Core), so what they refuse is known only here.
+            if options.pg_options is not None:
+                backend = f"backend {options.backend!r}" if options.backend else "the default group's backend"
+                raise TypeError(
+                    f"process group {request.label!r}: torch refused pg_options={options.pg_options!r} "
+                    f"({type(options.pg_options).__name__}; {backend} takes its own options type, "
+                    f"e.g. ProcessGroupNCCL.Options for 'nccl'): "
+                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                ) from exc
             raise
         except Exception as exc:
             members = request.members

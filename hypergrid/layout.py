@@ -28,7 +28,7 @@ Example::
 from __future__ import annotations
 
 import math
-import numbers
+import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Union
@@ -38,6 +38,9 @@ __all__ = [
     "GridLayout",
     "Partition",
     "KEY_SEPARATOR",
+    "MAX_ENUMERATED_RANKS",
+    "RESERVED_NAME_CHARACTERS",
+    "as_int",
     "validate_shape_and_names",
 ]
 
@@ -48,10 +51,36 @@ Dims = Union[str, Sequence[str]]
 KEY_SEPARATOR = "-"
 
 
-def _is_int(value: object) -> bool:
-    # Any integral number (numpy's included: shapes are often computed with numpy, and
-    # Megatron-Core accepts them), but not bool: a shape of [True, 2] is a bug, not a size of 1.
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+#: Characters a dim name may not hold: hypergrid's own keys are built with them (``dp-cp``,
+#: ``expert:tp``, ``embd(pp)``, lists joined by ``,``), and a name holding one would read as a key.
+RESERVED_NAME_CHARACTERS = "-:(),/"
+
+#: The largest grid whose every group :meth:`GridLayout.enumerate` lists: beyond it the lists alone
+#: take gigabytes (about 36 bytes a rank). One rank's group, :meth:`GridLayout.group_ranks`, has no limit.
+MAX_ENUMERATED_RANKS = 1 << 26
+
+
+def as_int(value: object, what: str) -> int:
+    """``value`` as a Python int by :func:`operator.index` (numpy and torch integer scalars too).
+
+    A bool is refused: a shape of ``[True, 2]`` is a bug, not a size of 1.
+
+    Example::
+
+        >>> import numpy as np
+        >>> as_int(np.int64(4), "shape[0]")
+        4
+        >>> as_int(2.0, "shape[0]")
+        Traceback (most recent call last):
+        ...
+        TypeError: shape[0] must be an int, got float 2.0
+    """
+    if isinstance(value, bool):
+        raise TypeError(f"{what} must be an int, got bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an int, got {type(value).__name__} {value!r}") from None
 
 
 def validate_shape_and_names(shape: object, dim_names: object) -> tuple[tuple[int, ...], tuple[str, ...]]:
@@ -87,24 +116,24 @@ def validate_shape_and_names(shape: object, dim_names: object) -> tuple[tuple[in
             raise TypeError(f"dim_names[{i}] must be a str, got {type(name).__name__} {name!r}")
         if not name or not name.strip():
             raise ValueError(f"dim_names[{i}] must be a non-empty name, got {name!r}")
-        if KEY_SEPARATOR in name:
+        reserved = sorted({c for c in name if c in RESERVED_NAME_CHARACTERS or c.isspace()})
+        if reserved:
             raise ValueError(
-                f"dim_names[{i}] {name!r} contains {KEY_SEPARATOR!r}, which joins dims in group "
-                f"keys; a key like {name!r} would be ambiguous. Use '_' instead."
+                f"dim_names[{i}] {name!r} contains {''.join(reserved)!r}; dim names may not hold "
+                f"{RESERVED_NAME_CHARACTERS!r} or spaces, which build hypergrid's group keys "
+                f"(e.g. 'dp-cp', 'expert:tp'), so a key made from {name!r} would be ambiguous. "
+                f"Use '_' instead."
             )
     seen: set[str] = set()
     for name in dim_names:
         if name in seen:
             raise ValueError(f"dim_names must be unique, {name!r} appears twice in {list(dim_names)}")
         seen.add(name)
-    for i, size in enumerate(shape):
-        if not _is_int(size):
-            raise TypeError(
-                f"shape[{i}] (dim {dim_names[i]!r}) must be an int, got {type(size).__name__} {size!r}"
-            )
+    sizes = tuple(as_int(size, f"shape[{i}] (dim {dim_names[i]!r})") for i, size in enumerate(shape))
+    for i, size in enumerate(sizes):
         if size <= 0:
             raise ValueError(f"shape[{i}] (dim {dim_names[i]!r}) must be a positive integer, got {size}")
-    return tuple(int(s) for s in shape), tuple(dim_names)
+    return sizes, tuple(dim_names)
 
 
 @dataclass(frozen=True)
@@ -155,14 +184,11 @@ class GridLayout:
 
     def __post_init__(self) -> None:
         shape, names = validate_shape_and_names(self.shape, self.dim_names)
-        if not _is_int(self.rank_offset):
-            raise TypeError(
-                f"rank_offset must be an int, got {type(self.rank_offset).__name__} {self.rank_offset!r}"
-            )
-        if self.rank_offset < 0:
-            raise ValueError(f"rank_offset must be non-negative, got {self.rank_offset}")
+        offset = as_int(self.rank_offset, "rank_offset")
+        if offset < 0:
+            raise ValueError(f"rank_offset must be non-negative, got {offset}")
         # Normalise lists to tuples and numpy ints to ints so that equal grids hash equal.
-        object.__setattr__(self, "rank_offset", int(self.rank_offset))
+        object.__setattr__(self, "rank_offset", offset)
         object.__setattr__(self, "shape", shape)
         object.__setattr__(self, "dim_names", names)
         strides = []
@@ -195,8 +221,7 @@ class GridLayout:
 
     def contains(self, rank: int) -> bool:
         """Whether global ``rank`` lies inside the grid's span."""
-        if not _is_int(rank):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
+        rank = as_int(rank, "rank")
         return self.rank_offset <= rank < self.rank_offset + self.size
 
     def _dim_index(self, name: object) -> int:
@@ -286,22 +311,29 @@ class GridLayout:
             raise TypeError(f"coords must be a list, tuple or dict, got {type(coords).__name__} {coords!r}")
         rank = self.rank_offset
         for name, size, stride, value in zip(self.dim_names, self.shape, self.strides, values):
-            if not _is_int(value):
-                raise TypeError(f"coordinate of dim {name!r} must be an int, got {value!r}")
+            value = as_int(value, f"coordinate of dim {name!r}")
             if not 0 <= value < size:
                 raise ValueError(f"coordinate of dim {name!r} must be in [0, {size}), got {value}")
             rank += value * stride
         return rank
 
     def _local(self, rank: object) -> int:
-        if not _is_int(rank):
-            raise TypeError(f"rank must be an int, got {type(rank).__name__} {rank!r}")
-        if not self.contains(rank):  # type: ignore[arg-type]
+        rank = as_int(rank, "rank")
+        if not self.contains(rank):
             raise ValueError(
                 f"rank {rank} is outside the grid, which spans ranks "
                 f"[{self.rank_offset}, {self.rank_offset + self.size})"
             )
-        return rank - self.rank_offset  # type: ignore[operator]
+        return rank - self.rank_offset
+
+    def _check_enumerable(self) -> None:
+        if self.size > MAX_ENUMERATED_RANKS:
+            raise ValueError(
+                f"enumerating every group of a {self.size:,}-rank grid would hold {self.size:,} ranks "
+                f"in Python lists (about {self.size * 36 / 2**30:,.0f} GiB); the limit is "
+                f"{MAX_ENUMERATED_RANKS:,} ranks. Ask for one rank's group instead "
+                f"(HyperCommGrid.ranks(dims, rank) / GridLayout.group_ranks), which costs O(group size)."
+            )
 
     def _offsets(self, dims: Sequence[str]) -> list[int]:
         # Rank offsets of every combination of `dims`, the first slowest and the last fastest:
@@ -373,6 +405,7 @@ class GridLayout:
             [[0, 2, 1, 3], [4, 6, 5, 7]]
         """
         names = self._dim_list(dims)
+        self._check_enumerable()
         rest = [n for n in reversed(self.dim_names) if n not in names]
         inner = self._offsets(names)
         outer = self._offsets(rest)

@@ -102,7 +102,12 @@ def _default_device_type() -> str:
     return "cpu"
 
 
-def _check_device_type(device_type: Optional[str]) -> str:
+def _check_device_type(device_type: Optional[str], backend: Optional[str]) -> str:
+    """``device_type``, or the default one, checked against torch and the groups' ``backend``.
+
+    ``backend`` is the groups' backend (the grid's, else the default group's; None when unknown),
+    in torch's forms ``"nccl"`` or ``"cpu:gloo,cuda:nccl"``.
+    """
     if device_type is None:
         return _default_device_type()
     if not isinstance(device_type, str):
@@ -111,6 +116,20 @@ def _check_device_type(device_type: Optional[str]) -> str:
         raise ValueError(
             f"device_type must be a device type without an index, such as 'cuda' or 'cpu', got {device_type!r}"
         )
+    try:
+        torch.device(device_type)
+    except RuntimeError:
+        raise ValueError(f"device_type {device_type!r} is not a device type torch knows (e.g. 'cuda', 'cpu', 'xpu')") from None
+    if backend is not None:
+        names = [part.split(":", 1)[-1].strip().lower() for part in backend.split(",")]
+        capability = dist.Backend.backend_capability
+        known = [name for name in names if name in capability]
+        if known and not any(device_type in capability[name] for name in known):
+            supported = sorted({device for name in known for device in capability[name]})
+            raise ValueError(
+                f"device_type {device_type!r} cannot be used with the grid's groups: their backend "
+                f"{backend!r} supports {supported}"
+            )
     return device_type
 
 
@@ -202,7 +221,8 @@ def device_mesh(
         UnsupportedTorchError: the installed torch lacks a DeviceMesh internal this needs.
     """
     compat.require_mesh_support()
-    device = _check_device_type(device_type)
+    backend = grid.backend if grid.backend is not None else (dist.get_backend() if dist.is_initialized() else None)
+    device = _check_device_type(device_type, backend)
     layout = grid.layout if view is None else grid.views.get(view)
     if layout is None:
         raise KeyError(f"unknown view {view!r}; registered views: {sorted(grid.views)}")

@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hypergrid import GridLayout, HyperCommGrid
+from hypergrid.layout import RESERVED_NAME_CHARACTERS
 from hypergrid.errors import GridTooLargeError, HypergridError
 
 from .harness import fake_world
@@ -88,8 +89,8 @@ def survive(entry: str, call):
 
 
 # ----------------------------------------------------------------------------- generators
-NAME_ALPHABET = st.characters(blacklist_categories=("Cs",), blacklist_characters="-")
-names = st.text(NAME_ALPHABET, min_size=1, max_size=6).filter(lambda s: s.strip() != "")
+NAME_ALPHABET = st.characters(blacklist_categories=("Cs",), blacklist_characters=RESERVED_NAME_CHARACTERS)
+names = st.text(NAME_ALPHABET, min_size=1, max_size=6).filter(lambda s: not any(c.isspace() for c in s))
 huge = st.integers(min_value=2**63, max_value=2**200)
 
 #: Anything but an int (bools included: a size of True is a bug).
@@ -116,6 +117,8 @@ bad_name_str = st.one_of(
     st.just(""),
     st.text(st.sampled_from(" \t\n\u00a0\u2003"), min_size=1, max_size=3),
     st.builds(lambda a, b: f"{a}-{b}", st.text(max_size=3), st.text(max_size=3)),
+    # hypergrid's own key characters ("expert:tp", "embd(pp)") and spaces inside a name
+    st.builds(lambda a, c, b: f"{a}{c}{b}", st.text(max_size=3), st.sampled_from(list(RESERVED_NAME_CHARACTERS) + [" ", "\t"]), st.text(max_size=3)),
 )
 #: Anything at all, for the everything-at-once tests.
 garbage = st.recursive(

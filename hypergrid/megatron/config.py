@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
+from ..layout import as_int
 from .features import COMMON_FEATURES, MegatronFeatures
 
 __all__ = [
@@ -72,11 +73,12 @@ class UnknownOrderNameError(ParallelConfigError, KeyError):
         return str(self.args[0]) if self.args else ""
 
 
-def _check_int(name: str, value: object, minimum: int = 1) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < minimum:
-        raise ParallelConfigError(f"{name} must be an integer >= {minimum}, got {value}")
+def _check_int(name: str, value: object, minimum: int = 1) -> int:
+    # By operator.index, as Megatron-Core's own arithmetic takes numpy and torch integers too.
+    number = as_int(value, name)
+    if number < minimum:
+        raise ParallelConfigError(f"{name} must be an integer >= {minimum}, got {number}")
+    return number
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -332,24 +334,25 @@ class MegatronConfig:
         if not isinstance(self.features, MegatronFeatures):
             raise TypeError(f"features must be a MegatronFeatures, got {type(self.features).__name__} {self.features!r}")
         self._validate_features()
-        _check_int("world_size", self.world_size)
-        for name in (
-            "tensor_model_parallel_size",
-            "pipeline_model_parallel_size",
-            "context_parallel_size",
-            "expert_model_parallel_size",
-            "gtp_remat_size",
-            "expert_gtp_remat_size",
-            "num_distributed_optimizer_instances",
+        for name, minimum, optional in (
+            ("world_size", 1, False),
+            ("tensor_model_parallel_size", 1, False),
+            ("pipeline_model_parallel_size", 1, False),
+            ("context_parallel_size", 1, False),
+            ("expert_model_parallel_size", 1, False),
+            ("gtp_remat_size", 1, False),
+            ("expert_gtp_remat_size", 1, False),
+            ("num_distributed_optimizer_instances", 1, False),
+            ("rank_offset", 0, False),
+            ("local_world_size", 1, True),
+            ("expert_tensor_parallel_size", 1, True),
+            ("virtual_pipeline_model_parallel_size", 1, True),
         ):
-            _check_int(name, getattr(self, name))
-        _check_int("rank_offset", self.rank_offset, minimum=0)
-        if self.local_world_size is not None:
-            _check_int("local_world_size", self.local_world_size)
-        if self.expert_tensor_parallel_size is not None:
-            _check_int("expert_tensor_parallel_size", self.expert_tensor_parallel_size)
-        if self.virtual_pipeline_model_parallel_size is not None:
-            _check_int("virtual_pipeline_model_parallel_size", self.virtual_pipeline_model_parallel_size)
+            value = getattr(self, name)
+            if value is None and optional:
+                continue
+            # Stored as plain ints: numpy integers would otherwise reach keys and messages.
+            object.__setattr__(self, name, _check_int(name, value, minimum))
         if isinstance(self.distributed_timeout_minutes, bool) or not isinstance(
             self.distributed_timeout_minutes, (int, float)
         ):
