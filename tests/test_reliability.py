@@ -1,0 +1,151 @@
+"""Re-initialisation with late ranks, the job's own timeout, and the rank that differs told early.
+
+4-rank gloo jobs on loopback, the store hosted by the launcher (as torchrun does). Every rank
+returns what happened to it and when; the bounds are far above the expected times (they catch a
+wait for the wrong timeout, not a slow machine).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_gloo
+
+CYCLES = 20
+
+
+def _all_reduce_ok(pg) -> bool:
+    value = torch.ones(1)
+    dist.all_reduce(value, group=pg)
+    return int(value.item()) == pg.size()
+
+
+def _job_grid_cycles_with_late_ranks(rank: int, world_size: int, seed: int) -> list:
+    """Grid, view and groups; destroy; again, with every rank late by a random 0-1.5 s each cycle."""
+    from hypergrid import HyperCommGrid
+
+    delays = random.Random(seed * 1000 + rank)
+    outcomes = []
+    for cycle in range(CYCLES):
+        time.sleep(delays.uniform(0.0, 1.5) if cycle % 2 else delays.uniform(0.0, 0.2))
+        # Alternate the shape under the same dim names: a new grid, not a stale round.
+        shape = [2, 2] if cycle % 2 == 0 else [4, 1]
+        grid = HyperCommGrid(shape, ["tp", "dp"])
+        grid.register_view("flat", [4], ["all"])
+        ok = all(_all_reduce_ok(pg) for pg in (grid.create_pg("tp"), grid.create_pg("dp"), grid.create_pg("all", view="flat")))
+        grid.destroy()
+        outcomes.append(ok)
+    return outcomes
+
+
+def test_grids_and_views_re_created_20_times_with_late_ranks_succeed_on_every_rank() -> None:
+    results = run_gloo(_job_grid_cycles_with_late_ranks, 4, 7, timeout=400)
+    assert results == [[True] * CYCLES] * 4
+
+
+def _job_megatron_cycles_with_late_ranks(rank: int, world_size: int, seed: int) -> list:
+    import hypergrid.megatron as hm
+    from megatron.core import parallel_state as ps
+
+    delays = random.Random(seed * 1000 + rank)
+    outcomes = []
+    for cycle in range(CYCLES // 2):
+        time.sleep(delays.uniform(0.0, 1.5))
+        tp = 2 if cycle % 2 == 0 else 1
+        hm.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=2)
+        outcomes.append(
+            ps.get_tensor_model_parallel_world_size() == tp
+            and _all_reduce_ok(ps.get_data_parallel_group())
+            and _all_reduce_ok(ps.get_pipeline_model_parallel_group())
+        )
+        hm.destroy_model_parallel()
+    return outcomes
+
+
+def test_megatron_state_re_initialised_with_late_ranks_succeeds_on_every_rank() -> None:
+    pytest.importorskip("megatron.core")
+    results = run_gloo(_job_megatron_cycles_with_late_ranks, 4, 11, timeout=400)
+    assert results == [[True] * (CYCLES // 2)] * 4
+
+
+def _job_dead_rank_with_the_jobs_timeout(rank: int, world_size: int) -> tuple:
+    import os
+
+    from hypergrid import HyperCommGrid
+
+    # No timeout given to the grid: the job's (init_process_group(timeout=...), 6 s here) rules.
+    grid = HyperCommGrid([2, 2], ["tp", "dp"])
+    grid.create_pg("tp")
+    if rank == 3:
+        os._exit(17)  # never asks for the next group
+    start = time.monotonic()
+    try:
+        grid.create_pg("dp")
+    except Exception as exc:  # the test inspects type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", "", time.monotonic() - start)
+
+
+def test_a_dead_rank_is_named_on_every_survivor_within_the_jobs_timeout() -> None:
+    results = run_gloo(_job_dead_rank_with_the_jobs_timeout, 4, timeout=120, pg_timeout_s=6.0, expect_failure=True)
+    assert results[3][0] == "dead"
+    # Rank 1 shares its dp group with rank 3; ranks 0 and 2 form the other dp group and succeed.
+    kind, message, seconds = results[1][1]
+    assert kind in ("GroupTimeoutError", "GroupCreationError"), results[1]
+    assert "3" in message and "'dp'" in message, message
+    assert seconds < 6.0 + 20.0, f"reported after {seconds:.1f} s, the job's timeout is 6 s"
+    assert results[0][1][0] == "ok" and results[2][1][0] == "ok", results
+
+
+def _job_differing_request(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=60))
+    start = time.monotonic()
+    try:
+        grid.create_pg("dp" if rank == 3 else "tp")
+    except Exception as exc:  # the test inspects type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", "", time.monotonic() - start)
+
+
+def test_the_rank_whose_request_differs_learns_it_as_soon_as_the_others() -> None:
+    results = run_gloo(_job_differing_request, 4, timeout=120, expect_failure=True)
+    outcomes = [r[1] for r in results]
+    # The timeout is 60 s: everyone, rank 3 included, must know long before it.
+    for rank, (kind, message, seconds) in enumerate(outcomes):
+        if rank in (2, 3):  # rank 3 asked for dp, whose group {1, 3} holds rank 1; tp's {2, 3}
+            assert kind == "GridMismatchError", (rank, outcomes[rank])
+        assert seconds < 30.0, f"rank {rank} learned after {seconds:.1f} s: {outcomes[rank]}"
+    assert "'dp'" in outcomes[3][1] or "'tp'" in outcomes[3][1], outcomes[3]
+
+
+def _job_differing_offset(rank: int, world_size: int) -> tuple:
+    from hypergrid import HyperCommGrid
+
+    offset = 2 if rank == 2 else 0
+    grid = HyperCommGrid([2], ["tp"], rank_offset=offset, timeout=timedelta(seconds=60))
+    start = time.monotonic()
+    try:
+        pg = grid.create_pg("tp")
+    except Exception as exc:  # the test inspects type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", "none" if pg is None else "group", time.monotonic() - start)
+
+
+def test_a_rank_with_another_rank_offset_fails_with_the_others_not_silently() -> None:
+    results = run_gloo(_job_differing_offset, 4, timeout=120, expect_failure=True)
+    outcomes = [r[1] for r in results]
+    # Ranks 0, 1 and 3 asked for grid [0, 1], rank 2 for grid [2, 3]: rank 2's group {2, 3} holds
+    # rank 3, which asked for another grid (it is outside its own and gets None). Rank 2 must be
+    # told, naming the offset, instead of waiting for rank 3 until the timeout.
+    kind, message, _ = outcomes[2]
+    assert kind == "GridMismatchError" and "rank_offset" in message, outcomes[2]
+    for rank in (0, 1, 2):
+        assert outcomes[rank][2] < 30.0, f"rank {rank}: {outcomes[rank]}"
