@@ -149,3 +149,42 @@ def test_a_rank_with_another_rank_offset_fails_with_the_others_not_silently() ->
     assert kind == "GridMismatchError" and "rank_offset" in message, outcomes[2]
     for rank in (0, 1, 2):
         assert outcomes[rank][2] < 30.0, f"rank {rank}: {outcomes[rank]}"
+
+
+def _job_store_host_dies(rank: int, world_size: int) -> tuple:
+    """The store the agreement uses is hosted by rank 0 (as with init_method 'env://'); rank 0 dies."""
+    import os
+
+    import hypergrid.agreement as agreement
+    from hypergrid import HyperCommGrid
+
+    job_store = agreement.default_store()
+    if rank == 0:
+        hosted = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+        job_store.set("reliability/port", str(hosted.port))
+    else:
+        port = int(job_store.get("reliability/port").decode())
+        hosted = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=30))
+    agreement.default_store = lambda: hosted
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=30))
+    grid.create_pg("tp")
+    dist.barrier()
+    if rank == 0:
+        os._exit(17)  # takes the store with it
+    time.sleep(1.0)
+    start = time.monotonic()
+    try:
+        grid.create_pg("dp")
+    except Exception as exc:  # the test inspects type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", "", time.monotonic() - start)
+
+
+def test_a_lost_store_host_is_reported_on_every_survivor() -> None:
+    results = run_gloo(_job_store_host_dies, 4, timeout=120, expect_failure=True)
+    assert results[0][0] == "dead", results[0]
+    for rank in (1, 2, 3):
+        status, (kind, message, seconds) = results[rank]
+        assert status == "ok" and kind == "GroupCreationError", results[rank]
+        assert "store stopped answering" in message and "'dp'" in message, message
+        assert seconds < 30.0, f"rank {rank} learned after {seconds:.1f} s"
