@@ -188,3 +188,41 @@ def test_a_lost_store_host_is_reported_on_every_survivor() -> None:
         assert status == "ok" and kind == "GroupCreationError", results[rank]
         assert "store stopped answering" in message and "'dp'" in message, message
         assert seconds < 30.0, f"rank {rank} learned after {seconds:.1f} s"
+
+
+def _job_dies_inside_torch(rank: int, world_size: int) -> tuple:
+    """Rank 3 dies inside torch's new_group for dp, after the members agreed."""
+    import os
+
+    from hypergrid import HyperCommGrid
+
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=8))
+    grid.create_pg("tp")
+    if rank == 3:
+        real_new_group = dist.new_group
+
+        def dying_new_group(*args, **kwargs):
+            os._exit(17)
+
+        dist.new_group = dying_new_group
+    start = time.monotonic()
+    try:
+        grid.create_pg("dp")
+    except Exception as exc:  # the test inspects type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    finally:
+        if rank == 3:
+            dist.new_group = real_new_group
+    return ("ok", "", time.monotonic() - start)
+
+
+def test_a_rank_dying_inside_torchs_creation_is_named_by_its_group() -> None:
+    # The job's start-up gets 30 s (a loaded machine); the grid's groups 8 s.
+    results = run_gloo(_job_dies_inside_torch, 4, timeout=120, pg_timeout_s=30.0, expect_failure=True)
+    assert results[3][0] == "dead", results[3]
+    # dp groups are {0, 2} and {1, 3}: rank 1 waited inside torch for rank 3.
+    status, (kind, message, seconds) = results[1]
+    assert status == "ok" and kind == "GroupCreationError", results[1]
+    assert "'dp'" in message and "ranks [3] never reported back" in message, message
+    assert seconds < 8.0 + 30.0, f"rank 1 learned after {seconds:.1f} s"
+    assert results[0][1][0] == "ok" and results[2][1][0] == "ok", results
