@@ -16,6 +16,7 @@ import contextlib
 import datetime
 import os
 import queue
+import time
 import traceback
 from typing import Any, Callable, Iterator, Optional
 
@@ -126,6 +127,19 @@ def run_gloo(
         first = min(failures)
         raise AssertionError(f"ranks {sorted(failures)} failed; rank {first}:\n{failures[first]}")
     return [outcome[r][1] for r in range(world_size)]
+
+
+def timed_outcome(fn: Callable[[], Any]) -> tuple[str, str, float]:
+    """Run ``fn()`` in a job; ``("ok", "", seconds)`` or ``(exception type, message, seconds)``.
+
+    What a rank returns to the test when the test is about how (and how soon) it failed.
+    """
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as exc:  # the test inspects the type and message
+        return (type(exc).__name__, str(exc), time.monotonic() - start)
+    return ("ok", "", time.monotonic() - start)
 
 
 @contextlib.contextmanager

@@ -8,14 +8,13 @@ the error types and that the messages name the ranks and fields at fault.
 from __future__ import annotations
 
 import os
-import time
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_gloo
+from tests.harness import run_gloo, timed_outcome
 
 TIMEOUT_S = 4.0
 REQUESTS = ["tp", "dp", ["tp", "dp"]]
@@ -28,21 +27,11 @@ def _create_all(grid, requests) -> None:
         dist.all_reduce(value, group=pg)
 
 
-def _outcome(fn):
-    """Run fn(); return ("ok", seconds) or (exception type name, message, seconds)."""
-    start = time.monotonic()
-    try:
-        fn()
-    except Exception as exc:  # the test inspects the type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
-    return ("ok", "", time.monotonic() - start)
-
-
 def _job_agree(rank: int, world_size: int) -> tuple:
     from hypergrid import HyperCommGrid
 
     grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
-    return _outcome(lambda: _create_all(grid, REQUESTS))
+    return timed_outcome(lambda: _create_all(grid, REQUESTS))
 
 
 def _job_store_keys_over_cycles(rank: int, world_size: int) -> list:
@@ -82,7 +71,7 @@ def _job_shape(rank: int, world_size: int) -> tuple:
 
     shape = [4, 1] if rank == 3 else [2, 2]
     grid = HyperCommGrid(shape, ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
-    return _outcome(lambda: _create_all(grid, REQUESTS))
+    return timed_outcome(lambda: _create_all(grid, REQUESTS))
 
 
 def _job_order(rank: int, world_size: int) -> tuple:
@@ -90,7 +79,7 @@ def _job_order(rank: int, world_size: int) -> tuple:
 
     grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
     order = ["dp", "tp", ["tp", "dp"]] if rank == 2 else REQUESTS
-    return _outcome(lambda: _create_all(grid, order))
+    return timed_outcome(lambda: _create_all(grid, order))
 
 
 def _job_killed(rank: int, world_size: int) -> tuple:
@@ -104,7 +93,7 @@ def _job_killed(rank: int, world_size: int) -> tuple:
             os._exit(17)  # dies in the middle of the job's group creation
         _create_all(grid, ["dp", ["tp", "dp"]])
 
-    return _outcome(run)
+    return timed_outcome(run)
 
 
 def _job_unchecked_shape(rank: int, world_size: int) -> tuple:
@@ -112,7 +101,7 @@ def _job_unchecked_shape(rank: int, world_size: int) -> tuple:
 
     shape = [4, 1] if rank == 3 else [2, 2]
     grid = HyperCommGrid(shape, ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S), check_agreement=False)
-    return _outcome(lambda: _create_all(grid, ["tp"]))
+    return timed_outcome(lambda: _create_all(grid, ["tp"]))
 
 
 def _results(job) -> list:

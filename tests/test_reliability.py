@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_gloo
+from tests.harness import run_gloo, timed_outcome
 
 CYCLES = 20
 
@@ -84,12 +84,7 @@ def _job_dead_rank_with_the_jobs_timeout(rank: int, world_size: int) -> tuple:
     grid.create_pg("tp")
     if rank == 3:
         os._exit(17)  # never asks for the next group
-    start = time.monotonic()
-    try:
-        grid.create_pg("dp")
-    except Exception as exc:  # the test inspects type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
-    return ("ok", "", time.monotonic() - start)
+    return timed_outcome(lambda: grid.create_pg("dp"))
 
 
 def test_a_dead_rank_is_named_on_every_survivor_within_the_jobs_timeout() -> None:
@@ -107,12 +102,7 @@ def _job_differing_request(rank: int, world_size: int) -> tuple:
     from hypergrid import HyperCommGrid
 
     grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=60))
-    start = time.monotonic()
-    try:
-        grid.create_pg("dp" if rank == 3 else "tp")
-    except Exception as exc:  # the test inspects type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
-    return ("ok", "", time.monotonic() - start)
+    return timed_outcome(lambda: grid.create_pg("dp" if rank == 3 else "tp"))
 
 
 def test_the_rank_whose_request_differs_learns_it_as_soon_as_the_others() -> None:
@@ -131,12 +121,7 @@ def _job_differing_offset(rank: int, world_size: int) -> tuple:
 
     offset = 2 if rank == 2 else 0
     grid = HyperCommGrid([2], ["tp"], rank_offset=offset, timeout=timedelta(seconds=60))
-    start = time.monotonic()
-    try:
-        pg = grid.create_pg("tp")
-    except Exception as exc:  # the test inspects type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
-    return ("ok", "none" if pg is None else "group", time.monotonic() - start)
+    return timed_outcome(lambda: grid.create_pg("tp"))
 
 
 def test_a_rank_with_another_rank_offset_fails_with_the_others_not_silently() -> None:
@@ -172,12 +157,7 @@ def _job_store_host_dies(rank: int, world_size: int) -> tuple:
     if rank == 0:
         os._exit(17)  # takes the store with it
     time.sleep(1.0)
-    start = time.monotonic()
-    try:
-        grid.create_pg("dp")
-    except Exception as exc:  # the test inspects type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
-    return ("ok", "", time.monotonic() - start)
+    return timed_outcome(lambda: grid.create_pg("dp"))
 
 
 def test_a_lost_store_host_is_reported_on_every_survivor() -> None:
@@ -205,15 +185,11 @@ def _job_dies_inside_torch(rank: int, world_size: int) -> tuple:
             os._exit(17)
 
         dist.new_group = dying_new_group
-    start = time.monotonic()
     try:
-        grid.create_pg("dp")
-    except Exception as exc:  # the test inspects type and message
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
+        return timed_outcome(lambda: grid.create_pg("dp"))
     finally:
         if rank == 3:
             dist.new_group = real_new_group
-    return ("ok", "", time.monotonic() - start)
 
 
 def test_a_rank_dying_inside_torchs_creation_is_named_by_its_group() -> None:
