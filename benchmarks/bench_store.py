@@ -77,6 +77,8 @@ class CountingStore(dist.Store):
 
     def multi_set(self, keys, values):
         self._note("multi_set", keys)
+        if any(AGREEMENT_PREFIX + "/last/" in k for k in keys):
+            self.counts[("rounds", "joined")] += 1  # a member's one publish of an agreement round
         return self.inner.multi_set(keys, values)
 
     def compare_set(self, key, expected, desired):
@@ -148,6 +150,16 @@ def run(workload: str, side: str) -> list[dict[str, int]]:
     return [out[r] for r in range(WORLD)]
 
 
+def _per_round(per_rank: list[dict[str, int]]) -> str:
+    """Agreement calls per member per group: each rank's agreement calls over the rounds it joined."""
+    ratios = [
+        sum(n for k, n in counts.items() if k.startswith("agreement/")) / counts["rounds/joined"]
+        for counts in per_rank
+        if counts.get("rounds/joined")
+    ]
+    return f"{statistics.mean(ratios):.2f} [{max(ratios):.2f}]" if ratios else "-"
+
+
 def _totals(per_rank: list[dict[str, int]], who: str) -> list[int]:
     return [sum(n for k, n in counts.items() if k.startswith(who + "/")) for counts in per_rank]
 
@@ -159,7 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HYPERGRID_STRATEGY", "auto")
     raw: dict[str, Any] = {}
     print(f"store operations per rank, {WORLD}-rank gloo job (median over ranks; max in brackets)")
-    print(f"{'workload':<10} {'side':<14} {'torch':>10} {'agreement':>12} {'total':>10}  agreement share")
+    print(
+        f"{'workload':<10} {'side':<14} {'torch':>10} {'agreement':>12} {'total':>10}  agreement share"
+        "  agreement calls per member per group (mean [max])"
+    )
     for workload in ("grid", "megatron"):
         for side in ("megatron", "hypergrid"):
             per_rank = run(workload, side)
@@ -171,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"{workload:<10} {label:<14} {statistics.median(torch_ops):>6.0f} [{max(torch_ops)}] "
                 f"{statistics.median(agree_ops):>7.0f} [{max(agree_ops)}] {statistics.median(total):>6.0f} "
-                f"[{max(total)}]  {share:.0%}"
+                f"[{max(total)}]  {share:>15.0%}  {_per_round(per_rank)}"
             )
     if args.json:
         print(json.dumps(raw, indent=1, sort_keys=True))

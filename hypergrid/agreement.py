@@ -12,11 +12,20 @@ last position is earlier is late (waited for), one whose last position is later,
 the same position with another request, has diverged (an error at once).
 
 The store holds, per member set, one entry per member and one verdict, and per rank one *last
-state*. Entries and verdicts are overwritten by later rounds of the same members (a value names
-its round, so a stale one is never read as this round's), so the store does not grow when a job
-destroys and re-creates its groups. The group's lowest rank, its *leader*, reads the entries and
-posts the verdict; the others read only the verdict: O(group size) for the leader, O(1) for the
-rest, nothing that grows with the world.
+state*. Entries are overwritten by later rounds of the same members (a value names its round, so
+a stale one is never read as this round's); a verdict is a key of its round, so that a follower
+can block on it, and its leader deletes it when the same members meet again. The store does not
+grow when a job destroys and re-creates its groups. The group's lowest rank, its *leader*, reads
+the entries and posts the verdict; the others read only the verdict: O(group size) for the
+leader, O(1) for the rest, nothing that grows with the world.
+
+What an agreeing round costs, in store calls: a follower publishes (one ``multi_set``) and blocks
+until its leader says yes (one ``wait``); the leader publishes, reads the entries (one
+``multi_get``), says yes (one ``set``) and
+drops the previous verdict (one ``delete_key``); the first time a member set meets, the leader
+blocks until every member has published (one ``wait``) instead of polling. Two calls is the least any check can cost a
+member that must know, before it enters torch's blocking constructor, that the others asked for
+the same: one to say what it asked, one to learn that everyone else did.
 
 Example::
 
@@ -39,6 +48,7 @@ import enum
 import hashlib
 import json
 import logging
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -71,6 +81,11 @@ _PREFIX = "hypergrid/agree"
 #: How long survivors of a failed creation wait for the other members to report their own failure
 #: before naming those who did not as the ones that died or hung.
 _FAILURE_GRACE_S = 2.0
+#: How long a member blocks on the store (a follower on its leader's verdict, a leader on its
+#: members' first entries) before it starts looking for trouble itself. An agreeing round rarely
+#: takes this long; past it, the member polls and diagnoses the absent (and torch's store may log
+#: one "timed out" line for the blocking call that ran out).
+_SLICE_S = 3.0
 
 
 # ---------------------------------------------------------------------- the typed payload
@@ -308,8 +323,14 @@ class _Round:
         return f"{self.base}/{rank}"
 
     @property
-    def verdict_key(self) -> str:
-        return f"{self.base}/verdict"
+    def ok_key(self) -> str:
+        """Set by the leader when the round's members agree; per round, so never stale."""
+        return f"{self.base}/ok/{self.round_id}"
+
+    @property
+    def failed_key(self) -> str:
+        """Set by the leader, holding the error, when the round cannot go on."""
+        return f"{self.base}/failed/{self.round_id}"
 
     def last_state(self, state: _LastState, error: str = "", diverged: bool = False) -> str:
         p = self.agreement.position
@@ -435,18 +456,38 @@ def _poll(deadline: float, ready: Callable[[], bool], diagnose: Callable[[], Non
         pause = min(pause * 2, 0.1)
 
 
+#: The verdict key this process's leaders last posted, per member set: deleted once the same members
+#: meet again (by then every member is past it), so verdicts do not pile up in the store.
+_POSTED_VERDICTS: dict[str, str] = {}
+_POSTED_LOCK = threading.Lock()
+
+
 def _post(rnd: _Round, kind: VerdictKind, message: str = "") -> None:
-    rnd.store.set(rnd.verdict_key, _encode({"round": rnd.round_id, "kind": kind.value, "message": message}))
+    if kind is VerdictKind.OK:
+        rnd.store.set(rnd.ok_key, "")
+        key = rnd.ok_key
+    else:
+        rnd.store.set(rnd.failed_key, _encode({"round": rnd.round_id, "kind": kind.value, "message": message}))
+        key = rnd.failed_key
+    with _POSTED_LOCK:
+        previous = _POSTED_VERDICTS.get(rnd.base)
+        _POSTED_VERDICTS[rnd.base] = key
+    if previous is not None and previous != key:
+        rnd.store.delete_key(previous)
 
 
 def _lead(rnd: _Round) -> None:
     keys = [rnd.entry_key(r) for r in rnd.members]
     entries: dict[int, dict] = {}
+    all_published = [False]
 
     def arrived() -> bool:
-        # Entries of an earlier round of the same members are still there: only this round's count.
-        if not rnd.store.check(keys):
-            return False
+        # Entries are overwritten round after round and never deleted: once each member has
+        # published at least once, reading them is one call, and only this round's count.
+        if not all_published[0]:
+            if not rnd.store.check(keys):
+                return False
+            all_published[0] = True
         entries.clear()
         for r, raw in zip(rnd.members, rnd.store.multi_get(keys)):
             entries[r] = _decode(raw)
@@ -459,6 +500,12 @@ def _lead(rnd: _Round) -> None:
         return [r for r in rnd.members if r not in present]
 
     try:
+        with _POSTED_LOCK:
+            first_meeting = rnd.base not in _POSTED_VERDICTS
+        if first_meeting:
+            # No earlier round's entries to tell apart: block until every member has published.
+            remaining = rnd.deadline - time.monotonic()
+            all_published[0] = _wait_for(rnd.store, keys, min(_SLICE_S, remaining))
         if not _poll(rnd.deadline, arrived, lambda: _judge_absent(rnd, absent())):
             missing = absent()
             raise GroupTimeoutError(
@@ -480,18 +527,25 @@ def _lead(rnd: _Round) -> None:
 
 
 def _follow(rnd: _Round, timeout: timedelta) -> None:
+    # The fast path is one blocking call: an agreeing round ends with the leader setting this
+    # round's "ok" key, which nothing else sets. A failed round sets the "failed" key instead, and
+    # a leader that died or went another way sets neither, so after a while (the slice) the
+    # follower looks for a failure and at the leader's last state, as the leader does for its
+    # members.
+    if _wait_for(rnd.store, [rnd.ok_key], min(_SLICE_S, rnd.deadline - time.monotonic())):
+        return
     # The leader reports absent members at the deadline; give it a moment past that to say so.
     deadline = rnd.deadline + max(2.0, 0.1 * timeout.total_seconds())
     verdict: dict[str, Any] = {}
 
     def posted() -> bool:
-        if not rnd.store.check([rnd.verdict_key]):
-            return False
-        value = _decode(rnd.store.get(rnd.verdict_key))
-        if value["round"] != rnd.round_id:
-            return False  # an earlier round's verdict for the same members
-        verdict.update(value)
-        return True
+        if rnd.store.check([rnd.ok_key]):
+            verdict["kind"] = VerdictKind.OK.value
+            return True
+        if rnd.store.check([rnd.failed_key]):
+            verdict.update(_decode(rnd.store.get(rnd.failed_key)))
+            return True
+        return False
 
     def diagnose() -> None:
         last = _read_last(rnd.store, rnd.leader)
@@ -508,6 +562,19 @@ def _follow(rnd: _Round, timeout: timedelta) -> None:
         raise GroupTimeoutError(verdict["message"])
     if kind is VerdictKind.MISMATCH:
         raise GridMismatchError(verdict["message"])
+
+
+def _wait_for(store: dist.Store, keys: list[str], seconds: float) -> bool:
+    """Block until every key of ``keys`` is set, for at most ``seconds``: one store call either way."""
+    if seconds <= 0:
+        return False
+    try:
+        store.wait(keys, timedelta(seconds=seconds))
+    except dist.DistNetworkError:
+        raise  # the store is gone: the caller names it
+    except RuntimeError:  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
+        return False
+    return True
 
 
 def _judge_absent(rnd: _Round, absent: list[int]) -> None:
