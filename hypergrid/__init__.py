@@ -7,7 +7,8 @@ Example::
     >>> grid.get_rank_enum("dp")
     [[0, 2, 4, 6], [1, 3, 5, 7]]
 
-The Megatron-Core adapter lives in :mod:`hypergrid.megatron` and is imported only when used, so
+DeviceMeshes over a grid's own groups come from :func:`device_mesh` (:mod:`hypergrid.mesh`). The
+Megatron-Core adapter lives in :mod:`hypergrid.megatron` and is imported only when used, so
 ``import hypergrid`` works without megatron-core installed.
 """
 
@@ -23,6 +24,7 @@ from .errors import (
 from .grid import HyperCommGrid
 from .groups import REGISTRY, GroupRegistry
 from .layout import GridLayout, Partition
+from .mesh import device_mesh, grid_from_device_mesh, grid_from_process_groups
 
 __version__ = "0.1.0"
 
@@ -30,6 +32,9 @@ __all__ = [
     "HyperCommGrid",
     "GridLayout",
     "Partition",
+    "device_mesh",
+    "grid_from_device_mesh",
+    "grid_from_process_groups",
     "GroupRegistry",
     "REGISTRY",
     "HypergridError",

@@ -263,7 +263,7 @@ def process_group_count() -> int:
 
     Example::
 
-        >>> # before = process_group_count(); grid.device_mesh(); process_group_count() == before
+        >>> # before = process_group_count(); device_mesh(grid); process_group_count() == before
     """
     if not dist.is_available() or not dist.is_initialized():
         return 0

@@ -210,11 +210,11 @@ def _plan_table(plan, data: dict) -> str:
     nodes, gpn = data["nodes"], data["gpus_per_node"]
     out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
     order_note = "first dim varies fastest over ranks"
-    if plan.megatron:
-        m = plan.megatron
+    m = plan.megatron
+    if m is not None:
         out.append(
-            f"megatron sizes: tp={m['tp']} pp={m['pp']} cp={m['cp']} ep={m['ep']} etp={m['etp']} "
-            f"-> dp={m['dp']}, expert dp={m['edp']}; order {m['order']}"
+            f"megatron sizes: tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep} etp={m.etp} "
+            f"-> dp={m.dp}, expert dp={m.edp}; order {m.order}"
         )
     out.append(f"grid:   {_dims_text(plan.layout)}   ({order_note})")
     for name, view in plan.views.items():
@@ -281,7 +281,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if colour is None:
         names = [k.name for k in plan.kinds]
         colour = "tp" if "tp" in names else names[0]
-    if args.colour is not None and plan.kind(colour).derive is not None:
+    if args.colour is not None and not plan.kind(colour).is_grid_groups:
         raise UsageError(f"--colour {colour}: pictures colour grid groups; {colour!r} is derived from them")
     plan.kind(colour)  # an unknown kind fails before any work, naming the known ones
     data = plan.as_dict(args.gpus_per_node, rank=args.rank)

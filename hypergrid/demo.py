@@ -8,14 +8,14 @@ Two ways to run, one code path per rank:
 * :func:`run_rank` is what each rank does, under :func:`launch` or under ``torchrun``: join a
   gloo world, build the grid of a Megatron layout (dense dims plus the expert view), create every
   group kind, the Megatron-Core ``parallel_state`` groups through :mod:`hypergrid.megatron` and a
-  DeviceMesh through ``grid.device_mesh`` where those adapters are installed, and verify each
+  DeviceMesh through :func:`hypergrid.mesh.device_mesh` where those adapters are installed, and verify each
   group with an ``all_reduce`` of one-hot member ids that must equal ``grid.ranks()``. Rank 0
   gathers every rank's results and returns a :class:`DemoReport`; :func:`format_report` renders it.
 
 Example::
 
     >>> config = DemoConfig(tp=2, pp=2, ep=2, etp=1)
-    >>> config.plan(8).megatron["dp"], config.plan(8).megatron["edp"]
+    >>> config.plan(8).megatron.dp, config.plan(8).megatron.edp
     (2, 2)
     >>> # from a shell: python -m hypergrid demo            (8 local gloo ranks)
     >>> #               torchrun --nproc-per-node 8 -m hypergrid demo
@@ -256,7 +256,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[Any, float]:
 def _grid_groups(grid: Any, plan: Plan, world: int, rank: int) -> list[GroupResult]:
     results = []
     for kind in plan.kinds:
-        if kind.derive is not None:
+        if not kind.is_grid_groups:
             continue  # cut from grid groups by Megatron's rules: verified in the megatron section
         dims = list(kind.dims)
         # get_or_create: an expert kind made only of dims shared with the grid (pp) is the grid's.
@@ -294,23 +294,27 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
     results = []
     rank = _grid_rank()
     for kind in plan.kinds:
+        glob = kind.megatron_global
+        if glob is None:
+            continue  # made, but no getter returns it
         # The global each getter returns: the one place every parallel_state getter reads.
-        pg = getattr(parallel_state, "_" + str(kind.megatron_name), None)
+        pg = getattr(parallel_state, glob.name, None)
+        if glob.entry is not None and pg:
+            pg = pg[glob.entry]  # one level of a list, or one size of a dict
         if isinstance(pg, list):  # several pipeline backends: the first is the default group
             pg = pg[0]
         expected = kind.members(rank)
         ok, detail = _verify(pg, expected, world)
-        results.append(GroupResult("megatron", kind.name, str(kind.megatron_name), kind.count, kind.size or 0,
+        results.append(GroupResult("megatron", kind.name, glob.label, kind.count, kind.size or 0,
                                    expected or [], ok, seconds, detail))
         seconds = 0.0  # one initialize call made them all: charge it to the first row only
     return results, grids, destroy
 
 
 def _mesh_groups(grid: Any, world: int, notes: list[str], megatron_grids: Any = None) -> list[GroupResult]:
-    if not hasattr(grid, "device_mesh"):
-        notes.append("mesh: skipped (this hypergrid has no grid.device_mesh)")
-        return []
-    mesh, seconds = _timed(lambda: grid.device_mesh(device_type="cpu"))
+    from .mesh import device_mesh
+
+    mesh, seconds = _timed(lambda: device_mesh(grid, device_type="cpu"))
     whose = "the Megatron grid's" if megatron_grids is not None else "the grid's"
     notes.append(f"mesh: DeviceMesh {tuple(mesh.mesh.shape)} dims {mesh.mesh_dim_names} over {whose} groups")
     if megatron_grids is not None:
@@ -359,12 +363,7 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
     plan = config.plan(world)
     grid = HyperCommGrid(list(plan.layout.shape), list(plan.layout.dim_names), timeout=timeout)
     expert = plan.views["expert"]
-    try:
-        plan.layout.check_view(expert, ["pp"])
-        shared = ["pp"]
-    except ValueError:
-        shared = []  # pp is not last in this order: the expert pp groups are the view's own
-    grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=shared)
+    grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=plan.shared_dims["expert"])
     destroy_megatron: Callable[[], None] = lambda: None
     megatron_grids: Any = None
     try:

@@ -15,7 +15,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 
@@ -24,9 +24,6 @@ from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
 from .groups import REGISTRY, GroupOptions, GroupRequest, enumerate_before_init, require_initialized
 from .strategy import Strategy, creation_mode, resolve_strategy
 from .layout import KEY_SEPARATOR, Dims, GridLayout, as_int
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["HyperCommGrid", "RankView", "resolve_world_size"]
 
@@ -212,7 +209,8 @@ class HyperCommGrid:
         resolved_strategy = resolve_strategy(strategy)
         if not isinstance(check_agreement, bool):
             raise TypeError(f"check_agreement must be a bool, got {check_agreement!r}")
-        self._defaults = GroupOptions(backend=backend, timeout=timeout)
+        # Checked as every group's options are, before anything else is set up.
+        self._default_timeout = GroupOptions(backend=backend, timeout=timeout).timeout
         world = resolve_world_size(world_size)
         if layout.size > world - layout.rank_offset:
             raise GridTooLargeError(
@@ -315,7 +313,7 @@ class HyperCommGrid:
             )
         options = GroupOptions(
             backend=kwargs.get("backend", self.backend),
-            timeout=kwargs.get("timeout", self._defaults.timeout),
+            timeout=kwargs.get("timeout", self._default_timeout),
             pg_options=kwargs.get("pg_options"),
             group_desc=kwargs.get("group_desc"),
         )
@@ -403,7 +401,7 @@ class HyperCommGrid:
         request = GroupRequest(label, mine, ("derived", label), groups)
         options = GroupOptions(
             backend=kwargs.get("backend", self.backend),
-            timeout=kwargs.get("timeout", self._defaults.timeout),
+            timeout=kwargs.get("timeout", self._default_timeout),
             pg_options=kwargs.get("pg_options"),
             group_desc=kwargs.get("group_desc"),
         )
@@ -654,57 +652,6 @@ class HyperCommGrid:
         # hypergrid's own groups: destroyed (by destroy_process_group) once nobody holds them.
         REGISTRY.release(self._id)
         self._pgs.clear()
-
-    def device_mesh(
-        self,
-        dims: Optional[Dims] = None,
-        *,
-        view: Optional[str] = None,
-        device_type: Optional[str] = None,
-        flatten: Any = None,
-    ) -> "DeviceMesh":
-        """A torch DeviceMesh over this grid's own groups (see :func:`hypergrid.mesh.device_mesh`).
-
-        Mesh dims are the reversed ``dim_names`` (slowest first); multi-dim groups of the grid
-        are its flattened dims (``mesh["dp_cp"]``). No process group is created beyond the
-        grid's own.
-
-        Example::
-
-            >>> # mesh = grid.device_mesh(device_type="cuda")   # grid dims ["tp", "cp", "dp"]
-            >>> # mesh.mesh_dim_names  -> ('dp', 'cp', 'tp'); mesh.get_group("tp") is grid.get_pg("tp")
-        """
-        from .mesh import device_mesh  # the mesh layer sits above the grid: imported on use
-
-        return device_mesh(self, dims, view=view, device_type=device_type, flatten=flatten)
-
-    @classmethod
-    def from_device_mesh(cls, mesh: "DeviceMesh", *, backend: Optional[str] = None) -> "HyperCommGrid":
-        """A grid adopting an existing DeviceMesh's groups (see :func:`hypergrid.mesh.grid_from_device_mesh`).
-
-        Example::
-
-            >>> # grid = HyperCommGrid.from_device_mesh(init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp")))
-            >>> # grid.dim_names -> ['tp', 'dp']; grid.get_pg("tp") is the mesh's tp group
-        """
-        from .mesh import grid_from_device_mesh
-
-        return grid_from_device_mesh(mesh, backend=backend, grid_type=cls)
-
-    @classmethod
-    def from_process_groups(
-        cls, groups: Sequence[dist.ProcessGroup], mesh_dim_names: Sequence[str], *, backend: Optional[str] = None
-    ) -> "HyperCommGrid":
-        """A grid adopting existing groups, slowest dim first (see :func:`hypergrid.mesh.grid_from_process_groups`).
-
-        Example::
-
-            >>> # grid = HyperCommGrid.from_process_groups([dp_pg, tp_pg], ["dp", "tp"])
-            >>> # grid.get_pg("dp") is dp_pg
-        """
-        from .mesh import grid_from_process_groups
-
-        return grid_from_process_groups(groups, mesh_dim_names, backend=backend, grid_type=cls)
 
     # ------------------------------------------------------------------ helpers
     def _acquire(

@@ -113,6 +113,7 @@ class GroupOptions:
     timeout: Optional[timedelta] = None
     pg_options: Any = None
     group_desc: Optional[str] = None
+    _identity: Hashable = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.backend is not None and not isinstance(self.backend, str):
@@ -132,7 +133,7 @@ class GroupOptions:
 
     @property
     def identity(self) -> Hashable:
-        return self._identity  # type: ignore[attr-defined]
+        return self._identity
 
 
 def _check_backend_known(backend: str) -> None:
@@ -196,7 +197,8 @@ class GroupRegistry:
         #: Held while a group is being created (agreement and torch's call); never by readers.
         self.creation_lock = threading.RLock()
         self._shared: dict[tuple, _Entry] = {}
-        self._entries: list[_Entry] = []
+        # Insertion-ordered, keyed by identity: forgetting an entry costs O(its keys), not a scan.
+        self._entries: dict[int, _Entry] = {}
         # The default group the entries were created under; a new one means a new world, in
         # which the old entries are dead (destroy_process_group() + init_process_group()).
         self._world: Optional[dist.ProcessGroup] = None
@@ -208,12 +210,12 @@ class GroupRegistry:
     def count(self) -> int:
         """Number of distinct process groups this rank holds through hypergrid."""
         with self._lock:
-            return sum(1 for e in self._entries if e.pg is not None)
+            return sum(1 for e in self._entries.values() if e.pg is not None)
 
     def holders_of(self, pg: dist.ProcessGroup) -> set[tuple[Owner, str]]:
         """The (owner, label) pairs currently holding ``pg`` (empty if hypergrid does not)."""
         with self._lock:
-            for entry in self._entries:
+            for entry in self._entries.values():
                 if entry.pg is pg:
                     return set(entry.holders)
             return set()
@@ -221,7 +223,7 @@ class GroupRegistry:
     def groups(self) -> list[dist.ProcessGroup]:
         """Every process group this rank holds through hypergrid, in creation order."""
         with self._lock:
-            return [e.pg for e in self._entries if e.pg is not None]
+            return [e.pg for e in self._entries.values() if e.pg is not None]
 
     def reset(self) -> None:
         """Forget every entry without destroying anything (the world they lived in is gone)."""
@@ -326,7 +328,7 @@ class GroupRegistry:
                     entry.keys = tuple(keys)
                     for k in keys:
                         self._shared[k] = entry
-                self._entries.append(entry)
+                self._entries[id(entry)] = entry
                 # Held and released like a member's entry even when its pg is None: a rank that
                 # kept it after its grids let go would skip the next world-wide call others make.
                 entry.holders.add((owner, request.label))
@@ -348,7 +350,7 @@ class GroupRegistry:
         dead: list[_Entry] = []
         with self._lock:
             self._follow_world()
-            for entry in list(self._entries):
+            for entry in list(self._entries.values()):
                 stale = [h for h in entry.holders if h[0] == owner]
                 if not stale:
                     continue
@@ -390,17 +392,17 @@ class GroupRegistry:
         members = tuple(dist.get_process_group_ranks(pg))
         with self._lock:
             self._follow_world()
-            entry = next((e for e in self._entries if e.pg is pg), None)
+            entry = next((e for e in self._entries.values() if e.pg is pg), None)
             if entry is None:
                 key = ("members", tuple(sorted(members)), options.identity)
                 entry = _Entry(pg, keys=(key,), adopted=True)
-                self._entries.append(entry)
+                self._entries[id(entry)] = entry
                 self._shared[key] = entry
             entry.holders.add((owner, label))
             return pg
 
     def _forget(self, entry: _Entry) -> None:
-        self._entries.remove(entry)
+        del self._entries[id(entry)]
         for key in entry.keys:
             if self._shared.get(key) is entry:
                 del self._shared[key]

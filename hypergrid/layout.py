@@ -30,7 +30,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Union
 
 __all__ = [
@@ -181,6 +181,9 @@ class GridLayout:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     rank_offset: int = 0
+    # Derived in __post_init__, not part of the value (equality and hashing use the three above).
+    _strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shape, names = validate_shape_and_names(self.shape, self.dim_names)
@@ -203,12 +206,12 @@ class GridLayout:
     @property
     def size(self) -> int:
         """Number of ranks the grid spans: the product of ``shape``."""
-        return self._strides[-1] * self.shape[-1]  # type: ignore[attr-defined]
+        return self._strides[-1] * self.shape[-1]
 
     @property
     def strides(self) -> tuple[int, ...]:
         """Distance in global ranks between neighbours along each dim (first dim: 1)."""
-        return self._strides  # type: ignore[attr-defined]
+        return self._strides
 
     @property
     def ranks(self) -> range:
@@ -228,7 +231,7 @@ class GridLayout:
         if not isinstance(name, str):
             raise TypeError(f"a dim name must be a str, got {type(name).__name__} {name!r}")
         try:
-            return self._index[name]  # type: ignore[attr-defined]
+            return self._index[name]
         except KeyError:
             raise ValueError(
                 f"unknown dim {name!r}; this grid has dims {list(self.dim_names)}"
@@ -266,7 +269,7 @@ class GridLayout:
             (['dp', 'tp'], 'dp-tp')
         """
         names = self._dim_list(dims)
-        ordered = sorted(names, key=lambda n: -self._index[n])  # type: ignore[attr-defined]
+        ordered = sorted(names, key=lambda n: -self._index[n])
         return ordered, KEY_SEPARATOR.join(ordered)
 
     def key(self, dims: Dims) -> str:
@@ -294,7 +297,7 @@ class GridLayout:
             5
         """
         if isinstance(coords, dict):
-            unknown = [name for name in coords if name not in self._index]  # type: ignore[attr-defined]
+            unknown = [name for name in coords if name not in self._index]
             if unknown or len(coords) != len(self.dim_names):
                 raise ValueError(
                     f"coords must give exactly the dims {list(self.dim_names)}, got {list(coords)}"
@@ -340,7 +343,7 @@ class GridLayout:
         # an outer sum built one dim at a time, so its cost is the number of combinations.
         offsets = [0]
         for name in dims:
-            i = self._index[name]  # type: ignore[attr-defined]
+            i = self._index[name]
             stride = self.strides[i]
             steps = range(0, self.shape[i] * stride, stride)
             offsets = [base + step for base in offsets for step in steps]
@@ -361,7 +364,7 @@ class GridLayout:
         local = self._local(rank)
         base = self.rank_offset + local
         for name in ordered:
-            i = self._index[name]  # type: ignore[attr-defined]
+            i = self._index[name]
             base -= ((local // self.strides[i]) % self.shape[i]) * self.strides[i]
         return [base + offset for offset in self._offsets(ordered)]
 
@@ -390,7 +393,7 @@ class GridLayout:
 
     def group_size(self, dims: Dims) -> int:
         """Number of ranks in each ``dims`` group: the product of their sizes."""
-        return math.prod(self.shape[self._index[n]] for n in self._dim_list(dims))  # type: ignore[attr-defined]
+        return math.prod(self.shape[self._index[n]] for n in self._dim_list(dims))
 
     # ---------------------------------------------------------------- all groups
     def gen_rank_enum(self, dims: Sequence[str]) -> list[list[int]]:
@@ -473,14 +476,14 @@ class GridLayout:
         for name in shared_dims:
             if not isinstance(name, str):
                 raise TypeError(f"a shared dim must be a str, got {type(name).__name__} {name!r}")
-            if name not in self._index or name not in view._index:  # type: ignore[attr-defined]
+            if name not in self._index or name not in view._index:
                 raise ValueError(
                     f"shared dim {name!r} must be a dim of both the grid {list(self.dim_names)} "
                     f"and the view {list(view.dim_names)}"
                 )
             if self.partition([name]) != view.partition([name]):
-                mine = (self.dim_size(name), self.strides[self._index[name]])  # type: ignore[attr-defined]
-                theirs = (view.dim_size(name), view.strides[view._index[name]])  # type: ignore[attr-defined]
+                mine = (self.dim_size(name), self.strides[self._index[name]])
+                theirs = (view.dim_size(name), view.strides[view._index[name]])
                 raise ValueError(
                     f"shared dim {name!r} has different membership across views: (size, stride) "
                     f"{theirs} in the view but {mine} in the grid; a shared dim must make the same "

@@ -4,7 +4,7 @@ DTensor, FSDP2, tensor-parallel styles and functional collectives take a
 :class:`torch.distributed.device_mesh.DeviceMesh`; Megatron-style code takes process groups.
 This module makes both worlds use one set of communicators:
 
-* :func:`device_mesh` (``grid.device_mesh()``) builds a real DeviceMesh whose mesh tensor and
+* :func:`device_mesh` (``device_mesh(grid)``) builds a real DeviceMesh whose mesh tensor and
   dim names follow the grid (slowest dim first: the *reversed* ``dim_names``), whose dims use the
   grid's groups, and whose flattened dims (``mesh["dp_cp"]``) are the grid's multi-dim groups.
   It creates no process group of its own: a missing dim group is created through the grid, and
@@ -19,7 +19,7 @@ Example (in an 8-rank job)::
 
     >>> # grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
     >>> # dp_cp = grid.create_pg(["cp", "dp"])
-    >>> # mesh = grid.device_mesh()          # DeviceMesh (dp=2, cp=2, tp=2), no new group
+    >>> # mesh = device_mesh(grid)          # DeviceMesh (dp=2, cp=2, tp=2), no new group
     >>> # mesh.get_group("tp") is grid.get_pg("tp"); mesh["dp_cp"].get_group() is dp_cp
 """
 
@@ -210,10 +210,10 @@ def device_mesh(
     Example (in an 8-rank job)::
 
         >>> # grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-        >>> # mesh = grid.device_mesh(flatten=[["cp", "dp"]], device_type="cuda")
+        >>> # mesh = device_mesh(grid, flatten=[["cp", "dp"]], device_type="cuda")
         >>> # mesh.mesh_dim_names                          -> ('dp', 'cp', 'tp')
         >>> # mesh["dp_cp"].get_group() is grid.get_pg(["cp", "dp"])   -> True
-        >>> # grid.device_mesh(["tp", "dp"]).mesh_dim_names  -> ('dp', 'tp')
+        >>> # device_mesh(grid, ["tp", "dp"]).mesh_dim_names  -> ('dp', 'tp')
 
     Raises:
         ValueError / TypeError: unknown dims, a bad ``device_type`` or ``flatten``.
@@ -366,7 +366,7 @@ def grid_from_device_mesh(mesh: "DeviceMesh", *, backend: Optional[str] = None, 
     Example (in an 8-rank job)::
 
         >>> # mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-        >>> # grid = HyperCommGrid.from_device_mesh(mesh)    # dim_names ['tp', 'dp'], shape [4, 2]
+        >>> # grid = grid_from_device_mesh(mesh)    # dim_names ['tp', 'dp'], shape [4, 2]
         >>> # grid.get_pg("tp") is mesh.get_group("tp")      -> True
 
     Raises:
@@ -435,9 +435,9 @@ def grid_from_process_groups(
 
     Example (in an 8-rank job)::
 
-        >>> # grid = HyperCommGrid.from_process_groups([dp_pg, tp_pg], ["dp", "tp"])
+        >>> # grid = grid_from_process_groups([dp_pg, tp_pg], ["dp", "tp"])
         >>> # grid.dim_names, grid.shape                -> (['tp', 'dp'], [4, 2])
-        >>> # grid.device_mesh().get_group("dp") is dp_pg  -> True
+        >>> # device_mesh(grid).get_group("dp") is dp_pg  -> True
 
     Raises:
         TypeError: a group is not a ProcessGroup (None: this rank is not in it).

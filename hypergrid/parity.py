@@ -27,7 +27,9 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Iterator
 
+from .kinds import PipelineSubset
 from .layout import GridLayout
+from .megatron.plan import default_embedding_ranks, default_position_embedding_ranks
 from .report import Plan
 
 __all__ = ["ParityResult", "compare_with_megatron"]
@@ -127,24 +129,28 @@ def compare_with_megatron(plan: Plan) -> ParityResult:
     if plan.megatron is not None:
         m = plan.megatron
         generators = {
-            None: RankGenerator(tp=m["tp"], ep=1, dp=m["dp"], pp=m["pp"], cp=m["cp"], order=m["order"]),
-            "expert": RankGenerator(tp=m["etp"], ep=m["ep"], dp=m["edp"], pp=m["pp"], cp=1, order=m["order"]),
+            None: RankGenerator(tp=m.tp, ep=1, dp=m.dp, pp=m.pp, cp=m.cp, order=m.order),
+            "expert": RankGenerator(tp=m.etp, ep=m.ep, dp=m.edp, pp=m.pp, cp=1, order=m.order),
+        }
+        from megatron.core import parallel_state
+
+        # Megatron-Core's own default callbacks, for the embedding kinds that use hypergrid's copies.
+        megatron_callbacks = {
+            default_embedding_ranks: parallel_state.default_embedding_ranks,
+            default_position_embedding_ranks: parallel_state.default_position_embedding_ranks,
         }
         for kind in plan.kinds:
             generator = generators[kind.view]
-            if kind.derive is None:
+            label = f"{kind.name} ({kind.megatron_global.label if kind.megatron_global else None})"
+            if kind.is_grid_groups:
                 # The layouts' dims are RankGenerator's tokens (the expert view's tp is expert tp).
                 theirs = generator.get_ranks("-".join(kind.dims))
-            elif kind.derive in ("embd", "pos_embd"):
-                # Megatron-Core's own default callbacks over its own pipeline groups.
-                from megatron.core import parallel_state
-
-                callback = (parallel_state.default_embedding_ranks if kind.derive == "embd"
-                            else parallel_state.default_position_embedding_ranks)
-                theirs = [callback(ranks) for ranks in generator.get_ranks("pp")]
+            elif isinstance(kind.derivation, PipelineSubset) and kind.derivation.select in megatron_callbacks:
+                callback = megatron_callbacks[kind.derivation.select]
+                theirs = [callback(ranks) for ranks in generator.get_ranks("-".join(kind.dims))]
             else:
                 result.not_compared.append(kind.name)
                 continue
-            result._record(f"{kind.name} ({kind.megatron_name})", "RankGenerator", kind.enumerate(), theirs)
+            result._record(label, "RankGenerator", kind.enumerate(), theirs)
     logger.info("compared %d enumerations, %d differences", result.compared, len(result.differences))
     return result

@@ -25,13 +25,15 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .kinds import GroupKind
 from .layout import GridLayout
 
 __all__ = [
     "GroupKind",
+    "MegatronSizes",
     "KindSummary",
     "Plan",
     "plan_grid",
@@ -46,61 +48,23 @@ logger = logging.getLogger("hypergrid.report")
 MAX_ENUMERATED_RANKS = 1 << 22
 
 @dataclass(frozen=True)
-class GroupKind:
-    """One kind of group: the groups over ``dims`` of ``layout`` (the grid or a view).
-
-    ``name`` is what the command line and pictures call it; ``megatron_name`` the matching
-    ``parallel_state`` global (None for a free grid); ``view`` the name of the view (None for the
-    grid itself). A kind from a Megatron plan whose groups are cut from grid groups rather than
-    being grid groups (``derive``: embedding groups, optimizer instances) asks ``source``, the
-    :class:`~hypergrid.megatron.plan.MegatronPlan`, for its members.
+class MegatronSizes:
+    """The Megatron-Core sizes a plan was made from, derived ones (``dp``, ``edp``) included.
 
     Example::
 
-        >>> kind = GroupKind("dp", GridLayout((2, 4), ("tp", "dp")), ("dp",))
-        >>> kind.key, kind.count, kind.size, kind.members(3)
-        ('dp', 2, 4, [1, 3, 5, 7])
+        >>> plan_megatron(world_size=16, tp=2, ep=4).megatron
+        MegatronSizes(tp=2, pp=1, cp=1, ep=4, etp=2, dp=8, edp=2, order='tp-cp-ep-dp-pp')
     """
 
-    name: str
-    layout: GridLayout
-    dims: tuple[str, ...]
-    view: Optional[str] = None
-    megatron_name: Optional[str] = None
-    derive: Optional[str] = None
-    source: Any = field(default=None, compare=False, repr=False)
-
-    @property
-    def key(self) -> str:
-        """hypergrid's group key of ``dims`` (reversed ``dim_names`` order); derived kinds add it."""
-        key = self.layout.key(list(self.dims))
-        return key if self.derive is None else f"{self.derive}({key})"
-
-    @property
-    def count(self) -> int:
-        """How many groups of this kind the layout has."""
-        if self.derive is None:
-            return self.layout.num_groups(list(self.dims))
-        return len(self.enumerate())
-
-    @property
-    def size(self) -> Optional[int]:
-        """Ranks in each group; None where groups of this kind differ in size."""
-        if self.derive is None:
-            return self.layout.group_size(list(self.dims))
-        return self.source.group_size(self.name)
-
-    def members(self, rank: int) -> Optional[list[int]]:
-        """The group of this kind holding global ``rank`` (None: in none); O(group size)."""
-        if self.derive is None:
-            return self.layout.group_ranks(list(self.dims), rank)
-        return self.source.rank_group(self.name, rank)
-
-    def enumerate(self) -> list[list[int]]:
-        """Every group of this kind, in Megatron-Core's order; O(size)."""
-        if self.derive is None:
-            return self.layout.enumerate(list(self.dims))
-        return self.source.enumerate(self.name)
+    tp: int
+    pp: int
+    cp: int
+    ep: int
+    etp: int
+    dp: int
+    edp: int
+    order: str
 
 
 @dataclass(frozen=True)
@@ -150,6 +114,8 @@ class Plan:
     """A layout to inspect: its grid, views, the group kinds it makes, and the world it fits in.
 
     ``megatron`` holds the Megatron-Core sizes the plan was made from (None for a free grid).
+    ``kinds`` are :class:`~hypergrid.kinds.GroupKind` values: the same ones the Megatron adapter
+    creates its groups from.
 
     Example::
 
@@ -164,8 +130,9 @@ class Plan:
     layout: GridLayout
     kinds: list[GroupKind]
     views: dict[str, GridLayout] = field(default_factory=dict)
-    megatron: Optional[dict[str, Any]] = None
-    source: Any = field(default=None, repr=False)
+    megatron: Optional[MegatronSizes] = None
+    #: Per view, the dims whose groups it shares with the grid (``register_view``'s ``shared_dims``).
+    shared_dims: dict[str, list[str]] = field(default_factory=dict)
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
@@ -225,9 +192,8 @@ class Plan:
             nodes = len({rank // gpus_per_node for rank in group})
             max_nodes = max(max_nodes, nodes)
             intra += nodes == 1
-        return KindSummary(
-            kind.name, kind.key, kind.view, kind.megatron_name, kind.count, kind.size, max_nodes, intra
-        )
+        megatron_name = kind.megatron_global.label if kind.megatron_global else None
+        return KindSummary(kind.name, kind.key, kind.view, megatron_name, kind.count, kind.size, max_nodes, intra)
 
     def summaries(self, gpus_per_node: int) -> list[KindSummary]:
         """:meth:`summary` of every kind, in plan order."""
@@ -247,7 +213,7 @@ class Plan:
             "views": {
                 name: {"shape": list(v.shape), "dim_names": list(v.dim_names)} for name, v in self.views.items()
             },
-            "megatron": self.megatron,
+            "megatron": None if self.megatron is None else asdict(self.megatron),
             "kinds": [s.as_dict() for s in self.summaries(gpus_per_node)],
         }
         if rank is not None:
@@ -340,21 +306,13 @@ def plan_megatron(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, order=order, **megatron_kwargs,
     )
-    views = {"expert": mplan.expert}
-    kinds = [
-        GroupKind(
-            spec.name, mplan.layout(spec.layout), tuple(spec.dims),
-            None if spec.layout == "dense" else spec.layout, spec.megatron_global.lstrip("_") or None,
-            spec.derive, mplan,
-        )
-        for spec in mplan.specs
-    ]
     sizes = mplan.config.sizes()
-    megatron = {
-        "tp": sizes["tensor_model_parallel_size"], "pp": sizes["pipeline_model_parallel_size"],
-        "cp": sizes["context_parallel_size"], "ep": sizes["expert_model_parallel_size"],
-        "etp": sizes["expert_tensor_parallel_size"], "dp": sizes["data_parallel_size"],
-        "edp": sizes["expert_data_parallel_size"], "order": sizes["order"],
-    }
+    megatron = MegatronSizes(
+        tp=sizes["tensor_model_parallel_size"], pp=sizes["pipeline_model_parallel_size"],
+        cp=sizes["context_parallel_size"], ep=sizes["expert_model_parallel_size"],
+        etp=sizes["expert_tensor_parallel_size"], dp=sizes["data_parallel_size"],
+        edp=sizes["expert_data_parallel_size"], order=sizes["order"],
+    )
     logger.debug("megatron plan %s: dense %s, expert %s", megatron, mplan.dense, mplan.expert)
-    return Plan(mplan.config.world_size, mplan.dense, kinds, views, megatron, source=mplan)
+    return Plan(mplan.config.world_size, mplan.dense, list(mplan.kinds), {"expert": mplan.expert}, megatron,
+                {"expert": mplan.expert_shared_dims})

@@ -44,7 +44,7 @@ def _real_groups(rank: int, world: int) -> dict:
     grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=["pp"])
     out = {}
     for kind in plan.kinds:
-        if kind.derive is None:
+        if kind.is_grid_groups:
             pg = grid.get_or_create_pg(list(kind.dims), view=kind.view)
             out[kind.name] = dist.get_process_group_ranks(pg)
     grid.destroy()

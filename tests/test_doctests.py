@@ -7,7 +7,7 @@ import importlib
 
 import pytest
 
-MODULES = ["hypergrid.layout", "hypergrid.grid", "hypergrid.groups", "hypergrid.strategy", "hypergrid._torch_compat", "hypergrid"]
+MODULES = ["hypergrid.layout", "hypergrid.kinds", "hypergrid.grid", "hypergrid.groups", "hypergrid.strategy", "hypergrid._torch_compat", "hypergrid"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from hypergrid import GridLayout, HyperCommGrid
+from hypergrid import GridLayout, HyperCommGrid, device_mesh
 from hypergrid.layout import RESERVED_NAME_CHARACTERS
 from hypergrid.errors import GridTooLargeError, HypergridError
 
@@ -581,7 +581,7 @@ def test_device_mesh_garbage(fake16, dims, device_type, flatten):
     if not hasattr(g, "device_mesh"):
         pytest.skip("HyperCommGrid.device_mesh does not exist yet")
     try:
-        survive("device_mesh(...)", lambda: g.device_mesh(dims, device_type=device_type, flatten=flatten))
+        survive("device_mesh(...)", lambda: device_mesh(g, dims, device_type=device_type, flatten=flatten))
     finally:
         g.destroy()
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from hypergrid import GridLayout, HyperCommGrid
+from hypergrid import GridLayout, HyperCommGrid, device_mesh
 from hypergrid.layout import MAX_ENUMERATED_RANKS
 
 from .harness import fake_world
@@ -83,9 +83,9 @@ def test_device_type_is_checked_against_torch_and_the_groups_backend() -> None:
     with fake_world(0, 8):
         grid = HyperCommGrid([2, 4], ["tp", "dp"], backend="gloo")
         with pytest.raises(ValueError, match="'tpu' is not a device type torch knows"):
-            grid.device_mesh(device_type="tpu")
+            device_mesh(grid, device_type="tpu")
         with pytest.raises(ValueError, match=r"'xpu' cannot be used .* backend 'gloo' supports \['cpu', 'cuda'\]"):
-            grid.device_mesh(device_type="xpu")
+            device_mesh(grid, device_type="xpu")
 
 
 @pytest.mark.parametrize("strategy", ["auto", "split", "enumerate"])

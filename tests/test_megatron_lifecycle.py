@@ -106,7 +106,7 @@ def test_grids_expose_the_layouts() -> None:
             assert grids.ranks("ep") == [9, 11]
             assert grids.grid.get_pg("ep", view="expert") is ps.get_expert_model_parallel_group()
             assert grids.grid.get_pg("pp", view="expert") is ps.get_pipeline_model_parallel_group()
-            pgs = grids.process_group_collection(["tp", "pp"])
+            pgs = hm.process_group_collection(grids, ["tp", "pp"])
             # Only the fields asked for are set (megatron-core 0.19's class answers None for the rest).
             assert pgs.tp is ps.get_tensor_model_parallel_group() and "dp" not in vars(pgs)
         finally:

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from hypergrid.kinds import Singletons
+
 from hypergrid.megatron import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, plan_model_parallel
 
 # (world size, the megatron-core planned for, keywords)
@@ -73,9 +75,9 @@ def test_rank_groups_are_the_rows_of_the_enumerations(world: int, features, kwar
                 # Megatron-Core keeps the last group that holds the rank.
                 assert holding and holding[-1] == members, (name, rank, members, holding)
     # Grid kinds partition the ranks the grids span (all of the world without rank_offset).
-    for spec in plan.specs:
-        if spec.derive in (None, "single"):
-            assert sorted(r for g in groups[spec.name] for r in g) == list(plan.config.grid_ranks), spec.name
+    for kind in plan.kinds:
+        if kind.is_grid_groups or isinstance(kind.derivation, Singletons):
+            assert sorted(r for g in groups[kind.name] for r in g) == list(plan.config.grid_ranks), kind.name
 
 
 def _installed_rank_generators(ps, plan):
@@ -132,7 +134,7 @@ def test_json_round_trip() -> None:
     assert data["rank_groups"]["tp"] == [2, 3]
     assert data["groups"]["intra_dp_cp"] == plan.groups["intra_dp_cp"]
     assert data["sizes"]["data_parallel_size"] == 8
-    assert {s["name"] for s in data["specs"]} == set(plan.names)
+    assert {s["name"] for s in data["kinds"]} == set(plan.names)
 
 
 def test_unknown_kind_names_the_kinds() -> None:

@@ -3,8 +3,6 @@ detection, and one rank of a large world on torch's fake backend."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import pytest
@@ -12,7 +10,7 @@ import torch
 
 from hypergrid import REGISTRY, GridDestroyedError, GridLayout, HyperCommGrid
 from hypergrid import _torch_compat as compat
-from hypergrid.mesh import flattened_name, mesh_tensor
+from hypergrid.mesh import device_mesh, flattened_name, grid_from_device_mesh, grid_from_process_groups, mesh_tensor
 from tests.harness import fake_world
 
 warnings.filterwarnings("ignore", message="Slicing a flattened dim")
@@ -50,13 +48,7 @@ def test_missing_internal_is_named_with_the_torch_version(monkeypatch):
     assert isinstance(info.value, RuntimeError)
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=4)
     with pytest.raises(compat.UnsupportedTorchError):
-        grid.device_mesh(device_type="cpu")
-
-
-def test_grid_module_does_not_import_the_mesh_layer():
-    code = "import sys, hypergrid.grid; print('hypergrid.mesh' in sys.modules)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
-    assert out.stdout.strip() == "False"
+        device_mesh(grid, device_type="cpu")
 
 
 # ----------------------------------------------------------------------------- one rank of 64
@@ -64,7 +56,7 @@ def test_device_mesh_creates_missing_groups_through_the_registry():
     with fake_world(rank=21, world_size=64):
         grid = HyperCommGrid([4, 4, 4], ["tp", "cp", "dp"])
         before_pgs, before_registry = compat.process_group_count(), REGISTRY.count()
-        mesh = grid.device_mesh(device_type="cpu")
+        mesh = device_mesh(grid, device_type="cpu")
         assert compat.process_group_count() - before_pgs == 3
         assert REGISTRY.count() - before_registry == 3
         assert mesh.mesh_dim_names == ("dp", "cp", "tp")
@@ -72,14 +64,14 @@ def test_device_mesh_creates_missing_groups_through_the_registry():
         # rank 21 = tp 1 + 4 * (cp 1) + 16 * (dp 1)
         assert mesh.get_coordinate() == (1, 1, 1)
         assert [mesh.get_group(n) is grid.get_pg(n) for n in ("dp", "cp", "tp")] == [True] * 3
-        assert grid.device_mesh(device_type="cpu") is mesh
+        assert device_mesh(grid, device_type="cpu") is mesh
         assert compat.process_group_count() - before_pgs == 3
 
 
 def test_flatten_argument_creates_and_names_flattened_dims():
     with fake_world(rank=5, world_size=16):
         grid = HyperCommGrid([2, 2, 4], ["tp", "cp", "dp"])
-        mesh = grid.device_mesh(device_type="cpu", flatten=[["dp", "cp"]])
+        mesh = device_mesh(grid, device_type="cpu", flatten=[["dp", "cp"]])
         dp_cp = grid.get_pg(["cp", "dp"])
         assert mesh["dp_cp"].get_group() is dp_cp
         count = compat.process_group_count()
@@ -87,7 +79,7 @@ def test_flatten_argument_creates_and_names_flattened_dims():
         assert mesh.get_group("dp_cp") is dp_cp
         assert compat.process_group_count() == count
         # A custom name for another combination; the default name is registered as well.
-        grid.device_mesh(device_type="cpu", flatten={"model": ["tp", "cp"]})
+        device_mesh(grid, device_type="cpu", flatten={"model": ["tp", "cp"]})
         assert mesh["model"].get_group() is grid.get_pg(["tp", "cp"])
         assert mesh["cp", "tp"]._flatten().get_group() is grid.get_pg(["tp", "cp"])
         assert sorted(compat.flattened_meshes(mesh)) == ["cp_tp", "dp_cp", "model"]
@@ -96,22 +88,22 @@ def test_flatten_argument_creates_and_names_flattened_dims():
 def test_subset_of_dims_is_a_slice_in_mesh_order():
     with fake_world(rank=6, world_size=8):
         grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-        sub = grid.device_mesh(["tp", "dp"], device_type="cpu")
+        sub = device_mesh(grid, ["tp", "dp"], device_type="cpu")
         assert sub.mesh_dim_names == ("dp", "tp")
         assert sub.mesh.tolist() == [[2, 3], [6, 7]]
-        assert compat.root_mesh(sub) is grid.device_mesh(device_type="cpu")
-        assert grid.device_mesh(["dp", "cp", "tp"], device_type="cpu") is compat.root_mesh(sub)
+        assert compat.root_mesh(sub) is device_mesh(grid, device_type="cpu")
+        assert device_mesh(grid, ["dp", "cp", "tp"], device_type="cpu") is compat.root_mesh(sub)
 
 
 def test_rank_outside_an_offset_grid_gets_a_mesh_without_groups():
     with fake_world(rank=2, world_size=16):
         grid = HyperCommGrid([2, 4], ["tp", "dp"], rank_offset=8)
-        mesh = grid.device_mesh(device_type="cpu")
+        mesh = device_mesh(grid, device_type="cpu")
         assert mesh.mesh.tolist() == [[8, 9], [10, 11], [12, 13], [14, 15]]
         assert mesh.get_coordinate() is None
     with fake_world(rank=11, world_size=16):
         grid = HyperCommGrid([2, 4], ["tp", "dp"], rank_offset=8)
-        mesh = grid.device_mesh(device_type="cpu")
+        mesh = device_mesh(grid, device_type="cpu")
         assert mesh.get_coordinate() == (1, 1)
         assert mesh.get_group("dp") is grid.get_pg("dp")
 
@@ -120,9 +112,9 @@ def test_views_are_meshes_of_their_own_sharing_groups():
     with fake_world(rank=3, world_size=8):
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp_shard", "dp_replicate"])
         grid.register_view("moe", [2, 2, 2], ["ep", "efsdp", "dp_replicate"], shared_dims=["dp_replicate"])
-        dense = grid.device_mesh(device_type="cpu")
+        dense = device_mesh(grid, device_type="cpu")
         count = compat.process_group_count()
-        sparse = grid.device_mesh(view="moe", device_type="cpu")
+        sparse = device_mesh(grid, view="moe", device_type="cpu")
         assert sparse.mesh_dim_names == ("dp_replicate", "efsdp", "ep")
         assert compat.process_group_count() == count
         assert sparse.get_group("ep") is dense.get_group("tp")
@@ -135,10 +127,10 @@ def test_adopting_a_torch_mesh_on_one_rank():
     with fake_world(rank=6, world_size=8):
         ref = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
         count = compat.process_group_count()
-        grid = HyperCommGrid.from_device_mesh(ref)
+        grid = grid_from_device_mesh(ref)
         assert (grid.dim_names, grid.shape, grid.rank_offset) == (["tp", "dp"], [4, 2], 0)
         assert grid.get_pg("tp") is ref.get_group("tp") and grid.get_pg("dp") is ref.get_group("dp")
-        assert grid.device_mesh(device_type="cpu") == ref
+        assert device_mesh(grid, device_type="cpu") == ref
         assert compat.process_group_count() == count
         grid.destroy()
         assert compat.process_group_count() == count  # adopted groups are not destroyed
@@ -149,28 +141,28 @@ def test_bad_arguments_name_the_value():
     with fake_world(rank=0, world_size=8):
         grid = HyperCommGrid([2, 4], ["tp", "dp"])
         with pytest.raises(ValueError, match="'cuda:0'"):
-            grid.device_mesh(device_type="cuda:0")
+            device_mesh(grid, device_type="cuda:0")
         with pytest.raises(TypeError, match="device_type"):
-            grid.device_mesh(device_type=3)  # type: ignore[arg-type]
+            device_mesh(grid, device_type=3)  # type: ignore[arg-type]
         with pytest.raises(ValueError, match="at least two dims"):
-            grid.device_mesh(device_type="cpu", flatten=[["dp"]])
+            device_mesh(grid, device_type="cpu", flatten=[["dp"]])
         with pytest.raises(ValueError, match="'tp'"):
-            grid.device_mesh(device_type="cpu", flatten={"tp": ["tp", "dp"]})
+            device_mesh(grid, device_type="cpu", flatten={"tp": ["tp", "dp"]})
         with pytest.raises(TypeError, match="flatten"):
-            grid.device_mesh(device_type="cpu", flatten="dp")  # type: ignore[arg-type]
+            device_mesh(grid, device_type="cpu", flatten="dp")  # type: ignore[arg-type]
         with pytest.raises(KeyError, match="nope"):
-            grid.device_mesh(view="nope", device_type="cpu")
+            device_mesh(grid, view="nope", device_type="cpu")
         with pytest.raises(ValueError, match="'pp'"):
-            grid.device_mesh(["pp"], device_type="cpu")
+            device_mesh(grid, ["pp"], device_type="cpu")
         with pytest.raises(KeyError):
             grid.get_pg("dp")  # nothing was created by the refused calls
-        grid.device_mesh(device_type="cpu")
+        device_mesh(grid, device_type="cpu")
         with pytest.raises(TypeError, match="DeviceMesh"):
-            HyperCommGrid.from_device_mesh(grid)  # type: ignore[arg-type]
+            grid_from_device_mesh(grid)  # type: ignore[arg-type]
         with pytest.raises(TypeError, match="ProcessGroup"):
-            HyperCommGrid.from_process_groups([None], ["dp"])  # type: ignore[list-item]
+            grid_from_process_groups([None], ["dp"])  # type: ignore[list-item]
         with pytest.raises(ValueError, match="one group per dim name"):
-            HyperCommGrid.from_process_groups([grid.get_pg("dp")], ["dp", "tp"])
+            grid_from_process_groups([grid.get_pg("dp")], ["dp", "tp"])
         grid.destroy()
         with pytest.raises(GridDestroyedError):
-            grid.device_mesh(device_type="cpu")
+            device_mesh(grid, device_type="cpu")

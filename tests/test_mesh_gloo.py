@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from hypergrid import device_mesh, grid_from_device_mesh, grid_from_process_groups
 from tests.harness import run_gloo
 
 # Slicing a flattened dim from the root (mesh["dp_cp"]) is what the issue asks for; torch warns
@@ -56,8 +57,8 @@ def _parity_job(rank: int, world_size: int) -> list[dict]:
         if flat_dims:
             grid.create_pg(list(flat_dims))
         before = process_group_count()
-        mesh = grid.device_mesh(device_type="cpu")
-        again = grid.device_mesh(device_type="cpu")
+        mesh = device_mesh(grid, device_type="cpu")
+        again = device_mesh(grid, device_type="cpu")
         after = process_group_count()
         ref = init_device_mesh("cpu", shape, mesh_dim_names=names)
         rec = {
@@ -93,7 +94,7 @@ def _parity_job(rank: int, world_size: int) -> list[dict]:
             # A 2-D slice, out of the grid's first and last mesh dims.
             pair = (names[0], names[-1])
             sub, ref_sub = mesh[pair], ref[pair]
-            by_dims = grid.device_mesh([names[-1], names[0]], device_type="cpu")
+            by_dims = device_mesh(grid, [names[-1], names[0]], device_type="cpu")
             rec["slice"] = (sub.mesh.tolist(), sub.mesh_dim_names, sub.get_coordinate())
             rec["ref_slice"] = (ref_sub.mesh.tolist(), ref_sub.mesh_dim_names, ref_sub.get_coordinate())
             rec["by_dims"] = (by_dims.mesh.tolist(), by_dims.mesh_dim_names)
@@ -114,8 +115,8 @@ def _dtensor_job(rank: int, world_size: int) -> dict:
     from hypergrid._torch_compat import process_group_count
 
     grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-    mesh = grid.device_mesh(device_type="cpu", flatten=[["cp", "dp"]])
-    mesh2 = grid.device_mesh(["tp", "dp"], device_type="cpu")
+    mesh = device_mesh(grid, device_type="cpu", flatten=[["cp", "dp"]])
+    mesh2 = device_mesh(grid, ["tp", "dp"], device_type="cpu")
     count = process_group_count()
     x = torch.arange(64, dtype=torch.float32).reshape(8, 8)
     out: dict = {}
@@ -186,7 +187,7 @@ def _fsdp_job(rank: int, world_size: int) -> dict:
         for name in grid.dim_names:
             grid.create_pg(name)
         before = process_group_count()
-        mesh = grid.device_mesh(device_type="cpu")
+        mesh = device_mesh(grid, device_type="cpu")
         out[f"{label}_created"] = process_group_count() - before
         out[f"{label}_names"] = mesh.mesh_dim_names
         model = copy.deepcopy(_tiny_model())
@@ -217,9 +218,9 @@ def _views_and_adoption_job(rank: int, world_size: int) -> dict:
     grid = HyperCommGrid([2, 1, 2, 2, 1], ["tp", "cp", "dp_shard", "dp_replicate", "pp"])
     grid.register_view("sparse", [2, 2, 2, 1], ["ep", "efsdp", "dp_replicate", "pp"], shared_dims=["dp_replicate", "pp"])
     c0, r0 = process_group_count(), REGISTRY.count()
-    dense = grid.device_mesh(device_type="cpu", flatten={"dp": ["dp_replicate", "dp_shard"], "dp_shard_cp": ["dp_shard", "cp"]})
+    dense = device_mesh(grid, device_type="cpu", flatten={"dp": ["dp_replicate", "dp_shard"], "dp_shard_cp": ["dp_shard", "cp"]})
     c1 = process_group_count()
-    sparse = grid.device_mesh(view="sparse", device_type="cpu")
+    sparse = device_mesh(grid, view="sparse", device_type="cpu")
     c2 = process_group_count()
     out["dense_names"], out["sparse_names"] = dense.mesh_dim_names, sparse.mesh_dim_names
     out["dense_created"], out["sparse_created"] = c1 - c0, c2 - c1
@@ -243,8 +244,8 @@ def _views_and_adoption_job(rank: int, world_size: int) -> dict:
     ref = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("dp", "cp", "tp"))
     ref_flat = ref["dp", "cp"]._flatten()
     a0 = process_group_count()
-    adopted = HyperCommGrid.from_device_mesh(ref)
-    view_of_adopted = adopted.device_mesh(device_type="cpu")
+    adopted = grid_from_device_mesh(ref)
+    view_of_adopted = device_mesh(adopted, device_type="cpu")
     a1 = process_group_count()
     out["adopted_created"] = a1 - a0
     out["adopted_grid"] = (adopted.dim_names, adopted.shape, adopted.rank_offset)
@@ -266,24 +267,24 @@ def _views_and_adoption_job(rank: int, world_size: int) -> dict:
 
     # Adoption from process groups given slowest first, TorchComm style.
     # (cp, tp) of the 3-D mesh is a 2 x 2 block of consecutive ranks: a grid from rank 0 or 4.
-    from_groups = HyperCommGrid.from_process_groups([ref.get_group("cp"), ref.get_group("tp")], ["cp", "tp"])
+    from_groups = grid_from_process_groups([ref.get_group("cp"), ref.get_group("tp")], ["cp", "tp"])
     out["from_groups"] = (from_groups.dim_names, from_groups.shape, from_groups.rank_offset)
     out["from_groups_same"] = [from_groups.get_pg("cp") is ref.get_group("cp"), from_groups.get_pg("tp") is ref.get_group("tp")]
-    out["from_groups_mesh"] = from_groups.device_mesh(device_type="cpu").mesh.tolist()
+    out["from_groups_mesh"] = device_mesh(from_groups, device_type="cpu").mesh.tolist()
     try:
-        HyperCommGrid.from_process_groups([ref.get_group("tp"), ref.get_group("dp")], ["a", "b"])
+        grid_from_process_groups([ref.get_group("tp"), ref.get_group("dp")], ["a", "b"])
         out["bad_order"] = "no error"
     except ValueError as exc:
         out["bad_order"] = str(exc)
     try:
-        HyperCommGrid.from_device_mesh(ref["dp", "tp"])
+        grid_from_device_mesh(ref["dp", "tp"])
         out["non_contiguous"] = "no error"
     except ValueError as exc:
         out["non_contiguous"] = str(exc)
 
     # A grid on the upper half of the world: its mesh, members and outsiders.
     upper = HyperCommGrid([2, 2], ["tp", "dp"], rank_offset=4)
-    um = upper.device_mesh(device_type="cpu")
+    um = device_mesh(upper, device_type="cpu")
     out["upper"] = (um.mesh.tolist(), um.get_coordinate())
     if rank >= 4:
         s = torch.tensor([float(rank)])
@@ -307,7 +308,7 @@ def _megatron_job(rank: int, world_size: int) -> Optional[dict]:
     initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     grids = active_grids()
     before = process_group_count()
-    mesh = grids.grid.device_mesh(device_type="cpu")
+    mesh = device_mesh(grids.grid, device_type="cpu")
     out = {
         "names": mesh.mesh_dim_names,
         "created": process_group_count() - before,

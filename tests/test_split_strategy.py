@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hypergrid import HyperCommGrid
+from hypergrid import HyperCommGrid, device_mesh
 from hypergrid.strategy import CreationMode, JobKind, creation_mode, job_kind
 from tests.harness import fake_world
 
@@ -173,7 +173,7 @@ def test_views_and_shared_groups_are_split_alike(monkeypatch):
 def test_device_mesh_over_a_splitting_world(monkeypatch):
     def scenario(rank):
         grid = HyperCommGrid(SHAPE, NAMES)
-        mesh = grid.device_mesh(device_type="cpu")
+        mesh = device_mesh(grid, device_type="cpu")
         made = {name: members(mesh.get_group(name)) for name in mesh.mesh_dim_names}
         expected = {name: grid.ranks(name, rank) for name in mesh.mesh_dim_names}
         grid.destroy()

@@ -26,7 +26,7 @@ from typing import Any
 
 from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
 from .features import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, SUPPORTED_PROFILES, MegatronFeatures
-from .plan import GroupSpec, MegatronPlan, plan_model_parallel
+from .plan import MegatronPlan, plan_model_parallel
 
 __all__ = [
     "initialize_model_parallel",
@@ -44,7 +44,6 @@ __all__ = [
     "MEGATRON_CORE_0_19",
     "COMMON_FEATURES",
     "SUPPORTED_PROFILES",
-    "GroupSpec",
     "ParallelConfigError",
     "ParallelStateError",
     "MEGATRON_KEYWORDS",
@@ -55,9 +54,9 @@ _LAZY = {
     "initialize_model_parallel": "initialize",
     "destroy_model_parallel": "initialize",
     "create_all_gather_groups": "initialize",
-    "active_grids": "initialize",
+    "active_grids": "grids",
     "installed_features": "initialize",
-    "MegatronGrids": "initialize",
+    "MegatronGrids": "grids",
     "process_group_collection": "collection",
 }
 

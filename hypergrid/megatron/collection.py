@@ -16,7 +16,7 @@ from typing import Any, Optional
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from .config import ParallelStateError
-from .initialize import MegatronGrids, active_grids
+from .grids import MegatronGrids, active_grids
 
 __all__ = ["process_group_collection", "COLLECTION_FIELDS"]
 

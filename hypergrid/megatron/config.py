@@ -334,6 +334,19 @@ class MegatronConfig:
         if not isinstance(self.features, MegatronFeatures):
             raise TypeError(f"features must be a MegatronFeatures, got {type(self.features).__name__} {self.features!r}")
         self._validate_features()
+        self._validate_types()
+        self._validate_span()
+        # The checks below follow Megatron-Core's, in its order, so the first mistake reported is
+        # the one Megatron-Core would report.
+        self._validate_sharp()
+        self._validate_dense_sizes()
+        self._validate_order()
+        self._validate_expert_sizes()
+        self._validate_pipeline_agreement()
+        self._validate_data_parallel_split()
+
+    def _validate_types(self) -> None:
+        """Every keyword's type, and the integers stored as plain ints."""
         for name, minimum, optional in (
             ("world_size", 1, False),
             ("tensor_model_parallel_size", 1, False),
@@ -384,6 +397,8 @@ class MegatronConfig:
             raise TypeError(
                 f"nccl_communicator_config_path must be a str path, got {self.nccl_communicator_config_path!r}"
             )
+
+    def _validate_span(self) -> None:
         # The grids must fit in the world (Megatron-Core finds out inside torch, groups half made).
         if self.rank_offset + self.grid_size > self.world_size:
             raise ParallelConfigError(
@@ -392,8 +407,7 @@ class MegatronConfig:
                 f"the world of {self.world_size} ranks; expected rank_offset + local_world_size <= {self.world_size}"
             )
 
-        # The checks below follow Megatron-Core's, in its order, so the first mistake reported is
-        # the one Megatron-Core would report.
+    def _validate_sharp(self) -> None:
         if self.use_sharp:
             if self.sharp_enabled_group is not None:
                 if self.sharp_enabled_group not in ("dp", "dp_replica"):
@@ -410,6 +424,7 @@ class MegatronConfig:
                 f"sharp_enabled_group={self.sharp_enabled_group!r} is only valid with use_sharp=True"
             )
 
+    def _validate_dense_sizes(self) -> None:
         if self.gtp_active and self.num_distributed_optimizer_instances > 1:
             raise ParallelConfigError(
                 f"gtp_remat_size={self.gtp}, expert_gtp_remat_size={self.egtp} with "
@@ -431,8 +446,7 @@ class MegatronConfig:
                 f"needs pipeline_model_parallel_size > 1 (an interleaved schedule), got {self.pp}"
             )
 
-        self._validate_order()
-
+    def _validate_expert_sizes(self) -> None:
         if self.grid_size % self.expert_model_size != 0:
             egtp = f" * expert_gtp_remat_size ({self.egtp})" if self.features.expert_gtp_remat else ""
             raise ParallelConfigError(
@@ -455,8 +469,9 @@ class MegatronConfig:
                 f"{self.pp}, the expert data-parallel size ({self.expert_data_parallel_size}) must "
                 f"equal the data-parallel size ({self.data_parallel_size})"
             )
-        self._validate_pipeline_agreement()
 
+    def _validate_data_parallel_split(self) -> None:
+        """Optimizer instances, hybrid and hierarchical context parallelism: how dp x cp divides."""
         ninst = self.num_distributed_optimizer_instances
         dp_cp = self.data_parallel_size * self.cp
         if dp_cp % ninst != 0:

@@ -22,7 +22,7 @@ import itertools
 import logging
 import os
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -35,7 +35,9 @@ from ..groups import REGISTRY, GroupOptions, effective_timeout
 from ..strategy import resolve_strategy
 from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
 from .features import MegatronFeatures
-from .plan import ALIAS_GLOBALS, GroupSpec, MegatronPlan
+from ..kinds import BackendChoice, GroupKind
+from .grids import MegatronGrids, active_grids, set_active
+from .plan import ALIAS_GLOBALS, MegatronPlan
 
 # megatron-core's own function, kept from import time: the drop-in use of hypergrid is
 # `parallel_state.initialize_model_parallel = hypergrid.megatron.initialize_model_parallel`, after
@@ -53,12 +55,8 @@ __all__ = [
 
 logger = logging.getLogger("hypergrid.megatron")
 
-_owner_ids = itertools.count()
 # Initializations this process made: alike on every rank, so it names the end-of-init checkpoint.
 _checkpoints = itertools.count()
-
-#: The state made by the last ``initialize_model_parallel`` not yet destroyed.
-_ACTIVE: Optional["MegatronGrids"] = None
 
 # Globals whose groups Megatron-Core's destroy_model_parallel destroys itself (its gloo groups).
 _DESTROYED_BY_MEGATRON = (
@@ -108,129 +106,6 @@ _UCC_ENV_FORCED = {
     "UCX_NET_DEVICES": "all",
     "UCC_CL_BASIC_TLS": "^sharp,nccl",
 }
-
-
-class MegatronGrids:
-    """What :func:`initialize_model_parallel` built: the grid, the plan and this rank's groups.
-
-    ``grid`` is the dense :class:`~hypergrid.grid.HyperCommGrid` (dims from Megatron's ``order``
-    without ``ep``) with the expert layout registered as its ``"expert"`` view; ``plan`` the
-    :class:`~hypergrid.megatron.plan.MegatronPlan` of every group. :meth:`group` and
-    :meth:`ranks` answer by kind name (``"tp"``, ``"dp_cp"``, ``"expt_dp"``, ...).
-
-    ``all_gather_groups`` holds the ``(dp_cp_ag, expt_dp_ag)`` pairs
-    :func:`create_all_gather_groups` made, released with the rest.
-
-    Example::
-
-        >>> # initialize_model_parallel(tensor_model_parallel_size=2)   # in a job
-        >>> # grids = active_grids()
-        >>> # grids.grid.get_pg("tp") is parallel_state.get_tensor_model_parallel_group()   # True
-        >>> # grids.ranks("dp"), grids.grid.coords()
-    """
-
-    def __init__(self, plan: MegatronPlan, grid: HyperCommGrid, rank: int, share_groups: bool, strategy: str) -> None:
-        self.plan = plan
-        self.config: MegatronConfig = plan.config
-        self.grid = grid
-        self.rank = rank
-        self.share_groups = share_groups
-        self.strategy = strategy
-        self._owner = ("hypergrid.megatron", next(_owner_ids))
-        self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
-        self._members: dict[str, Optional[list[int]]] = {}
-        self._world_shared: set[str] = set()
-        self.all_gather_groups: list[tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]] = []
-        self._destroyed = False
-
-    def __repr__(self) -> str:
-        return f"MegatronGrids(rank={self.rank}, {self.plan!r}, share_groups={self.share_groups}, strategy={self.strategy!r})"
-
-    @property
-    def expert_view(self) -> str:
-        """Name of the expert layout's view on :attr:`grid`: ``"expert"``."""
-        return "expert"
-
-    def group(self, name: str) -> Optional[dist.ProcessGroup]:
-        """This rank's process group of kind ``name`` (aliases resolved); None where it is in none.
-
-        Example::
-
-            >>> # grids.group("intra_dp_cp") is grids.group("dp_cp")   # one optimizer instance
-        """
-        self._check_alive()
-        resolved = self.plan.spec(name).name
-        return self._groups[resolved]
-
-    def ranks(self, name: str) -> Optional[list[int]]:
-        """Global ranks of this rank's group of kind ``name``, in Megatron-Core's order (or None).
-
-        Example::
-
-            >>> # grids.ranks("pp")  ->  [1, 5, 9, 13]
-        """
-        resolved = self.plan.spec(name).name
-        if resolved not in self._members:
-            # Groups handed out as the default group were not listed at start-up (O(world)).
-            self._members[resolved] = self.plan.rank_group(resolved, self.rank)
-        return self._members[resolved]
-
-    def groups(self) -> dict[str, Optional[dist.ProcessGroup]]:
-        """Every kind's group for this rank, in creation order."""
-        self._check_alive()
-        return dict(self._groups)
-
-    def distinct_groups(self) -> list[dist.ProcessGroup]:
-        """The distinct communicators this rank got, in creation order (the default group excluded)."""
-        seen: dict[int, dist.ProcessGroup] = {}
-        world = dist.group.WORLD
-        for pg in self._groups.values():
-            if pg is not None and pg is not world and id(pg) not in seen:
-                seen[id(pg)] = pg
-        return list(seen.values())
-
-    @property
-    def num_process_groups(self) -> int:
-        """How many communicators initialization created for this rank (the default group excluded)."""
-        return len(self.distinct_groups())
-
-    @property
-    def world_shared(self) -> list[str]:
-        """Kinds whose group spans the whole world and is the default group itself (sharing on)."""
-        return sorted(self._world_shared)
-
-    def process_group_collection(self, required_pgs: Optional[list[str]] = None) -> Any:
-        """A ``ProcessGroupCollection`` filled from these groups (see :mod:`hypergrid.megatron.collection`)."""
-        from .collection import process_group_collection
-
-        return process_group_collection(self, required_pgs=required_pgs)
-
-    def release(self) -> None:
-        """Let go of every group (the grid's and the derived ones); idempotent. Does not touch
-        ``parallel_state``: use :func:`destroy_model_parallel` for that."""
-        if self._destroyed:
-            return
-        self._destroyed = True
-        self.grid.destroy()
-        REGISTRY.release(self._owner)
-        self._groups.clear()
-
-    def _check_alive(self) -> None:
-        if self._destroyed:
-            from ..errors import GridDestroyedError
-
-            raise GridDestroyedError(f"{self!r} was destroyed; call initialize_model_parallel again")
-
-
-def active_grids() -> Optional[MegatronGrids]:
-    """The :class:`MegatronGrids` of the current initialization, or None.
-
-    Example::
-
-        >>> active_grids() is None     # before initialize_model_parallel
-        True
-    """
-    return _ACTIVE
 
 
 def installed_features() -> MegatronFeatures:
@@ -337,7 +212,6 @@ def initialize_model_parallel(
         ParallelStateError (a RuntimeError and AssertionError): torch.distributed not
             initialized, or parallel state already initialized.
     """
-    global _ACTIVE
     features = installed_features()
     kwargs = _bind_arguments(features, args, kwargs)
     if not isinstance(share_groups, bool):
@@ -364,13 +238,13 @@ def initialize_model_parallel(
     # Everything that can fail on the arguments happens here, before the first group: options,
     # the (user) embedding callbacks, and the ranks of this rank's groups.
     nccl_cfgs = _load_nccl_cfgs(config)
-    options = {spec.name: _options(spec, config, nccl_cfgs, timeout) for spec in plan.specs}
+    options = {kind.name: _options(kind, config, nccl_cfgs, timeout) for kind in plan.kinds}
     to_world = {
-        spec.name
-        for spec in plan.specs
-        if share_groups and not spec.private and plan.group_size(spec.name) == world and _same_as_world(options[spec.name])
+        kind.name
+        for kind in plan.kinds
+        if share_groups and not kind.creation.private and kind.size == world and _same_as_world(options[kind.name])
     }
-    members = {spec.name: plan.rank_group(spec.name, rank) for spec in plan.specs if spec.name not in to_world}
+    members = {kind.name: plan.rank_group(kind.name, rank) for kind in plan.kinds if kind.name not in to_world}
     if config.pipeline_model_parallel_comm_backend == "ucc":
         _prepare_ucc()
 
@@ -378,8 +252,8 @@ def initialize_model_parallel(
         list(plan.dense.shape), list(plan.dense.dim_names), rank_offset=config.rank_offset, world_size=world,
         strategy=strategy, check_agreement=check_agreement,
     )
-    shared = ["pp"] if plan.dense.dim_size("pp") > 1 else []
-    grid.register_view("expert", list(plan.expert.shape), list(plan.expert.dim_names), shared_dims=shared)
+    grid.register_view("expert", list(plan.expert.shape), list(plan.expert.dim_names),
+                       shared_dims=plan.expert_shared_dims)
     grids = MegatronGrids(plan, grid, rank, share_groups, strategy)
     grids._members.update(members)
     # NCCL applies SHARP to the first communicator made with NCCL_COLLNET_ENABLE=1 only.
@@ -401,7 +275,7 @@ def initialize_model_parallel(
         grids.release()
         raise
     ps._set_global_memory_buffer()
-    _ACTIVE = grids
+    set_active(grids)
     logger.info(
         "rank %d: initialized %s with %d communicators (share_groups=%s, strategy=%s, megatron-core %s)",
         rank, plan, grids.num_process_groups, share_groups, strategy, features.version,
@@ -424,8 +298,7 @@ def destroy_model_parallel() -> None:
         >>> active_grids() is None
         True
     """
-    global _ACTIVE
-    grids, _ACTIVE = _ACTIVE, None
+    grids = set_active(None)
     if grids is not None:
         for name in _DESTROYED_BY_MEGATRON:
             if hasattr(ps, name):
@@ -475,7 +348,7 @@ def create_all_gather_groups(
         ParallelStateError (a RuntimeError): nothing is initialized.
         TypeError: an argument of the wrong type.
     """
-    grids = _ACTIVE
+    grids = active_grids()
     if grids is None or not ps.is_initialized():
         raise ParallelStateError(
             "create_all_gather_groups() requires parallel state to be initialized: call "
@@ -542,7 +415,7 @@ def _clear_left_state() -> None:
 
 def _check_not_initialized() -> None:
     set_already = [name for name in _INITIALIZED_MARKERS if getattr(ps, name, None) is not None]
-    if set_already or _ACTIVE is not None:
+    if set_already or active_grids() is not None:
         raise ParallelStateError(
             f"model parallel state is already initialized ({', '.join(set_already) or 'hypergrid grids'} "
             f"set); call hypergrid.megatron.destroy_model_parallel() first"
@@ -574,14 +447,19 @@ def _load_nccl_cfgs(config: MegatronConfig) -> dict[str, dict]:
     return cfgs
 
 
-def _options(spec: GroupSpec, config: MegatronConfig, nccl_cfgs: dict, timeout: timedelta) -> GroupOptions:
-    pg_options = ps.get_nccl_options(spec.nccl_name, nccl_cfgs) if spec.nccl_name and nccl_cfgs else None
-    backend = config.pipeline_model_parallel_comm_backend if spec.backend == "pp" else spec.backend
+def _options(kind: GroupKind, config: MegatronConfig, nccl_cfgs: dict, timeout: timedelta) -> GroupOptions:
+    creation = kind.creation
+    pg_options = ps.get_nccl_options(creation.nccl_name, nccl_cfgs) if creation.nccl_name and nccl_cfgs else None
+    backend = {
+        BackendChoice.DEFAULT: None,
+        BackendChoice.GLOO: "gloo",
+        BackendChoice.PIPELINE: config.pipeline_model_parallel_comm_backend,
+    }[creation.backend]
     return GroupOptions(
         backend=backend,
-        timeout=timeout if spec.timeout else None,
+        timeout=timeout if creation.timeout else None,
         pg_options=pg_options,
-        group_desc=spec.group_desc,
+        group_desc=creation.group_desc,
     )
 
 
@@ -612,51 +490,42 @@ def _prepare_ucc() -> None:
 
 
 def _create_all(grids: MegatronGrids, options: dict[str, GroupOptions], to_world: set[str]) -> None:
-    plan, grid, rank = grids.plan, grids.grid, grids.rank
-    sharp = plan.config.sharp_group
-    created: set[tuple[str, str]] = set()  # (layout, grid key) made by create_pg already
-    world = dist.group.WORLD
-    for index, spec in enumerate(plan.specs):
-        if sharp == "dp" and spec.name == "dp_cp":
+    plan, sharp = grids.plan, grids.plan.sharp
+    created: set[tuple[Optional[str], str]] = set()  # (view, grid key) made by create_pg already
+    for kind in plan.kinds:
+        if sharp is not None and kind.name == sharp.enable_before:
             os.environ["NCCL_COLLNET_ENABLE"] = "1"
-        if sharp == "dp_replica" and spec.name == "intra_expt_dp":
-            os.environ["NCCL_COLLNET_ENABLE"] = "1"
-        private = not grids.share_groups or spec.private
-        opts = options[spec.name]
-        if spec.name in to_world:
-            pg: Optional[dist.ProcessGroup] = world
-            grids._world_shared.add(spec.name)
-        elif spec.derive is None and (spec.layout, plan.layout(spec.layout).key(list(spec.dims))) not in created:
-            created.add((spec.layout, plan.layout(spec.layout).key(list(spec.dims))))
-            view = None if spec.layout == "dense" else "expert"
-            pg = grid.create_pg(
-                list(spec.dims), view=view, private=private, backend=opts.backend,
-                timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
-            )
-        else:
-            # Derived by a rule of its own (embedding, optimizer instances, hierarchical CP) or a
-            # second communicator over dims already made (gloo, all-gather): the same door as the
-            # grid's groups, so members check they agree and the strategy holds.
-            pg = grid.create_derived_pg(
-                spec.name, grids._members[spec.name], groups=_enumerator(plan, spec.name),
-                owner=grids._owner, private=private, backend=opts.backend, timeout=opts.timeout,
-                pg_options=opts.pg_options, group_desc=opts.group_desc,
-            )
-        grids._groups[spec.name] = pg
-        following = plan.specs[index + 1].name if index + 1 < len(plan.specs) else None
-        if sharp == "dp" and spec.name.startswith(("dp_cp", "intra_dp_cp")) and not (
-            following or ""
-        ).startswith(("dp_cp", "intra_dp_cp")):
-            _sharp_barrier(grids._groups["dp_cp"], rank)
-        if sharp == "dp_replica" and spec.name.startswith("inter_expt_dp") and not (following or "").startswith(
-            "inter_expt_dp"
-        ):
-            _sharp_barrier(grids._groups["inter_expt_dp"], rank)
+        grids._groups[kind.name] = _create_kind(grids, kind, options[kind.name], to_world, created)
+        if sharp is not None and kind.name == sharp.barrier_after:
+            _sharp_barrier(grids._groups[sharp.barrier_on], grids.rank)
 
 
-def _enumerator(plan: MegatronPlan, name: str) -> Callable[[], list[list[int]]]:
-    """Every group of kind ``name``, computed only if the ``enumerate`` strategy asks (O(world))."""
-    return lambda: plan.enumerate(name)
+def _create_kind(
+    grids: MegatronGrids,
+    kind: GroupKind,
+    opts: GroupOptions,
+    to_world: set[str],
+    created: set[tuple[Optional[str], str]],
+) -> Optional[dist.ProcessGroup]:
+    """This rank's group of ``kind``: the default group, a grid group, or a derived one."""
+    if kind.name in to_world:
+        grids._world_shared.add(kind.name)
+        return dist.group.WORLD
+    private = not grids.share_groups or kind.creation.private
+    made = (kind.view, kind.key)
+    if kind.is_grid_groups and made not in created:
+        created.add(made)
+        return grids.grid.create_pg(
+            list(kind.dims), view=kind.view, private=private, backend=opts.backend,
+            timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
+        )
+    # Derived by a rule of its own (embedding, optimizer instances, hierarchical CP) or a second
+    # communicator over dims already made (gloo, all-gather): the same door as the grid's groups,
+    # so members check they agree and the strategy holds.
+    return grids.grid.create_derived_pg(
+        kind.name, grids._members[kind.name], groups=kind.enumerate, owner=grids._owner, private=private,
+        backend=opts.backend, timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
+    )
 
 
 def _sharp_barrier(group: Optional[dist.ProcessGroup], rank: int) -> None:
@@ -677,22 +546,23 @@ def _fill_parallel_state(grids: MegatronGrids) -> None:
     # (rank_offset / local_world_size) keeps None everywhere, and empty hierarchical/hybrid sets.
     inside = plan.dense.contains(grids.rank)
 
-    values: dict[str, Any] = {}
-    for spec in plan.specs:
-        # Hierarchical and hybrid kinds fill a list and a dict below; the inter-level gloo group
-        # has no global (Megatron-Core makes it but no getter returns it).
-        if spec.megatron_global and not spec.name.startswith(("hcp_", "hybrid_dp_cp_")):
-            values[spec.megatron_global] = g[spec.name]
+    # Hierarchical levels fill a list, hybrid sizes a dict: empty unless this rank has them.
+    values: dict[str, Any] = {"_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": None, "_HYBRID_DP_CP_GROUPS": {}}
+    entries: dict[str, dict[int, Optional[dist.ProcessGroup]]] = {}
+    for kind in plan.kinds:
+        glob = kind.megatron_global
+        if glob is None:
+            continue  # made, but no getter returns it (the inter-level expert gloo group)
+        if glob.entry is None:
+            values[glob.name] = g[kind.name]
+        elif inside:
+            entries.setdefault(glob.name, {})[glob.entry] = g[kind.name]
+            values[glob.name] = (
+                dict(entries[glob.name]) if glob.in_dict else [entries[glob.name][i] for i in sorted(entries[glob.name])]
+            )
     # Kinds that are the same group as another (one optimizer instance, gtp_remat of size 1).
     for alias, target in plan.aliases.items():
         values[ALIAS_GLOBALS[alias]] = g[target]
-    values["_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS"] = (
-        [g[f"hcp_{level}"] for level in range(len(config.hierarchical_cp_sizes))]
-        if config.hierarchical_cp_sizes and inside else None
-    )
-    values["_HYBRID_DP_CP_GROUPS"] = (
-        {size: g[f"hybrid_dp_cp_{size}"] for size in config.hybrid_group_sizes} if inside else {}
-    )
     # Rank lists the getters read.
     rank_lists = {
         "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp_cp",

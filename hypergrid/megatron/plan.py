@@ -5,10 +5,10 @@ from the same keywords as Megatron-Core's function plus a world size, so it serv
 line (``hypergrid plan``), checks before launch, and the Megatron adapter itself, which creates
 exactly the groups listed here.
 
-Each group kind has a name (the ``ProcessGroupCollection`` field or ``nccl_comm_cfgs`` key where
-one exists, e.g. ``"tp"``, ``"dp_cp"``, ``"expt_dp"``) and a :class:`GroupSpec` saying which
-``parallel_state`` global it fills, and with which backend, options and description Megatron-Core
-creates it. Two ways to ask:
+Each group kind is a :class:`~hypergrid.kinds.GroupKind` named after the ``ProcessGroupCollection``
+field or ``nccl_comm_cfgs`` key where one exists (e.g. ``"tp"``, ``"dp_cp"``, ``"expt_dp"``),
+saying how its groups come from the grid, which ``parallel_state`` global it fills, and with which
+backend, options and description Megatron-Core creates it. Two ways to ask:
 
 * ``plan.groups`` (or ``plan.enumerate(name)``): every group of every kind, list for list in
   Megatron-Core's creation order. O(world size) per kind.
@@ -32,17 +32,31 @@ Example::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any, Optional
 
+from ..kinds import (
+    GRID_GROUPS,
+    BackendChoice,
+    Chunks,
+    Creation,
+    Derivation,
+    GroupKind,
+    JoinedGroups,
+    Levels,
+    MegatronGlobal,
+    PipelineSubset,
+    Singletons,
+    Span,
+)
 from ..layout import GridLayout
 from .config import GTP_REMAT_TOKEN, MegatronConfig
 from .features import COMMON_FEATURES, MegatronFeatures
 
 __all__ = [
-    "GroupSpec",
     "MegatronPlan",
+    "SharpStep",
     "plan_model_parallel",
     "default_embedding_ranks",
     "default_position_embedding_ranks",
@@ -87,55 +101,22 @@ def default_position_embedding_ranks(pp_ranks: list[int]) -> list[int]:
 
 
 @dataclass(frozen=True)
-class GroupSpec:
-    """One kind of group Megatron-Core creates, and how.
+class SharpStep:
+    """Where Megatron-Core switches NCCL SHARP on and off during initialization.
 
-    ``layout``/``dims``: the grid (``"dense"`` or ``"expert"``) and dims the groups come from, or
-    the *base* groups a derived kind is cut from. ``derive`` is None for grid groups, else one of
-    ``"chunk"`` (consecutive slices of ``size`` of each base group), ``"level"`` (a hierarchical
-    level: ``size`` ranks ``stride`` apart inside blocks of each base group), ``"embd"`` /
-    ``"pos_embd"`` (the embedding callback applied to each pipeline group), ``"dist_opt"``
-    (``size`` consecutive expert tp-ep-pp groups joined), ``"single"`` (every rank alone: an axis
-    of size 1 megatron-core still makes groups for) or ``"span"`` (one group of every rank the
-    grids span, in rank order). ``nccl_name`` is the key Megatron-Core
-    looks up in ``nccl_comm_cfgs`` for the group's options (None: no options); ``backend`` the
-    backend it asks for (None: the default; ``"pp"``: ``pipeline_model_parallel_comm_backend``);
-    ``timeout`` whether it passes ``distributed_timeout_minutes``. ``private``: the group must be
-    a communicator of its own even when sharing is on (the all-gather group and SHARP targets).
+    NCCL applies SHARP to the first communicator built while ``NCCL_COLLNET_ENABLE=1``: it is set
+    just before kind ``enable_before`` is created, and once kind ``barrier_after`` is, a barrier on
+    kind ``barrier_on``'s group makes NCCL build that communicator, and the variable is cleared.
 
     Example::
 
-        >>> plan_model_parallel(8).spec("dp_cp").megatron_global
-        '_DATA_PARALLEL_GROUP_WITH_CP'
+        >>> plan_model_parallel(8, use_sharp=True, create_gloo_process_groups=False).sharp
+        SharpStep(enable_before='dp_cp', barrier_after='dp_cp', barrier_on='dp_cp')
     """
 
-    name: str
-    megatron_global: str
-    group_desc: str
-    layout: str
-    dims: tuple[str, ...]
-    nccl_name: Optional[str] = None
-    backend: Optional[str] = None
-    timeout: bool = True
-    derive: Optional[str] = None
-    size: int = 0
-    stride: int = 1
-    private: bool = False
-
-    def to_dict(self) -> dict[str, Any]:
-        """The spec as plain JSON values."""
-        return {
-            "name": self.name,
-            "megatron_global": self.megatron_global,
-            "group_desc": self.group_desc,
-            "layout": self.layout,
-            "dims": list(self.dims),
-            "derive": self.derive,
-            "nccl_name": self.nccl_name,
-            "backend": self.backend,
-            "timeout": self.timeout,
-            "private": self.private,
-        }
+    enable_before: str
+    barrier_after: str
+    barrier_on: str
 
 
 class MegatronPlan:
@@ -143,7 +124,7 @@ class MegatronPlan:
 
     Build it with :func:`plan_model_parallel`. ``dense`` and ``expert`` are the two
     :class:`~hypergrid.layout.GridLayout` factorizations of the world (the expert one is what
-    Megatron-Core's expert ``RankGenerator`` lays out); ``specs`` lists the group kinds in
+    Megatron-Core's expert ``RankGenerator`` lays out); ``kinds`` lists the group kinds in
     Megatron-Core's creation order; ``aliases`` maps kinds that are not created separately to the
     kind whose group they reuse (e.g. ``intra_dp_cp`` is ``dp_cp`` with one optimizer instance).
 
@@ -164,10 +145,9 @@ class MegatronPlan:
         self.features: MegatronFeatures = config.features
         self.dense = GridLayout(config.dense_shape, config.dense_dims, config.rank_offset)
         self.expert = GridLayout(config.expert_shape, config.expert_dims, config.rank_offset)
-        self._embd = config.get_embedding_ranks or default_embedding_ranks
-        self._pos_embd = config.get_position_embedding_ranks or default_position_embedding_ranks
-        self.specs: tuple[GroupSpec, ...] = tuple(self._build_specs())
-        self._by_name = {spec.name: spec for spec in self.specs}
+        self.kinds: tuple[GroupKind, ...] = tuple(self._build_kinds())
+        self._by_name = {kind.name: kind for kind in self.kinds}
+        self.sharp: Optional[SharpStep] = self._sharp_step()
         self.aliases: dict[str, str] = self._build_aliases()
 
     def __repr__(self) -> str:
@@ -204,149 +184,226 @@ class MegatronPlan:
             resolved[alias] = target
         return resolved
 
-    def _axis_spec(self, name: str, megatron_global: str, group_desc: str, layout: str, size: int,
-                   nccl_name: str) -> GroupSpec:
+    def _kind(
+        self,
+        name: str,
+        megatron_global: Optional[str],
+        group_desc: str,
+        layout: str,
+        dims: tuple[str, ...],
+        derivation: Derivation = GRID_GROUPS,
+        *,
+        nccl_name: Optional[str] = None,
+        backend: BackendChoice = BackendChoice.DEFAULT,
+        timeout: bool = True,
+        private: bool = False,
+        entry: Optional[int] = None,
+        in_dict: bool = False,
+    ) -> GroupKind:
+        """One kind as Megatron-Core creates it (``layout``: ``"dense"`` or ``"expert"``)."""
+        return GroupKind(
+            name, self.layout(layout), dims, derivation, view=None if layout == "dense" else layout,
+            megatron_global=None if megatron_global is None else MegatronGlobal(megatron_global, entry, in_dict),
+            creation=Creation(group_desc, nccl_name, backend, timeout, private),
+        )
+
+    def _axis_kind(self, name: str, megatron_global: str, group_desc: str, layout: str, size: int,
+                   nccl_name: str) -> GroupKind:
         # megatron-core makes the gtp_remat groups even at size 1: one group per rank.
         if size > 1:
-            return GroupSpec(name, megatron_global, group_desc, layout, (GTP_REMAT_TOKEN,), nccl_name=nccl_name)
-        return GroupSpec(name, megatron_global, group_desc, layout, (), nccl_name=nccl_name, derive="single")
+            return self._kind(name, megatron_global, group_desc, layout, (GTP_REMAT_TOKEN,), nccl_name=nccl_name)
+        return self._kind(name, megatron_global, group_desc, layout, (), Singletons(), nccl_name=nccl_name)
 
-    def _build_specs(self) -> list[GroupSpec]:
-        c, f = self.config, self.features
-        gloo = c.dense_gloo
-        expert_gloo = c.expert_gloo
-        ninst = c.num_distributed_optimizer_instances
-        sharp = c.sharp_group
-        dense, expert = "dense", "expert"
+    def _embedding(self, name: str, megatron_global: str, group_desc: str, keyword: str) -> GroupKind:
+        user = getattr(self.config, keyword)
+        if user is not None:
+            select, size = user, None
+        elif name == "embd":
+            select, size = default_embedding_ranks, 2
+        else:
+            select, size = default_position_embedding_ranks, 1
+        return self._kind(name, megatron_global, group_desc, "dense", ("pp",), PipelineSubset(select, keyword, size),
+                          nccl_name=name)
+
+    def _build_kinds(self) -> list[GroupKind]:
+        """Every kind Megatron-Core creates, in its creation order."""
+        return self._data_parallel_kinds() + self._model_parallel_kinds() + self._expert_kinds() + [
+            self._optimizer_instance_kind()
+        ]
+
+    def _data_parallel_kinds(self) -> list[GroupKind]:
+        c, f, k = self.config, self.features, self._kind
+        gloo, ninst, sharp = c.dense_gloo, c.num_distributed_optimizer_instances, c.sharp_group
+        gloo_backend = BackendChoice.GLOO
         dp_cp = ("dp", "cp")
-        # Dims that span the gtp_remat axis where it has more than one rank.
-        gtp = (GTP_REMAT_TOKEN,) if c.gtp > 1 else ()
-        egtp = (GTP_REMAT_TOKEN,) if c.egtp > 1 else ()
-        s: list[GroupSpec] = []
+        s: list[GroupKind] = []
         if f.gtp_remat:
-            s.append(self._axis_spec("gtp_remat", "_GTP_WEIGHT_REMAT_GROUP", "GTP_WEIGHT_REMAT_GROUP", dense, c.gtp,
+            s.append(self._axis_kind("gtp_remat", "_GTP_WEIGHT_REMAT_GROUP", "GTP_WEIGHT_REMAT_GROUP", "dense", c.gtp,
                                      "gtp_remat"))
-        s.append(GroupSpec("dp_cp", "_DATA_PARALLEL_GROUP_WITH_CP", "DATA_PARALLEL_GROUP_WITH_CP", dense, dp_cp,
-                           nccl_name="dp_cp", private=sharp == "dp"))
+        s.append(k("dp_cp", "_DATA_PARALLEL_GROUP_WITH_CP", "DATA_PARALLEL_GROUP_WITH_CP", "dense", dp_cp,
+                   nccl_name="dp_cp", private=sharp == "dp"))
         if f.all_gather_keyword and c.create_all_gather_group:
             # Its purpose is a second communicator over the same ranks: never shared.
-            s.append(GroupSpec("dp_cp_ag", "_DATA_PARALLEL_GROUP_WITH_CP_AG", "DATA_PARALLEL_GROUP_WITH_CP_AG",
-                               dense, dp_cp, nccl_name="dp_cp", private=True))
+            s.append(k("dp_cp_ag", "_DATA_PARALLEL_GROUP_WITH_CP_AG", "DATA_PARALLEL_GROUP_WITH_CP_AG", "dense", dp_cp,
+                       nccl_name="dp_cp", private=True))
         if gloo:
-            s.append(GroupSpec("dp_cp_gloo", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-                               dense, dp_cp, backend="gloo"))
+            s.append(k("dp_cp_gloo", "_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "DATA_PARALLEL_GROUP_WITH_CP_GLOO", "dense",
+                       dp_cp, backend=gloo_backend))
         if ninst > 1:
-            size = c.intra_partial_data_parallel_size
-            s.append(GroupSpec("intra_dp_cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
-                               "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", dense, dp_cp,
-                               nccl_name="intra_dp_cp", derive="chunk", size=size))
+            chunks = Chunks(c.intra_partial_data_parallel_size)
+            s.append(k("intra_dp_cp", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP",
+                       "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "dense", dp_cp, chunks, nccl_name="intra_dp_cp"))
             if gloo:
-                s.append(GroupSpec("intra_dp_cp_gloo", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-                                   "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", dense, dp_cp,
-                                   backend="gloo", derive="chunk", size=size))
+                s.append(k("intra_dp_cp_gloo", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
+                           "INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO", "dense", dp_cp, chunks,
+                           backend=gloo_backend))
         for size in c.hybrid_group_sizes:
-            s.append(GroupSpec(f"hybrid_dp_cp_{size}", "_HYBRID_DP_CP_GROUPS", f"HYBRID_DP_CP_GROUP_{size}",
-                               dense, dp_cp, nccl_name="dp_cp", timeout=False, derive="chunk", size=size))
-        s.append(GroupSpec("dp", "_DATA_PARALLEL_GROUP", "DATA_PARALLEL_GROUP", dense, ("dp",), nccl_name="dp"))
+            s.append(k(f"hybrid_dp_cp_{size}", "_HYBRID_DP_CP_GROUPS", f"HYBRID_DP_CP_GROUP_{size}", "dense", dp_cp,
+                       Chunks(size), nccl_name="dp_cp", timeout=False, entry=size, in_dict=True))
+        s.append(k("dp", "_DATA_PARALLEL_GROUP", "DATA_PARALLEL_GROUP", "dense", ("dp",), nccl_name="dp"))
         if gloo:
-            s.append(GroupSpec("dp_gloo", "_DATA_PARALLEL_GROUP_GLOO", "DATA_PARALLEL_GROUP_GLOO", dense, ("dp",),
-                               backend="gloo"))
+            s.append(k("dp_gloo", "_DATA_PARALLEL_GROUP_GLOO", "DATA_PARALLEL_GROUP_GLOO", "dense", ("dp",),
+                       backend=gloo_backend))
         if f.gtp_remat and c.gtp > 1:
             s += [
-                GroupSpec("dp_gtp", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-                          dense, (GTP_REMAT_TOKEN, "dp"), nccl_name="gtp_remat_dp"),
-                GroupSpec("dp_cp_gtp", "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
-                          "DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", dense, (GTP_REMAT_TOKEN, "dp", "cp"),
-                          nccl_name="gtp_remat_dp_cp"),
+                k("dp_gtp", "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "dense",
+                  (GTP_REMAT_TOKEN, "dp"), nccl_name="gtp_remat_dp"),
+                k("dp_cp_gtp", "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
+                  "DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT", "dense", (GTP_REMAT_TOKEN, "dp", "cp"),
+                  nccl_name="gtp_remat_dp_cp"),
             ]
-        s.append(GroupSpec("cp", "_CONTEXT_PARALLEL_GROUP", "CONTEXT_PARALLEL_GROUP", dense, ("cp",), nccl_name="cp"))
+        s.append(k("cp", "_CONTEXT_PARALLEL_GROUP", "CONTEXT_PARALLEL_GROUP", "dense", ("cp",), nccl_name="cp"))
         stride = 1
         for level, size in enumerate(c.hierarchical_cp_sizes):
-            s.append(GroupSpec(f"hcp_{level}", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
-                               f"HIERARCHICAL_CONTEXT_PARALLEL_GROUP_L{level}", dense, ("cp",),
-                               nccl_name="hcp", derive="level", size=size, stride=stride))
+            s.append(k(f"hcp_{level}", "_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS",
+                       f"HIERARCHICAL_CONTEXT_PARALLEL_GROUP_L{level}", "dense", ("cp",), Levels(size, stride),
+                       nccl_name="hcp", entry=level))
             stride *= size
-        s += [
-            GroupSpec("mp", "_MODEL_PARALLEL_GROUP", "MODEL_PARALLEL_GROUP", dense, ("tp",) + gtp + ("pp",),
-                      nccl_name="mp"),
-            GroupSpec("tp", "_TENSOR_MODEL_PARALLEL_GROUP", "TENSOR_MODEL_PARALLEL_GROUP", dense, ("tp",),
-                      nccl_name="tp"),
-            GroupSpec("pp", "_PIPELINE_MODEL_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP", dense, ("pp",),
-                      nccl_name=None if c.pipeline_model_parallel_comm_backend == "ucc" else "pp", backend="pp"),
-            GroupSpec("embd", "_EMBEDDING_GROUP", "EMBEDDING_GROUP", dense, ("pp",), nccl_name="embd", derive="embd"),
-            GroupSpec("pos_embd", "_POSITION_EMBEDDING_GROUP", "POSITION_EMBEDDING_GROUP", dense, ("pp",),
-                      nccl_name="pos_embd", derive="pos_embd"),
+        return s
+
+    def _model_parallel_kinds(self) -> list[GroupKind]:
+        c, k = self.config, self._kind
+        # Dims that span the gtp_remat axis where it has more than one rank.
+        gtp = (GTP_REMAT_TOKEN,) if c.gtp > 1 else ()
+        return [
+            k("mp", "_MODEL_PARALLEL_GROUP", "MODEL_PARALLEL_GROUP", "dense", ("tp",) + gtp + ("pp",), nccl_name="mp"),
+            k("tp", "_TENSOR_MODEL_PARALLEL_GROUP", "TENSOR_MODEL_PARALLEL_GROUP", "dense", ("tp",), nccl_name="tp"),
+            k("pp", "_PIPELINE_MODEL_PARALLEL_GROUP", "PIPELINE_MODEL_PARALLEL_GROUP", "dense", ("pp",),
+              nccl_name=None if c.pipeline_model_parallel_comm_backend == "ucc" else "pp",
+              backend=BackendChoice.PIPELINE),
+            self._embedding("embd", "_EMBEDDING_GROUP", "EMBEDDING_GROUP", "get_embedding_ranks"),
+            self._embedding("pos_embd", "_POSITION_EMBEDDING_GROUP", "POSITION_EMBEDDING_GROUP",
+                            "get_position_embedding_ranks"),
             # Both span gtp_remat, like dp: its peers hold distinct data.
-            GroupSpec("tp_dp_cp", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP",
-                      dense, ("tp",) + gtp + ("dp", "cp"), nccl_name="tp_dp_cp"),
-            GroupSpec("tp_dp", "_TENSOR_AND_DATA_PARALLEL_GROUP", "TENSOR_AND_DATA_PARALLEL_GROUP", dense,
-                      ("tp",) + gtp + ("dp",), nccl_name="tp_dp"),
-            GroupSpec("tp_cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "TENSOR_AND_CONTEXT_PARALLEL_GROUP", dense,
-                      ("tp", "cp"), nccl_name="tp_cp"),
+            k("tp_dp_cp", "_TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "TENSOR_AND_DATA_PARALLEL_GROUP_WITH_CP", "dense",
+              ("tp",) + gtp + ("dp", "cp"), nccl_name="tp_dp_cp"),
+            k("tp_dp", "_TENSOR_AND_DATA_PARALLEL_GROUP", "TENSOR_AND_DATA_PARALLEL_GROUP", "dense",
+              ("tp",) + gtp + ("dp",), nccl_name="tp_dp"),
+            k("tp_cp", "_TENSOR_AND_CONTEXT_PARALLEL_GROUP", "TENSOR_AND_CONTEXT_PARALLEL_GROUP", "dense", ("tp", "cp"),
+              nccl_name="tp_cp"),
         ]
+
+    def _expert_kinds(self) -> list[GroupKind]:
+        c, f, k = self.config, self.features, self._kind
+        expert_gloo, ninst, sharp = c.expert_gloo, c.num_distributed_optimizer_instances, c.sharp_group
+        egtp = (GTP_REMAT_TOKEN,) if c.egtp > 1 else ()
+        s: list[GroupKind] = []
         if f.expert_gtp_remat:
-            s.append(self._axis_spec("expt_gtp_remat", "_EXPERT_GTP_WEIGHT_REMAT_GROUP", "EXPERT_GTP_WEIGHT_REMAT_GROUP",
-                                     expert, c.egtp, "expt_gtp_remat"))
+            s.append(self._axis_kind("expt_gtp_remat", "_EXPERT_GTP_WEIGHT_REMAT_GROUP",
+                                     "EXPERT_GTP_WEIGHT_REMAT_GROUP", "expert", c.egtp, "expt_gtp_remat"))
         s += [
-            GroupSpec("ep", "_EXPERT_MODEL_PARALLEL_GROUP", "EXPERT_MODEL_PARALLEL_GROUP", expert, ("ep",),
-                      nccl_name="ep"),
-            GroupSpec("expt_tp", "_EXPERT_TENSOR_PARALLEL_GROUP", "EXPERT_TENSOR_PARALLEL_GROUP", expert, ("tp",),
-                      nccl_name="ep_tp"),
-            GroupSpec("tp_ep", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP",
-                      expert, ("tp", "ep"), nccl_name="tp_ep_mp"),
-            GroupSpec("tp_ep_pp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
-                      "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", expert, ("tp", "ep", "pp"), nccl_name="tp_ep_pp"),
+            k("ep", "_EXPERT_MODEL_PARALLEL_GROUP", "EXPERT_MODEL_PARALLEL_GROUP", "expert", ("ep",), nccl_name="ep"),
+            k("expt_tp", "_EXPERT_TENSOR_PARALLEL_GROUP", "EXPERT_TENSOR_PARALLEL_GROUP", "expert", ("tp",),
+              nccl_name="ep_tp"),
+            k("tp_ep", "_EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", "EXPERT_TENSOR_AND_MODEL_PARALLEL_GROUP", "expert",
+              ("tp", "ep"), nccl_name="tp_ep_mp"),
+            k("tp_ep_pp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP", "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+              "expert", ("tp", "ep", "pp"), nccl_name="tp_ep_pp"),
         ]
         if f.expert_gtp_remat:
             # Made even when the expert gtp_remat axis has one rank: then a second communicator
             # over the tp-ep-pp ranks.
-            s.append(GroupSpec("tp_ep_pp_egtp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP",
-                               "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", expert,
-                               ("tp", "ep") + egtp + ("pp",), nccl_name="tp_ep_gtp_remat_pp"))
-        s.append(GroupSpec("expt_dp", "_EXPERT_DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP", expert, ("dp",),
-                           nccl_name="ep_dp"))
+            s.append(k("tp_ep_pp_egtp", "_EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP",
+                       "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP_WITH_EGTP", "expert", ("tp", "ep") + egtp + ("pp",),
+                       nccl_name="tp_ep_gtp_remat_pp"))
+        s.append(k("expt_dp", "_EXPERT_DATA_PARALLEL_GROUP", "EXPERT_DATA_PARALLEL_GROUP", "expert", ("dp",),
+                   nccl_name="ep_dp"))
         if expert_gloo:
             # Megatron-Core creates this one without the distributed timeout.
-            s.append(GroupSpec("expt_dp_gloo", "_EXPERT_DATA_PARALLEL_GROUP_GLOO", "EXPERT_DATA_PARALLEL_GROUP_GLOO",
-                               expert, ("dp",), backend="gloo", timeout=False))
+            s.append(k("expt_dp_gloo", "_EXPERT_DATA_PARALLEL_GROUP_GLOO", "EXPERT_DATA_PARALLEL_GROUP_GLOO", "expert",
+                       ("dp",), backend=BackendChoice.GLOO, timeout=False))
         if ninst > 1:
             intra = c.intra_partial_expert_data_parallel_size
-            levels = [("intra_expt_dp", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", "intra_ep_dp", intra, 1),
-                      ("inter_expt_dp", "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", "inter_ep_dp", ninst, intra)]
-            for level, (name, glob, nccl, size, stride) in enumerate(levels):
-                s.append(GroupSpec(name, glob, f"HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L{level}", expert, ("dp",),
-                                   nccl_name=nccl, derive="level", size=size, stride=stride,
-                                   private=name == "inter_expt_dp" and sharp == "dp_replica"))
+            levels = [("intra_expt_dp", "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", "intra_ep_dp", Levels(intra, 1)),
+                      ("inter_expt_dp", "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP", "inter_ep_dp", Levels(ninst, intra))]
+            for level, (name, glob, nccl, derivation) in enumerate(levels):
+                s.append(k(name, glob, f"HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_L{level}", "expert", ("dp",),
+                           derivation, nccl_name=nccl, private=name == "inter_expt_dp" and sharp == "dp_replica"))
                 if expert_gloo:
                     # Megatron-Core passes the level's NCCL options to the gloo group too; the inter
                     # level's gloo group is created though no getter returns it.
-                    s.append(GroupSpec(f"{name}_gloo", f"{glob}_GLOO" if level == 0 else "",
-                                       f"HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_GLOO_L{level}", expert, ("dp",),
-                                       nccl_name=nccl, backend="gloo", derive="level", size=size, stride=stride))
+                    s.append(k(f"{name}_gloo", f"{glob}_GLOO" if level == 0 else None,
+                               f"HIERARCHICAL_EXPERT_DATA_PARALLEL_GROUP_GLOO_L{level}", "expert", ("dp",), derivation,
+                               nccl_name=nccl, backend=BackendChoice.GLOO))
         if f.expert_gtp_remat and c.egtp > 1:
-            s.append(GroupSpec("expt_dp_gtp", "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-                               "EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", expert, (GTP_REMAT_TOKEN, "dp"),
-                               nccl_name="ep_gtp_remat_dp"))
+            s.append(k("expt_dp_gtp", "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
+                       "EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT", "expert", (GTP_REMAT_TOKEN, "dp"),
+                       nccl_name="ep_gtp_remat_dp"))
+        return s
+
+    def _sharp_step(self) -> Optional[SharpStep]:
+        # The last kind of the family created back to back over the SHARP target's ranks.
+        families = {
+            "dp": ("dp_cp", ("dp_cp", "dp_cp_ag", "dp_cp_gloo", "intra_dp_cp", "intra_dp_cp_gloo"), "dp_cp"),
+            "dp_replica": ("intra_expt_dp", ("inter_expt_dp", "inter_expt_dp_gloo"), "inter_expt_dp"),
+        }
+        if self.config.sharp_group not in families:
+            return None
+        enable_before, family, barrier_on = families[self.config.sharp_group]
+        present = [name for name in family if name in self._by_name]
+        if enable_before not in self._by_name or not present:
+            return None
+        return SharpStep(enable_before, present[-1], barrier_on)
+
+    def _optimizer_instance_kind(self) -> GroupKind:
+        c = self.config
+        glob, desc = "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP"
         if c.gtp_active:
             # Under gtp_remat the grad-norm group must cover every rank: one group of them all.
-            s.append(GroupSpec("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
-                               "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", expert, (),
-                               nccl_name="intra_dist_opt_instance", derive="span"))
-        else:
-            s.append(GroupSpec("intra_dist_opt", "_INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP",
-                               "INTRA_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", expert, ("tp", "ep", "pp"),
-                               nccl_name="intra_dist_opt_instance", derive="dist_opt",
-                               size=c.intra_partial_expert_data_parallel_size))
-        return s
+            return self._kind("intra_dist_opt", glob, desc, "expert", (), Span(), nccl_name="intra_dist_opt_instance")
+        # The block of consecutive expert tp-ep-pp groups (numbered by the expert dp coordinate,
+        # the only other dim) of one optimizer instance.
+        return self._kind("intra_dist_opt", glob, desc, "expert", ("tp", "ep", "pp"),
+                          JoinedGroups(c.intra_partial_expert_data_parallel_size, "dp"),
+                          nccl_name="intra_dist_opt_instance")
 
     # ------------------------------------------------------------------ queries
     @property
+    def expert_shared_dims(self) -> list[str]:
+        """The dims whose groups the expert layout shares with the dense one: ``pp`` where it has
+        more than one rank (Megatron-Core builds the pipeline groups once, from the dense grid).
+
+        Example::
+
+            >>> plan_model_parallel(8, pipeline_model_parallel_size=2).expert_shared_dims
+            ['pp']
+        """
+        return ["pp"] if self.dense.dim_size("pp") > 1 else []
+
+    @property
     def names(self) -> list[str]:
         """The kinds of groups created, in Megatron-Core's creation order."""
-        return [spec.name for spec in self.specs]
+        return [kind.name for kind in self.kinds]
 
-    def spec(self, name: str) -> GroupSpec:
-        """The :class:`GroupSpec` of ``name`` (an alias resolves to the kind it reuses)."""
+    def kind(self, name: str) -> GroupKind:
+        """The :class:`~hypergrid.kinds.GroupKind` called ``name`` (an alias resolves to the kind
+        it reuses).
+
+        Example::
+
+            >>> plan_model_parallel(8).kind("dp_cp").megatron_global.name
+            '_DATA_PARALLEL_GROUP_WITH_CP'
+        """
         resolved = self.aliases.get(name, name)
         try:
             return self._by_name[resolved]
@@ -369,31 +426,13 @@ class MegatronPlan:
             >>> plan_model_parallel(64, pipeline_model_parallel_size=4).group_size("intra_dist_opt")
             64
         """
-        spec = self.spec(name)
-        if spec.derive == "single":
-            return 1
-        if spec.derive == "span":
-            return self.config.grid_size
-        layout = self.layout(spec.layout)
-        base = layout.group_size(list(spec.dims))
-        if spec.derive is None:
-            return base
-        if spec.derive == "chunk":
-            return spec.size if base % spec.size == 0 else None
-        if spec.derive == "level":
-            return spec.size
-        if spec.derive == "dist_opt":
-            return spec.size * base
-        # Embedding groups: known sizes only for Megatron-Core's default callbacks.
-        default = self.config.get_embedding_ranks if spec.derive == "embd" else self.config.get_position_embedding_ranks
-        if default is None:
-            return 1 if spec.derive == "pos_embd" or base == 1 else 2
-        return None
+        return self.kind(name).size
 
     def rank_group(self, name: str, rank: int) -> Optional[list[int]]:
         """The members of ``rank``'s group of kind ``name`` in Megatron-Core's order; None if none.
 
-        O(size of the group): nothing else is enumerated.
+        O(size of the group): nothing else is enumerated. A rank outside
+        ``[rank_offset, rank_offset + local_world_size)`` is in no group, as in Megatron-Core.
 
         Example::
 
@@ -401,33 +440,10 @@ class MegatronPlan:
             >>> plan.rank_group("embd", 6), plan.rank_group("embd", 2)
             ([0, 6], None)
         """
-        spec = self.spec(name)
-        layout = self.layout(spec.layout)
+        kind = self.kind(name)
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.config.world_size:
             raise ValueError(f"rank {rank!r} is outside the world of {self.config.world_size} ranks")
-        if not layout.contains(rank):
-            # Megatron-Core leaves a rank outside [rank_offset, rank_offset + local_world_size) in no group.
-            return None
-        if spec.derive == "single":
-            return [rank]
-        if spec.derive == "span":
-            return list(layout.ranks)
-        base = layout.group_ranks(list(spec.dims), rank) if spec.derive != "dist_opt" else None
-        if spec.derive is None:
-            return base
-        if spec.derive == "chunk":
-            start = (base.index(rank) // spec.size) * spec.size
-            return base[start:start + spec.size]
-        if spec.derive == "level":
-            return _level_group(base, base.index(rank), spec.size, spec.stride)
-        if spec.derive in ("embd", "pos_embd"):
-            ranks = self._callback_ranks(spec.derive, base)
-            return ranks if rank in ranks else None
-        # dist_opt: the block of `size` consecutive tp-ep-pp groups (indexed by the expert dp
-        # coordinate) that holds this rank.
-        index = layout.group_index(list(spec.dims), rank)
-        first = (index // spec.size) * spec.size
-        return [r for j in range(first, first + spec.size) for r in self._tp_ep_pp_group(j)]
+        return kind.members(rank)
 
     def rank_groups(self, rank: int) -> dict[str, Optional[list[int]]]:
         """Every kind's group for ``rank`` (None where it is in none), in creation order.
@@ -447,32 +463,7 @@ class MegatronPlan:
             >>> plan_model_parallel(8, context_parallel_size=4, hierarchical_context_parallel_sizes=[2, 2]).enumerate("hcp_1")
             [[0, 2], [1, 3], [4, 6], [5, 7]]
         """
-        spec = self.spec(name)
-        layout = self.layout(spec.layout)
-        if spec.derive == "single":
-            return [[r] for r in layout.ranks]
-        if spec.derive == "span":
-            return [list(layout.ranks)]
-        if spec.derive == "dist_opt":
-            groups = layout.enumerate(list(spec.dims))
-            return [sum(groups[i:i + spec.size], []) for i in range(0, len(groups), spec.size)]
-        bases = layout.enumerate(list(spec.dims))
-        if spec.derive is None:
-            return bases
-        out: list[list[int]] = []
-        for base in bases:
-            if spec.derive == "chunk":
-                out += [base[i:i + spec.size] for i in range(0, len(base), spec.size)]
-            elif spec.derive == "level":
-                block = spec.size * spec.stride
-                out += [
-                    _level_group(base, start + u, spec.size, spec.stride)
-                    for start in range(0, len(base), block)
-                    for u in range(spec.stride)
-                ]
-            else:
-                out.append(self._callback_ranks(spec.derive, base))
-        return out
+        return self.kind(name).enumerate()
 
     @cached_property
     def groups(self) -> dict[str, list[list[int]]]:
@@ -480,20 +471,22 @@ class MegatronPlan:
         return {name: self.enumerate(name) for name in self.names}
 
     def to_dict(self, rank: Optional[int] = None, *, include_groups: bool = True) -> dict[str, Any]:
-        """The plan as plain JSON values: sizes, layouts, specs, aliases, groups (and ``rank``'s).
+        """The plan as plain JSON values: sizes, layouts, kinds, aliases, groups (and ``rank``'s).
 
         Example::
 
             >>> d = plan_model_parallel(4, tensor_model_parallel_size=2).to_dict(rank=1)
             >>> d["dense"], d["rank_groups"]["tp"]
             ({'dim_names': ['tp', 'cp', 'dp', 'pp'], 'shape': [2, 1, 2, 1]}, [0, 1])
+            >>> d["kinds"][0]["name"], d["kinds"][0]["megatron_global"], d["kinds"][0]["backend"]
+            ('dp_cp', '_DATA_PARALLEL_GROUP_WITH_CP', 'default')
         """
         out: dict[str, Any] = {
             "megatron_core": {"version": self.features.version, "keywords": list(self.features.keywords)},
             "sizes": self.config.sizes(),
             "dense": {"dim_names": list(self.dense.dim_names), "shape": list(self.dense.shape)},
             "expert": {"dim_names": list(self.expert.dim_names), "shape": list(self.expert.shape)},
-            "specs": [spec.to_dict() for spec in self.specs],
+            "kinds": [_kind_dict(kind) for kind in self.kinds],
             "aliases": dict(self.aliases),
         }
         if include_groups:
@@ -507,38 +500,18 @@ class MegatronPlan:
         """:meth:`to_dict` as a JSON string (``json.dumps`` keywords pass through)."""
         return json.dumps(self.to_dict(rank, include_groups=include_groups), **dumps_kwargs)
 
-    # ------------------------------------------------------------------ helpers
-    def _tp_ep_pp_group(self, index: int) -> list[int]:
-        # Expert tp-ep-pp groups are numbered by the expert dp coordinate (the only other dim).
-        coords = {name: 0 for name in self.expert.dim_names}
-        coords["dp"] = index
-        return self.expert.group_ranks(["tp", "ep", "pp"], self.expert.rank_of(coords))
 
-    def _callback_ranks(self, derive: str, pp_ranks: list[int]) -> list[int]:
-        callback = self._embd if derive == "embd" else self._pos_embd
-        keyword = "get_embedding_ranks" if derive == "embd" else "get_position_embedding_ranks"
-        result = callback(list(pp_ranks))
-        if isinstance(result, (str, bytes)) or not hasattr(result, "__iter__"):
-            raise TypeError(f"{keyword} must return a list of ranks, got {type(result).__name__} {result!r}")
-        ranks = list(result)
-        for r in ranks:
-            if isinstance(r, bool) or not isinstance(r, int):
-                raise TypeError(f"{keyword} must return ints, got {r!r} in {ranks} for pipeline group {pp_ranks}")
-        # An empty list would make torch build a group of the whole world; ranks outside the
-        # pipeline group would make a rank's groups depend on other pipelines (not local).
-        if not ranks or not set(ranks) <= set(pp_ranks) or len(set(ranks)) != len(ranks):
-            raise ValueError(
-                f"{keyword} must return distinct ranks of the pipeline group it is given, at least "
-                f"one; for pipeline group {pp_ranks} it returned {ranks}"
-            )
-        return ranks
-
-
-def _level_group(base: list[int], position: int, size: int, stride: int) -> list[int]:
-    """The hierarchical-level group of ``base[position]``: ``size`` members ``stride`` apart."""
-    block = size * stride
-    start = (position // block) * block + position % stride
-    return [base[start + j * stride] for j in range(size)]
+def _kind_dict(kind: GroupKind) -> dict[str, Any]:
+    creation = asdict(kind.creation)
+    creation["backend"] = kind.creation.backend.value
+    return {
+        "name": kind.name,
+        "megatron_global": kind.megatron_global.name if kind.megatron_global else None,
+        "layout": kind.view or "dense",
+        "dims": list(kind.dims),
+        "rule": kind.derivation.describe() or None,
+        **creation,
+    }
 
 
 def plan_model_parallel(
