@@ -25,8 +25,11 @@ setup(
         # The adapter is tested against 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); pip picks
         # the newest release the interpreter can run.
         "megatron": ["megatron-core>=0.16.1,<0.20"],
-        # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests.
-        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1,<0.20"],
+        # Pictures of a plan (`hypergrid plan --png/--svg`, hypergrid.viz.write_picture) only.
+        "viz": ["matplotlib>=3.8"],
+        # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests;
+        # matplotlib: the picture tests.
+        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1,<0.20", "matplotlib>=3.8"],
     },
     entry_points={"console_scripts": ["hypergrid=hypergrid.cli:main"]},
     classifiers=[

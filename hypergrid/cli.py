@@ -9,6 +9,7 @@ Bad input prints one line, ``hypergrid: error: ...``, and exits with status 2.
 Example::
 
     $ python -m hypergrid plan --world-size 1024 --tp 8 --pp 4 --ep 16 --etp 1 --rank 1000
+    $ python -m hypergrid plan --world-size 128 --tp 8 --pp 4 --rank 37 --png plan.png  # needs matplotlib
     $ python -m hypergrid check --world-size 1024 --tp 8 --pp 4 --ep 16 --etp 1
     $ python -m hypergrid demo
 """
@@ -152,10 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=_positive, default=8, help="ranks per node (default 8)")
     p.add_argument("--rank", type=_non_negative, help="show this rank's coordinates and groups")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
-    p.add_argument("--png", metavar="FILE", help="write a picture of the ranks by node (PNG)")
-    p.add_argument("--svg", metavar="FILE", help="write a picture of the ranks by node (SVG)")
-    p.add_argument("--colour", "--color", dest="colour", metavar="KIND",
-                   help="group kind that colours the picture (default: tp, or the first dim)")
+    p.add_argument("--png", metavar="FILE", help="write a picture of the ranks by node (PNG; needs matplotlib)")
+    p.add_argument("--svg", metavar="FILE", help="write a picture of the ranks by node (SVG; needs matplotlib)")
+    p.add_argument("--kind", "--colour", "--color", dest="kinds", type=_name_list, metavar="KINDS",
+                   help="group kinds drawn, one panel each, e.g. tp,dp (default: tp, cp, dp, pp, ep, ... "
+                        "that have groups of more than one rank)")
+    p.add_argument("--nvlink-domain", type=_positive, metavar="GPUS",
+                   help="GPUs per NVLink domain, drawn in the picture (default: --gpus-per-node)")
 
     c = sub.add_parser("check", help="compare every enumeration with megatron-core's")
     _add_layout_args(c)
@@ -270,6 +274,21 @@ def _plan_csv(data: dict) -> str:
     return buf.getvalue().rstrip("\n")
 
 
+def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """The pictures asked for as (path, format), checked before any work: matplotlib, folders."""
+    paths = [(path, fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
+    if paths:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise UsageError("pictures need matplotlib: pip install 'hypergrid[viz]'") from None
+    for path, fmt in paths:
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.path.isdir(folder):
+            raise UsageError(f"--{fmt} {path}: cannot write there, folder {folder} does not exist")
+    return paths
+
+
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .viz import picture, write_picture
 
@@ -277,13 +296,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     plan.check_enumerable()  # before any work: a huge world is refused, not enumerated for hours
     if args.rank is not None:
         plan.check_rank(args.rank)
-    colour = args.colour
-    if colour is None:
-        names = [k.name for k in plan.kinds]
-        colour = "tp" if "tp" in names else names[0]
-    if args.colour is not None and not plan.kind(colour).is_grid_groups:
-        raise UsageError(f"--colour {colour}: pictures colour grid groups; {colour!r} is derived from them")
-    plan.kind(colour)  # an unknown kind fails before any work, naming the known ones
+    for name in args.kinds or []:
+        plan.kind(name)  # an unknown kind fails before any work, naming the known ones
+    pictures = _picture_paths(args)
     data = plan.as_dict(args.gpus_per_node, rank=args.rank)
     if args.format == "json":
         print(json.dumps(data, indent=1))
@@ -291,11 +306,16 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         print(_plan_csv(data))
     else:
         print(_plan_table(plan, data))
-    for path in (args.png, args.svg):
-        if path:
-            written = write_picture(picture(plan, colour, args.gpus_per_node, rank=args.rank), path)
+    if pictures:
+        pic = picture(plan, args.kinds, args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain)
+        for path, fmt in pictures:
+            try:
+                written = write_picture(pic, path, format=fmt)
+            except OSError as exc:
+                raise UsageError(f"--{fmt} {path}: cannot write it: {exc.strerror or exc}") from None
             # Pictures are announced on stderr so that JSON/CSV on stdout stays parseable.
-            print(f"wrote {path} ({written} bytes, coloured by {colour} groups)", file=sys.stderr)
+            kinds = ", ".join(p.name for p in pic.panels)
+            print(f"wrote {path} ({written} bytes; one panel each for {kinds})", file=sys.stderr)
     return EXIT_OK
 
 

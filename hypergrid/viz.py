@@ -1,320 +1,395 @@
-"""Pictures of a plan: ranks laid out by node, coloured by the groups of one kind.
+"""Pictures of a plan: one panel per group kind, ranks laid out by node, drawn with matplotlib.
 
-One row per node, one cell per rank (its global rank written in it), the cell's colour the
-index of its group of the chosen kind: a kind whose colours stay inside a row stays inside a
-node; a colour that repeats down a column is a group that crosses nodes. Up to
-``max_ranks`` ranks are drawn in full; a larger world draws its first nodes and says how many
-were left out, with the counts and node locality of the kind computed over the whole world.
+Each panel has one row per node and one cell per rank; a cell's colour says which group of that
+kind the rank is in. Groups whose cells touch (or whose indices follow each other) never share a
+colour; a panel with more groups than the palette's 20 colours also hatches its cells, so that
+up to 180 groups all look different (a window never draws more than 128 ranks). Thin lines mark
+nodes, thick lines NVLink domains (when a domain is not one node), and a dashed black-and-white
+outline the groups of a chosen rank. Worlds over ``max_ranks`` ranks (or 64 nodes) draw one
+window of whole nodes; the counts and node locality in the titles are computed over the whole
+world. On the command line: ``hypergrid plan ... --rank R --png FILE`` (see ``docs/cli.md``).
 
-Both formats are written with the standard library only, so the pictures cost no dependency:
-SVG as text (with a tooltip per rank), PNG through a small rasterizer, a 3x5 pixel font and
-``zlib``. Both render the same :class:`Picture`.
+:func:`picture` computes what to draw (pure, no matplotlib); :func:`write_picture` draws it to a
+PNG or SVG file and is the only place matplotlib is imported (``pip install 'hypergrid[viz]'``).
 
 Example::
 
-    >>> from hypergrid.report import plan_grid
-    >>> pic = picture(plan_grid([2, 4], ["tp", "dp"]), "tp", gpus_per_node=4)
-    >>> len(pic.cells), pic.width > 0, svg(pic).startswith("<svg")
-    (8, True, True)
-    >>> png(pic)[:8] == b"\\x89PNG\\r\\n\\x1a\\n"
+    >>> import os, tempfile
+    >>> from hypergrid.report import plan_megatron
+    >>> pic = picture(plan_megatron(16, tp=2, pp=2), gpus_per_node=4, rank=5)
+    >>> [p.name for p in pic.panels], sorted(pic.panels[0].highlight)
+    (['tp', 'dp', 'pp'], [4, 5])
+    >>> write_picture(pic, os.path.join(tempfile.mkdtemp(), "plan.svg")) > 1000
     True
 """
 
 from __future__ import annotations
 
-import colorsys
+import io
 import logging
-import struct
-import zlib
+import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Optional
-from xml.sax.saxutils import escape
+from typing import Any, Optional, Union
 
-from .report import Plan
-
-__all__ = ["Cell", "Picture", "picture", "svg", "png", "write_picture", "MAX_RANKS_DRAWN"]
+__all__ = ["Panel", "Picture", "assign_styles", "picture", "write_picture", "MAX_RANKS_DRAWN", "HATCHES"]
 
 logger = logging.getLogger("hypergrid.viz")
 
-#: Worlds up to this many ranks are drawn rank by rank; larger ones are summarised.
-MAX_RANKS_DRAWN = 512
-# How many ranks a summarised picture still draws, to show the pattern of the first nodes.
-_SUMMARY_RANKS = 256
-
-_CELL_W, _CELL_H = 44, 26
-_LABEL_W = 78
-_MARGIN = 10
-_LINE_H = 18
-_TEXT = (20, 20, 20)
-_BACKGROUND = (255, 255, 255)
-_OUTLINE = (0, 0, 0)
-
-RGB = tuple[int, int, int]
+#: Worlds up to this many ranks are drawn in full; larger ones draw a window of whole nodes.
+MAX_RANKS_DRAWN = 256
+_WINDOW_RANKS = 128  # ranks in a summarised picture's window (whole nodes, at least one)
+_MAX_ROWS = 64  # nodes drawn at most (a world of 1 or 2 GPUs per node is summarised sooner)
+#: Kinds drawn by default when a plan has many (a Megatron plan has ~17), in this order.
+DEFAULT_KINDS = ("tp", "cp", "dp", "pp", "ep", "expt_tp", "expt_dp")
+#: Second cue, used when a panel has more groups than colours: one hatch pattern per repeat.
+HATCHES = ("", "////", "\\\\\\\\", "....", "xxx", "||||", "----", "oo", "++")
+_HUES = 10  # tab20 reordered: the 10 dark shades, then their 10 light shades
+_INSTALL_HINT = "pictures need matplotlib: pip install 'hypergrid[viz]'"
 
 
-@dataclass(frozen=True)
-class Cell:
-    """One rank's box: position, fill, label, tooltip and whether it is outlined."""
+@dataclass
+class Panel:
+    """One group kind: the drawn ranks' group indices, each group's (colour, hatch), the outline."""
 
-    x: int
-    y: int
-    w: int
-    h: int
-    fill: RGB
-    label: str
-    tooltip: str
-    outlined: bool = False
+    name: str
+    title: list[str]
+    group_of: dict[int, int]  # drawn rank -> index of its group in kind.enumerate()
+    styles: dict[int, tuple[int, int]]  # group index -> (colour index, hatch index)
+    highlight: set[int] = field(default_factory=set)  # drawn members of the chosen rank's group
 
 
 @dataclass
 class Picture:
-    """Everything drawn, in pixels: text lines ``(x, y, text)`` and rank cells."""
+    """What to draw: ranks ``[first_rank, end_rank)`` in rows of ``gpus_per_node``, one panel per kind."""
 
-    width: int
-    height: int
-    texts: list[tuple[int, int, str]] = field(default_factory=list)
-    cells: list[Cell] = field(default_factory=list)
+    gpus_per_node: int
+    nvlink_domain: int
+    first_rank: int
+    end_rank: int
+    rank: Optional[int]
+    title: list[str]
+    caption: list[str]
+    panels: list[Panel]
 
 
-def group_colour(index: int) -> RGB:
-    """A light colour for group ``index``; neighbours in index get far-apart hues.
+def assign_styles(
+    groups: Sequence[Sequence[int]], gpus_per_node: int, colours: int = 2 * _HUES, hues: int = _HUES,
+    hatches: int = len(HATCHES),
+) -> list[tuple[int, int]]:
+    """A ``(colour, hatch)`` per group such that neighbouring groups never look alike.
+
+    Ranks sit in rows of ``gpus_per_node``; two groups touch when a rank of one is next to a rank
+    of the other in a row or a column, and groups ``i`` and ``i + 1`` count as touching too.
+    Touching groups get different colours, and different hues where possible (colour ``c`` and
+    ``c + hues`` are one hue in two shades). With more groups than colours, the hatch index
+    counts the earlier groups of the same colour, so that up to ``colours * hatches`` groups all
+    get different pairs.
 
     Example::
 
-        >>> group_colour(0) != group_colour(1)
-        True
+        >>> assign_styles([[0, 1], [2, 3], [4, 5], [6, 7]], gpus_per_node=4, colours=3, hues=3)
+        [(0, 0), (1, 0), (2, 0), (0, 1)]
+        >>> [c for c, _ in assign_styles([[0, 4], [1, 5], [2, 6], [3, 7]], 4)]
+        [0, 1, 2, 3]
     """
-    hue = (index * 0.6180339887) % 1.0  # golden-ratio steps spread any number of groups
-    r, g, b = colorsys.hsv_to_rgb(hue, 0.45, 0.97)
-    return (int(r * 255), int(g * 255), int(b * 255))
+    if gpus_per_node <= 0 or colours <= 0 or hues <= 0 or hatches <= 0:
+        raise ValueError(f"gpus_per_node, colours, hues and hatches must be positive, got "
+                         f"{gpus_per_node}, {colours}, {hues}, {hatches}")
+    owner: dict[int, int] = {}
+    for g, members in enumerate(groups):
+        for r in members:
+            owner.setdefault(r, g)
+    near: list[set[int]] = [{g - 1, g + 1} - {-1, len(groups)} for g in range(len(groups))]
+    for r, g in owner.items():
+        for other in ((r + 1) if (r + 1) % gpus_per_node else None, r + gpus_per_node):
+            h = owner.get(other) if other is not None else None
+            if h is not None and h != g:
+                near[g].add(h)
+                near[h].add(g)
+    hatched = len(groups) > colours
+    chosen: list[int] = []
+    used = [0] * colours
+    start = 0
+    for g in range(len(groups)):
+        taken = {chosen[h] for h in near[g] if h < g}
+        taken_hues = {c % hues for c in taken}
+        order = [(start + i) % colours for i in range(colours)]
+        fresh = [c for c in order if not hatched or used[c] < hatches]
+        pick = next((c for c in fresh if c % hues not in taken_hues), None)
+        pick = pick if pick is not None else next((c for c in fresh + order if c not in taken), None)
+        if pick is None:  # every colour touches this group: the least used one
+            pick = min(order, key=lambda c: used[c])
+            logger.debug("group %d touches %d groups; it shares colour %d", g, len(near[g]), pick)
+        chosen.append(pick)
+        used[pick] += 1
+        start = pick + 1
+    seen = [0] * colours
+    out = []
+    for c in chosen:
+        out.append((c, seen[c] % hatches if hatched else 0))
+        seen[c] += 1
+    return out
+
+
+def _default_kinds(plan: Any) -> list[str]:
+    names = [k.name for k in plan.kinds]
+    if len(names) <= 6:
+        return names
+    return [n for n in DEFAULT_KINDS if n in names] or names
 
 
 def picture(
-    plan: Plan,
-    kind: str,
-    gpus_per_node: int,
+    plan: Any,
+    kinds: Union[str, Sequence[str], None] = None,
+    gpus_per_node: int = 8,
     *,
     rank: Optional[int] = None,
+    nvlink_domain: Optional[int] = None,
     max_ranks: int = MAX_RANKS_DRAWN,
 ) -> Picture:
-    """Lay out ``plan``'s ranks by node, coloured by their group of ``kind``.
+    """What to draw for ``plan``: one panel per kind in ``kinds`` (default: the main ones).
 
-    ``rank``: outline that rank's group. Worlds over ``max_ranks`` ranks draw one window of
-    nodes only (the first nodes, or those around ``rank``) and a line saying which are drawn.
-
-    Example::
-
-        >>> from hypergrid.report import plan_grid
-        >>> pic = picture(plan_grid([8, 128], ["tp", "dp"]), "dp", 8)
-        >>> len(pic.cells), any("not drawn" in t for _, _, t in pic.texts)
-        (256, True)
-    """
-    summary = plan.summary(kind, gpus_per_node)
-    group_kind = plan.kind(kind)
-    layout = plan.layout if group_kind.view is None else plan.views[group_kind.view]
-    end = layout.rank_offset + layout.size
-    world_nodes = -(-plan.world_size // gpus_per_node)
-    drawn_ranks = end if end <= max_ranks else max(gpus_per_node, min(_SUMMARY_RANKS, end))
-    drawn_nodes = -(-drawn_ranks // gpus_per_node)
-    # A summarised picture shows the window of nodes holding `rank` (else the first nodes).
-    first_node = 0
-    if rank is not None and drawn_nodes < world_nodes:
-        first_node = (rank // gpus_per_node) // drawn_nodes * drawn_nodes
-    last_node = min(first_node + drawn_nodes, world_nodes)
-    lo, hi = first_node * gpus_per_node, min(last_node * gpus_per_node, plan.world_size)
-    highlight = set(group_kind.members(rank)) if rank is not None else set()
-
-    where = (
-        f"each of the {summary.count} groups stays inside one node"
-        if not summary.crosses_nodes
-        else f"groups cross nodes: up to {summary.max_nodes} nodes per group, "
-        f"{summary.intra_node_groups} of {summary.count} inside one node"
-    )
-    lines = [
-        f"{plan.world_size} ranks, {world_nodes} nodes of {gpus_per_node}; "
-        + ("grid " if group_kind.view is None else f"{group_kind.view} view ")
-        + " x ".join(f"{n}={s}" for n, s in zip(layout.dim_names, layout.shape)),
-        f"colour: {kind} group ({summary.count} groups of {summary.size}, key {summary.key!r})",
-        where,
-    ]
-    if rank is not None:
-        lines.append(f"outlined: the {kind} group of rank {rank}")
-    footer = (
-        f"... drawn: nodes {first_node}-{last_node - 1} (ranks {lo}-{hi - 1}); "
-        f"{world_nodes - (last_node - first_node)} other nodes not drawn"
-        if last_node - first_node < world_nodes
-        else None
-    )
-    top = _MARGIN + _LINE_H * len(lines) + 6
-    # Wide enough for the cells and for every line of text, the footer included.
-    longest_text = max(len(t) for t in lines + ([footer] if footer else []))
-    width = max(_MARGIN * 2 + _LABEL_W + gpus_per_node * _CELL_W, 8 * longest_text + 2 * _MARGIN)
-    pic = Picture(width=width, height=0)
-    for i, text in enumerate(lines):
-        pic.texts.append((_MARGIN, _MARGIN + _LINE_H * i, text))
-
-    coords_names = layout.dim_names
-    # Group index of each drawn rank, from one pass over the enumeration: O(grid size).
-    index_of: dict[int, int] = {}
-    for g, members in enumerate(group_kind.enumerate()):
-        for r in members:
-            if lo <= r < hi:
-                index_of[r] = g
-    for node in range(first_node, last_node):
-        y = top + (node - first_node) * _CELL_H
-        pic.texts.append((_MARGIN, y + 8, f"node {node}"))
-        for local in range(gpus_per_node):
-            r = node * gpus_per_node + local
-            if r >= hi:
-                break
-            x = _MARGIN + _LABEL_W + local * _CELL_W
-            if r in index_of:
-                coords = ", ".join(f"{n}={c}" for n, c in zip(coords_names, layout.coords(r)))
-                fill, tip = group_colour(index_of[r]), f"rank {r}: {coords}; {kind} group {index_of[r]}"
-            else:
-                fill, tip = (235, 235, 235), f"rank {r}: not on the grid"
-            pic.cells.append(Cell(x, y, _CELL_W - 2, _CELL_H - 2, fill, str(r), tip, r in highlight))
-    y = top + (last_node - first_node) * _CELL_H + 6
-    if footer:
-        pic.texts.append((_MARGIN, y, footer))
-        y += _LINE_H
-    pic.height = y + _MARGIN
-    logger.debug("picture of %s: %d cells, %dx%d", kind, len(pic.cells), pic.width, pic.height)
-    return pic
-
-
-def _hex(colour: RGB) -> str:
-    return "#%02x%02x%02x" % colour
-
-
-def svg(pic: Picture) -> str:
-    """The picture as an SVG document (text), one ``<title>`` tooltip per rank.
+    ``kinds`` is one name or several; by default the plan's kinds (Megatron's tp, cp, dp, pp,
+    ep, expt_tp, expt_dp), leaving out kinds of single ranks and kinds whose groups equal an
+    earlier panel's. ``rank``: outline its groups. ``nvlink_domain``: GPUs per NVLink domain
+    (default ``gpus_per_node``). A world over ``max_ranks`` ranks draws a window of whole nodes,
+    the one holding ``rank`` (else the first).
 
     Example::
 
-        >>> svg(Picture(10, 10, texts=[(0, 0, "a<b")]))[:4]
-        '<svg'
+        >>> from hypergrid.report import plan_megatron
+        >>> pic = picture(plan_megatron(4096, tp=8, pp=4), gpus_per_node=8, rank=3000)
+        >>> pic.first_rank, pic.end_rank, pic.title[1]
+        (2944, 3072, 'drawn: nodes 368-383 (ranks 2944-3071); 496 other nodes (3968 ranks) not drawn')
+        >>> [(p.name, p.title[0]) for p in pic.panels]
+        [('tp', 'tp: 512 groups of 8'), ('dp', 'dp: 32 groups of 128'), ('pp', 'pp: 1024 groups of 4')]
     """
-    out = [
-        f'<svg xmlns="http://www.w3.org/2000/svg" width="{pic.width}" height="{pic.height}" '
-        f'viewBox="0 0 {pic.width} {pic.height}" font-family="monospace" font-size="12">',
-        f'<rect width="{pic.width}" height="{pic.height}" fill="{_hex(_BACKGROUND)}"/>',
-    ]
-    for x, y, text in pic.texts:
-        out.append(f'<text x="{x}" y="{y + 11}" fill="{_hex(_TEXT)}">{escape(text)}</text>')
-    for c in pic.cells:
-        stroke = 'stroke="#000" stroke-width="2.5"' if c.outlined else 'stroke="#888" stroke-width="0.5"'
-        out.append(
-            f'<g><title>{escape(c.tooltip)}</title>'
-            f'<rect x="{c.x}" y="{c.y}" width="{c.w}" height="{c.h}" fill="{_hex(c.fill)}" {stroke}/>'
-            f'<text x="{c.x + c.w // 2}" y="{c.y + c.h // 2 + 4}" text-anchor="middle" '
-            f'fill="{_hex(_TEXT)}">{escape(c.label)}</text></g>'
-        )
-    out.append("</svg>")
-    return "\n".join(out) + "\n"
+    for label, value in (("gpus_per_node", gpus_per_node), ("nvlink_domain", nvlink_domain), ("max_ranks", max_ranks)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+    domain = nvlink_domain or gpus_per_node
+    world = plan.world_size
+    groups_of = plan.groups_of(rank) if rank is not None else {}  # checks the rank first
+    asked = [kinds] if isinstance(kinds, str) else list(kinds or [])
+    names = asked or _default_kinds(plan)
+    for name in names:
+        plan.kind(name)  # an unknown kind fails here, naming the known ones
+    world_nodes = -(-world // gpus_per_node)
+    if world <= max_ranks and world_nodes <= _MAX_ROWS:
+        first_node, drawn_nodes = 0, world_nodes
+    else:
+        drawn_nodes = min(_MAX_ROWS // 2, max(1, min(max_ranks, _WINDOW_RANKS) // gpus_per_node))
+        first_node = 0 if rank is None else (rank // gpus_per_node) // drawn_nodes * drawn_nodes
+        first_node = min(first_node, world_nodes - drawn_nodes)
+    lo, hi = first_node * gpus_per_node, min((first_node + drawn_nodes) * gpus_per_node, world)
 
-
-# A 3x5 pixel font: five rows of three bits per glyph. Lower case only; upper case is folded.
-_FONT_ROWS = {
-    "0": "111101101101111", "1": "010110010010111", "2": "111001111100111", "3": "111001111001111",
-    "4": "101101111001001", "5": "111100111001111", "6": "111100111101111", "7": "111001001010010",
-    "8": "111101111101111", "9": "111101111001111", "a": "010101111101101", "b": "110101110101110",
-    "c": "011100100100011", "d": "110101101101110", "e": "111100110100111", "f": "111100110100100",
-    "g": "011100101101011", "h": "101101111101101", "i": "111010010010111", "j": "001001001101010",
-    "k": "101101110101101", "l": "100100100100111", "m": "101111111101101", "n": "110101101101101",
-    "o": "010101101101010", "p": "110101110100100", "q": "010101101110011", "r": "110101110101101",
-    "s": "011100010001110", "t": "111010010010010", "u": "101101101101111", "v": "101101101101010",
-    "w": "101101111111101", "x": "101101010101101", "y": "101101010010010", "z": "111001010100111",
-    " ": "000000000000000", "-": "000000111000000", ".": "000000000000010", ",": "000000000010100",
-    ":": "000010000010000", "(": "010100100100010", ")": "010001001001010", "/": "001001010100100",
-    "=": "000111000111000", "+": "000010111010000", "_": "000000000000111", "[": "110100100100110",
-    "]": "011001001001011", "'": "010010000000000", "?": "111001010000010", "*": "000101010101000",
-    ";": "000010000010100", "<": "001010100010001", ">": "100010001010100", "#": "101111101111101",
-}
-_SCALE = 2  # font pixels per glyph pixel: 6x10 characters, readable at 100%
-_ADVANCE = 4 * _SCALE
-
-
-class _Canvas:
-    """An RGB raster with the three operations the pictures need."""
-
-    def __init__(self, width: int, height: int) -> None:
-        self.width, self.height = width, height
-        self.data = bytearray(bytes(_BACKGROUND) * (width * height))
-
-    def rect(self, x: int, y: int, w: int, h: int, colour: RGB) -> None:
-        x0, y0 = max(0, x), max(0, y)
-        x1, y1 = min(self.width, x + w), min(self.height, y + h)
-        if x0 >= x1:
-            return
-        row = bytes(colour) * (x1 - x0)
-        for yy in range(y0, y1):
-            start = (yy * self.width + x0) * 3
-            self.data[start:start + len(row)] = row
-
-    def text(self, x: int, y: int, text: str, colour: RGB = _TEXT) -> None:
-        for i, ch in enumerate(text.lower()):
-            rows = _FONT_ROWS.get(ch, _FONT_ROWS["?"])
-            for bit, on in enumerate(rows):
-                if on == "1":
-                    px = x + i * _ADVANCE + (bit % 3) * _SCALE
-                    py = y + (bit // 3) * _SCALE
-                    self.rect(px, py, _SCALE, _SCALE, colour)
-
-    def png(self) -> bytes:
-        stride = self.width * 3
-        # Filter type 0 on every scanline: simple, and zlib still shrinks the flat colours well.
-        raw = b"".join(b"\x00" + bytes(self.data[y * stride:(y + 1) * stride]) for y in range(self.height))
-
-        def chunk(kind: bytes, payload: bytes) -> bytes:
-            return struct.pack(">I", len(payload)) + kind + payload + struct.pack(
-                ">I", zlib.crc32(kind + payload) & 0xFFFFFFFF
-            )
-
-        header = struct.pack(">IIBBBBB", self.width, self.height, 8, 2, 0, 0, 0)
-        return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b"")
-
-
-def png(pic: Picture) -> bytes:
-    """The picture as PNG bytes (8-bit RGB), drawn with the built-in 3x5 pixel font.
-
-    Example::
-
-        >>> data = png(Picture(20, 10, texts=[(1, 1, "ok")]))
-        >>> data[:4], len(data) > 50
-        (b'\\x89PNG', True)
-    """
-    canvas = _Canvas(pic.width, pic.height)
-    for x, y, text in pic.texts:
-        canvas.text(x, y + 1, text)
-    for c in pic.cells:
-        if c.outlined:
-            canvas.rect(c.x - 2, c.y - 2, c.w + 4, c.h + 4, _OUTLINE)
+    panels: list[Panel] = []
+    left_out: list[str] = []
+    drawn_enumerations: dict[str, list[list[int]]] = {}
+    for name in names:
+        kind = plan.kind(name)
+        groups = kind.enumerate()
+        if not asked:
+            same = next((n for n, e in drawn_enumerations.items() if e == groups), None)
+            if kind.size == 1 or same:
+                left_out.append(f"{name} (groups of 1)" if kind.size == 1 else f"{name} (same groups as {same})")
+                continue
+        drawn_enumerations[name] = groups
+        group_of = {r: g for g, members in enumerate(groups) for r in members if lo <= r < hi}
+        shown = sorted(set(group_of.values()))
+        styles = assign_styles([[r for r in groups[g] if lo <= r < hi] for g in shown], gpus_per_node)
+        summary = plan.summary(name, gpus_per_node)
+        size = "sizes vary" if summary.size is None else f"of {summary.size}"
+        title = [f"{name}: {summary.count} groups {size}"]
+        if summary.crosses_nodes:
+            title.append(f"crosses nodes: up to {summary.max_nodes} per group")
         else:
-            canvas.rect(c.x - 1, c.y - 1, c.w + 2, c.h + 2, (150, 150, 150))
-        canvas.rect(c.x, c.y, c.w, c.h, c.fill)
-        text_w = len(c.label) * _ADVANCE - _SCALE
-        canvas.text(c.x + (c.w - text_w) // 2, c.y + (c.h - 5 * _SCALE) // 2, c.label)
-    return canvas.png()
+            title.append("each group inside one node")
+        if domain != gpus_per_node:
+            in_domain = plan.summary(name, domain)
+            title[-1] += "; " + ("crosses NVLink domains" if in_domain.crosses_nodes else "inside NVLink domains")
+        members = groups_of.get(name)
+        if rank is not None:
+            title.append(f"rank {rank}: " + ("in no group" if members is None else _short(members, lo, hi)))
+        panels.append(Panel(name, title, group_of, dict(zip(shown, styles)),
+                            {r for r in members or [] if lo <= r < hi}))
+
+    if not panels:  # every kind has groups of one rank: draw the first anyway
+        return picture(plan, names[0], gpus_per_node, rank=rank, nvlink_domain=nvlink_domain, max_ranks=max_ranks)
+    sizes = ", ".join(f"{p.name} {plan.kind(p.name).size}" for p in panels if plan.kind(p.name).size)
+    title = [f"{world} ranks on {world_nodes} node{'s' * (world_nodes != 1)} of {gpus_per_node} GPUs"
+             + (f", NVLink domains of {domain} GPUs" if domain != gpus_per_node else "")
+             + (f": {sizes}" if sizes else "")]
+    if drawn_nodes < world_nodes:
+        nodes = f"node {first_node}" if drawn_nodes == 1 else f"nodes {first_node}-{first_node + drawn_nodes - 1}"
+        title.append(f"drawn: {nodes} (ranks {lo}-{hi - 1}); "
+                     f"{world_nodes - drawn_nodes} other nodes ({world - (hi - lo)} ranks) not drawn")
+    caption = ["rows: nodes; thin grey lines: node boundaries"
+               + (f"; thick black lines: NVLink domains of {domain} GPUs" if domain != gpus_per_node else "")
+               + (f"; dashed outline: rank {rank}'s groups (its own cell boxed or starred)" if rank is not None else "")
+               + "; counts and locality over the whole world"]
+    if any(len(p.styles) > 2 * _HUES for p in panels):
+        caption.append(f"hatching: a second cue in panels with more than {2 * _HUES} groups drawn")
+    if left_out:
+        caption.append("not drawn: " + ", ".join(left_out))
+    logger.debug("picture of %s: ranks %d-%d of %d", [p.name for p in panels], lo, hi - 1, world)
+    return Picture(gpus_per_node, domain, lo, hi, rank, title, caption, panels)
 
 
-def write_picture(pic: Picture, path: str) -> int:
-    """Write ``pic`` to ``path`` as SVG or PNG, by the file's suffix; return the bytes written.
+def _short(members: Sequence[int], lo: int, hi: int) -> str:
+    text = ", ".join(map(str, members[:4])) + (", ..." if len(members) > 4 else "")
+    drawn = sum(lo <= r < hi for r in members)
+    notes = [f"{len(members)} ranks"] if len(members) > 4 else []
+    notes += [f"{drawn} drawn"] if drawn < len(members) else []
+    return text + (f" ({', '.join(notes)})" if notes else "")
+
+
+def _edges(key: Any, cols: int, first: int, end: int, border: bool) -> list[list[tuple[int, int]]]:
+    """Cell edges between ranks whose ``key`` differs; ``border``: also the outer edges of true cells."""
+    out = []
+    for r in range(first, end):
+        row, col = divmod(r - first, cols)
+        here = key(r)
+        right, below = col + 1 < cols and r + 1 < end, r + cols < end
+        if (right and key(r + 1) != here) or (border and here and not right):
+            out.append([(col + 1, row), (col + 1, row + 1)])
+        if (below and key(r + cols) != here) or (border and here and not below):
+            out.append([(col, row + 1), (col + 1, row + 1)])
+        if border and here and col == 0:
+            out.append([(0, row), (0, row + 1)])
+        if border and here and row == 0:
+            out.append([(col, 0), (col + 1, 0)])
+    return out
+
+
+def _figure(pic: Picture) -> Any:
+    """The matplotlib Figure of ``pic``: panels side by side (wrapping), sized to the cells."""
+    import textwrap
+
+    from matplotlib import colormaps
+    from matplotlib.collections import LineCollection, PatchCollection
+    from matplotlib.colors import to_rgb
+    from matplotlib.figure import Figure
+    from matplotlib.patches import Rectangle
+
+    tab20 = colormaps["tab20"].colors
+    palette = [tab20[i] for i in range(0, 20, 2)] + [tab20[i] for i in range(1, 20, 2)]
+    cols, first, end = pic.gpus_per_node, pic.first_rank, pic.end_rank
+    rows = -(-(end - first) // cols)
+    ch = min(0.3, max(0.09, 6.5 / rows))  # cell height and width in inches
+    cw = min(0.5, max(0.12, 1.6 * ch, 3.0 / cols)) if cols <= 16 else max(0.1, 8.0 / cols)
+    font = min(8.0, ch * 72 * 0.5, cw * 72 * 0.85 / (0.62 * len(str(end - 1))))
+    labels = font >= 4.5  # rank numbers in the cells only when they fit
+    pw, ph = cols * cw, rows * ch
+    em = 7.5 * 0.58 / 72  # inches per character of the 7.5 pt titles, about
+    titles = [[ln for text in p.title for ln in textwrap.wrap(text, max(36, int(pw / em)))] for p in pic.panels]
+    slot = max(pw, em * max(len(ln) for t in titles for ln in t)) + 0.35  # a panel and the gap after it
+    title_h = 0.16 * max(len(t) for t in titles) + 0.1
+    ncols = max(1, min(len(pic.panels), int(17 // slot)))
+    nrows = -(-len(pic.panels) // ncols)
+    tick_step = max(1, -(-rows // 32))
+    ticks = [f"node {first // cols + n}: {first + n * cols}-{min(first + (n + 1) * cols, end) - 1}"
+             for n in range(0, rows, tick_step)]
+    left = 0.3 + 6.5 * 0.6 / 72 * max(len(t) for t in ticks)
+    width = max(left + ncols * slot, 5.0)
+    wrap = int(width / em)
+    caption = [line for text in pic.caption for line in textwrap.wrap(text, wrap)]
+    head, foot = 0.2 + 0.19 * len(pic.title), 0.25 + 0.15 * len(caption)
+    height = head + nrows * (title_h + ph + 0.25) + foot
+    fig = Figure(figsize=(width, height))
+    fig.text(0.15 / width, 1 - 0.12 / height, "\n".join(pic.title), va="top", fontsize=10, weight="bold")
+    fig.text(0.15 / width, 0.08 / height, "\n".join(caption), va="bottom", fontsize=7.5, color="#333")
+    x_step = max(1, cols // 8)
+    for i, panel in enumerate(pic.panels):
+        x0 = left + (i % ncols) * slot
+        y0 = height - head - (i // ncols + 1) * (title_h + ph + 0.25) + 0.25
+        ax = fig.add_axes((x0 / width, y0 / height, pw / width, ph / height))
+        ax.set_gid(f"panel-{panel.name}")
+        ax.set_xlim(0, cols)
+        ax.set_ylim(rows, 0)
+        ax.set_title("\n".join(titles[i]), fontsize=7.5, loc="left", pad=4)
+        for side in ax.spines.values():
+            side.set_visible(False)
+        ax.set_yticks([n + 0.5 for n in range(0, rows, tick_step)])
+        ax.set_yticklabels(ticks if i % ncols == 0 else [""] * len(ticks), fontsize=6.5)
+        ax.set_xticks([c + 0.5 for c in range(0, cols, x_step)])
+        ax.set_xticklabels([str(c) for c in range(0, cols, x_step)], fontsize=6)
+        ax.tick_params(length=0, pad=3)
+        by_hatch: dict[int, tuple[list[Any], list[Any]]] = {}
+        for r in range(first, end):
+            row, col = divmod(r - first, cols)
+            g = panel.group_of.get(r)
+            colour, hatch = panel.styles[g] if g is not None else (None, 0)
+            face = palette[colour] if colour is not None else (1.0, 1.0, 1.0)
+            cells, faces = by_hatch.setdefault(hatch, ([], []))
+            cells.append(Rectangle((col, row), 1, 1))
+            faces.append(face)
+            if r == pic.rank:
+                ax.text(col + 0.5, row + 0.55, str(r) if labels else "", ha="center", va="center",
+                        fontsize=font, weight="bold", bbox={"boxstyle": "round,pad=0.15", "fc": "white", "lw": 0})
+            elif labels:
+                light = sum(w * v for w, v in zip((0.3, 0.59, 0.11), to_rgb(face))) > 0.5
+                ax.text(col + 0.5, row + 0.55, str(r), ha="center", va="center", fontsize=font,
+                        color="black" if light else "white")
+        for hatch, (cells, faces) in sorted(by_hatch.items()):
+            ax.add_collection(PatchCollection(cells, facecolors=faces, edgecolors=(0, 0, 0, 0.3),
+                                              linewidths=0.4, hatch=HATCHES[hatch] or None))
+        ax.add_collection(LineCollection([[(0, n), (cols, n)] for n in range(1, rows)], colors="#777", linewidths=1.0))
+        lines = []
+        if pic.nvlink_domain != cols:
+            domains = _edges(lambda r: r // pic.nvlink_domain, cols, first, end, False)
+            lines.append((domains, "black", 2.6, "solid", "domains"))
+        if panel.highlight:
+            outline = _edges(lambda r: r in panel.highlight, cols, first, end, True)
+            lines += [(outline, "black", 3.0, "solid", f"highlight-{panel.name}"),
+                      (outline, "white", 1.4, (0, (2, 2)), None)]
+        for segments, colour, lw, style, gid in lines:
+            collection = LineCollection(segments, colors=colour, linewidths=lw, linestyles=style, gid=gid)
+            collection.set_clip_on(False)
+            ax.add_collection(collection)
+        if pic.rank is not None and first <= pic.rank < end and not labels:
+            row, col = divmod(pic.rank - first, cols)
+            ax.plot([col + 0.5], [row + 0.5], marker="*", color="black", markeredgecolor="white", markersize=8)
+    return fig
+
+
+def write_picture(pic: Picture, path: Union[str, "os.PathLike[str]"], format: Optional[str] = None) -> int:
+    """Draw ``pic`` into ``path`` as PNG or SVG (``format``, else the file's suffix); return its bytes.
+
+    ImportError with an install hint when matplotlib is missing; OSError when ``path`` cannot
+    be written.
 
     Example::
 
         >>> import os, tempfile
-        >>> path = os.path.join(tempfile.mkdtemp(), "p.svg")
-        >>> write_picture(Picture(10, 10), path) > 0
+        >>> from hypergrid.report import plan_grid
+        >>> path = os.path.join(tempfile.mkdtemp(), "grid.png")
+        >>> write_picture(picture(plan_grid([2, 4], ["tp", "dp"]), gpus_per_node=4), path) > 1000
         True
+        >>> open(path, "rb").read(4)
+        b'\\x89PNG'
     """
-    lowered = str(path).lower()
-    if lowered.endswith(".svg"):
-        data = svg(pic).encode("utf-8")
-    elif lowered.endswith(".png"):
-        data = png(pic)
-    else:
-        raise ValueError(f"picture file {path!r} must end in .svg or .png")
-    with open(path, "wb") as f:
-        f.write(data)
-    return len(data)
+    fmt = (format or os.path.splitext(str(path))[1].lstrip(".")).lower()
+    if fmt not in ("png", "svg"):
+        raise ValueError(f"picture file {str(path)!r}: expected a .png or .svg suffix "
+                         f"(or format 'png' or 'svg'), got {fmt!r}")
+    try:
+        import matplotlib
+        from PIL import Image  # matplotlib's own dependency
+    except ImportError:
+        raise ImportError(_INSTALL_HINT) from None
+    # Text stays text in SVG; no date, version or random ids, so the same picture gives the same bytes.
+    rc = {"svg.fonttype": "none", "svg.hashsalt": "hypergrid", "hatch.linewidth": 0.5, "font.family": "DejaVu Sans"}
+    with matplotlib.rc_context(rc):
+        fig = _figure(pic)
+        if fmt == "svg":
+            fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})
+        else:
+            buffer = io.BytesIO()
+            fig.savefig(buffer, format="png", dpi=100)
+            # Flat colours: a 256-colour palette PNG looks the same and is about 3x smaller.
+            Image.open(buffer).convert("RGB").quantize(256).save(path, format="PNG", optimize=True)
+    size = os.path.getsize(path)
+    logger.debug("wrote %s (%d bytes, %d panels)", path, size, len(pic.panels))
+    return size

@@ -26,7 +26,9 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
 
 def _png_size(data: bytes) -> tuple[int, int]:
     assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    width, height = struct.unpack(">II", data[16:24])
+    width, height, depth, colour_type = struct.unpack(">IIBB", data[16:26])
+    assert depth == 8 and colour_type in (2, 3, 6)  # RGB, palette or RGBA, 8 bits
+    channels = {2: 3, 3: 1, 6: 4}[colour_type]
     # Walk the chunks: CRCs right, and the pixels decompress to exactly the declared size.
     pos, idat = 8, b""
     while pos < len(data):
@@ -36,13 +38,14 @@ def _png_size(data: bytes) -> tuple[int, int]:
         assert crc == zlib.crc32(kind + payload) & 0xFFFFFFFF, kind
         idat += payload if kind == b"IDAT" else b""
         pos += 12 + length
-    assert len(zlib.decompress(idat)) == height * (1 + 3 * width)
+    assert len(zlib.decompress(idat)) == height * (1 + channels * width)
     return width, height
 
 
 def test_plan_json_png_svg_in_one_subprocess(tmp_path):
     png, svg = tmp_path / "p.png", tmp_path / "p.svg"
-    proc = _run("plan", *MOE, "--rank", "37", "--format", "json", "--png", str(png), "--svg", str(svg), "--colour", "ep")
+    proc = _run("plan", *MOE, "--rank", "37", "--format", "json", "--png", str(png), "--svg", str(svg), "--kind", "tp,ep",
+                "--nvlink-domain", "16")
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)  # stdout is only the JSON; picture notes go to stderr
     assert "wrote" in proc.stderr and "p.png" in proc.stderr
@@ -60,15 +63,17 @@ def test_plan_json_png_svg_in_one_subprocess(tmp_path):
     kinds = {k["name"]: k for k in data["kinds"]}
     assert kinds["tp"]["crosses_nodes"] is False and kinds["pp"]["crosses_nodes"] is True
     assert kinds["ep"]["count"] == 16 and kinds["ep"]["size"] == 4
-    # Pictures: written, of sensible size, one cell per rank in the SVG.
+    # Pictures: written, of sensible size, one panel per --kind, rank 37's groups outlined.
+    assert "one panel each for tp, ep" in proc.stderr
     width, height = _png_size(png.read_bytes())
     assert 200 < width < 2000 and 200 < height < 3000
     assert 2_000 < png.stat().st_size < 500_000
-    tree = ElementTree.parse(svg)
-    rects = tree.getroot().findall(".//{http://www.w3.org/2000/svg}rect")
-    assert len(rects) == 64 + 1  # the background and one per rank
-    titles = [t.text for t in tree.getroot().iter("{http://www.w3.org/2000/svg}title")]
-    assert any(t.startswith("rank 37:") for t in titles)
+    root = ElementTree.parse(svg).getroot()
+    ids = [g.get("id") for g in root.iter("{http://www.w3.org/2000/svg}g")]
+    assert [i for i in ids if i and i.startswith(("panel-", "highlight-"))] == [
+        "panel-tp", "highlight-tp", "panel-ep", "highlight-ep"]
+    texts = " ".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
+    assert "rank 37: 36, 37" in texts and "NVLink domains of 16 GPUs" in texts
 
 
 def test_plan_table_and_csv_and_console_script():

@@ -1,94 +1,178 @@
-"""Pictures: colours follow groups, large worlds are summarised, both encoders produce valid files."""
+"""Pictures: one panel per kind, touching groups never share a colour, the chosen rank's groups
+are outlined, large worlds draw a window, and files are valid PNG/SVG (or one error line)."""
 
 from __future__ import annotations
 
+import doctest
+import importlib
 import struct
-import zlib
+import sys
 from xml.etree import ElementTree
 
+import pytest
+
+from hypergrid import cli
 from hypergrid.report import plan_grid, plan_megatron
-from hypergrid.viz import MAX_RANKS_DRAWN, group_colour, picture, png, svg, write_picture
+from hypergrid.viz import HATCHES, assign_styles, picture, write_picture
+
+SVG = "{http://www.w3.org/2000/svg}"
 
 
-def _pixels(data: bytes) -> tuple[int, int, bytes]:
-    width, height = struct.unpack(">II", data[16:24])
-    pos, idat = 8, b""
-    while pos < len(data):
-        (length,) = struct.unpack(">I", data[pos:pos + 4])
-        if data[pos + 4:pos + 8] == b"IDAT":
-            idat += data[pos + 8:pos + 8 + length]
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    rows = [raw[y * (1 + 3 * width) + 1:(y + 1) * (1 + 3 * width)] for y in range(height)]
-    return width, height, b"".join(rows)
+def _touching(groups: list[list[int]], gpus_per_node: int) -> set[tuple[int, int]]:
+    """Pairs of group indices whose cells are neighbours in a row or a column, or whose indices follow."""
+    owner = {r: g for g, members in enumerate(groups) for r in members}
+    pairs = {(g, g + 1) for g in range(len(groups) - 1)}
+    for r, g in owner.items():
+        for other in ([r + 1] if (r + 1) % gpus_per_node else []) + [r + gpus_per_node]:
+            h = owner.get(other)
+            if h is not None and h != g:
+                pairs.add((min(g, h), max(g, h)))
+    return pairs
 
 
-def test_cells_are_coloured_by_group_and_laid_out_by_node():
-    plan = plan_grid([2, 3, 4], ["tp", "cp", "dp"])
-    pic = picture(plan, "cp", gpus_per_node=6)
-    assert [c.label for c in pic.cells] == [str(r) for r in range(24)]
-    by_rank = {int(c.label): c for c in pic.cells}
-    for group in plan.kind("cp").enumerate():
-        assert len({by_rank[r].fill for r in group}) == 1
-    firsts = [by_rank[g[0]].fill for g in plan.kind("cp").enumerate()]
-    assert len(set(firsts)) == len(firsts)  # 8 groups, 8 colours
-    # Node rows: ranks 0-5 on the first row, 6-11 on the second.
-    assert by_rank[0].y == by_rank[5].y < by_rank[6].y
-    assert by_rank[1].x == by_rank[7].x
-    assert any("each of the 8 groups stays inside one node" in t for _, _, t in pic.texts)
+def _ids(path) -> list[str]:
+    return [g.get("id") for g in ElementTree.parse(path).getroot().iter(f"{SVG}g") if g.get("id")]
 
 
-def test_rank_group_is_outlined():
+def test_panels_colour_ranks_by_group_laid_out_by_node():
+    plan = plan_grid([2, 3, 4], ["tp", "cp", "dp"], groups=[["cp", "dp"]])
+    pic = picture(plan, gpus_per_node=6)
+    assert [p.name for p in pic.panels] == ["tp", "cp", "dp", "cp-dp"]
+    assert (pic.first_rank, pic.end_rank, pic.gpus_per_node, pic.nvlink_domain) == (0, 24, 6, 6)
+    for panel in pic.panels:
+        groups = plan.kind(panel.name).enumerate()
+        assert panel.group_of == {r: g for g, members in enumerate(groups) for r in members}
+        assert len(set(panel.styles.values())) == len(groups)  # every group looks different
+    cp = pic.panels[1]
+    assert cp.title[:2] == ["cp: 8 groups of 3", "each group inside one node"]
+    assert pic.panels[2].title[1] == "crosses nodes: up to 4 per group"
+    assert pic.title == ["24 ranks on 4 nodes of 6 GPUs: tp 2, cp 3, dp 4, cp-dp 12"]
+
+
+def test_default_kinds_leave_out_single_rank_and_repeated_groups():
+    pic = picture(plan_megatron(128, tp=8, pp=4), gpus_per_node=8)
+    assert [p.name for p in pic.panels] == ["tp", "dp", "pp"]
+    assert pic.caption[-1] == ("not drawn: cp (groups of 1), ep (groups of 1), expt_tp (same groups as tp), "
+                               "expt_dp (same groups as dp)")
+    # Asked for by name, any kind is drawn, single ranks and derived kinds included.
+    assert [p.name for p in picture(plan_megatron(16, tp=2, pp=2), ["cp", "embd"], 4).panels] == ["cp", "embd"]
+    with pytest.raises(ValueError, match="'zz'"):
+        picture(plan_megatron(16, tp=2), "zz", 4)
+    with pytest.raises(ValueError, match="nvlink_domain must be a positive integer, got 0"):
+        picture(plan_megatron(16, tp=2), "tp", 4, nvlink_domain=0)
+
+
+def test_rank_groups_are_outlined_in_every_panel(tmp_path):
     plan = plan_megatron(16, tp=2, pp=2)
-    pic = picture(plan, "dp", 4, rank=5)
-    outlined = sorted(int(c.label) for c in pic.cells if c.outlined)
-    assert outlined == plan.groups_of(5)["dp"]
+    pic = picture(plan, gpus_per_node=4, rank=5)
+    for panel in pic.panels:
+        assert sorted(panel.highlight) == plan.groups_of(5)[panel.name]
+        assert panel.title[-1].startswith("rank 5: ")
+    write_picture(pic, tmp_path / "p.svg")
+    ids = _ids(tmp_path / "p.svg")
+    for name in ("tp", "dp", "pp"):
+        assert f"panel-{name}" in ids and f"highlight-{name}" in ids
+    write_picture(picture(plan, "tp", 4), tmp_path / "q.svg")  # no rank, no outline
+    assert not any(i.startswith("highlight") for i in _ids(tmp_path / "q.svg"))
 
 
-def test_large_world_is_summarised_with_whole_world_counts():
-    plan = plan_megatron(4096, tp=8, pp=8, ep=32, etp=1)
-    pic = picture(plan, "ep", 8)
-    assert len(pic.cells) == 256 < MAX_RANKS_DRAWN
-    text = " ".join(t for _, _, t in pic.texts)
-    assert "drawn: nodes 0-31 (ranks 0-255); 480 other nodes not drawn" in text
-    assert f"{plan.summary('ep', 8).count} groups of 32" in text
-    # With a rank, the window holds that rank's node, and its group is outlined there.
-    pic = picture(plan, "tp", 8, rank=3000)
-    assert [c.label for c in pic.cells][:1] == ["2816"] and len(pic.cells) == 256
-    assert sorted(int(c.label) for c in pic.cells if c.outlined) == plan.groups_of(3000)["tp"]
-    assert "drawn: nodes 352-383 (ranks 2816-3071)" in " ".join(t for _, _, t in pic.texts)
+def test_large_world_draws_a_window_with_whole_world_counts():
+    plan = plan_megatron(4096, tp=2, pp=4, cp=2, ep=8, etp=1)
+    pic = picture(plan, gpus_per_node=8, rank=3000, nvlink_domain=72)
+    assert (pic.first_rank, pic.end_rank) == (2944, 3072)  # 16 whole nodes, rank 3000's among them
+    assert pic.title[1] == "drawn: nodes 368-383 (ranks 2944-3071); 496 other nodes (3968 ranks) not drawn"
+    assert "NVLink domains of 72 GPUs" in pic.title[0]
+    panels = {p.name: p for p in pic.panels}
+    assert list(panels) == ["tp", "cp", "dp", "pp", "ep", "expt_dp"]
+    assert panels["pp"].title == ["pp: 1024 groups of 4", "crosses nodes: up to 4 per group; crosses NVLink domains",
+                                  "rank 3000: 952, 1976, 3000, 4024 (1 drawn)"]
+    assert panels["dp"].title[0] == "dp: 16 groups of 256"
+    assert set(panels["pp"].group_of) == set(range(2944, 3072))
 
 
-def test_png_pixels_show_the_cell_colours(tmp_path):
-    plan = plan_grid([2, 4], ["tp", "dp"])
-    pic = picture(plan, "tp", 4)
-    width, height, pixels = _pixels(png(pic))
-    assert (width, height) == (pic.width, pic.height)
-    for cell in pic.cells:
-        # A pixel inside the cell, off the centred label: the group colour.
-        x, y = cell.x + 2, cell.y + 2
-        assert pixels[(y * width + x) * 3:(y * width + x) * 3 + 3] == bytes(cell.fill)
-    assert write_picture(pic, str(tmp_path / "a.png")) == len(png(pic))
+@pytest.mark.parametrize(
+    "plan,kind",
+    [
+        (plan_megatron(4096, tp=2, pp=4, cp=2, ep=8, etp=1), "cp"),  # 2,048 groups: colours repeat
+        (plan_megatron(128, tp=8, pp=4), "dp"),  # 32 groups, one column each over 4 nodes
+        (plan_megatron(128, tp=8, pp=4), "pp"),
+        (plan_grid([3, 5, 7], ["a", "b", "c"]), "b"),  # groups that do not line up with nodes
+    ],
+    ids=["cp-4096", "dp-128", "pp-128", "b-105"],
+)
+def test_touching_groups_never_share_a_colour(plan, kind):
+    groups = plan.kind(kind).enumerate()
+    styles = assign_styles(groups, gpus_per_node=8)
+    for g, h in _touching(groups, 8):
+        assert styles[g][0] != styles[h][0], (g, h, groups[g], groups[h])
+    if len(groups) <= 20 * len(HATCHES):
+        assert len(set(styles)) == len(groups)  # beyond the palette, hatching tells them apart
+    else:
+        assert len(set(styles)) == 20 * len(HATCHES)
+    # The hue ramp this replaces gave cp groups 0, 8, 16, 24 of this picture four near-identical pinks.
+    if kind == "cp":
+        assert len({styles[g] for g in (0, 8, 16, 24)}) == 4
 
 
-def test_svg_is_well_formed_with_escaped_text(tmp_path):
-    plan = plan_grid([2, 2], ["a_b", "c"])
-    doc = svg(picture(plan, "a_b", 2, rank=1))
-    root = ElementTree.fromstring(doc)
-    assert root.tag.endswith("svg") and int(root.get("width")) == picture(plan, "a_b", 2).width
-    texts = "".join(t.text or "" for t in root.iter("{http://www.w3.org/2000/svg}text"))
-    assert "colour: a_b group" in texts and "key 'a_b'" in texts
+def test_assign_styles_uses_hatching_only_beyond_the_palette():
+    assert {h for _, h in assign_styles([[r] for r in range(20)], 4)} == {0}
+    styles = assign_styles([[r] for r in range(64)], 8)
+    assert len(set(styles)) == 64 and {h for _, h in styles} == {0, 1, 2, 3}
+    with pytest.raises(ValueError, match="got 0"):
+        assign_styles([[0]], 0)
 
 
-def test_group_colours_differ_for_neighbours():
-    colours = [group_colour(i) for i in range(16)]
-    assert len(set(colours)) == 16
+def test_png_and_svg_files(tmp_path):
+    pic = picture(plan_grid([2, 4], ["tp", "dp"]), gpus_per_node=4, rank=3)
+    size = write_picture(pic, tmp_path / "p.png")
+    data = (tmp_path / "p.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and data[12:16] == b"IHDR" and size == len(data)
+    width, height = struct.unpack(">II", data[16:24])
+    assert 400 <= width <= 1000 and 150 <= height <= 400  # about 5.4 x 2.3 inches at 100 dpi
+    # The format flag wins over the suffix; the same picture gives the same SVG bytes.
+    write_picture(pic, tmp_path / "a.out", format="svg")
+    write_picture(pic, tmp_path / "b.svg")
+    assert (tmp_path / "a.out").read_bytes() == (tmp_path / "b.svg").read_bytes()
+    root = ElementTree.parse(tmp_path / "b.svg").getroot()
+    assert [i for i in _ids(tmp_path / "b.svg") if i.startswith("panel-")] == ["panel-tp", "panel-dp"]
+    texts = " ".join(t.text or "" for t in root.iter(f"{SVG}text"))
+    assert "tp: 4 groups of 2" in texts and "node 1: 4-7" in texts
+    with pytest.raises(ValueError, match=r"'p\.gif'.*'gif'"):
+        write_picture(pic, "p.gif")
 
 
-import doctest  # noqa: E402
-import importlib  # noqa: E402
+def test_4096_rank_smoke(tmp_path):
+    plan = plan_megatron(4096, tp=2, pp=4, cp=2, ep=8, etp=1)
+    size = write_picture(picture(plan, gpus_per_node=8, rank=1000, nvlink_domain=72), tmp_path / "moe.png")
+    data = (tmp_path / "moe.png").read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and 20_000 < size < 400_000
 
-import pytest  # noqa: E402
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hypergrid: error: ") and "Traceback" not in err
+    return err
+
+
+def test_missing_matplotlib_is_one_line_and_text_still_works(tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now fails
+    argv = ["plan", "--world-size", "16", "--tp", "2", "--format", "csv"]
+    assert cli.main(argv) == 0 and "tp,tp" in capsys.readouterr().out
+    assert cli.main(argv + ["--png", str(tmp_path / "p.png")]) == 2
+    assert "pictures need matplotlib: pip install 'hypergrid[viz]'" in _one_error_line(capsys)
+    assert not (tmp_path / "p.png").exists()
+    pic = picture(plan_megatron(16, tp=2), gpus_per_node=8)  # the plan of a picture needs no matplotlib
+    with pytest.raises(ImportError, match="hypergrid\\[viz\\]"):
+        write_picture(pic, tmp_path / "p.svg")
+
+
+def test_unwritable_picture_path_is_one_line_exit_2(tmp_path, capsys):
+    argv = ["plan", "--world-size", "16", "--tp", "2"]
+    assert cli.main(argv + ["--png", "/nonexistent/dir/x.png"]) == 2
+    assert "/nonexistent/dir/x.png" in _one_error_line(capsys)
+    assert cli.main(argv + ["--svg", str(tmp_path)]) == 2  # a folder: open() itself fails
+    err = capsys.readouterr().err
+    assert err.startswith(f"hypergrid: error: --svg {tmp_path}: cannot write it") and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("name", ["hypergrid.report", "hypergrid.viz", "hypergrid.parity", "hypergrid.cli", "hypergrid.demo"])
