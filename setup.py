@@ -25,8 +25,19 @@ setup(
         # The adapter is tested against 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); pip picks
         # the newest release the interpreter can run.
         "megatron": ["megatron-core>=0.16.1,<0.20"],
-        # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests.
-        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1,<0.20"],
+        # The documentation: Markdown pages (MyST) and an API reference from the docstrings,
+        # built with `python -m sphinx -W -b html docs docs/_build`.
+        "docs": ["sphinx>=8", "myst-parser>=4"],
+        # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests. Sphinx and
+        # myst-parser: tests/test_docs.py builds the docs with warnings as errors.
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "einops>=0.8",
+            "megatron-core>=0.16.1,<0.20",
+            "sphinx>=8",
+            "myst-parser>=4",
+        ],
     },
     entry_points={"console_scripts": ["hypergrid=hypergrid.cli:main"]},
     classifiers=[
