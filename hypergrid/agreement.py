@@ -172,7 +172,7 @@ class Agreement:
 
     @property
     def round_id(self) -> str:
-        """The creation round this request is: alike on every member, unlike any other round."""
+        """The creation round this request is, alike on every member and unlike any other round."""
         p = self.position
         return f"{p.family}#{p.generation}#{p.index}"
 

@@ -252,7 +252,7 @@ class HyperCommGrid:
 
     @property
     def strategy(self) -> str:
-        """How this grid creates groups: ``"auto"``, ``"local"``, ``"split"`` or ``"enumerate"``."""
+        """How this grid creates groups, one of ``"auto"``, ``"local"``, ``"split"`` or ``"enumerate"``."""
         return self._strategy.value
 
     @property

@@ -148,7 +148,7 @@ class MegatronGrids:
 
     @property
     def expert_view(self) -> str:
-        """Name of the expert layout's view on :attr:`grid`: ``"expert"``."""
+        """Name of the expert layout's view on :attr:`grid`, ``"expert"``."""
         return "expert"
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
