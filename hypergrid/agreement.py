@@ -233,8 +233,8 @@ def members_fingerprint(members: Sequence[int]) -> str:
 
         >>> members_fingerprint([3, 1, 2])
         '[1, 2, 3]'
-        >>> members_fingerprint(range(1000))[:50]
-        '1000 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 999] sha1:'
+        >>> members_fingerprint(range(1000))  # doctest: +ELLIPSIS
+        '1000 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 999] sha1:...'
     """
     ordered = sorted(members)
     if len(ordered) <= 16:
