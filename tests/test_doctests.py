@@ -15,7 +15,9 @@ from __future__ import annotations
 import doctest
 import importlib
 import pkgutil
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
@@ -44,6 +46,20 @@ def test_every_module_is_collected():
     for name in ("hypergrid.mesh", "hypergrid.agreement", "hypergrid._torch_compat",
                  "hypergrid.megatron.initialize", "hypergrid.megatron.collection"):
         assert name in MODULES
+
+
+def test_no_commented_out_examples():
+    # ">>> # dp = grid.create_pg('dp')" reads like an example and checks nothing. An example that
+    # needs several processes is prose and a plain literal block (no ">>>"); one that needs a
+    # process group makes one (torch's fake backend) and destroys it.
+    package = Path(hypergrid.__file__).parent
+    found = [
+        f"{path.relative_to(package.parent)}:{number}: {line.strip()}"
+        for path in sorted(package.rglob("*.py"))
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if re.match(r"\s*(>>>|\.\.\.) +#(?! *doctest:)", line)
+    ]
+    assert not found, "commented-out docstring examples:\n" + "\n".join(found)
 
 
 def _import(name: str):
