@@ -2,7 +2,8 @@
 
 The modules are found by walking the package, so a new module's examples run without editing
 this file. A module that needs megatron-core (the adapter's group-creating modules) is skipped
-when megatron-core is not installed; any other import error fails.
+when megatron-core is not installed, and so is a docstring whose examples stop on its absence;
+any other import error fails.
 
 Examples that need a process group make one themselves (torch's fake backend, or a one-rank gloo
 world on a ``HashStore``) and destroy it at their end; this test checks that every module leaves
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import pkgutil
 import re
 import warnings
@@ -69,9 +71,31 @@ def _import(name: str):
             warnings.simplefilter("ignore")
             return importlib.import_module(name)
     except ModuleNotFoundError as exc:
-        if exc.name and exc.name.split(".")[0] == "megatron":
+        if _is_megatron_missing(exc):
             pytest.skip(f"{name} needs megatron-core, which is not installed ({exc})")
         raise
+
+
+def _is_megatron_missing(exc: BaseException) -> bool:
+    return isinstance(exc, ModuleNotFoundError) and (exc.name or "").split(".")[0] == "megatron"
+
+
+class _Runner(doctest.DocTestRunner):
+    """Notes whether an example failed because megatron-core is not installed."""
+
+    needs_megatron = False
+
+    def report_unexpected_exception(self, out, test, example, exc_info):
+        if _is_megatron_missing(exc_info[1]):
+            self.needs_megatron = True
+        super().report_unexpected_exception(out, test, example, exc_info)
+
+
+def _megatron_installed() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:
+        return False
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -81,20 +105,40 @@ def test_module_doctests(name, monkeypatch):
         monkeypatch.delenv(var, raising=False)
     module = _import(name)
     assert not dist.is_initialized(), "a process group was left initialised before this module's examples"
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            result = doctest.testmod(module, optionflags=doctest.ELLIPSIS, report=True)
-    finally:
-        left_behind = dist.is_initialized()
-        if left_behind:  # clean up for the tests that follow, then fail below
-            dist.destroy_process_group()
-        groups_left = REGISTRY.count()
-        REGISTRY.reset()
-    assert result.failed == 0, f"{result.failed} of {result.attempted} doctest examples of {name} failed"
-    assert not left_behind, f"the examples of {name} left a process group initialised"
-    assert groups_left == 0, f"the examples of {name} left {groups_left} hypergrid groups in the registry"
+    have_megatron = _megatron_installed()
+    attempted, failures, problems, skipped = 0, [], [], []
+    # One docstring at a time, each in a fresh copy of the module's globals (as doctest.testmod).
+    for test in doctest.DocTestFinder().find(module):
+        if not test.examples:
+            continue
+        runner = _Runner(optionflags=doctest.ELLIPSIS)
+        out: list[str] = []
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                result = runner.run(test, out=out.append)
+        finally:
+            left_behind = dist.is_initialized()
+            if left_behind:  # clean up for the examples and tests that follow
+                dist.destroy_process_group()
+            groups_left = REGISTRY.count()
+            REGISTRY.reset()
+        if runner.needs_megatron and not have_megatron:
+            # Examples of the Megatron adapter run initialize_model_parallel: not without it.
+            skipped.append(test.name)
+            continue
+        attempted += result.attempted
+        if result.failed:
+            failures.append("".join(out))
+        if left_behind:
+            problems.append(f"the examples of {test.name} left a process group initialised")
+        if groups_left:
+            problems.append(f"the examples of {test.name} left {groups_left} hypergrid groups in the registry")
+    assert not failures, f"doctest examples of {name} failed:\n" + "\n".join(failures)
+    assert not problems, "\n".join(problems)
+    if skipped and not attempted:
+        pytest.skip(f"the examples of {name} need megatron-core, which is not installed: {skipped}")
     # A module whose examples were all lost (e.g. turned into comments) would pass vacuously;
     # every module documents itself with runnable examples.
     if name not in NO_EXAMPLES:
-        assert result.attempted > 0, f"{name} has no doctest examples"
+        assert attempted > 0, f"{name} has no doctest examples"
