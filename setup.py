@@ -27,9 +27,21 @@ setup(
         "megatron": ["megatron-core>=0.16.1,<0.20"],
         # Pictures of a plan (`hypergrid plan --png/--svg`, hypergrid.viz.write_picture) only.
         "viz": ["matplotlib>=3.8"],
+        # The documentation: Markdown pages (MyST) and an API reference from the docstrings,
+        # built with `python -m sphinx -W -b html docs docs/_build`.
+        "docs": ["sphinx>=8", "myst-parser>=4"],
         # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests;
-        # matplotlib: the picture tests.
-        "test": ["pytest>=8", "hypothesis>=6", "einops>=0.8", "megatron-core>=0.16.1,<0.20", "matplotlib>=3.8"],
+        # matplotlib: the picture tests; Sphinx and myst-parser: tests/test_docs.py builds the
+        # docs with warnings as errors.
+        "test": [
+            "pytest>=8",
+            "hypothesis>=6",
+            "einops>=0.8",
+            "megatron-core>=0.16.1,<0.20",
+            "matplotlib>=3.8",
+            "sphinx>=8",
+            "myst-parser>=4",
+        ],
     },
     entry_points={"console_scripts": ["hypergrid=hypergrid.cli:main"]},
     classifiers=[

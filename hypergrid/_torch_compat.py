@@ -173,9 +173,18 @@ def mesh_from_groups(
     ``groups`` None: this rank is outside ``mesh``; it gets the mesh torch gives such a rank
     (no groups, ``get_coordinate()`` None).
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-        >>> # dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
+        >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
+        >>> before = process_group_count()
+        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+        >>> dm.mesh_dim_names, dm.get_group("tp") is tp, process_group_count() == before
+        (('dp', 'tp'), True, True)
+        >>> dist.destroy_process_group()
     """
     require_mesh_support()
     from torch.distributed.device_mesh import DeviceMesh
@@ -200,9 +209,20 @@ def register_flattened(root: Any, name: str, dims: tuple[str, ...], pg: Optional
     but over ``pg`` instead of a new group. Returns the flattened mesh. Idempotent for the same
     ``name`` and ``dims``.
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend: the flattened ``dp_tp`` dim of
+    a 2 x 4 mesh, over a group made beforehand (in hypergrid, the grid's ``["tp", "dp"]`` group)::
 
-        >>> # register_flattened(root, "dp_cp", ("dp", "cp"), grid.get_pg(["cp", "dp"]))
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
+        >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
+        >>> dp_tp = dist.new_group(list(range(8)), use_local_synchronization=True)
+        >>> root = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+        >>> flat = register_flattened(root, "dp_tp", ("dp", "tp"), dp_tp)
+        >>> flat.mesh_dim_names, root["dp_tp"].get_group() is dp_tp
+        (('dp_tp',), True)
+        >>> dist.destroy_process_group()
     """
     require_mesh_support()
     from torch.distributed._mesh_layout import _MeshLayout
@@ -239,9 +259,19 @@ def register_flattened(root: Any, name: str, dims: tuple[str, ...], pg: Optional
 def flattened_meshes(mesh: Any) -> dict[str, Any]:
     """The flattened dims registered on ``mesh``'s root, by name (a copy).
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-        >>> # flattened_meshes(dm)  ->  {"dp_cp": DeviceMesh((dp_cp=4), 'cpu', ...)}
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
+        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
+        >>> flattened_meshes(dm)
+        {}
+        >>> flat = register_flattened(dm, "dp_tp", ("dp", "tp"), dist.new_group(list(range(8))))
+        >>> list(flattened_meshes(dm["tp"]))            # found from a slice too
+        ['dp_tp']
+        >>> dist.destroy_process_group()
     """
     require_mesh_support()
     return dict(root_mesh(mesh)._flatten_mapping)
@@ -250,9 +280,16 @@ def flattened_meshes(mesh: Any) -> dict[str, Any]:
 def root_mesh(mesh: Any) -> Any:
     """The mesh ``mesh`` was sliced or flattened from (itself for a root).
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-        >>> # root_mesh(dm["tp"]) is dm
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
+        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
+        >>> root_mesh(dm["tp"]) is dm, root_mesh(dm) is dm
+        (True, True)
+        >>> dist.destroy_process_group()
     """
     require_mesh_support()
     return mesh._get_root_mesh()
@@ -261,9 +298,23 @@ def root_mesh(mesh: Any) -> Any:
 def process_group_count() -> int:
     """How many process groups this process has (default group included), as c10d counts them.
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend: a grid's DeviceMesh creates no
+    group beyond the grid's own::
 
-        >>> # before = process_group_count(); device_mesh(grid); process_group_count() == before
+        >>> process_group_count()                       # no process group yet
+        0
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> from hypergrid import HyperCommGrid, device_mesh
+        >>> grid = HyperCommGrid([2, 4], ["tp", "dp"])
+        >>> groups = [grid.create_pg("tp"), grid.create_pg("dp")]
+        >>> before = process_group_count()
+        >>> mesh = device_mesh(grid, device_type="cpu")
+        >>> process_group_count() == before
+        True
+        >>> grid.destroy()
+        >>> dist.destroy_process_group()
     """
     if not dist.is_available() or not dist.is_initialized():
         return 0
@@ -283,10 +334,16 @@ def group_name_override(name: str, ranks: Sequence[int]) -> Iterator[None]:
     groups before (Megatron's embedding groups exist only on some pipeline stages, say) then
     disagree on the name, rendezvous under different store prefixes and hang until the timeout.
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-        >>> # with group_name_override("hypergrid-abc", [0, 1]):
-        >>> #     pg = dist.new_group([0, 1], use_local_synchronization=True)   # pg.group_name == "hypergrid-abc"
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> with group_name_override("hypergrid-abc", [0, 1]):
+        ...     pg = dist.new_group([0, 1], use_local_synchronization=True)
+        >>> pg.group_name
+        'hypergrid-abc'
+        >>> dist.destroy_process_group()
     """
     c10d = dist.distributed_c10d
     original = getattr(c10d, "_process_group_name", None)
@@ -311,9 +368,16 @@ def group_name_override(name: str, ranks: Sequence[int]) -> Iterator[None]:
 def default_store() -> Optional[dist.Store]:
     """The default group's store (where ranks can meet), or None where torch does not say.
 
-    Example::
+    Example, in a one-rank gloo world whose store is a ``HashStore``::
 
-        >>> # default_store().set("key", "value")   # in a job
+        >>> default_store() is None                     # no process group
+        True
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> default_store().set("key", "value")
+        >>> default_store().get("key")
+        b'value'
+        >>> dist.destroy_process_group()
     """
     getter = getattr(dist.distributed_c10d, "_get_default_store", None)
     if getter is None or not dist.is_initialized():
@@ -327,10 +391,14 @@ def default_store() -> Optional[dist.Store]:
 def default_group_timeout() -> Optional[timedelta]:
     """The timeout the default group was created with; None where its backend has none (fake).
 
-    Example::
+    Example, in a one-rank gloo world whose store is a ``HashStore``::
 
-        >>> # dist.init_process_group("gloo", timeout=timedelta(seconds=60)); default_group_timeout()
-        >>> # datetime.timedelta(seconds=60)
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+        ...                         timeout=timedelta(seconds=60))
+        >>> default_group_timeout()
+        datetime.timedelta(seconds=60)
+        >>> dist.destroy_process_group()
     """
     default = dist.distributed_c10d._get_default_group()
     devices = []
@@ -368,9 +436,14 @@ def new_group_default_timeout(backend: str) -> timedelta:
 def default_group() -> dist.ProcessGroup:
     """The default (world) process group; torch.distributed must be initialized.
 
-    Example::
+    Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-        >>> # default_group() is dist.group.WORLD   # in a job
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> default_group() is dist.group.WORLD
+        True
+        >>> dist.destroy_process_group()
     """
     return dist.distributed_c10d._get_default_group()
 

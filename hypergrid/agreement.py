@@ -37,8 +37,13 @@ Example::
     'grid:tp,dp#0#3'
     >>> sorted(agreement.fields())[:3]
     ['grid.dim_names', 'grid.rank_offset', 'grid.shape']
-    >>> # in each member, before creating its group (grid.create_pg does this for you):
-    >>> # check_agreement("dp", members=[1, 3, 5, 7], agreement=agreement, timeout=timedelta(seconds=30))
+
+In a job, every member of a group checks before creating it (``grid.create_pg`` does this for
+you); with members ``[1, 3, 5, 7]``, on each of those four ranks::
+
+    check_agreement("dp", members=[1, 3, 5, 7], agreement=agreement, timeout=timedelta(seconds=30))
+
+:func:`check_agreement` shows, in one process, what a member that never arrives costs.
 """
 
 from __future__ import annotations
@@ -172,7 +177,7 @@ class Agreement:
 
     @property
     def round_id(self) -> str:
-        """The creation round this request is: alike on every member, unlike any other round."""
+        """The creation round this request is, alike on every member and unlike any other round."""
         p = self.position
         return f"{p.family}#{p.generation}#{p.index}"
 
@@ -228,8 +233,8 @@ def members_fingerprint(members: Sequence[int]) -> str:
 
         >>> members_fingerprint([3, 1, 2])
         '[1, 2, 3]'
-        >>> members_fingerprint(range(1000))[:50]
-        '1000 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 999] sha1:'
+        >>> members_fingerprint(range(1000))  # doctest: +ELLIPSIS
+        '1000 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 999] sha1:...'
     """
     ordered = sorted(members)
     if len(ordered) <= 16:
@@ -369,9 +374,21 @@ def publish_position(agreement: Agreement) -> None:
     A member waiting on this rank then sees it at this position with its own facts (say, another
     ``rank_offset``) and reports the difference at once instead of waiting for the timeout.
 
-    Example::
+    The registry calls it on ranks outside every group of a request. Example, in a one-rank gloo
+    world whose store is a ``HashStore``::
 
-        >>> # publish_position(agreement)   # done by the registry on ranks outside every group
+        >>> import json
+        >>> import torch.distributed as dist
+        >>> from hypergrid._torch_compat import default_store
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
+        >>> request = RequestFacts(label="dp", view=None, private=False, backend=None, timeout_s=None,
+        ...                        pg_options=None, mode="local")
+        >>> publish_position(Agreement(Position("grid:tp,dp", 0, 3), facts, request))
+        >>> last = json.loads(default_store().get("hypergrid/agree/last/0"))   # rank 0's last state
+        >>> last["state"], last["round"], last["fields"]["grid.shape"]
+        ('passed', 'grid:tp,dp#0#3', [2, 4])
+        >>> dist.destroy_process_group()
     """
     if not agreement_possible():
         return
@@ -402,10 +419,26 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
     ``timeout``; either on every member still alive, the one that differs included. A store that
     stops answering raises :class:`~hypergrid.errors.GroupCreationError` naming the group.
 
-    Example::
+    In a job, every member calls it before creating the group: with a grid of ``tp`` size 2,
+    ranks 0 and 1 each call::
 
-        >>> # in each of ranks 0..3, before creating their tp group:
-        >>> # check_agreement("tp", [0, 1], agreement, timeout=timedelta(seconds=10))
+        check_agreement("tp", [0, 1], agreement, timeout=timedelta(seconds=10))
+
+    Example, in a one-rank gloo world whose store is a ``HashStore``: a group of rank 0 alone
+    has nothing to check, and one with rank 1, which never comes, times out naming it::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
+        >>> request = RequestFacts(label="tp", view=None, private=False, backend=None, timeout_s=None,
+        ...                        pg_options=None, mode="local")
+        >>> agreement = Agreement(Position("grid:tp,dp", 0, 0), facts, request)
+        >>> check_agreement("tp", [0], agreement, timeout=timedelta(seconds=10))
+        >>> check_agreement("tp", [0, 1], agreement, timeout=timedelta(seconds=0.2))  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        hypergrid.errors.GroupTimeoutError: hypergrid: process group 'tp' (members [0, 1]): ranks [1] did not arrive within the timeout; rank 1 never reached a hypergrid group creation
+        >>> dist.destroy_process_group()
     """
     members = sorted(members)
     if len(members) <= 1 or not agreement_possible():

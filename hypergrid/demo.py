@@ -17,8 +17,12 @@ Example::
     >>> config = DemoConfig(tp=2, pp=2, ep=2, etp=1)
     >>> config.plan(8).megatron.dp, config.plan(8).megatron.edp
     (2, 2)
-    >>> # from a shell: python -m hypergrid demo            (8 local gloo ranks)
-    >>> #               torchrun --nproc-per-node 8 -m hypergrid demo
+
+From a shell, on 8 local gloo ranks (:func:`launch`) or as one rank of each of torchrun's 8
+(:func:`run_rank`)::
+
+    python -m hypergrid demo
+    torchrun --nproc-per-node 8 -m hypergrid demo
 """
 
 from __future__ import annotations
@@ -344,9 +348,19 @@ def _grid_rank() -> int:
 def run_rank(config: DemoConfig) -> Optional[DemoReport]:
     """Be one rank of the demo (environment as set by torchrun); rank 0 returns the report.
 
-    Example::
+    Example: this process as the only rank of a job, with the environment torchrun would give
+    it (a free loopback port); the process group is destroyed before it returns::
 
-        >>> # RANK=0 WORLD_SIZE=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500: run_rank(DemoConfig(tp=1, pp=1, ep=1))
+        >>> import os, socket
+        >>> from unittest import mock
+        >>> with socket.socket() as s:
+        ...     s.bind(("127.0.0.1", 0))
+        ...     port = s.getsockname()[1]
+        >>> env = {"RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        >>> with mock.patch.dict(os.environ, env):
+        ...     report = run_rank(DemoConfig(tp=1, pp=1, ep=1, megatron=False))
+        >>> report.ok, report.world_size, "tp" in {r.kind for r in report.results}
+        (True, 1, True)
     """
     import torch.distributed as dist
 

@@ -3,6 +3,15 @@
 They subclass the builtin types the project's conventions promise (``ValueError`` for bad values,
 ``RuntimeError`` for distributed failures), so ``except RuntimeError`` written against
 Megatron-Core keeps working.
+
+Example::
+
+    >>> from hypergrid import HyperCommGrid
+    >>> try:
+    ...     HyperCommGrid([2, 4], ["tp", "dp"], world_size=4)
+    ... except RuntimeError as exc:                 # what Megatron-Core raises here
+    ...     print(type(exc).__name__, isinstance(exc, ValueError))
+    GridTooLargeError True
 """
 
 from __future__ import annotations

@@ -167,9 +167,23 @@ class HyperCommGrid:
         [0, 2, 4, 24]
         >>> grid.ranks("pp", rank=7)
         [1, 7, 13, 19]
-        >>> # in a job (torch.distributed initialized):
-        >>> # dp = grid.create_pg("dp"); dp_cp = grid.create_pg(["cp", "dp"], group_desc="DP_CP")
-        >>> # grid.get_pg(["dp", "cp"]) is dp_cp
+
+    In a job (torch.distributed initialized) :meth:`create_pg` makes this rank's groups. Here
+    this process is rank 0 of an 8-rank job on torch's fake backend, which needs no other
+    process::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+        >>> dp = grid.create_pg("dp")
+        >>> dp_cp = grid.create_pg(["cp", "dp"], group_desc="DP_CP")
+        >>> dist.get_process_group_ranks(dp), dist.get_process_group_ranks(dp_cp)
+        ([0, 4], [0, 2, 4, 6])
+        >>> grid.get_pg(["dp", "cp"]) is dp_cp
+        True
+        >>> grid.destroy()
+        >>> dist.destroy_process_group()
 
     Args:
         shape: size of each dim.
@@ -250,7 +264,7 @@ class HyperCommGrid:
 
     @property
     def strategy(self) -> str:
-        """How this grid creates groups: ``"auto"``, ``"local"``, ``"split"`` or ``"enumerate"``."""
+        """How this grid creates groups, one of ``"auto"``, ``"local"``, ``"split"`` or ``"enumerate"``."""
         return self._strategy.value
 
     @property
@@ -282,11 +296,21 @@ class HyperCommGrid:
         torch. ``view=`` creates the group in a registered view. ``private=True`` gives this key a
         communicator of its own instead of sharing one with identical members and options.
 
-        Example::
+        Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-            >>> # grid = HyperCommGrid([2, 4], ["tp", "dp"])        # in an 8-rank job
-            >>> # dp = grid.create_pg("dp", group_desc="DATA_PARALLEL")
-            >>> # grid.create_pg("dp")                             # KeyError: already created
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> grid = HyperCommGrid([2, 4], ["tp", "dp"])
+            >>> dp = grid.create_pg("dp", group_desc="DATA_PARALLEL")
+            >>> dist.get_process_group_ranks(dp)
+            [0, 2, 4, 6]
+            >>> grid.create_pg("dp")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+                ...
+            KeyError: "Process group dp has already been created under key 'dp'. ..."
+            >>> grid.destroy()
+            >>> dist.destroy_process_group()
 
         Raises:
             KeyError: a group with this key was already created (Megatron-Core's behaviour;
@@ -335,9 +359,21 @@ class HyperCommGrid:
     def get_pg(self, dims: Dims, *, view: Optional[str] = None) -> Optional[dist.ProcessGroup]:
         r"""The group over ``dims`` created earlier by :meth:`create_pg` (any order of ``dims``).
 
-        Example::
+        Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-            >>> # grid.create_pg(["cp", "dp"]); grid.get_pg(["dp", "cp"])   # the same group
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+            >>> dp_cp = grid.create_pg(["cp", "dp"])
+            >>> grid.get_pg(["dp", "cp"]) is dp_cp          # the same group, whatever the order
+            True
+            >>> grid.get_pg("tp")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+                ...
+            KeyError: "Process group for tp hasn't been created. Call create_pg first."
+            >>> grid.destroy()
+            >>> dist.destroy_process_group()
 
         Raises:
             KeyError: no group with this key was created; call create_pg first.
@@ -356,9 +392,17 @@ class HyperCommGrid:
     def get_or_create_pg(self, dims: Dims, *, view: Optional[str] = None, **kwargs: Any) -> Optional[dist.ProcessGroup]:
         """:meth:`get_pg` if the group exists, else :meth:`create_pg` with ``kwargs``.
 
-        Example::
+        Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-            >>> # tp = grid.get_or_create_pg("tp")   # safe to call from several places
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> grid = HyperCommGrid([2, 4], ["tp", "dp"])
+            >>> tp = grid.get_or_create_pg("tp")            # safe to call from several places
+            >>> grid.get_or_create_pg("tp") is tp
+            True
+            >>> grid.destroy()
+            >>> dist.destroy_process_group()
         """
         self._check_alive()
         _, key, _ = self._resolve(dims, view)
@@ -386,10 +430,21 @@ class HyperCommGrid:
         under ``split`` every rank of the world must call this, members or not. The group is
         not stored under a key; ``owner`` (default: the grid) holds it until released.
 
-        Example::
+        Example: Megatron's embedding group, the first and last pipeline stages, as rank 0 of an
+        8-rank job on torch's fake backend (rank 0 is a first stage, so it is a member)::
 
-            >>> # grid = HyperCommGrid([1, 2, 4], ["tp", "dp", "pp"])               # in a job
-            >>> # pp = grid.ranks("pp"); embd = grid.create_derived_pg("embd", [pp[0], pp[-1]] if ...)
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> grid = HyperCommGrid([1, 2, 4], ["tp", "dp", "pp"])
+            >>> pp = grid.ranks("pp")
+            >>> pp
+            [0, 2, 4, 6]
+            >>> embd = grid.create_derived_pg("embd", [pp[0], pp[-1]], group_desc="EMBEDDING")
+            >>> dist.get_process_group_ranks(embd)
+            [0, 6]
+            >>> grid.destroy()                              # releases the derived group too
+            >>> dist.destroy_process_group()
         """
         self._check_alive()
         unknown = sorted(set(kwargs) - set(_CREATE_KWARGS))
@@ -633,9 +688,22 @@ class HyperCommGrid:
         Idempotent. Afterwards creating or getting a group raises
         :class:`~hypergrid.errors.GridDestroyedError`; enumerations still work.
 
-        Example::
+        Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-            >>> # grid.destroy(); grid.destroy()   # the second call does nothing
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> grid = HyperCommGrid([2, 4], ["tp", "dp"])
+            >>> dp = grid.create_pg("dp")
+            >>> grid.destroy()
+            >>> grid.destroy()                              # the second call does nothing
+            >>> grid.get_pg("dp")  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+                ...
+            hypergrid.errors.GridDestroyedError: HyperCommGrid(...) was destroyed; build a new grid to create or get groups
+            >>> grid.get_rank_enum("tp")                    # enumerations still work
+            [[0, 1], [2, 3], [4, 5], [6, 7]]
+            >>> dist.destroy_process_group()
         """
         if self._destroyed:
             return

@@ -31,12 +31,24 @@ registry's lock is taken only to look up, reserve and publish, never across a ne
 creations themselves run one at a time per process (:attr:`GroupRegistry.creation_lock`), because
 world-wide calls must be made in the same order on every rank.
 
-Example::
+Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no other process::
 
+    >>> import torch.distributed as dist
+    >>> from torch.testing._internal.distributed.fake_pg import FakeStore
     >>> from hypergrid.layout import GridLayout
+    >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     >>> registry = GroupRegistry()
     >>> layout = GridLayout((2, 4), ("tp", "dp"))
-    >>> # in a job: pg = registry.acquire(owner, layout, ["dp"], rank=5, strategy="local")
+    >>> pg = registry.acquire("grid-a", layout, ["dp"], rank=5, strategy="local")
+    >>> dist.get_process_group_ranks(pg)
+    [1, 3, 5, 7]
+    >>> registry.acquire("grid-b", layout, "dp", rank=5) is pg     # identical: shared
+    True
+    >>> sorted(registry.holders_of(pg))
+    [('grid-a', 'dp'), ('grid-b', 'dp')]
+    >>> registry.release("grid-a"), registry.release("grid-b")   # groups destroyed
+    (0, 1)
+    >>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -259,9 +271,17 @@ class GroupRegistry:
         Shorthand for :meth:`acquire_request` with :meth:`GroupRequest.from_layout` (no agreement
         check). Returns None on a rank outside ``layout`` (Megatron-Core returns None there too).
 
-        Example::
+        Example, as rank 5 of an 8-rank job on torch's fake backend::
 
-            >>> # pg = REGISTRY.acquire("my-grid", GridLayout((2, 4), ("tp", "dp")), "dp", rank=5)
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
+            >>> pg = REGISTRY.acquire("my-grid", GridLayout((2, 4), ("tp", "dp")), "dp", rank=5)
+            >>> dist.get_process_group_ranks(pg)
+            [1, 3, 5, 7]
+            >>> REGISTRY.release("my-grid")
+            1
+            >>> dist.destroy_process_group()
         """
         request = GroupRequest.from_layout(layout, dims, rank, label)
         return self.acquire_request(owner, request, strategy=strategy, options=options, private=private)
@@ -281,10 +301,18 @@ class GroupRegistry:
         of the world must call this for a request whose creation mode (see
         :mod:`hypergrid.strategy`) is ``split`` or ``enumerate``; only members for ``local``.
 
-        Example::
+        Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-            >>> # req = GroupRequest.from_members("embd", [0, 7])
-            >>> # pg = REGISTRY.acquire_request("owner", req, options=GroupOptions(group_desc="EMBD"))
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> req = GroupRequest.from_members("embd", [0, 7])
+            >>> pg = REGISTRY.acquire_request("owner", req, options=GroupOptions(group_desc="EMBD"))
+            >>> dist.get_process_group_ranks(pg), pg.group_desc
+            ([0, 7], 'EMBD')
+            >>> REGISTRY.release("owner")
+            1
+            >>> dist.destroy_process_group()
         """
         if not isinstance(options, GroupOptions):
             raise TypeError(f"options must be a GroupOptions, got {type(options).__name__} {options!r}")
@@ -380,10 +408,20 @@ class GroupRegistry:
         ``owner`` holds it like an acquired group, but :meth:`release` never destroys an adopted
         group: it belongs to whoever made it. A group hypergrid made itself is only held again.
 
-        Example::
+        Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-            >>> # mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-            >>> # REGISTRY.adopt("my-grid", mesh.get_group("tp"))
+            >>> import torch.distributed as dist
+            >>> from torch.distributed.device_mesh import init_device_mesh
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+            >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+            >>> tp = REGISTRY.adopt("my-grid", mesh.get_group("tp"))
+            >>> same_members = GridLayout((4, 2), ("tp", "dp"))  # its tp group of rank 0: [0, 1, 2, 3]
+            >>> REGISTRY.acquire("other", same_members, "tp", rank=0) is tp   # the mesh's group
+            True
+            >>> REGISTRY.release("my-grid"), REGISTRY.release("other")   # never destroyed
+            (0, 0)
+            >>> dist.destroy_process_group()
         """
         if not isinstance(pg, dist.ProcessGroup):
             raise TypeError(f"pg must be a torch.distributed.ProcessGroup, got {type(pg).__name__} {pg!r}")
@@ -587,10 +625,12 @@ def enumerate_before_init(label: str, enumeration: list[list[int]], options: Gro
     hypergrid's RuntimeError naming the group. Code that patches torch's constructor (Megatron-LM's
     unit tests) gets its mock back, exactly as from Megatron-Core's ``create_pg``.
 
-    Example::
+    Example, in a process where torch.distributed is not initialized::
 
-        >>> # enumerate_before_init("tp", [[0, 1], [2, 3]], GroupOptions())
-        >>> # RuntimeError: cannot create process group 'tp': torch.distributed is not initialized ...
+        >>> enumerate_before_init("tp", [[0, 1], [2, 3]], GroupOptions())  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+            ...
+        RuntimeError: cannot create process group 'tp': torch.distributed is not initialized; ...
     """
     try:
         pg, _ = dist.new_subgroups_by_enumeration(

@@ -44,18 +44,18 @@ __all__ = [
     "validate_shape_and_names",
 ]
 
-#: What callers may pass as a dims request: one name, or a list/tuple of names.
+#: What callers may pass as a dims request, one name or a list/tuple of names.
 Dims = Union[str, Sequence[str]]
 
 #: Joins dim names into a group key; it may therefore not appear inside a dim name.
 KEY_SEPARATOR = "-"
 
 
-#: Characters a dim name may not hold: hypergrid's own keys are built with them (``dp-cp``,
+#: Characters a dim name may not hold, because hypergrid's own keys are built with them (``dp-cp``,
 #: ``expert:tp``, ``embd(pp)``, lists joined by ``,``), and a name holding one would read as a key.
 RESERVED_NAME_CHARACTERS = "-:(),/"
 
-#: The largest grid whose every group :meth:`GridLayout.enumerate` lists: beyond it the lists alone
+#: The largest grid whose every group :meth:`GridLayout.enumerate` lists; beyond it the lists alone
 #: take gigabytes (about 36 bytes a rank). One rank's group, :meth:`GridLayout.group_ranks`, has no limit.
 MAX_ENUMERATED_RANKS = 1 << 26
 
@@ -205,12 +205,12 @@ class GridLayout:
     # ---------------------------------------------------------------- basic facts
     @property
     def size(self) -> int:
-        """Number of ranks the grid spans: the product of ``shape``."""
+        """Number of ranks the grid spans, the product of ``shape``."""
         return self._strides[-1] * self.shape[-1]
 
     @property
     def strides(self) -> tuple[int, ...]:
-        """Distance in global ranks between neighbours along each dim (first dim: 1)."""
+        """Distance in global ranks between neighbours along each dim (1 for the first dim)."""
         return self._strides
 
     @property

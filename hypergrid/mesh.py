@@ -15,12 +15,21 @@ This module makes both worlds use one set of communicators:
 
 Every private torch attribute used here is reached through :mod:`hypergrid._torch_compat`.
 
-Example (in an 8-rank job)::
+Example, as rank 0 of an 8-rank job on torch's fake backend, which needs no other process::
 
-    >>> # grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-    >>> # dp_cp = grid.create_pg(["cp", "dp"])
-    >>> # mesh = device_mesh(grid)          # DeviceMesh (dp=2, cp=2, tp=2), no new group
-    >>> # mesh.get_group("tp") is grid.get_pg("tp"); mesh["dp_cp"].get_group() is dp_cp
+    >>> import torch.distributed as dist
+    >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+    >>> from hypergrid import HyperCommGrid
+    >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    >>> grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+    >>> dp_cp = grid.create_pg(["cp", "dp"])
+    >>> mesh = device_mesh(grid, device_type="cpu")  # no new group: the grid's own ones
+    >>> mesh.mesh_dim_names, mesh.shape
+    (('dp', 'cp', 'tp'), (2, 2, 2))
+    >>> mesh.get_group("tp") is grid.get_pg("tp"), mesh["dp_cp"].get_group() is dp_cp
+    (True, True)
+    >>> grid.destroy()
+    >>> dist.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -207,13 +216,23 @@ def device_mesh(
     grid with ``rank_offset`` > 0 gets the mesh torch gives a rank outside a mesh: no groups
     and ``get_coordinate()`` None.
 
-    Example (in an 8-rank job)::
+    Example, as rank 0 of an 8-rank job on torch's fake backend (on GPUs,
+    ``device_type="cuda"``)::
 
-        >>> # grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
-        >>> # mesh = device_mesh(grid, flatten=[["cp", "dp"]], device_type="cuda")
-        >>> # mesh.mesh_dim_names                          -> ('dp', 'cp', 'tp')
-        >>> # mesh["dp_cp"].get_group() is grid.get_pg(["cp", "dp"])   -> True
-        >>> # device_mesh(grid, ["tp", "dp"]).mesh_dim_names  -> ('dp', 'tp')
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from hypergrid import HyperCommGrid
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
+        >>> mesh = device_mesh(grid, flatten=[["cp", "dp"]], device_type="cpu")
+        >>> mesh.mesh_dim_names
+        ('dp', 'cp', 'tp')
+        >>> mesh["dp_cp"].get_group() is grid.get_pg(["cp", "dp"])
+        True
+        >>> device_mesh(grid, ["tp", "dp"], device_type="cpu").mesh_dim_names
+        ('dp', 'tp')
+        >>> grid.destroy()
+        >>> dist.destroy_process_group()
 
     Raises:
         ValueError / TypeError: unknown dims, a bad ``device_type`` or ``flatten``.
@@ -363,11 +382,20 @@ def grid_from_device_mesh(mesh: "DeviceMesh", *, backend: Optional[str] = None, 
     like the grid's own groups and shared with any later request for the same members, but
     hypergrid never destroys them: they belong to whoever made the mesh.
 
-    Example (in an 8-rank job)::
+    Example, as rank 0 of an 8-rank job on torch's fake backend::
 
-        >>> # mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-        >>> # grid = grid_from_device_mesh(mesh)    # dim_names ['tp', 'dp'], shape [4, 2]
-        >>> # grid.get_pg("tp") is mesh.get_group("tp")      -> True
+        >>> import torch.distributed as dist
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+        >>> grid = grid_from_device_mesh(mesh)
+        >>> grid.dim_names, grid.shape
+        (['tp', 'dp'], [4, 2])
+        >>> grid.get_pg("tp") is mesh.get_group("tp")
+        True
+        >>> grid.destroy()                          # the mesh's groups stay alive
+        >>> dist.destroy_process_group()
 
     Raises:
         TypeError: ``mesh`` is not a DeviceMesh.
@@ -433,11 +461,20 @@ def grid_from_process_groups(
     dim, its ranks and the expected ones. No group is created and hypergrid never destroys
     these. Every rank of the grid must call it with its own groups.
 
-    Example (in an 8-rank job)::
+    Example, as rank 0 of an 8-rank job on torch's fake backend, with groups made elsewhere::
 
-        >>> # grid = grid_from_process_groups([dp_pg, tp_pg], ["dp", "tp"])
-        >>> # grid.dim_names, grid.shape                -> (['tp', 'dp'], [4, 2])
-        >>> # device_mesh(grid).get_group("dp") is dp_pg  -> True
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+        >>> dp_pg = dist.new_group([0, 4], use_local_synchronization=True)
+        >>> tp_pg = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
+        >>> grid = grid_from_process_groups([dp_pg, tp_pg], ["dp", "tp"])
+        >>> grid.dim_names, grid.shape
+        (['tp', 'dp'], [4, 2])
+        >>> device_mesh(grid, device_type="cpu").get_group("dp") is dp_pg
+        True
+        >>> grid.destroy()
+        >>> dist.destroy_process_group()
 
     Raises:
         TypeError: a group is not a ProcessGroup (None: this rank is not in it).

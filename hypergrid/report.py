@@ -43,7 +43,7 @@ __all__ = [
 
 logger = logging.getLogger("hypergrid.report")
 
-#: Largest world whose groups a plan lists in full (node locality looks at every group): about
+#: Largest world whose groups a plan lists in full (node locality looks at every group), about
 #: ten seconds of pure Python. One rank's groups (``groups_of``) have no such limit.
 MAX_ENUMERATED_RANKS = 1 << 22
 

@@ -71,11 +71,24 @@ def process_group_collection(
     the embedding stages, ``hcp`` without hierarchical context parallelism, ``inter_dist_opt``
     with one distributed-optimizer instance.
 
-    Example::
+    A model passes the collection's groups to its collectives, as in
+    ``torch.distributed.all_reduce(t, group=pgs.tp)``.
 
-        >>> # initialize_model_parallel(tensor_model_parallel_size=2)
-        >>> # pgs = process_group_collection()
-        >>> # torch.distributed.all_reduce(t, group=pgs.tp)
+    Example, as rank 5 of a 16-rank job on torch's fake backend, which needs no other process::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from hypergrid.megatron import initialize_model_parallel, destroy_model_parallel
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+        >>> initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+        ...                           create_gloo_process_groups=False)
+        >>> pgs = process_group_collection()
+        >>> dist.get_process_group_ranks(pgs.tp), pgs.tp is active_grids().group("tp")
+        ([4, 5], True)
+        >>> pgs.embd is None                             # rank 5 is neither first nor last stage
+        True
+        >>> destroy_model_parallel()
+        >>> dist.destroy_process_group()
 
     Raises:
         ParallelStateError (a RuntimeError and AssertionError): nothing is initialized, or this

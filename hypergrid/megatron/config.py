@@ -161,12 +161,12 @@ class MegatronConfig:
 
     @property
     def gtp(self) -> int:
-        """``gtp_remat_size``: ranks one dense weight is sharded over (1 where the version has none)."""
+        """Ranks one dense weight is sharded over, ``gtp_remat_size`` (1 where the version has none)."""
         return self.gtp_remat_size
 
     @property
     def egtp(self) -> int:
-        """``expert_gtp_remat_size``: the same for routed-expert weights."""
+        """Ranks one routed-expert weight is sharded over, ``expert_gtp_remat_size``."""
         return self.expert_gtp_remat_size
 
     @property
@@ -177,7 +177,7 @@ class MegatronConfig:
 
     @property
     def grid_size(self) -> int:
-        """Ranks the grids span: ``local_world_size`` if given, else the world."""
+        """Ranks the grids span, ``local_world_size`` if given, else the world."""
         return self.world_size if self.local_world_size is None else self.local_world_size
 
     @property
@@ -187,7 +187,7 @@ class MegatronConfig:
 
     @property
     def model_size(self) -> int:
-        """``tp * pp * cp * gtp_remat``: the ranks one data-parallel replica spans."""
+        """The ranks one data-parallel replica spans, ``tp * pp * cp * gtp_remat``."""
         return self.tp * self.pp * self.cp * self.gtp
 
     @property
@@ -201,7 +201,7 @@ class MegatronConfig:
 
     @property
     def expert_model_size(self) -> int:
-        """``etp * ep * pp * expert_gtp_remat``: the ranks one expert data-parallel replica spans."""
+        """The ranks one expert data-parallel replica spans, ``etp * ep * pp * expert_gtp_remat``."""
         return self.expert_tensor_size * self.ep * self.pp * self.egtp
 
     @property
@@ -256,7 +256,7 @@ class MegatronConfig:
 
     @property
     def dense_dims(self) -> tuple[str, ...]:
-        """Dims of the dense grid: the order without ``ep`` (size 1 outside expert layers), with
+        """Dims of the dense grid, the order without ``ep`` (size 1 outside expert layers), with
         ``gtp_remat`` where it spans more than one rank."""
         return tuple(t for t in self.dense_tokens if t != "ep" and (t != GTP_REMAT_TOKEN or self.gtp > 1))
 
@@ -267,7 +267,7 @@ class MegatronConfig:
 
     @property
     def expert_dims(self) -> tuple[str, ...]:
-        """Dims of the expert grid: the order without ``cp`` (expert layers have none), with
+        """Dims of the expert grid, the order without ``cp`` (expert layers have none), with
         ``gtp_remat`` where the expert axis spans more than one rank."""
         return tuple(t for t in self.expert_tokens if t != "cp" and (t != GTP_REMAT_TOKEN or self.egtp > 1))
 
@@ -279,7 +279,7 @@ class MegatronConfig:
 
     @property
     def hybrid_group_sizes(self) -> tuple[int, ...]:
-        """Sizes of the hybrid DP x CP groups: powers of two from 2 below the dp-cp size."""
+        """Sizes of the hybrid DP x CP groups, powers of two from 2 below the dp-cp size."""
         if not self.hybrid_context_parallel:
             return ()
         n = self.data_parallel_size * self.cp
@@ -292,7 +292,7 @@ class MegatronConfig:
 
     @property
     def sharp_group(self) -> Optional[str]:
-        """The group SHARP is enabled on: ``sharp_enabled_group``, ``"dp"`` by default, None without SHARP."""
+        """The group SHARP is enabled on, ``sharp_enabled_group``, ``"dp"`` by default, None without SHARP."""
         if not self.use_sharp:
             return None
         return self.sharp_enabled_group or "dp"

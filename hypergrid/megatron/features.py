@@ -63,7 +63,7 @@ class MegatronFeatures:
 
     @property
     def gtp_remat(self) -> bool:
-        """Generalized tensor parallelism with weight rematerialization (dense side): a
+        """Generalized tensor parallelism with weight rematerialization (dense side), a
         ``gtp_remat`` axis in the dense grid and its groups, created even at size 1."""
         return self.accepts("gtp_remat_size")
 
@@ -158,7 +158,7 @@ MEGATRON_CORE_0_16 = MegatronFeatures("0.16.1", _KEYWORDS_0_16)
 MEGATRON_CORE_0_19 = MegatronFeatures("0.19.2", _KEYWORDS_0_19)
 #: The releases hypergrid.megatron is tested against, oldest first.
 SUPPORTED_PROFILES = (MEGATRON_CORE_0_16, MEGATRON_CORE_0_19)
-#: The keywords every supported release takes: what the pure planner assumes when told nothing
+#: The keywords every supported release takes, what the pure planner assumes when told nothing
 #: else, so that its groups are the ones every supported megatron-core creates.
 COMMON_FEATURES = MegatronFeatures(
     "0.16.1 to 0.19.2 (the keywords all of them take)",

@@ -37,12 +37,23 @@ class MegatronGrids:
     ``all_gather_groups`` holds the ``(dp_cp_ag, expt_dp_ag)`` pairs
     :func:`create_all_gather_groups` made, released with the rest.
 
-    Example::
+    Example, as rank 5 of a 16-rank job on torch's fake backend, which needs no other process
+    (``create_gloo_process_groups=False``: gloo groups need a real gloo world)::
 
-        >>> # initialize_model_parallel(tensor_model_parallel_size=2)   # in a job
-        >>> # grids = active_grids()
-        >>> # grids.grid.get_pg("tp") is parallel_state.get_tensor_model_parallel_group()   # True
-        >>> # grids.ranks("dp"), grids.grid.coords()
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from hypergrid.megatron import active_grids, destroy_model_parallel, initialize_model_parallel
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+        >>> initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+        ...                           create_gloo_process_groups=False)
+        >>> from megatron.core import parallel_state
+        >>> grids = active_grids()
+        >>> grids.grid.get_pg("tp") is parallel_state.get_tensor_model_parallel_group()
+        True
+        >>> grids.ranks("dp"), grids.grid.coords()
+        ([5, 7], {'tp': 1, 'cp': 0, 'dp': 0, 'pp': 1})
+        >>> destroy_model_parallel()
+        >>> dist.destroy_process_group()
     """
 
     def __init__(self, plan: MegatronPlan, grid: HyperCommGrid, rank: int, share_groups: bool, strategy: str) -> None:
@@ -64,15 +75,25 @@ class MegatronGrids:
 
     @property
     def expert_view(self) -> str:
-        """Name of the expert layout's view on :attr:`grid`: ``"expert"``."""
+        """Name of the expert layout's view on :attr:`grid`, ``"expert"``."""
         return "expert"
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """This rank's process group of kind ``name`` (aliases resolved); None where it is in none.
 
-        Example::
+        Example, as rank 5 of a 16-rank job on torch's fake backend::
 
-            >>> # grids.group("intra_dp_cp") is grids.group("dp_cp")   # one optimizer instance
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> from hypergrid.megatron import active_grids, destroy_model_parallel, initialize_model_parallel
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+            >>> initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+            ...                           create_gloo_process_groups=False)
+            >>> grids = active_grids()
+            >>> grids.group("intra_dp_cp") is grids.group("dp_cp")   # one optimizer instance
+            True
+            >>> destroy_model_parallel()
+            >>> dist.destroy_process_group()
         """
         self._check_alive()
         resolved = self.plan.kind(name).name
@@ -81,9 +102,18 @@ class MegatronGrids:
     def ranks(self, name: str) -> Optional[list[int]]:
         """Global ranks of this rank's group of kind ``name``, in Megatron-Core's order (or None).
 
-        Example::
+        Example, as rank 5 of a 16-rank job on torch's fake backend::
 
-            >>> # grids.ranks("pp")  ->  [1, 5, 9, 13]
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> from hypergrid.megatron import active_grids, destroy_model_parallel, initialize_model_parallel
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=16)
+            >>> initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=4,
+            ...                           create_gloo_process_groups=False)
+            >>> active_grids().ranks("pp")
+            [1, 5, 9, 13]
+            >>> destroy_model_parallel()
+            >>> dist.destroy_process_group()
         """
         resolved = self.plan.kind(name).name
         if resolved not in self._members:

@@ -467,7 +467,7 @@ class MegatronPlan:
 
     @cached_property
     def groups(self) -> dict[str, list[list[int]]]:
-        """Every group of every kind created, by kind: ``{name: enumerate(name)}``. O(world size) each."""
+        """Every group of every kind created, by kind, as ``{name: enumerate(name)}``. O(world size) each."""
         return {name: self.enumerate(name) for name in self.names}
 
     def to_dict(self, rank: Optional[int] = None, *, include_groups: bool = True) -> dict[str, Any]:
