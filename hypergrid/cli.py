@@ -39,9 +39,6 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py"}
 
-# Members of a group shown in a table before it is shortened (JSON and CSV show all).
-_MAX_MEMBERS_SHOWN = 16
-
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
@@ -166,11 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="build and verify real groups on local gloo ranks (or under torchrun)")
     d.add_argument("--world-size", "-n", type=_positive, default=None, help="local ranks to launch (default 8)")
-    d.add_argument("--tp", type=_positive, default=2)
-    d.add_argument("--pp", type=_positive, default=2)
-    d.add_argument("--cp", type=_positive, default=1)
-    d.add_argument("--ep", type=_positive, default=2)
-    d.add_argument("--etp", type=_positive, default=1)
+    sizes = d.add_argument_group(
+        "sizes (none given: tp 2, pp 2, ep 2, expert tp 1; any given: the others are 1, expert tp follows --tp)"
+    )
+    for name in ("tp", "pp", "cp", "ep", "etp"):
+        sizes.add_argument(f"--{name}", type=_positive, default=None)
     d.add_argument("--order", default="tp-cp-ep-dp-pp")
     d.add_argument("--timeout", type=_positive, default=120, help="seconds for the whole run (default 120)")
     d.add_argument("--no-megatron", action="store_true", help="skip Megatron parallel_state even if available")
@@ -187,12 +184,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 # ---------------------------------------------------------------------------- plan
 def _short(members: Optional[Sequence[int]]) -> str:
-    if members is None:
-        return "- (in no group of this kind)"
-    if len(members) <= _MAX_MEMBERS_SHOWN:
-        return "[" + ", ".join(map(str, members)) + "]"
-    head = ", ".join(map(str, members[:_MAX_MEMBERS_SHOWN - 2]))
-    return f"[{head}, ..., {members[-1]}] ({len(members)} ranks)"
+    from .report import describe_members
+
+    return "- (in no group of this kind)" if members is None else describe_members(members)
 
 
 def _dims_text(layout) -> str:
@@ -346,9 +340,12 @@ def _cmd_check(args: argparse.Namespace) -> int:
 def _cmd_demo(args: argparse.Namespace) -> int:
     from . import demo
 
+    given = {n: getattr(args, n) for n in ("tp", "pp", "cp", "ep", "etp") if getattr(args, n) is not None}
+    # The showcase layout only when no size is given: a user who sets --tp 4 on 6 ranks should
+    # not be told about a pipeline size of 2 they never asked for.
+    sizes = given if not given else {"tp": 1, "pp": 1, "cp": 1, "ep": 1, "etp": None, **given}
     config = demo.DemoConfig(
-        tp=args.tp, pp=args.pp, cp=args.cp, ep=args.ep, etp=args.etp, order=args.order,
-        timeout_s=float(args.timeout), megatron=not args.no_megatron, mesh=not args.no_mesh,
+        **sizes, order=args.order, timeout_s=float(args.timeout), megatron=not args.no_megatron, mesh=not args.no_mesh,
     )
     if args.worker or demo.launched_by_torchrun():
         if args.world_size is not None and args.world_size != int(os.environ.get("WORLD_SIZE", "0")):
@@ -368,13 +365,13 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return EXIT_OK
     world = args.world_size or demo.DEFAULT_WORLD_SIZE
     config.check(world)
-    argv = [sys.executable, "-m", "hypergrid", "demo", "--worker"] + [
-        f"--{n}={getattr(args, n)}" for n in ("tp", "pp", "cp", "ep", "etp", "order", "timeout")
-    ] + (["--no-megatron"] if args.no_megatron else []) + (["--no-mesh"] if args.no_mesh else [])
+    argv = [sys.executable, "-m", "hypergrid", "demo", "--worker", f"--order={config.order}", f"--timeout={args.timeout}"]
+    argv += [f"--{n}={getattr(config, n)}" for n in ("tp", "pp", "cp", "ep", "etp") if getattr(config, n) is not None]
+    argv += (["--no-megatron"] if args.no_megatron else []) + (["--no-mesh"] if args.no_mesh else [])
     print(f"launching {world} local gloo ranks ...", flush=True)
     outcome = demo.launch(world, argv, timeout_s=float(args.timeout))
-    for rank, text in outcome.failures.items():
-        print(f"rank {rank} failed:\n{text.rstrip()}", file=sys.stderr)
+    for line in demo.describe_failures(outcome.failures):
+        print(line, file=sys.stderr)
     print(f"{world} ranks {'finished' if outcome.ok else 'FAILED'} in {outcome.seconds:.1f}s (wall, start-up included)")
     return EXIT_OK if outcome.ok else EXIT_FAILED
 
@@ -422,7 +419,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            # Told by the subcommand, whose --help lists what it takes (argparse blames the top).
+            where = f"hypergrid {args.command}" if args.command else "hypergrid"
+            raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see: {where} --help)")
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                             format="%(name)s: %(message)s")
         if args.command is None:

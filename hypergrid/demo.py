@@ -36,10 +36,11 @@ import socket
 import subprocess
 import tempfile
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-from .report import Plan, plan_megatron
+from .report import Plan, describe_members, plan_megatron
 
 __all__ = [
     "DEFAULT_WORLD_SIZE",
@@ -47,6 +48,7 @@ __all__ = [
     "GroupResult",
     "DemoReport",
     "LaunchOutcome",
+    "describe_failures",
     "launched_by_torchrun",
     "launch",
     "run_rank",
@@ -137,6 +139,33 @@ class LaunchOutcome:
     ok: bool
     seconds: float
     failures: dict[int, str]
+
+
+def describe_failures(failures: dict[int, str]) -> list[str]:
+    """What a failed launch says, one line per distinct reason: ranks that failed alike together.
+
+    A one-line reason (killed on timeout) shares its line with the ranks; a longer one (a
+    traceback) follows them once, for all the ranks that printed the same.
+
+    Example::
+
+        >>> describe_failures({r: "still running after 5s: killed" for r in range(8)})
+        ['ranks 0-7: still running after 5s: killed']
+        >>> describe_failures({2: "Traceback ...\\nValueError: bad"})
+        ['rank 2 failed:', 'Traceback ...', 'ValueError: bad']
+    """
+    by_text: dict[str, list[int]] = {}
+    for rank, text in sorted(failures.items()):
+        by_text.setdefault(text.rstrip(), []).append(rank)
+    lines: list[str] = []
+    for text, ranks in by_text.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {describe_members(ranks)}"
+        if "\n" not in text:
+            lines.append(f"{who}: {text}")
+        else:
+            lines.append(f"{who} failed:")
+            lines.extend(text.splitlines())
+    return lines
 
 
 def launched_by_torchrun() -> bool:
@@ -274,7 +303,9 @@ def _grid_groups(grid: Any, plan: Plan, world: int, rank: int) -> list[GroupResu
 
 def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str]) -> tuple[list[GroupResult], Any, Callable[[], None]]:
     try:
-        adapter = importlib.import_module("hypergrid.megatron")
+        with _quiet_imports():
+            adapter = importlib.import_module("hypergrid.megatron")
+            importlib.import_module("hypergrid.megatron.initialize")
         initialize = getattr(adapter, "initialize_model_parallel")
         active_grids = getattr(adapter, "active_grids")
         destroy = getattr(adapter, "destroy_model_parallel")
@@ -292,7 +323,8 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
     grids = active_grids()
     distinct = getattr(grids, "num_process_groups", None)
     notes.append(
-        f"megatron: hypergrid.megatron.initialize_model_parallel filled parallel_state in {seconds:.3f}s on rank 0"
+        f"megatron: initialize_model_parallel returned in {seconds * 1000:.1f} ms on rank 0, reusing the grid's "
+        f"communicators where members match; checking each group with an all_reduce is timed above"
         + (f"; {distinct} distinct communicators on rank 0 for {len(plan.kinds)} group kinds" if distinct is not None else "")
     )
     results = []
@@ -336,6 +368,15 @@ def _mesh_groups(grid: Any, world: int, notes: list[str], megatron_grids: Any = 
                                    detail or ("" if same else "mesh group is not the grid's group")))
         seconds = 0.0
     return results
+
+
+@contextlib.contextmanager
+def _quiet_imports():
+    """Importing megatron-core warns, on every rank, about optional CUDA packages (Transformer
+    Engine, Apex) a CPU demo does not use: a screen of them would precede the table."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _grid_rank() -> int:
@@ -387,12 +428,13 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
         if config.megatron:
             with contextlib.suppress(ImportError):
                 # Timed apart: importing megatron-core takes seconds and is not group creation.
-                _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
+                with _quiet_imports():
+                    _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
             start = time.perf_counter()
             megatron_results, megatron_grids, destroy_megatron = _megatron_groups(config, plan, world, notes)
             results += megatron_results
             if megatron_results:
-                phases["megatron parallel_state (create + verify)"] = time.perf_counter() - start
+                phases["megatron parallel_state (initialize + verify)"] = time.perf_counter() - start
         else:
             notes.append("megatron: skipped (--no-megatron)")
         if config.mesh:
@@ -452,7 +494,7 @@ def format_report(report: DemoReport) -> str:
     header = ["source", "kind", "key", "groups", "size", "rank 0's group", "verified", "create ms (slowest rank)"]
     rows = [header]
     for r in report.results:
-        members = str(r.members) if len(r.members) <= 8 else f"[{r.members[0]}, ..., {r.members[-1]}] ({len(r.members)})"
+        members = describe_members(r.members)
         rows.append([r.source, r.kind, r.key, str(r.count), str(r.size), members,
                      "yes" if r.verified else "NO", f"{r.create_s * 1000:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

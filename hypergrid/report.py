@@ -32,6 +32,7 @@ from .kinds import GroupKind
 from .layout import GridLayout
 
 __all__ = [
+    "describe_members",
     "GroupKind",
     "MegatronSizes",
     "KindSummary",
@@ -46,6 +47,42 @@ logger = logging.getLogger("hypergrid.report")
 #: Largest world whose groups a plan lists in full (node locality looks at every group), about
 #: ten seconds of pure Python. One rank's groups (``groups_of``) have no such limit.
 MAX_ENUMERATED_RANKS = 1 << 22
+
+def describe_members(members: Sequence[int], limit: int = 6) -> str:
+    """A group's members for people: runs of consecutive ranks as ranges, long lists cut.
+
+    Cutting keeps whole runs and says what was left out, so that a group that skips ranks never
+    reads as if it were contiguous.
+
+    Example::
+
+        >>> describe_members([0, 1, 2, 3])
+        '0-3'
+        >>> describe_members([1, 5, 9, 13])
+        '1, 5, 9, 13'
+        >>> describe_members([r for start in range(0, 128, 32) for r in range(start, start + 8)])
+        '0-7, 32-39, 64-71, 96-103 (32 ranks)'
+        >>> describe_members(list(range(0, 4096, 8)))
+        '0, 8, 16, 24, 32, ..., 4088 (512 ranks, step 8)'
+    """
+    members = list(members)
+    if not members:
+        return "none"
+    runs: list[tuple[int, int]] = []
+    for r in members:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
+    if len(parts) > limit:
+        steps = {b - a for a, b in zip(members, members[1:])}
+        pattern = f", step {steps.pop()}" if len(steps) == 1 else ""
+        parts = parts[: limit - 1] + ["...", parts[-1]]
+        return f"{', '.join(parts)} ({len(members)} ranks{pattern})"
+    text = ", ".join(parts)
+    return text if len(runs) == 1 or len(members) == len(runs) else f"{text} ({len(members)} ranks)"
+
 
 @dataclass(frozen=True)
 class MegatronSizes:

@@ -15,7 +15,7 @@ import pytest
 
 from hypergrid import HyperCommGrid, cli
 from hypergrid.megatron import plan_model_parallel
-from hypergrid.report import plan_grid, plan_megatron
+from hypergrid.report import describe_members, plan_grid, plan_megatron
 
 MOE = ["--world-size", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "4", "--etp", "1"]
 
@@ -175,7 +175,7 @@ def test_plan_in_process_rank_table_matches_library(capsys):
                      "--rank", "1000"]) == 0
     out = capsys.readouterr().out
     plan = plan_megatron(1024, tp=8, pp=4, ep=16, etp=1)
-    assert f"  pp{' ' * 14}{plan.groups_of(1000)['pp']}" in out
+    assert f"  pp{' ' * 14}{describe_members(plan.groups_of(1000)['pp'])}" in out
     assert "cross nodes (8 ranks per node): dp_cp, dp, mp, pp" in out
     assert "- (in no group of this kind)" in out  # rank 1000 is not on the first pipeline stage
 
@@ -196,3 +196,25 @@ def test_bench_streams_scripts_and_reports_missing(tmp_path, capfd):
 def test_free_grid_plan_with_world_larger_than_grid():
     plan = plan_grid([2, 2], ["tp", "dp"], world_size=8)
     assert plan.as_dict(4)["nodes"] == 2
+
+
+def test_an_unknown_flag_points_at_the_subcommands_help(capsys):
+    assert cli.main(["plan", "--world-size", "8", "--no-such-flag", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "hypergrid: error: unrecognized arguments: --no-such-flag 2 (see: hypergrid plan --help)"
+
+
+def test_demo_sizes_the_user_did_not_give_are_one(capsys):
+    # The showcase layout (pp 2, ep 2) applies only when no size is given: --tp 4 on 6 ranks is
+    # refused for tp alone, not for a pipeline size of 2 the user never asked for.
+    assert cli.main(["demo", "-n", "6", "--tp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "tensor_model_parallel_size (4)" in err and "pipeline_model_parallel_size (1)" in err, err
+
+
+def test_whole_groups_that_skip_ranks_never_read_as_contiguous():
+    from hypergrid.report import describe_members
+
+    dp_of_tp8 = [r for start in range(0, 128, 32) for r in range(start, start + 8)]
+    assert describe_members(dp_of_tp8) == "0-7, 32-39, 64-71, 96-103 (32 ranks)"
+    assert describe_members(list(range(128))) == "0-127"
