@@ -7,7 +7,11 @@ import importlib
 
 import pytest
 
-MODULES = ["hypergrid.layout", "hypergrid.grid", "hypergrid.groups", "hypergrid.strategy", "hypergrid._torch_compat", "hypergrid"]
+MODULES = [
+    "hypergrid.layout", "hypergrid.grid", "hypergrid.groups", "hypergrid.strategy", "hypergrid._torch_compat", "hypergrid",
+    # the planning modules
+    "hypergrid.report", "hypergrid.viz", "hypergrid.parity", "hypergrid.cli", "hypergrid.demo",
+]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -94,7 +94,7 @@ def _case(rank: int, kwargs: dict[str, Any], variants: list[dict[str, Any]]) -> 
 
     import hypergrid.megatron as hm
     from hypergrid.megatron.config import MegatronConfig
-    from tests.test_megatron_parity import collection_snapshot, differences, snapshot
+    from tests.test_megatron_parallel_state_parity import collection_snapshot, differences, snapshot
 
     config = MegatronConfig.from_megatron_kwargs(dist.get_world_size(), kwargs, hm.installed_features())
     ps.initialize_model_parallel(**kwargs)

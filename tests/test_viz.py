@@ -83,16 +83,3 @@ def test_svg_is_well_formed_with_escaped_text(tmp_path):
 def test_group_colours_differ_for_neighbours():
     colours = [group_colour(i) for i in range(16)]
     assert len(set(colours)) == 16
-
-
-import doctest  # noqa: E402
-import importlib  # noqa: E402
-
-import pytest  # noqa: E402
-
-
-@pytest.mark.parametrize("name", ["hypergrid.report", "hypergrid.viz", "hypergrid.parity", "hypergrid.cli", "hypergrid.demo"])
-def test_docstring_examples_of_the_planning_modules(name, monkeypatch):
-    monkeypatch.delenv("WORLD_SIZE", raising=False)
-    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
-    assert result.failed == 0 and result.attempted > 0, (name, result)
