@@ -58,6 +58,7 @@ def test_doc_example_runs(page, index, code):
             exec(compile(code, f"{page}#{index}", "exec"), namespace)
 
 
+@pytest.mark.slow
 def test_docs_build_with_one_command(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(DOCS / "build.py"), "--out", str(tmp_path)],

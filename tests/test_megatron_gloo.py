@@ -20,6 +20,9 @@ import torch.distributed as dist  # noqa: E402
 
 from tests.harness import run_gloo  # noqa: E402
 
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
+
 
 def _linear_pass(seed: int) -> dict[str, torch.Tensor]:
     """Column- then row-parallel linear, forward and backward, on the current tp group."""

@@ -21,6 +21,9 @@ megatron_core = pytest.importorskip("megatron.core")
 
 from tests.megatron_lm.launch import VERSIONS, run_suite  # noqa: E402
 
+#: Megatron-LM's suite on 8 gloo ranks, minutes per version (tests/README.md).
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
 #: Tests that pass on Megatron-Core and not (yet) on hypergrid, by version dir, with the reason.
 #: Test ids are "<module path>.<class>::<test>[<params>]" as the launcher reports them. Empty:
 #: everything that passes on Megatron-Core passes on hypergrid, for both versions.

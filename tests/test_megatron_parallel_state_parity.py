@@ -267,7 +267,13 @@ def compare_rank(world: int, rank: int, kwargs: dict[str, Any], variants: list[d
     return diffs
 
 
-@pytest.mark.parametrize("world,kwargs", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def _params(configs: list[tuple[str, int, dict[str, Any]]]) -> list[Any]:
+    """The configurations as pytest params; worlds of thousands of ranks are ``slow`` (seconds each)."""
+    return [pytest.param(world, kwargs, id=name, marks=[pytest.mark.slow] if world >= 1024 else [])
+            for name, world, kwargs in configs]
+
+
+@pytest.mark.parametrize("world,kwargs", _params(CONFIGS))
 def test_every_getter_and_global_matches_megatron(world: int, kwargs: dict[str, Any]) -> None:
     require_keywords(kwargs)
     diffs: list[str] = []
@@ -281,7 +287,7 @@ STRATEGY_CONFIGS = ("tp2-pp2", "cp2-tp2-pp2-ep2", "hcp-2x2", "distopt2", "hybrid
 SMALL_FOR_STRATEGIES = [c for c in CONFIGS if c[0] in STRATEGY_CONFIGS]
 
 
-@pytest.mark.parametrize("world,kwargs", [c[1:] for c in SMALL_FOR_STRATEGIES], ids=[c[0] for c in SMALL_FOR_STRATEGIES])
+@pytest.mark.parametrize("world,kwargs", _params(SMALL_FOR_STRATEGIES))
 def test_enumerate_and_split_strategies_match_megatron(world: int, kwargs: dict[str, Any]) -> None:
     require_keywords(kwargs)
     diffs: list[str] = []

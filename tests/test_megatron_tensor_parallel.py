@@ -26,6 +26,9 @@ import torch  # noqa: E402
 
 from tests.harness import run_gloo  # noqa: E402
 
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
+
 
 def _leaf(seed: int, *shape: int) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)

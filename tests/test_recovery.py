@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 from tests.harness import run_gloo
 
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
+
 TIMEOUT_S = 4.0
 
 

@@ -17,6 +17,9 @@ import torch.distributed as dist
 
 from tests.harness import run_gloo, timed_outcome
 
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
+
 CYCLES = 20
 
 
