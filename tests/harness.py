@@ -26,6 +26,9 @@ import torch.multiprocessing as mp
 #: Default limit for one whole gloo job (start-up included).
 JOB_TIMEOUT_S = 120.0
 
+#: The pytest item running now (set by tests/conftest.py), so that run_gloo can check its marker.
+CURRENT_TEST: Any = None
+
 
 def _child(
     rank: int,
@@ -69,7 +72,13 @@ def run_gloo(
     With ``expect_failure=True`` a rank's exception is not a test failure: the result list holds
     ``("error", message)`` for such ranks and ``("ok", value)`` for the others, and a rank that
     ended without a word (killed) holds ``("dead", exitcode)``.
+
+    Under pytest the calling test must be marked ``gloo`` (see tests/conftest.py).
     """
+    if CURRENT_TEST is not None and CURRENT_TEST.get_closest_marker("gloo") is None:
+        raise AssertionError(
+            f"{CURRENT_TEST.nodeid} starts a gloo job: mark it @pytest.mark.gloo (tests/README.md)"
+        )
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     # The job's store lives in this process, as torchrun's agent hosts it, not in rank 0: a rank

@@ -109,12 +109,14 @@ def _results(job) -> list:
     return run_gloo(job, 4, timeout=90, pg_timeout_s=TIMEOUT_S, expect_failure=True)
 
 
+@pytest.mark.gloo
 def test_agreeing_ranks_create_every_group():
     results = _results(_job_agree)
     assert [r[0] for r in results] == ["ok"] * 4
     assert [r[1][0] for r in results] == ["ok"] * 4
 
 
+@pytest.mark.gloo
 def test_re_creating_groups_does_not_grow_the_store():
     # Entries are per member set, overwritten by later rounds; a verdict is per round, and its
     # leader deletes it when the same members meet again: four create/destroy cycles leave as
@@ -126,6 +128,7 @@ def test_re_creating_groups_does_not_grow_the_store():
         assert len(per_cycle[0]) <= 1 + 2 * len(REQUESTS), per_cycle[0]
 
 
+@pytest.mark.gloo
 def test_one_rank_with_another_shape_fails_everywhere_naming_the_shape():
     results = _results(_job_shape)
     assert [status for status, _ in results] == ["ok"] * 4, results  # nobody died or hung
@@ -140,6 +143,7 @@ def test_one_rank_with_another_shape_fails_everywhere_naming_the_shape():
     assert outcomes[3][0] == "GridMismatchError", outcomes[3]
 
 
+@pytest.mark.gloo
 def test_one_rank_requesting_in_another_order_fails_everywhere():
     results = _results(_job_order)
     assert [status for status, _ in results] == ["ok"] * 4, results
@@ -151,6 +155,7 @@ def test_one_rank_requesting_in_another_order_fails_everywhere():
     assert any("rank 2" in m or "ranks [2]" in m for _, m, _ in outcomes), outcomes
 
 
+@pytest.mark.gloo
 def test_a_rank_killed_during_creation_is_named_by_every_survivor():
     results = _results(_job_killed)
     assert results[3] == ("dead", 17), results[3]
@@ -164,6 +169,7 @@ def test_a_rank_killed_during_creation_is_named_by_every_survivor():
     assert absent and all("rank 3" in m or "[3]" in m for m in absent), absent
 
 
+@pytest.mark.gloo
 def test_without_agreement_the_error_still_names_the_group():
     results = _results(_job_unchecked_shape)
     assert [status for status, _ in results] == ["ok"] * 4, results

@@ -76,6 +76,7 @@ def test_plan_json_png_svg_in_one_subprocess(tmp_path):
     assert "rank 37: 36, 37" in texts and "NVLink domains of 16 GPUs" in texts
 
 
+@pytest.mark.slow
 def test_plan_table_and_csv_and_console_script():
     proc = _run("plan", "--shape", "2,3,4", "--dims", "tp,cp,dp", "--group", "cp,dp", "--gpus-per-node", "6",
                 "--rank", "7")
@@ -141,6 +142,7 @@ def test_bad_input_in_process(argv, words, capsys):
     assert captured.out == ""
 
 
+@pytest.mark.slow
 def test_check_subprocess_identical_exit_0():
     proc = _run("check", "--world-size", "64", "--tp", "2", "--pp", "2", "--ep", "4", "--etp", "1")
     assert proc.returncode == 0, proc.stderr

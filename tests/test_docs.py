@@ -70,6 +70,7 @@ def test_every_python_example_is_a_block_that_runs():
             )
 
 
+@pytest.mark.slow
 def test_docs_build_without_warnings(tmp_path):
     pytest.importorskip("sphinx", reason="the docs build needs Sphinx: pip install -e '.[docs]'")
     pytest.importorskip("myst_parser", reason="the docs build needs myst-parser: pip install -e '.[docs]'")

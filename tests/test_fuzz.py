@@ -31,6 +31,9 @@ from hypergrid.errors import GridTooLargeError, HypergridError
 
 from .harness import fake_world
 
+#: Hypothesis with hundreds of examples per test, and CLI subprocesses: some 20 s (tests/README.md).
+pytestmark = pytest.mark.slow
+
 #: Invalid inputs tried, by entry point.
 COUNTS: collections.Counter = collections.Counter()
 

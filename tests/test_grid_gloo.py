@@ -13,11 +13,15 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from hypergrid import REGISTRY, GridDestroyedError, GridTooLargeError, HyperCommGrid
 from tests.harness import run_gloo
+
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
 
 #: Generous: this only bounds a hang, and start-up alone can take a minute on a loaded machine.
 JOB_TIMEOUT_S = 180.0

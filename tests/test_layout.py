@@ -3,7 +3,7 @@
 The reference for every enumeration here is a brute force over coordinates written from the
 documented convention (first dim fastest over ranks; groups and keys follow the reversed
 dim_names), independent of GridLayout's own arithmetic. Parity with Megatron-Core itself is
-tested in test_parity_megatron.py.
+tested in test_megatron_enumeration_parity.py.
 """
 
 from __future__ import annotations

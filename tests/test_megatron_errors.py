@@ -6,24 +6,31 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
-
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
-
-import hypergrid.megatron as hm  # noqa: E402
-from hypergrid.groups import REGISTRY  # noqa: E402
-from hypergrid.megatron import (  # noqa: E402
+import hypergrid.megatron as hm
+from hypergrid.groups import REGISTRY
+from hypergrid.megatron import (
     MEGATRON_CORE_0_16,
     SUPPORTED_PROFILES,
     ParallelConfigError,
     ParallelStateError,
     plan_model_parallel,
 )
-from tests.harness import fake_world  # noqa: E402
+from tests.harness import fake_world
 
-INSTALLED = hm.installed_features()
+# Set by the fixture below when the first test here runs: importing megatron-core takes seconds,
+# which collecting the suite should not spend.
+ps: Any = None  # megatron.core.parallel_state
+INSTALLED: Any = None  # hypergrid.megatron.installed_features()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_core() -> None:
+    """Every test here skips without megatron-core."""
+    global ps, INSTALLED
+    ps = pytest.importorskip("megatron.core.parallel_state")
+    INSTALLED = hm.installed_features()
 
 # (id, world size, keywords, fragments the message must contain). Entries using a keyword the
 # installed version lacks are skipped; ONLY_WITH marks entries invalid only where a feature exists.
@@ -169,12 +176,26 @@ def test_hypergrid_keywords_are_checked() -> None:
             hm.initialize_model_parallel(share_groups="yes")
 
 
-#: Keywords of a supported megatron-core other than the installed one, and one of none.
-FOREIGN_KEYWORDS = sorted({k for p in SUPPORTED_PROFILES for k in p.keywords} - set(INSTALLED.keywords)) + ["tensor_parallel_size"]
+#: Keywords some supported megatron-core has and another lacks, and one of none: the candidates
+#: for a keyword the installed version lacks (known without importing it).
+VERSION_KEYWORDS = sorted(
+    {k for p in SUPPORTED_PROFILES for k in p.keywords} - set.intersection(*(set(p.keywords) for p in SUPPORTED_PROFILES))
+) + ["tensor_parallel_size"]
 
 
-@pytest.mark.parametrize("keyword", FOREIGN_KEYWORDS)
+def foreign_keywords() -> list[str]:
+    """Keywords of a supported megatron-core other than the installed one, and one of none."""
+    return sorted({k for p in SUPPORTED_PROFILES for k in p.keywords} - set(INSTALLED.keywords)) + ["tensor_parallel_size"]
+
+
+def test_every_keyword_the_installed_version_lacks_is_tried() -> None:
+    assert set(foreign_keywords()) <= set(VERSION_KEYWORDS), sorted(set(foreign_keywords()) - set(VERSION_KEYWORDS))
+
+
+@pytest.mark.parametrize("keyword", VERSION_KEYWORDS)
 def test_keyword_the_installed_version_lacks_is_a_type_error_naming_it_and_the_version(keyword: str) -> None:
+    if keyword not in foreign_keywords():
+        pytest.skip(f"megatron-core {INSTALLED.version} has {keyword!r}")
     with fake_world(0, 8):
         # Megatron-Core's own function has no such parameter...
         with pytest.raises(TypeError, match=keyword):

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
+from tests.harness import run_gloo
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from tests.harness import run_gloo  # noqa: E402
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
 
 
 def _linear_pass(seed: int) -> dict[str, torch.Tensor]:
@@ -94,7 +94,9 @@ def _case(rank: int, kwargs: dict[str, Any], variants: list[dict[str, Any]]) -> 
 
     import hypergrid.megatron as hm
     from hypergrid.megatron.config import MegatronConfig
-    from tests.test_megatron_parity import collection_snapshot, differences, snapshot
+    from tests.test_megatron_parallel_state_parity import collection_snapshot, differences, load_megatron, snapshot
+
+    load_megatron()
 
     config = MegatronConfig.from_megatron_kwargs(dist.get_world_size(), kwargs, hm.installed_features())
     ps.initialize_model_parallel(**kwargs)
@@ -180,6 +182,7 @@ GTP_MOE = dict(
 
 
 def test_layers_pipeline_and_collection_on_8_gloo_ranks() -> None:
+    pytest.importorskip("megatron.core")
     from hypergrid.megatron import installed_features
 
     installed = installed_features()

@@ -2,17 +2,26 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
+import hypergrid.megatron as hm
+from hypergrid import HyperCommGrid
+from hypergrid.groups import REGISTRY
+from tests.harness import fake_world
 
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
+#: megatron.core.parallel_state, set by the fixture below when the first test here runs (importing
+#: megatron-core takes seconds, which collecting the suite should not spend).
+ps: Any = None
 
-import hypergrid.megatron as hm  # noqa: E402
-from hypergrid import HyperCommGrid  # noqa: E402
-from hypergrid.groups import REGISTRY  # noqa: E402
-from tests.harness import fake_world  # noqa: E402
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_core() -> None:
+    """Every test here skips without megatron-core."""
+    global ps
+    ps = pytest.importorskip("megatron.core.parallel_state")
 
 KWARGS = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
               create_gloo_process_groups=False)

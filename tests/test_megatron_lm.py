@@ -17,9 +17,10 @@ import sys
 
 import pytest
 
-megatron_core = pytest.importorskip("megatron.core")
+from tests.megatron_lm.launch import VERSIONS, run_suite
 
-from tests.megatron_lm.launch import VERSIONS, run_suite  # noqa: E402
+#: Megatron-LM's suite on 8 gloo ranks, minutes per version (tests/README.md).
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 #: Tests that pass on Megatron-Core and not (yet) on hypergrid, by version dir, with the reason.
 #: Test ids are "<module path>.<class>::<test>[<params>]" as the launcher reports them. Empty:
@@ -27,13 +28,10 @@ from tests.megatron_lm.launch import VERSIONS, run_suite  # noqa: E402
 KNOWN_DIFFERENCES: dict[str, dict[str, str]] = {"v0_16": {}, "v0_19": {}}
 
 
-def _installed(version_dir: str) -> bool:
-    return megatron_core.__version__.startswith(VERSIONS[version_dir] + ".")
-
-
 @pytest.mark.parametrize("version_dir", sorted(VERSIONS))
 def test_megatron_lm_unit_tests_pass_on_hypergrid(version_dir):
-    if not _installed(version_dir):
+    megatron_core = pytest.importorskip("megatron.core")  # here, not at collection: it takes seconds
+    if not megatron_core.__version__.startswith(VERSIONS[version_dir] + "."):
         pytest.skip(f"copied from megatron-core {VERSIONS[version_dir]}; megatron-core {megatron_core.__version__} is installed")
     full = os.environ.get("HYPERGRID_MEGATRON_LM") == "full"
     result = run_suite(version_dir, timeout_s=2400.0, pytest_args=() if full else ("-k", "not test_parallel_state"))

@@ -19,12 +19,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
-pytest.importorskip("megatron.core")
+from tests.harness import run_gloo
 
-import torch  # noqa: E402
-
-from tests.harness import run_gloo  # noqa: E402
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
 
 
 def _leaf(seed: int, *shape: int) -> torch.Tensor:
@@ -150,6 +150,7 @@ CASES = [
 
 
 def test_tensor_parallel_layers_mappings_and_cross_entropy_are_bit_equal_on_4_gloo_ranks() -> None:
+    pytest.importorskip("megatron.core")
     results = run_gloo(_job, 4, CASES, timeout=300)
     diffs = [d for per_rank in results for case in per_rank for d in case["diffs"]]
     assert diffs == [], "\n".join(diffs[:20])

@@ -17,6 +17,9 @@ import torch.distributed as dist
 from hypergrid import device_mesh, grid_from_device_mesh, grid_from_process_groups
 from tests.harness import run_gloo
 
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
+
 # Slicing a flattened dim from the root (mesh["dp_cp"]) is what the issue asks for; torch warns
 # that it plans to deprecate it.
 warnings.filterwarnings("ignore", message="Slicing a flattened dim")

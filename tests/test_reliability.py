@@ -1,8 +1,9 @@
 """Re-initialisation with late ranks, the job's own timeout, and the rank that differs told early.
 
 4-rank gloo jobs on loopback, the store hosted by the launcher (as torchrun does). Every rank
-returns what happened to it and when; the bounds are far above the expected times (they catch a
-wait for the wrong timeout, not a slow machine).
+returns what happened to it and when. The time bounds are the behaviour under test (an error
+reported instead of a wait for a longer timeout, or a hang), and far above the times measured
+here (given by each test): they catch a wait for the wrong timeout, not a slow machine.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_gloo, timed_outcome
+
+#: Every test here starts multi-process gloo jobs (tests/README.md).
+pytestmark = pytest.mark.gloo
 
 CYCLES = 20
 
@@ -88,31 +92,32 @@ def _job_dead_rank_with_the_jobs_timeout(rank: int, world_size: int) -> tuple:
 
 
 def test_a_dead_rank_is_named_on_every_survivor_within_the_jobs_timeout() -> None:
-    results = run_gloo(_job_dead_rank_with_the_jobs_timeout, 4, timeout=120, pg_timeout_s=6.0, expect_failure=True)
+    results = run_gloo(_job_dead_rank_with_the_jobs_timeout, 4, timeout=180, pg_timeout_s=6.0, expect_failure=True)
     assert results[3][0] == "dead"
     # Rank 1 shares its dp group with rank 3; ranks 0 and 2 form the other dp group and succeed.
     kind, message, seconds = results[1][1]
     assert kind in ("GroupTimeoutError", "GroupCreationError"), results[1]
     assert "3" in message and "'dp'" in message, message
-    assert seconds < 6.0 + 20.0, f"reported after {seconds:.1f} s, the job's timeout is 6 s"
+    # Measured: 6.0 s. Without the job's timeout it would be torch's default, 30 minutes.
+    assert seconds < 6.0 + 60.0, f"reported after {seconds:.1f} s, the job's timeout is 6 s"
     assert results[0][1][0] == "ok" and results[2][1][0] == "ok", results
 
 
 def _job_differing_request(rank: int, world_size: int) -> tuple:
     from hypergrid import HyperCommGrid
 
-    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=60))
+    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=120))
     return timed_outcome(lambda: grid.create_pg("dp" if rank == 3 else "tp"))
 
 
 def test_the_rank_whose_request_differs_learns_it_as_soon_as_the_others() -> None:
-    results = run_gloo(_job_differing_request, 4, timeout=120, expect_failure=True)
+    results = run_gloo(_job_differing_request, 4, timeout=240, expect_failure=True)
     outcomes = [r[1] for r in results]
-    # The timeout is 60 s: everyone, rank 3 included, must know long before it.
+    # The timeout is 120 s: everyone, rank 3 included, must know long before it (measured: 3.3 s).
     for rank, (kind, message, seconds) in enumerate(outcomes):
         if rank in (2, 3):  # rank 3 asked for dp, whose group {1, 3} holds rank 1; tp's {2, 3}
             assert kind == "GridMismatchError", (rank, outcomes[rank])
-        assert seconds < 30.0, f"rank {rank} learned after {seconds:.1f} s: {outcomes[rank]}"
+        assert seconds < 60.0, f"rank {rank} learned after {seconds:.1f} s: {outcomes[rank]}"
     assert "'dp'" in outcomes[3][1] or "'tp'" in outcomes[3][1], outcomes[3]
 
 
@@ -120,20 +125,20 @@ def _job_differing_offset(rank: int, world_size: int) -> tuple:
     from hypergrid import HyperCommGrid
 
     offset = 2 if rank == 2 else 0
-    grid = HyperCommGrid([2], ["tp"], rank_offset=offset, timeout=timedelta(seconds=60))
+    grid = HyperCommGrid([2], ["tp"], rank_offset=offset, timeout=timedelta(seconds=120))
     return timed_outcome(lambda: grid.create_pg("tp"))
 
 
 def test_a_rank_with_another_rank_offset_fails_with_the_others_not_silently() -> None:
-    results = run_gloo(_job_differing_offset, 4, timeout=120, expect_failure=True)
+    results = run_gloo(_job_differing_offset, 4, timeout=240, expect_failure=True)
     outcomes = [r[1] for r in results]
     # Ranks 0, 1 and 3 asked for grid [0, 1], rank 2 for grid [2, 3]: rank 2's group {2, 3} holds
     # rank 3, which asked for another grid (it is outside its own and gets None). Rank 2 must be
-    # told, naming the offset, instead of waiting for rank 3 until the timeout.
+    # told, naming the offset, instead of waiting for rank 3 until the timeout (120 s; measured: 3.3 s).
     kind, message, _ = outcomes[2]
     assert kind == "GridMismatchError" and "rank_offset" in message, outcomes[2]
     for rank in (0, 1, 2):
-        assert outcomes[rank][2] < 30.0, f"rank {rank}: {outcomes[rank]}"
+        assert outcomes[rank][2] < 60.0, f"rank {rank}: {outcomes[rank]}"
 
 
 def _job_store_host_dies(rank: int, world_size: int) -> tuple:
@@ -167,6 +172,7 @@ def test_a_lost_store_host_is_reported_on_every_survivor() -> None:
         status, (kind, message, seconds) = results[rank]
         assert status == "ok" and kind == "GroupCreationError", results[rank]
         assert "store stopped answering" in message and "'dp'" in message, message
+        # before the grid's 30 s timeout (measured: 0.02 s)
         assert seconds < 30.0, f"rank {rank} learned after {seconds:.1f} s"
 
 
@@ -194,11 +200,11 @@ def _job_dies_inside_torch(rank: int, world_size: int) -> tuple:
 
 def test_a_rank_dying_inside_torchs_creation_is_named_by_its_group() -> None:
     # The job's start-up gets 30 s (a loaded machine); the grid's groups 8 s.
-    results = run_gloo(_job_dies_inside_torch, 4, timeout=120, pg_timeout_s=30.0, expect_failure=True)
+    results = run_gloo(_job_dies_inside_torch, 4, timeout=180, pg_timeout_s=30.0, expect_failure=True)
     assert results[3][0] == "dead", results[3]
     # dp groups are {0, 2} and {1, 3}: rank 1 waited inside torch for rank 3.
     status, (kind, message, seconds) = results[1]
     assert status == "ok" and kind == "GroupCreationError", results[1]
     assert "'dp'" in message and "ranks [3] never reported back" in message, message
-    assert seconds < 8.0 + 30.0, f"rank 1 learned after {seconds:.1f} s"
+    assert seconds < 8.0 + 60.0, f"rank 1 learned after {seconds:.1f} s"  # measured: 11 s
     assert results[0][1][0] == "ok" and results[2][1][0] == "ok", results

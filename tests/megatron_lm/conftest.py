@@ -50,6 +50,12 @@ NEEDS_CUDA[("v0_19", "test_hyper_comm_grid.py::TestHyperCommGridIntegration::tes
 NEEDS_CUDA[("v0_19", "test_parallel_state.py::test_expert_all_gather_group")] = "NCCL groups (backend='nccl')"
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # Markers the adapted copies keep from Megatron-LM (setup.cfg runs pytest with --strict-markers).
+    for marker in ("internal", "flaky", "flaky_in_dev"):
+        config.addinivalue_line("markers", f"{marker}: Megatron-LM's own marker, kept in the adapted copies")
+
+
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
     # Outside the launcher's job these files would each try to start an 8-rank world alone.
     if os.environ.get(RANK_ENV) is None and collection_path.is_relative_to(HERE) and collection_path != HERE:

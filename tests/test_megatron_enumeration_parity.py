@@ -22,25 +22,42 @@ from __future__ import annotations
 import itertools
 import random
 import sys
+from typing import Any
 from unittest import mock
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-pytest.importorskip("megatron.core")
-pytest.importorskip("einops")
+import hypergrid
+from tests.harness import fake_world
 
-from megatron.core import hyper_comm_grid as mcore_hcg  # noqa: E402
-from megatron.core.parallel_state import RankGenerator  # noqa: E402
-
-import hypergrid  # noqa: E402
-from tests.harness import fake_world  # noqa: E402
-
+# Set by the megatron_core fixture when the first test here runs: importing megatron-core takes
+# seconds, which collecting the suite should not spend.
+mcore_hcg: Any = None  # megatron.core.hyper_comm_grid
+RankGenerator: Any = None  # megatron.core.parallel_state.RankGenerator
 #: Megatron-Core 0.17+ has rank views and ``_order_dims_for``; 0.16 has ``_order_dims``.
-MEGATRON_HAS_VIEWS = hasattr(mcore_hcg.HyperCommGrid, "register_view")
-MEGATRON_HAS_ORDER_DIMS = hasattr(mcore_hcg.HyperCommGrid, "_order_dims")
-needs_views = pytest.mark.skipif(not MEGATRON_HAS_VIEWS, reason="the installed megatron-core has no register_view (0.16)")
+MEGATRON_HAS_VIEWS = False
+MEGATRON_HAS_ORDER_DIMS = False
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_core() -> None:
+    """Import Megatron-Core's HyperCommGrid and RankGenerator (every test here skips without them)."""
+    global mcore_hcg, RankGenerator, MEGATRON_HAS_VIEWS, MEGATRON_HAS_ORDER_DIMS
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("einops")
+    from megatron.core import hyper_comm_grid as mcore_hcg
+    from megatron.core.parallel_state import RankGenerator
+
+    MEGATRON_HAS_VIEWS = hasattr(mcore_hcg.HyperCommGrid, "register_view")
+    MEGATRON_HAS_ORDER_DIMS = hasattr(mcore_hcg.HyperCommGrid, "_order_dims")
+
+
+@pytest.fixture(scope="module")
+def needs_views(megatron_core: None) -> None:
+    if not MEGATRON_HAS_VIEWS:
+        pytest.skip("the installed megatron-core has no register_view (0.16)")
 
 WORLD = 1 << 16
 DIMS5 = ("tp", "cp", "ep", "dp", "pp")
@@ -396,7 +413,7 @@ def _outcome(call):
         return ("raised", exc)
 
 
-@needs_views
+@pytest.mark.usefixtures("needs_views")
 @settings(SETTINGS, max_examples=600)
 @given(views_of_grids(), st.randoms(use_true_random=False))
 def test_register_view_accepts_and_rejects_like_megatron(case, rng):
@@ -426,7 +443,7 @@ def test_register_view_accepts_and_rejects_like_megatron(case, rng):
     tally.close()
 
 
-@needs_views
+@pytest.mark.usefixtures("needs_views")
 def test_register_view_cases_megatron_tests_name():
     """Size-1 dims, several shared dims at once, "base", numpy sizes: accepted or refused alike."""
     import numpy as np
@@ -454,7 +471,7 @@ def test_register_view_cases_megatron_tests_name():
                 assert mine[1] is None and other[1] is None
 
 
-@needs_views
+@pytest.mark.usefixtures("needs_views")
 @pytest.mark.parametrize("rank", [0, 5])
 def test_view_groups_stored_under_megatron_keys(monkeypatch, rank):
     """In a fake 8-rank world: the same keys in ``_pgs``, the same members, the same KeyErrors."""
@@ -506,7 +523,7 @@ def dist_ranks(pg):
     return dist.get_process_group_ranks(pg)
 
 
-@needs_views
+@pytest.mark.usefixtures("needs_views")
 def test_view_errors_like_megatron():
     ours, theirs = both_grids([2, 2, 2], ["tp", "dp", "pp"], 0)
     for grid in (ours, theirs):

@@ -23,18 +23,34 @@ from dataclasses import fields
 from typing import Any, Callable, Iterator, Optional
 
 import pytest
+import torch.distributed as dist
 
-pytest.importorskip("megatron.core")
+import hypergrid.megatron as hm
+from hypergrid.megatron.config import MegatronConfig
+from tests.harness import fake_world
 
-import torch.distributed as dist  # noqa: E402
-from megatron.core import parallel_state as ps  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
+# Set by load_megatron() when the first test here runs: importing megatron-core takes seconds,
+# which collecting the suite should not spend.
+ps: Any = None  # megatron.core.parallel_state
+ProcessGroupCollection: Any = None  # megatron.core.process_groups_config.ProcessGroupCollection
+INSTALLED: Any = None  # hypergrid.megatron.installed_features()
 
-import hypergrid.megatron as hm  # noqa: E402
-from hypergrid.megatron.config import MegatronConfig  # noqa: E402
-from tests.harness import fake_world  # noqa: E402
 
-INSTALLED = hm.installed_features()
+def load_megatron() -> None:
+    """Import megatron-core into this module; called by the fixture below, and by the gloo jobs
+    (tests/test_megatron_gloo.py) that use :func:`snapshot` in their own processes."""
+    global ps, ProcessGroupCollection, INSTALLED
+    from megatron.core import parallel_state as ps
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    INSTALLED = hm.installed_features()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron_core() -> None:
+    """Every test here skips without megatron-core."""
+    pytest.importorskip("megatron.core")
+    load_megatron()
 
 # ----------------------------------------------------------------------------- what is compared
 GETTER_PREFIXES = ("get_", "is_", "has_", "model_parallel_is_")
@@ -267,7 +283,13 @@ def compare_rank(world: int, rank: int, kwargs: dict[str, Any], variants: list[d
     return diffs
 
 
-@pytest.mark.parametrize("world,kwargs", [c[1:] for c in CONFIGS], ids=[c[0] for c in CONFIGS])
+def _params(configs: list[tuple[str, int, dict[str, Any]]]) -> list[Any]:
+    """The configurations as pytest params; worlds of thousands of ranks are ``slow`` (seconds each)."""
+    return [pytest.param(world, kwargs, id=name, marks=[pytest.mark.slow] if world >= 1024 else [])
+            for name, world, kwargs in configs]
+
+
+@pytest.mark.parametrize("world,kwargs", _params(CONFIGS))
 def test_every_getter_and_global_matches_megatron(world: int, kwargs: dict[str, Any]) -> None:
     require_keywords(kwargs)
     diffs: list[str] = []
@@ -281,7 +303,7 @@ STRATEGY_CONFIGS = ("tp2-pp2", "cp2-tp2-pp2-ep2", "hcp-2x2", "distopt2", "hybrid
 SMALL_FOR_STRATEGIES = [c for c in CONFIGS if c[0] in STRATEGY_CONFIGS]
 
 
-@pytest.mark.parametrize("world,kwargs", [c[1:] for c in SMALL_FOR_STRATEGIES], ids=[c[0] for c in SMALL_FOR_STRATEGIES])
+@pytest.mark.parametrize("world,kwargs", _params(SMALL_FOR_STRATEGIES))
 def test_enumerate_and_split_strategies_match_megatron(world: int, kwargs: dict[str, Any]) -> None:
     require_keywords(kwargs)
     diffs: list[str] = []
@@ -339,13 +361,14 @@ def test_snapshot_detects_a_difference() -> None:
     assert any("global _PIPELINE_GLOBAL_RANKS" in d for d in found)
 
 
-@pytest.mark.skipif(not hasattr(ps, "create_all_gather_groups"), reason=f"megatron-core {INSTALLED.version} has no create_all_gather_groups()")
 @pytest.mark.parametrize("world,rank,kwargs", [
     (8, 5, dict(tensor_model_parallel_size=2)),
     (16, 6, dict(tensor_model_parallel_size=2, context_parallel_size=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1)),
     (32, 17, dict(pipeline_model_parallel_size=2, expert_model_parallel_size=4, expert_tensor_parallel_size=2, tensor_model_parallel_size=2)),
 ])
 def test_all_gather_groups_match_megatron(world: int, rank: int, kwargs: dict[str, Any]) -> None:
+    if not hasattr(ps, "create_all_gather_groups"):
+        pytest.skip(f"megatron-core {INSTALLED.version} has no create_all_gather_groups()")
     results: dict[str, Any] = {}
     with fake_world(rank, world):
         for name, init, make in [
