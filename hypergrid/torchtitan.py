@@ -317,9 +317,9 @@ def torchtitan_mesh(config: TorchtitanParallelism) -> TorchtitanMesh:
         sizes = {"pp": pp, "dp_replicate": rep, "dp_shard": shard, "cp": cp, "tp": tp}
         names = [n for n, s in sizes.items() if s > 1] or ["dp_shard"]
         has = {n for n, s in sizes.items() if s > 1}
-        pick = lambda *dims: [n for n in dims if n in has]  # noqa: E731
-        candidates = {"dp": pick("dp_replicate", "dp_shard"), "dp_shard_cp": pick("dp_shard", "cp"),
-                      "dp_cp": pick("dp_replicate", "dp_shard", "cp")}
+        candidates = {name: [n for n in dims if n in has] for name, dims in (
+            ("dp", ("dp_replicate", "dp_shard")), ("dp_shard_cp", ("dp_shard", "cp")),
+            ("dp_cp", ("dp_replicate", "dp_shard", "cp")))}
         flattened = {name: dims for name, dims in candidates.items() if dims}
     return TorchtitanMesh(tuple(names), tuple(sizes[n] for n in names),
                           {name: tuple(dims) for name, dims in flattened.items()})
