@@ -104,12 +104,25 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
         "--group", action="append", type=_name_list, default=[], metavar="DIMS",
         help="also a group over several dims, e.g. --group cp,dp (repeatable)",
     )
+    t = p.add_argument_group("or a torchtitan job config")
+    t.add_argument("--torchtitan", metavar="FILE",
+                   help="a torchtitan TOML job config: its [parallelism] degrees, with --world-size")
 
 
 def _plan_from_args(args: argparse.Namespace):
     from .report import plan_grid, plan_megatron
 
     megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "order") if getattr(args, n) is not None]
+    if args.torchtitan is not None:
+        from .torchtitan import plan_torchtitan
+
+        others = megatron_given + [n for n in ("shape", "dims") if getattr(args, n) is not None]
+        if others or args.group:
+            raise UsageError(f"--torchtitan and {', '.join('--' + n for n in others or ['group'])} are two ways "
+                             f"to give a layout; use one")
+        if args.world_size is None:
+            raise UsageError("--torchtitan needs --world-size: torchtitan takes the world size from the launcher")
+        return plan_torchtitan(Path(args.torchtitan), args.world_size)  # a Path: always read as a file
     if args.shape is not None or args.dims is not None:
         if args.shape is None or args.dims is None:
             raise UsageError("a free grid needs both --shape and --dims, e.g. --shape 2,3,4 --dims tp,cp,dp")
