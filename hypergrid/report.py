@@ -48,7 +48,7 @@ logger = logging.getLogger("hypergrid.report")
 #: ten seconds of pure Python. One rank's groups (``groups_of``) have no such limit.
 MAX_ENUMERATED_RANKS = 1 << 22
 
-def describe_members(members: Sequence[int], limit: int = 6) -> str:
+def describe_members(members: Sequence[int], limit: int = 8) -> str:
     """A group's members for people: runs of consecutive ranks as ranges, long lists cut.
 
     Cutting keeps whole runs and says what was left out, so that a group that skips ranks never
@@ -63,7 +63,7 @@ def describe_members(members: Sequence[int], limit: int = 6) -> str:
         >>> describe_members([r for start in range(0, 128, 32) for r in range(start, start + 8)])
         '0-7, 32-39, 64-71, 96-103 (32 ranks)'
         >>> describe_members(list(range(0, 4096, 8)))
-        '0, 8, 16, 24, 32, ..., 4088 (512 ranks, step 8)'
+        '0, 8, 16, 24, 32, 40, 48, ..., 4088 (512 ranks, step 8)'
     """
     members = list(members)
     if not members:
