@@ -95,6 +95,8 @@ _KEYWORD_FLAGS = {
     "sharp_enabled_group": "--sharp-enabled-group",
     "hybrid_context_parallel": "--hybrid-context-parallel",
     "virtual_pipeline_model_parallel_size": "the virtual pipeline size",
+    "data_parallel_size": "the data-parallel size",
+    "expert_data_parallel_size": "the expert data-parallel size",
 }
 # A launcher's environment assignment before the command, e.g. ``WORLD_SIZE=1024``.
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
@@ -417,18 +419,27 @@ def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaun
     )
 
 
-def _with_flag_names(message: str) -> tuple[str, Optional[str]]:
-    """Megatron-Core's keyword names in ``message`` replaced by the Megatron-LM flags; the first flag."""
+def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[str, Optional[str]]:
+    """Megatron-Core's keyword names in ``message`` replaced by Megatron-LM's flags, and the flag at fault.
+
+    The flag at fault is the first one named whose size does not divide the world, else the first
+    one the launch line set to more than the default (a size of 1 divides everything), else the
+    first one named.
+    """
     found: list[tuple[int, str]] = []
 
     def replace(match: re.Match) -> str:
-        found.append((match.start(), _KEYWORD_FLAGS[match.group(0)]))
+        found.append((match.start(), match.group(0)))
         return _KEYWORD_FLAGS[match.group(0)]
 
     pattern = r"\b(" + "|".join(sorted(_KEYWORD_FLAGS, key=len, reverse=True)) + r")\b"
     text = re.sub(pattern, replace, message).replace("world_size", "world size")
-    flags = [flag for _, flag in sorted(found) if flag.startswith("--")]
-    return text, flags[0] if flags else None
+    named = [k for _, k in sorted(found) if _KEYWORD_FLAGS[k].startswith("--")]
+    defaults = MegatronLaunch()
+    culprits = [k for k in named if getattr(launch, k) != getattr(defaults, k) and getattr(launch, k) not in (1, None)]
+    misfits = [k for k in culprits if isinstance(getattr(launch, k), int) and world % getattr(launch, k)]
+    chosen = (misfits or culprits or named or [None])[0]
+    return text, None if chosen is None else _KEYWORD_FLAGS[chosen]
 
 
 def plan_from_megatron_args(
@@ -470,5 +481,5 @@ def plan_from_megatron_args(
     try:
         return plan_megatron(world, **launch.megatron_kwargs())
     except ValueError as exc:
-        message, flag = _with_flag_names(str(exc))
+        message, flag = _with_flag_names(str(exc), launch, world)
         raise MegatronArgsError(message, flag) from None
