@@ -104,6 +104,12 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
         "--group", action="append", type=_name_list, default=[], metavar="DIMS",
         help="also a group over several dims, e.g. --group cp,dp (repeatable)",
     )
+    m = p.add_argument_group("or a Megatron-LM launch line (with --world-size)")
+    m.add_argument("--megatron-args", metavar="FLAGS",
+                   help="Megatron-LM's flags in one string, e.g. \"--tensor-model-parallel-size 8 ...\" "
+                        "(one flag alone: --megatron-args=--use-sharp)")
+    m.add_argument("--megatron-args-file", metavar="FILE",
+                   help="a file of Megatron-LM flags (lines, backslash continuations, # comments)")
     t = p.add_argument_group("or a torchtitan job config")
     t.add_argument("--torchtitan", metavar="FILE",
                    help="a torchtitan TOML job config: its [parallelism] degrees, with --world-size")
@@ -117,12 +123,15 @@ def _plan_from_args(args: argparse.Namespace):
         from .torchtitan import plan_torchtitan
 
         others = megatron_given + [n for n in ("shape", "dims") if getattr(args, n) is not None]
+        others += [n.replace("_", "-") for n in ("megatron_args", "megatron_args_file") if getattr(args, n) is not None]
         if others or args.group:
             raise UsageError(f"--torchtitan and {', '.join('--' + n for n in others or ['group'])} are two ways "
                              f"to give a layout; use one")
         if args.world_size is None:
             raise UsageError("--torchtitan needs --world-size: torchtitan takes the world size from the launcher")
         return plan_torchtitan(Path(args.torchtitan), args.world_size)  # a Path: always read as a file
+    if args.megatron_args is not None or args.megatron_args_file is not None:
+        return _plan_from_launch_line(args, megatron_given)
     if args.shape is not None or args.dims is not None:
         if args.shape is None or args.dims is None:
             raise UsageError("a free grid needs both --shape and --dims, e.g. --shape 2,3,4 --dims tp,cp,dp")
@@ -141,6 +150,29 @@ def _plan_from_args(args: argparse.Namespace):
         tp=args.tp or 1, pp=args.pp or 1, cp=args.cp or 1, ep=args.ep or 1, etp=args.etp,
         order=args.order or "tp-cp-ep-dp-pp",
     )
+
+
+def _plan_from_launch_line(args: argparse.Namespace, megatron_given: list[str]):
+    from .megatron.launch_args import parse_megatron_args, plan_from_megatron_args
+
+    other = ["--" + n for n in megatron_given] + [
+        f"--{n}" for n in ("shape", "dims") if getattr(args, n) is not None] + (["--group"] if args.group else [])
+    if args.megatron_args is not None and args.megatron_args_file is not None:
+        other.append("--megatron-args-file")
+    if other:
+        raise UsageError(f"--megatron-args{'-file' * (args.megatron_args is None)} and {', '.join(other)} "
+                         f"are two ways to give a layout; use one")
+    text = args.megatron_args
+    if text is None:
+        try:
+            text = Path(args.megatron_args_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UsageError(f"--megatron-args-file {args.megatron_args_file}: cannot read it: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    launch = parse_megatron_args(text)
+    if args.world_size is None and launch.world_size is None:
+        raise UsageError("a Megatron-LM launch line needs --world-size N (Megatron-LM reads it from WORLD_SIZE)")
+    return plan_from_megatron_args(launch, world_size=args.world_size)
 
 
 def build_parser() -> argparse.ArgumentParser:
