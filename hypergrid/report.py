@@ -133,6 +133,9 @@ class Plan:
     megatron: Optional[MegatronSizes] = None
     #: Per view, the dims whose groups it shares with the grid (``register_view``'s ``shared_dims``).
     shared_dims: dict[str, list[str]] = field(default_factory=dict)
+    #: The backend Megatron's pipeline groups ask for (``pipeline_model_parallel_comm_backend``;
+    #: None: the default group's).
+    pipeline_backend: Optional[str] = None
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
@@ -315,4 +318,4 @@ def plan_megatron(
     )
     logger.debug("megatron plan %s: dense %s, expert %s", megatron, mplan.dense, mplan.expert)
     return Plan(mplan.config.world_size, mplan.dense, list(mplan.kinds), {"expert": mplan.expert}, megatron,
-                {"expert": mplan.expert_shared_dims})
+                {"expert": mplan.expert_shared_dims}, mplan.config.pipeline_model_parallel_comm_backend)
