@@ -39,6 +39,9 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py"}
 
+# The largest world a plan answers for: what a rank number in an int64 can reach.
+_MAX_WORLD = (1 << 63) - 1
+
 # Members of a group shown in a table before it is shortened (JSON and CSV show all).
 _MAX_MEMBERS_SHOWN = 16
 
@@ -153,13 +156,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=_positive, default=8, help="ranks per node (default 8)")
     p.add_argument("--rank", type=_non_negative, help="show this rank's coordinates and groups")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    p.add_argument("--csv", dest="format", action="store_const", const="csv", help="same as --format csv")
+    p.add_argument("--comm-memory-mb", type=_positive, default=None, metavar="MB",
+                   help="GPU memory per NCCL communicator for the estimate (default 600: an estimate "
+                        "from public NCCL measurements on A100s; measure yours)")
     p.add_argument("--png", metavar="FILE", help="write a picture of the ranks by node (PNG; needs matplotlib)")
     p.add_argument("--svg", metavar="FILE", help="write a picture of the ranks by node (SVG; needs matplotlib)")
     p.add_argument("--kind", "--colour", "--color", dest="kinds", type=_name_list, metavar="KINDS",
                    help="group kinds drawn, one panel each, e.g. tp,dp (default: tp, cp, dp, pp, ep, ... "
                         "that have groups of more than one rank)")
     p.add_argument("--nvlink-domain", type=_positive, metavar="GPUS",
-                   help="GPUs per NVLink domain, drawn in the picture (default: --gpus-per-node)")
+                   help="GPUs per NVLink domain (consecutive ranks; e.g. 72 for an NVL72 rack of 18 "
+                        "nodes of 4): placement column and picture (default: --gpus-per-node)")
 
     c = sub.add_parser("check", help="compare every enumeration with megatron-core's")
     _add_layout_args(c)
@@ -186,9 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- plan
-def _short(members: Optional[Sequence[int]]) -> str:
+def _short(members) -> str:
     if members is None:
         return "- (in no group of this kind)"
+    if isinstance(members, dict):  # Plan.group_heads: the first members and the last
+        head, size = members["head"], members["size"]
+        if head is None:
+            return f"({size} ranks)"
+        if size <= _MAX_MEMBERS_SHOWN:
+            return "[" + ", ".join(map(str, head)) + "]"
+        return f"[{', '.join(map(str, head[:_MAX_MEMBERS_SHOWN - 2]))}, ..., {members['last']}] ({size} ranks)"
     if len(members) <= _MAX_MEMBERS_SHOWN:
         return "[" + ", ".join(map(str, members)) + "]"
     head = ", ".join(map(str, members[:_MAX_MEMBERS_SHOWN - 2]))
@@ -211,6 +227,9 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
 
 
 def _plan_table(plan, data: dict) -> str:
+    from .cost import cost_lines
+    from .report import MAX_ENUMERATED_RANKS
+
     nodes, gpn = data["nodes"], data["gpus_per_node"]
     out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
     order_note = "first dim varies fastest over ranks"
@@ -224,24 +243,33 @@ def _plan_table(plan, data: dict) -> str:
     for name, view in plan.views.items():
         out.append(f"{name + ':':<7} {_dims_text(view)}")
     out.append("")
-    rows = [["kind", "key", "groups", "size", "nodes/group", "placement", "megatron group"]]
+    rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement", "megatron group"]]
+    where = {"node": "inside a node", "nvlink": "inside an NVLink domain", "across": "ACROSS DOMAINS"}
     for k in data["kinds"]:
         key = k["key"] if k["view"] is None else f"{k['view']}:{k['key']}"
-        placement = "inside a node" if not k["crosses_nodes"] else (
-            "CROSSES NODES" if k["intra_node_groups"] == 0 else f"CROSSES NODES ({k['intra_node_groups']} inside)"
-        )
+        placement = where[k["placement"]]
+        if k["placement"] != "node" and k["intra_node_groups"]:
+            placement += f" ({k['intra_node_groups']} groups inside a node)"
         rows.append([
             k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
-            str(k["max_nodes_per_group"]),
+            str(k["max_nodes_per_group"]), str(k["max_nvlink_domains_per_group"]),
             placement, k["megatron_name"] or "",
         ])
-    out.append(_table(rows, right={2, 3, 4}))
+    out.append(_table(rows, right={2, 3, 4, 5}))
     crossing = [k["name"] for k in data["kinds"] if k["crosses_nodes"]]
     out.append("")
     out.append(
         f"cross nodes ({gpn} ranks per node): {', '.join(crossing)}" if crossing
         else f"every group stays inside a node of {gpn} ranks"
     )
+    if data["nvlink_domain"] != gpn:
+        across = [k["name"] for k in data["kinds"] if k["placement"] == "across"]
+        out.append(f"cross NVLink domains ({data['nvlink_domain']} ranks each): {', '.join(across) or 'none'}")
+    sampled = [k["name"] for k in data["kinds"] if not k["locality_exact"]]
+    if sampled:
+        out.append(f"node locality over a sample of groups (world over {MAX_ENUMERATED_RANKS:,} ranks): "
+                   f"{', '.join(sampled)}")
+    out += cost_lines(data["cost"])
     if "rank" in data:
         r = data["rank"]
         out.append("")
@@ -259,17 +287,20 @@ def _plan_csv(data: dict) -> str:
     buf = io.StringIO()
     writer = csv.writer(buf, lineterminator="\n")
     header = ["kind", "key", "view", "megatron_name", "groups", "size", "max_nodes_per_group",
-              "intra_node_groups", "crosses_nodes"]
+              "intra_node_groups", "crosses_nodes", "max_nvlink_domains_per_group", "placement", "locality_exact"]
     rank = data.get("rank")
     if rank is not None:
-        header.append(f"rank_{rank['rank']}_group")
+        header += [f"rank_{rank['rank']}_group", f"rank_{rank['rank']}_communicator"]
     writer.writerow(header)
+    of_kind = data["cost"]["rank"]["communicator_of_kind"] if rank is not None else {}
     for k in data["kinds"]:
         row = [k["name"], k["key"], k["view"] or "", k["megatron_name"] or "", k["count"], k["size"],
-               k["max_nodes_per_group"], k["intra_node_groups"], str(k["crosses_nodes"]).lower()]
+               k["max_nodes_per_group"], "" if k["intra_node_groups"] is None else k["intra_node_groups"],
+               str(k["crosses_nodes"]).lower(), k["max_nvlink_domains_per_group"], k["placement"],
+               str(k["locality_exact"]).lower()]
         if rank is not None:
             members = rank["groups"][k["name"]]
-            row.append("" if members is None else " ".join(map(str, members)))
+            row += ["" if members is None else " ".join(map(str, members)), of_kind.get(k["name"], "")]
         writer.writerow(row)
     return buf.getvalue().rstrip("\n")
 
@@ -290,16 +321,30 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from .cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
     from .viz import picture, write_picture
 
     plan = _plan_from_args(args)
-    plan.check_enumerable()  # before any work: a huge world is refused, not enumerated for hours
+    if plan.world_size > _MAX_WORLD:
+        raise UsageError(f"world size {plan.world_size} is too large: plans answer for worlds up to "
+                         f"{_MAX_WORLD} ranks (int64)")
     if args.rank is not None:
         plan.check_rank(args.rank)
     for name in args.kinds or []:
         plan.kind(name)  # an unknown kind fails before any work, naming the known ones
     pictures = _picture_paths(args)
-    data = plan.as_dict(args.gpus_per_node, rank=args.rank)
+    if pictures:
+        plan.check_enumerable()  # a picture draws every rank
+    data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain,
+                        heads=_MAX_MEMBERS_SHOWN if args.format == "table" else None)
+    mb = args.comm_memory_mb or DEFAULT_COMM_MEMORY_MB
+    mine = None if args.rank is None else rank_cost(
+        plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)
+    data["cost"] = {
+        "comm_memory_mb": mb,
+        "rank": None if mine is None else mine.as_dict(),
+        "max": max_cost(plan, comm_memory_mb=mb).as_dict(),
+    }
     if args.format == "json":
         print(json.dumps(data, indent=1))
     elif args.format == "csv":
@@ -411,7 +456,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Example::
 
         >>> main(["plan", "--shape", "2,2", "--dims", "tp,dp", "--format", "csv"])  # doctest: +ELLIPSIS
-        kind,key,view,megatron_name,groups,size,max_nodes_per_group,intra_node_groups,crosses_nodes
+        kind,key,view,megatron_name,groups,size,max_nodes_per_group,intra_node_groups,crosses_nodes,max_nvlink_domains_per_group,placement,locality_exact
         ...
         0
     """

@@ -33,10 +33,10 @@ import random
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
-from .kinds import BackendChoice, GridGroups, GroupKind, JoinedGroups, Singletons, Span
+from .kinds import BackendChoice, GridGroups, GroupKind, JoinedGroups, Singletons, Span, box_modes
 from .report import Plan
 
-__all__ = ["DEFAULT_COMM_MEMORY_MB", "EXACT_MAX_RANKS", "RankCost", "MaxCost", "rank_cost", "max_cost", "box_modes"]
+__all__ = ["DEFAULT_COMM_MEMORY_MB", "EXACT_MAX_RANKS", "RankCost", "MaxCost", "rank_cost", "max_cost", "cost_lines"]
 
 #: GPU memory one NCCL communicator holds, in MB: an estimate. NVIDIA/nccl issue 964 measured
 #: 544 MB (2 GPUs) and 688 MB (more) per communicator on A100s with NVLink; issue 864 reports
@@ -46,10 +46,6 @@ DEFAULT_COMM_MEMORY_MB = 600
 
 #: Worlds up to this many ranks get their maximum over every rank; larger ones over a sample.
 EXACT_MAX_RANKS = 4096
-
-#: The (size, stride) modes of a set of ranks, lowest stride first, as ``Partition.modes``.
-Modes = tuple[tuple[int, int], ...]
-
 
 @dataclass(frozen=True)
 class RankCost:
@@ -82,6 +78,9 @@ class RankCost:
     inside_node: int
     inside_domain: int
     comm_memory_mb: int
+    #: Per kind holding the rank, hypergrid's communicator for it: ``"default"`` (the default
+    #: group) or its number, 1 for the first made; kinds sharing one have the same number.
+    communicators: tuple[tuple[str, str], ...] = ()
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready fields (see docs/cli.md).
@@ -98,7 +97,7 @@ class RankCost:
             "megatron_communicators": self.megatron, "megatron_gloo": self.megatron_gloo,
             "memory_mb": self.memory_mb, "megatron_memory_mb": self.megatron_memory_mb,
             "inside_node": self.inside_node, "inside_nvlink_domain": self.inside_domain,
-            "comm_memory_mb": self.comm_memory_mb,
+            "comm_memory_mb": self.comm_memory_mb, "communicator_of_kind": dict(self.communicators),
         }
 
 
@@ -149,76 +148,10 @@ class MaxCost:
         }
 
 
-def _canonical(modes: Sequence[tuple[int, int]]) -> Modes:
-    # As GridLayout.partition: drop size-1 modes, sort by stride, merge contiguous ones.
-    merged: list[tuple[int, int]] = []
-    for size, stride in sorted((m for m in modes if m[0] > 1), key=lambda m: m[1]):
-        if merged and merged[-1][0] * merged[-1][1] == stride:
-            prev_size, prev_stride = merged.pop()
-            merged.append((prev_size * size, prev_stride))
-        else:
-            merged.append((size, stride))
-    return tuple(merged)
-
-
-def box_modes(members: Sequence[int]) -> Optional[tuple[int, Modes]]:
-    """``(lowest member, modes)`` when ``members`` is a box ``low + {sum c_i * s_i}``, else None.
-
-    The modes are canonical (as in :class:`~hypergrid.layout.Partition`), so two boxes are the
-    same set exactly when their results are equal. O(n log n).
-
-    Example::
-
-        >>> box_modes([9, 1, 5, 3, 7, 11]), box_modes([0, 1, 4, 5]), box_modes([0, 1, 3])
-        ((1, ((6, 2),)), (0, ((2, 1), (2, 4))), None)
-    """
-    ranks = sorted(members)
-    if not ranks or len(set(ranks)) != len(ranks):
-        return None
-    low = ranks[0]
-    offsets = [r - low for r in ranks]
-    modes: list[tuple[int, int]] = []
-    while len(offsets) > 1:
-        step = offsets[1]
-        size = 1
-        while size < len(offsets) and offsets[size] == size * step:
-            size += 1
-        if len(offsets) % size:
-            return None
-        outer = offsets[::size]
-        if any(offsets[k * size + j] != outer[k] + j * step for k in range(len(outer)) for j in range(size)):
-            return None
-        modes.append((size, step))
-        offsets = outer
-    return low, _canonical(modes)
-
-
-def _box_of(kind: GroupKind, rank: int) -> Optional[tuple[int, Modes]]:
-    """(lowest member, modes) of ``rank``'s group of a grid-like kind in O(ndims); None otherwise."""
-    layout, derivation = kind.layout, kind.derivation
-    if isinstance(derivation, Singletons):
-        return rank, ()
-    dims = list(layout.dim_names) if isinstance(derivation, Span) else list(kind.dims)
-    if not isinstance(derivation, (GridGroups, Span, JoinedGroups)):
-        return None
-    coords = layout.coords(rank)
-    index = {name: i for i, name in enumerate(layout.dim_names)}
-    modes = [(layout.shape[index[d]], layout.strides[index[d]]) for d in dims]
-    low = rank - sum(coords[index[d]] * layout.strides[index[d]] for d in dims)
-    if isinstance(derivation, JoinedGroups):
-        others = [d for d in layout.dim_names if d not in dims and d != derivation.index_dim]
-        if any(layout.dim_size(d) > 1 for d in others) or layout.dim_size(derivation.index_dim) % derivation.join:
-            return None
-        i = index[derivation.index_dim]
-        modes.append((derivation.join, layout.strides[i]))
-        low -= (coords[i] % derivation.join) * layout.strides[i]
-    return low, _canonical(modes)
-
-
 def _uniform(kind: GroupKind) -> bool:
     """Whether every rank's group of ``kind`` is the same shape, placed alike (a grid's tiling)."""
     return isinstance(kind.derivation, (GridGroups, Span, Singletons)) or (
-        isinstance(kind.derivation, JoinedGroups) and _box_of(kind, kind.layout.rank_offset) is not None
+        isinstance(kind.derivation, JoinedGroups) and kind.box(kind.layout.rank_offset) is not None
     )
 
 
@@ -226,7 +159,7 @@ def _group(kind: GroupKind, rank: int) -> Optional[tuple[Hashable, int, int, int
     """(identity, size, lowest, highest member) of ``rank``'s group of ``kind``; None: in none."""
     if not kind.layout.contains(rank):
         return None
-    box = _box_of(kind, rank)
+    box = kind.box(rank)
     if box is None:
         members = kind.members(rank)
         if members is None:
@@ -289,6 +222,7 @@ def rank_cost(
     shared: dict[Hashable, tuple[int, int, int, bool]] = {}
     private = megatron = megatron_gloo = 0
     world_kinds: list[str] = []
+    assignment: list[tuple[str, str]] = []
     for kind in plan.kinds:
         group = _group(kind, rank)
         if group is None:
@@ -301,11 +235,15 @@ def rank_cost(
         options = kind.creation.nccl_name if nccl_options and not gloo else None
         if kind.creation.private:
             private += 1
-            shared[("private", private)] = (size, low, high, gloo)
+            key: Hashable = ("private", private)
         elif size == plan.world_size and backend in (None, "nccl") and options is None:
             world_kinds.append(kind.name)
+            assignment.append((kind.name, "default"))
+            continue
         else:
-            shared.setdefault((identity, backend, kind.creation.timeout, options), (size, low, high, gloo))
+            key = (identity, backend, kind.creation.timeout, options)
+        shared.setdefault(key, (size, low, high, gloo))
+        assignment.append((kind.name, str(list(shared).index(key) + 1)))
     gpu = [v for v in shared.values() if not v[3]]
     # A rank's size-1 groups are one communicator only where their options agree; count as made.
     return RankCost(
@@ -321,6 +259,7 @@ def rank_cost(
         inside_node=sum(1 for _, lo, hi, _ in gpu if lo // gpus_per_node == hi // gpus_per_node),
         inside_domain=sum(1 for _, lo, hi, _ in gpu if lo // domain == hi // domain),
         comm_memory_mb=comm_memory_mb,
+        communicators=tuple(assignment),
     )
 
 
@@ -396,3 +335,39 @@ def max_cost(
         megatron_rank=best_megatron.rank, memory_mb=best.memory_mb,
         megatron_memory_mb=best_megatron.megatron_memory_mb, ranks_examined=len(ranks), method=method,
     )
+
+
+def cost_lines(cost: dict) -> list[str]:
+    """Lines of text: the communicators and memory of ``cost["rank"]`` (a :meth:`RankCost.as_dict`
+    or None) and ``cost["max"]`` (a :meth:`MaxCost.as_dict`), hypergrid's beside Megatron-Core's.
+
+    Example::
+
+        >>> from hypergrid.report import plan_grid
+        >>> plan = plan_grid([2, 2], ["tp", "dp"])
+        >>> lines = cost_lines({"comm_memory_mb": 600, "rank": rank_cost(plan, 1).as_dict(),
+        ...                     "max": max_cost(plan).as_dict()})
+        >>> lines[3].split()
+        ['rank', '1', '2', '2', '1.2', 'GB', '1.2', 'GB']
+    """
+    rows = [["communicators", "hypergrid", "megatron-core", "memory (hypergrid)", "memory (megatron-core)"]]
+    r, m = cost["rank"], cost["max"]
+    if r is not None:
+        rows.append([f"rank {r['rank']}", str(r["hypergrid_communicators"]), str(r["megatron_communicators"]),
+                     f"{r['memory_mb'] / 1000:.1f} GB", f"{r['megatron_memory_mb'] / 1000:.1f} GB"])
+    rows.append([f"most of any rank ({m['method']})", f"{m['hypergrid_communicators']} (rank {m['hypergrid_rank']})",
+                 f"{m['megatron_communicators']} (rank {m['megatron_rank']})", f"{m['memory_mb'] / 1000:.1f} GB",
+                 f"{m['megatron_memory_mb'] / 1000:.1f} GB"])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    out = [""]
+    for j, row in enumerate(rows):
+        out.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if j == 0:
+            out.append("  ".join("-" * w for w in widths))
+    if r is not None:
+        out.append(f"rank {r['rank']}: {r['inside_node']} of its communicators inside its node, "
+                   f"{r['inside_nvlink_domain']} inside its NVLink domain; the default group serves "
+                   f"{', '.join(r['world_shared']) or 'no kind'}")
+    out.append(f"memory: GPU communicators x {cost['comm_memory_mb']} MB each, an estimate "
+               f"(--comm-memory-mb; gloo groups hold none)")
+    return out

@@ -13,7 +13,8 @@ import warnings
 
 import pytest
 
-from hypergrid.cost import box_modes, max_cost, rank_cost
+from hypergrid.cost import max_cost, rank_cost
+from hypergrid.kinds import box_modes
 from hypergrid.report import plan_grid, plan_megatron
 
 dist = pytest.importorskip("torch.distributed")
