@@ -122,3 +122,26 @@ def test_box_modes_recognises_exactly_the_boxes():
             rebuilt = {r + c * stride for r in rebuilt for c in range(size)}
         assert rebuilt == set(members), (members, found)
     assert box_modes([0, 2, 4, 1, 3, 5]) == (0, ((6, 1),))
+
+
+@pytest.mark.parametrize("world,sizes", [(256, dict(tp=2, pp=4, cp=2, ep=4, etp=1)), (96, dict(tp=2, pp=3, ep=2))])
+def test_one_ranks_groups_equal_the_full_enumerations(world, sizes):
+    plan = plan_megatron(world, **sizes)
+    for kind in plan.kinds:
+        holding = {r: g for g in kind.enumerate() for r in g}
+        for rank in range(world):
+            heads = plan.group_heads(rank, 5)[kind.name]
+            assert kind.members(rank) == holding.get(rank), (kind.name, rank)
+            if rank in holding:
+                assert heads == {"size": len(holding[rank]), "head": holding[rank][:5], "last": holding[rank][-1]}
+            else:
+                assert heads is None
+
+
+def test_a_large_world_is_summarised_not_refused():
+    plan = plan_megatron(1 << 24, tp=8, pp=16, cp=2, ep=64)
+    summaries = {s.name: s for s in plan.summaries(8, nvlink_domain=72)}
+    assert summaries["tp"].placement == "node" and summaries["tp"].count == (1 << 24) // 8
+    assert not summaries["dp"].exact and summaries["dp"].intra_node_groups is None
+    assert summaries["ep"].placement == "across"
+    assert rank_cost(plan, 12_345_678).megatron == 15
