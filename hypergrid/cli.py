@@ -17,8 +17,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import csv
-import io
 import json
 import logging
 import os
@@ -38,6 +36,12 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 #: Where ``bench`` looks for benchmark scripts: the repository's ``benchmarks/`` folder.
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
 BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py"}
+
+# The largest world a plan answers for: what a rank number in an int64 can reach.
+_MAX_WORLD = (1 << 63) - 1
+
+# Members of a group shown in a table before it is shortened (JSON and CSV show all).
+_MAX_MEMBERS_SHOWN = 16  # the same as report_text's, which the table prints them with
 
 
 class UsageError(Exception):
@@ -195,13 +199,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpus-per-node", type=_positive, default=8, help="ranks per node (default 8)")
     p.add_argument("--rank", type=_non_negative, help="show this rank's coordinates and groups")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
+    p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
+    p.add_argument("--csv", dest="format", action="store_const", const="csv", help="same as --format csv")
+    p.add_argument("--comm-memory-mb", type=_positive, default=None, metavar="MB",
+                   help="GPU memory per NCCL communicator for the estimate (default 600: an estimate "
+                        "from public NCCL measurements on A100s; measure yours)")
     p.add_argument("--png", metavar="FILE", help="write a picture of the ranks by node (PNG; needs matplotlib)")
     p.add_argument("--svg", metavar="FILE", help="write a picture of the ranks by node (SVG; needs matplotlib)")
     p.add_argument("--kind", "--colour", "--color", dest="kinds", type=_name_list, metavar="KINDS",
                    help="group kinds drawn, one panel each, e.g. tp,dp (default: tp, cp, dp, pp, ep, ... "
                         "that have groups of more than one rank)")
     p.add_argument("--nvlink-domain", type=_positive, metavar="GPUS",
-                   help="GPUs per NVLink domain, drawn in the picture (default: --gpus-per-node)")
+                   help="GPUs per NVLink domain (consecutive ranks; e.g. 72 for an NVL72 rack of 18 "
+                        "nodes of 4): placement column and picture (default: --gpus-per-node)")
 
     c = sub.add_parser("check", help="compare every enumeration with megatron-core's")
     _add_layout_args(c)
@@ -228,91 +238,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # ---------------------------------------------------------------------------- plan
-def _short(members: Optional[Sequence[int]]) -> str:
-    from .report import describe_members
-
-    return "- (in no group of this kind)" if members is None else describe_members(members)
-
-
-def _dims_text(layout) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(layout.dim_names, layout.shape))
-
-
-def _table(rows: list[list[str]], right: set[int]) -> str:
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = []
-    for j, row in enumerate(rows):
-        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
-        lines.append("  ".join(cells).rstrip())
-        if j == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
-
-
-def _plan_table(plan, data: dict) -> str:
-    nodes, gpn = data["nodes"], data["gpus_per_node"]
-    out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
-    order_note = "first dim varies fastest over ranks"
-    m = plan.megatron
-    if m is not None:
-        out.append(
-            f"megatron sizes: tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep} etp={m.etp} "
-            f"-> dp={m.dp}, expert dp={m.edp}; order {m.order}"
-        )
-    out.append(f"grid:   {_dims_text(plan.layout)}   ({order_note})")
-    for name, view in plan.views.items():
-        out.append(f"{name + ':':<7} {_dims_text(view)}")
-    out.append("")
-    rows = [["kind", "key", "groups", "size", "nodes/group", "placement", "megatron group"]]
-    for k in data["kinds"]:
-        key = k["key"] if k["view"] is None else f"{k['view']}:{k['key']}"
-        placement = "inside a node" if not k["crosses_nodes"] else (
-            "CROSSES NODES" if k["intra_node_groups"] == 0 else f"CROSSES NODES ({k['intra_node_groups']} inside)"
-        )
-        rows.append([
-            k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
-            str(k["max_nodes_per_group"]),
-            placement, k["megatron_name"] or "",
-        ])
-    out.append(_table(rows, right={2, 3, 4}))
-    crossing = [k["name"] for k in data["kinds"] if k["crosses_nodes"]]
-    out.append("")
-    out.append(
-        f"cross nodes ({gpn} ranks per node): {', '.join(crossing)}" if crossing
-        else f"every group stays inside a node of {gpn} ranks"
-    )
-    if "rank" in data:
-        r = data["rank"]
-        out.append("")
-        out.append(f"rank {r['rank']}: node {r['node']}, local rank {r['local_rank']}")
-        out.append("  coords " + " ".join(f"{n}={c}" for n, c in r["coords"].items()))
-        for view, coords in r["view_coords"].items():
-            out.append(f"  {view} coords " + " ".join(f"{n}={c}" for n, c in coords.items()))
-        width = max(len(n) for n in r["groups"])
-        for name, members in r["groups"].items():
-            out.append(f"  {name.ljust(width)}  {_short(members)}")
-    return "\n".join(out)
-
-
-def _plan_csv(data: dict) -> str:
-    buf = io.StringIO()
-    writer = csv.writer(buf, lineterminator="\n")
-    header = ["kind", "key", "view", "megatron_name", "groups", "size", "max_nodes_per_group",
-              "intra_node_groups", "crosses_nodes"]
-    rank = data.get("rank")
-    if rank is not None:
-        header.append(f"rank_{rank['rank']}_group")
-    writer.writerow(header)
-    for k in data["kinds"]:
-        row = [k["name"], k["key"], k["view"] or "", k["megatron_name"] or "", k["count"], k["size"],
-               k["max_nodes_per_group"], k["intra_node_groups"], str(k["crosses_nodes"]).lower()]
-        if rank is not None:
-            members = rank["groups"][k["name"]]
-            row.append("" if members is None else " ".join(map(str, members)))
-        writer.writerow(row)
-    return buf.getvalue().rstrip("\n")
-
-
 def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
     """The pictures asked for as (path, format), checked before any work: matplotlib, folders."""
     paths = [(path, fmt) for path, fmt in ((args.png, "png"), (args.svg, "svg")) if path]
@@ -329,22 +254,37 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from .cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
+    from .report_text import plan_csv, plan_table
     from .viz import picture, write_picture
 
     plan = _plan_from_args(args)
-    plan.check_enumerable()  # before any work: a huge world is refused, not enumerated for hours
+    if plan.world_size > _MAX_WORLD:
+        raise UsageError(f"world size {plan.world_size} is too large: plans answer for worlds up to "
+                         f"{_MAX_WORLD} ranks (int64)")
     if args.rank is not None:
         plan.check_rank(args.rank)
     for name in args.kinds or []:
         plan.kind(name)  # an unknown kind fails before any work, naming the known ones
     pictures = _picture_paths(args)
-    data = plan.as_dict(args.gpus_per_node, rank=args.rank)
+    if pictures:
+        plan.check_enumerable()  # a picture draws every rank
+    data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain,
+                        heads=_MAX_MEMBERS_SHOWN if args.format == "table" else None)
+    mb = args.comm_memory_mb or DEFAULT_COMM_MEMORY_MB
+    mine = None if args.rank is None else rank_cost(
+        plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)
+    data["cost"] = {
+        "comm_memory_mb": mb,
+        "rank": None if mine is None else mine.as_dict(),
+        "max": max_cost(plan, comm_memory_mb=mb).as_dict(),
+    }
     if args.format == "json":
         print(json.dumps(data, indent=1))
     elif args.format == "csv":
-        print(_plan_csv(data))
+        print(plan_csv(data))
     else:
-        print(_plan_table(plan, data))
+        print(plan_table(plan, data))
     if pictures:
         pic = picture(plan, args.kinds, args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain)
         for path, fmt in pictures:
@@ -453,7 +393,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Example::
 
         >>> main(["plan", "--shape", "2,2", "--dims", "tp,dp", "--format", "csv"])  # doctest: +ELLIPSIS
-        kind,key,view,megatron_name,groups,size,max_nodes_per_group,intra_node_groups,crosses_nodes
+        kind,key,view,megatron_name,groups,size,max_nodes_per_group,intra_node_groups,crosses_nodes,max_nvlink_domains_per_group,placement,locality_exact
         ...
         0
     """

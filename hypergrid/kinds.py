@@ -45,6 +45,8 @@ __all__ = [
     "Creation",
     "MegatronGlobal",
     "GroupKind",
+    "Modes",
+    "box_modes",
 ]
 
 
@@ -71,6 +73,10 @@ class Derivation:
     def enumerate(self, layout: GridLayout, dims: Sequence[str]) -> list[list[int]]:
         """Every group, in Megatron-Core's creation order."""
         raise NotImplementedError
+
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        """How many groups, in O(ndims); None where only :meth:`enumerate` can tell."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,10 @@ class Chunks(Derivation):
     def enumerate(self, layout: GridLayout, dims: Sequence[str]) -> list[list[int]]:
         return [base[i:i + self.chunk] for base in layout.enumerate(list(dims)) for i in range(0, len(base), self.chunk)]
 
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        size = layout.group_size(list(dims))
+        return layout.num_groups(list(dims)) * -(-size // self.chunk)
+
     def describe(self) -> str:
         return f"chunks of {self.chunk}"
 
@@ -160,6 +170,9 @@ class Levels(Derivation):
         start = (position // block) * block + position % self.stride
         return [base[start + j * self.stride] for j in range(self.count)]
 
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        return layout.num_groups(list(dims)) * (layout.group_size(list(dims)) // self.count)
+
     def describe(self) -> str:
         return f"level of {self.count} every {self.stride}"
 
@@ -184,6 +197,9 @@ class Singletons(Derivation):
     def enumerate(self, layout: GridLayout, dims: Sequence[str]) -> list[list[int]]:
         return [[r] for r in layout.ranks]
 
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        return layout.size
+
     def describe(self) -> str:
         return "each rank alone"
 
@@ -207,6 +223,9 @@ class Span(Derivation):
 
     def enumerate(self, layout: GridLayout, dims: Sequence[str]) -> list[list[int]]:
         return [list(layout.ranks)]
+
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        return 1
 
     def describe(self) -> str:
         return "every rank"
@@ -262,6 +281,9 @@ class PipelineSubset(Derivation):
             )
         return ranks
 
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        return layout.num_groups(list(dims))
+
     def describe(self) -> str:
         return f"{self.keyword} of"
 
@@ -300,8 +322,80 @@ class JoinedGroups(Derivation):
         groups = layout.enumerate(list(dims))
         return [sum(groups[i:i + self.join], []) for i in range(0, len(groups), self.join)]
 
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        return -(-layout.num_groups(list(dims)) // self.join)
+
     def describe(self) -> str:
         return f"{self.join} joined"
+
+
+#: The (size, stride) modes of a set of ranks, lowest stride first, as ``Partition.modes``.
+Modes = tuple[tuple[int, int], ...]
+
+
+def _canonical(modes: Sequence[tuple[int, int]]) -> Modes:
+    # As GridLayout.partition: drop size-1 modes, sort by stride, merge contiguous ones.
+    merged: list[tuple[int, int]] = []
+    for size, stride in sorted((m for m in modes if m[0] > 1), key=lambda m: m[1]):
+        if merged and merged[-1][0] * merged[-1][1] == stride:
+            prev_size, prev_stride = merged.pop()
+            merged.append((prev_size * size, prev_stride))
+        else:
+            merged.append((size, stride))
+    return tuple(merged)
+
+
+def box_modes(members: Sequence[int]) -> Optional[tuple[int, Modes]]:
+    """``(lowest member, modes)`` when ``members`` is a box ``low + {sum c_i * s_i}``, else None.
+
+    The modes are canonical (as in :class:`~hypergrid.layout.Partition`), so two boxes are the
+    same set exactly when their results are equal. O(n log n).
+
+    Example::
+
+        >>> box_modes([9, 1, 5, 3, 7, 11]), box_modes([0, 1, 4, 5]), box_modes([0, 1, 3])
+        ((1, ((6, 2),)), (0, ((2, 1), (2, 4))), None)
+    """
+    ranks = sorted(members)
+    if not ranks or len(set(ranks)) != len(ranks):
+        return None
+    low = ranks[0]
+    offsets = [r - low for r in ranks]
+    modes: list[tuple[int, int]] = []
+    while len(offsets) > 1:
+        step = offsets[1]
+        size = 1
+        while size < len(offsets) and offsets[size] == size * step:
+            size += 1
+        if len(offsets) % size:
+            return None
+        outer = offsets[::size]
+        if any(offsets[k * size + j] != outer[k] + j * step for k in range(len(outer)) for j in range(size)):
+            return None
+        modes.append((size, step))
+        offsets = outer
+    return low, _canonical(modes)
+
+
+def _box_of(kind: "GroupKind", rank: int) -> Optional[tuple[int, Modes]]:
+    layout, derivation = kind.layout, kind.derivation
+    if isinstance(derivation, Singletons):
+        return rank, ()
+    dims = list(layout.dim_names) if isinstance(derivation, Span) else list(kind.dims)
+    if not isinstance(derivation, (GridGroups, Span, JoinedGroups)):
+        return None
+    coords = layout.coords(rank)
+    index = {name: i for i, name in enumerate(layout.dim_names)}
+    modes = [(layout.shape[index[d]], layout.strides[index[d]]) for d in dims]
+    low = rank - sum(coords[index[d]] * layout.strides[index[d]] for d in dims)
+    if isinstance(derivation, JoinedGroups):
+        others = [d for d in layout.dim_names if d not in dims and d != derivation.index_dim]
+        if any(layout.dim_size(d) > 1 for d in others) or layout.dim_size(derivation.index_dim) % derivation.join:
+            return None
+        i = index[derivation.index_dim]
+        modes.append((derivation.join, layout.strides[i]))
+        low -= (coords[i] % derivation.join) * layout.strides[i]
+    return low, _canonical(modes)
 
 
 class BackendChoice(enum.Enum):
@@ -392,7 +486,8 @@ class GroupKind:
         """How many groups of this kind the layout has."""
         if self.is_grid_groups:
             return self.layout.num_groups(list(self.dims))
-        return len(self.enumerate())
+        count = self.derivation.num_groups(self.layout, self.dims)
+        return len(self.enumerate()) if count is None else count
 
     @property
     def size(self) -> Optional[int]:
@@ -404,6 +499,17 @@ class GroupKind:
         if not self.layout.contains(rank):
             return None
         return self.derivation.members(self.layout, self.dims, rank)
+
+    def box(self, rank: int) -> Optional[tuple[int, Modes]]:
+        """``(lowest member, modes)`` of ``rank``'s group in O(ndims) where the kind is a grid's
+        own groups, one span, single ranks or joined grid groups; None for other rules.
+
+        Example::
+
+            >>> GroupKind("dp", GridLayout((2, 4), ("tp", "dp")), ("dp",)).box(3)
+            (1, ((4, 2),))
+        """
+        return _box_of(self, rank) if self.layout.contains(rank) else None
 
     def enumerate(self) -> list[list[int]]:
         """Every group of this kind, in Megatron-Core's order; O(world size)."""

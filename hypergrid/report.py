@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import logging
 import math
+import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
@@ -40,12 +41,13 @@ __all__ = [
     "plan_grid",
     "plan_megatron",
     "MAX_ENUMERATED_RANKS",
+    "SAMPLED_RANKS_BUDGET",
 ]
 
 logger = logging.getLogger("hypergrid.report")
 
-#: Largest world whose groups a plan lists in full (node locality looks at every group), about
-#: ten seconds of pure Python. One rank's groups (``groups_of``) have no such limit.
+#: Largest world whose groups a summary looks at one by one (about ten seconds of pure Python);
+#: larger worlds are summarised over a sample of groups. One rank's groups have no limit.
 MAX_ENUMERATED_RANKS = 1 << 22
 
 def describe_members(members: Sequence[int], limit: int = 8) -> str:
@@ -83,6 +85,8 @@ def describe_members(members: Sequence[int], limit: int = 8) -> str:
     text = ", ".join(parts)
     return text if len(runs) == 1 or len(members) == len(runs) else f"{text} ({len(members)} ranks)"
 
+#: How many members, in all, a sampled summary of one kind lists (groups of a sample of ranks).
+SAMPLED_RANKS_BUDGET = 1 << 16
 
 @dataclass(frozen=True)
 class MegatronSizes:
@@ -106,17 +110,23 @@ class MegatronSizes:
 
 @dataclass(frozen=True)
 class KindSummary:
-    """How one group kind falls on nodes of ``gpus_per_node`` ranks.
+    """How one group kind falls on nodes of ``gpus_per_node`` ranks and NVLink domains.
 
-    ``max_nodes`` is the most nodes any one group spans; ``crosses_nodes`` whether any group
-    spans more than one; ``intra_node_groups`` how many groups stay inside a single node.
+    ``max_nodes`` / ``max_domains`` is the most nodes / NVLink domains (``nvlink_domain``
+    consecutive ranks each, which need not divide a node count) any one group spans;
+    ``intra_node_groups`` how many groups stay inside a single node (None when sampled);
+    ``placement`` is ``"node"`` (every group inside a node), ``"nvlink"`` (inside an NVLink
+    domain) or ``"across"``. ``groups_examined`` is the number of groups looked at: every group
+    (``exact``), or for worlds over :data:`MAX_ENUMERATED_RANKS` ranks a sample of them.
 
     Example::
 
         >>> plan = plan_grid([4, 4], ["tp", "dp"])
         >>> s = plan.summary("dp", gpus_per_node=4)
-        >>> s.crosses_nodes, s.max_nodes, s.intra_node_groups
-        (True, 4, 0)
+        >>> s.crosses_nodes, s.max_nodes, s.intra_node_groups, s.placement
+        (True, 4, 0, 'across')
+        >>> plan.summary("dp", gpus_per_node=4, nvlink_domain=16).placement
+        'nvlink'
     """
 
     name: str
@@ -126,13 +136,23 @@ class KindSummary:
     count: int
     size: Optional[int]
     max_nodes: int
-    intra_node_groups: int
+    intra_node_groups: Optional[int]
+    max_domains: int = 1
+    groups_examined: int = 0
+    exact: bool = True
 
     @property
     def crosses_nodes(self) -> bool:
+        """Whether some group spans more than one node."""
         return self.max_nodes > 1
 
+    @property
+    def placement(self) -> str:
+        """``"node"``, ``"nvlink"`` or ``"across"``: where the kind's widest group lies."""
+        return "node" if self.max_nodes <= 1 else "nvlink" if self.max_domains <= 1 else "across"
+
     def as_dict(self) -> dict[str, Any]:
+        """JSON-ready fields (see docs/cli.md)."""
         return {
             "name": self.name,
             "key": self.key,
@@ -143,6 +163,10 @@ class KindSummary:
             "max_nodes_per_group": self.max_nodes,
             "intra_node_groups": self.intra_node_groups,
             "crosses_nodes": self.crosses_nodes,
+            "max_nvlink_domains_per_group": self.max_domains,
+            "placement": self.placement,
+            "groups_examined": self.groups_examined,
+            "locality_exact": self.exact,
         }
 
 
@@ -170,6 +194,9 @@ class Plan:
     megatron: Optional[MegatronSizes] = None
     #: Per view, the dims whose groups it shares with the grid (``register_view``'s ``shared_dims``).
     shared_dims: dict[str, list[str]] = field(default_factory=dict)
+    #: The backend Megatron's pipeline groups ask for (``pipeline_model_parallel_comm_backend``;
+    #: None: the default group's).
+    pipeline_backend: Optional[str] = None
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
@@ -199,6 +226,42 @@ class Plan:
         self.check_rank(rank)
         return {kind.name: kind.members(rank) for kind in self.kinds}
 
+    def group_heads(self, rank: int, head: int) -> dict[str, Optional[dict[str, Any]]]:
+        """Per kind, ``rank``'s group as ``{"size", "head", "last"}``: its first ``head`` members in
+        order and its last, without listing a larger grid group (O(head + ndims) for those).
+
+        Example::
+
+            >>> plan_grid([4, 1 << 40], ["tp", "dp"]).group_heads(5, 3)["dp"]
+            {'size': 1099511627776, 'head': [1, 5, 9], 'last': 4398046511101}
+        """
+        self.check_rank(rank)
+        out: dict[str, Optional[dict[str, Any]]] = {}
+        for kind in self.kinds:
+            box = kind.box(rank)
+            if box is not None and kind.is_grid_groups:
+                ordered, _ = kind.layout.order_dims(list(kind.dims))
+                index = {n: i for i, n in enumerate(kind.layout.dim_names)}
+                steps = [(kind.layout.shape[index[d]], kind.layout.strides[index[d]]) for d in ordered]
+                low, size = box[0], math.prod(n for n, _ in steps)
+                members = []
+                for i in range(min(head, size)):  # the i-th member: i in mixed radix, last dim fastest
+                    rank_i = low
+                    for n, st in reversed(steps):
+                        i, c = divmod(i, n)
+                        rank_i += c * st
+                    members.append(rank_i)
+                last = low + sum((n - 1) * st for n, st in steps)
+                out[kind.name] = {"size": math.prod(n for n, _ in steps), "head": members, "last": last}
+                continue
+            if box is not None and math.prod(n for n, _ in box[1]) > SAMPLED_RANKS_BUDGET:
+                low, modes = box  # a span or joined groups: in rank order
+                out[kind.name] = {"size": math.prod(n for n, _ in modes), "head": None, "last": None}
+                continue
+            group = kind.members(rank)
+            out[kind.name] = None if group is None else {"size": len(group), "head": group[:head], "last": group[-1]}
+        return out
+
     def check_enumerable(self) -> None:
         """ValueError if the world is too large to list every group (:data:`MAX_ENUMERATED_RANKS`).
 
@@ -215,32 +278,84 @@ class Plan:
                 f"enumerate all groups, up to {MAX_ENUMERATED_RANKS} ranks"
             )
 
-    def summary(self, name: str, gpus_per_node: int) -> KindSummary:
-        """Count, size and node locality of the kind called ``name``; O(grid size)."""
-        self.check_enumerable()
-        if isinstance(gpus_per_node, bool) or not isinstance(gpus_per_node, int) or gpus_per_node <= 0:
-            raise ValueError(f"gpus_per_node must be a positive integer, got {gpus_per_node!r}")
+    def summary(self, name: str, gpus_per_node: int, nvlink_domain: Optional[int] = None) -> KindSummary:
+        """Count, size and node / NVLink-domain locality of the kind called ``name``.
+
+        ``nvlink_domain`` defaults to ``gpus_per_node``. Up to :data:`MAX_ENUMERATED_RANKS` ranks
+        every group is looked at (O(grid size)); beyond, the groups of a sample of ranks, each
+        rank's in O(group size), within :data:`SAMPLED_RANKS_BUDGET` members in all: the summary
+        says so (``exact`` False, ``intra_node_groups`` None). Counts and sizes are exact always.
+
+        Example::
+
+            >>> plan_grid([8, 1 << 30], ["tp", "dp"]).summary("tp", 8).exact
+            False
+
+        A sampled group of more than :data:`SAMPLED_RANKS_BUDGET` ranks is not listed: its nodes
+        are bounded by its span (lowest to highest member), an upper bound.
+        """
+        gpus_per_node = _parse_positive("gpus_per_node", gpus_per_node)
+        domain = gpus_per_node if nvlink_domain is None else _parse_positive("nvlink_domain", nvlink_domain)
         kind = self.kind(name)
-        max_nodes = 0
-        intra = 0
-        for group in kind.enumerate():
+        exact = self.world_size <= MAX_ENUMERATED_RANKS
+        groups = kind.enumerate() if exact else self._sample_groups(kind)
+        max_nodes = max_domains = examined = intra = 0
+        for group in groups:
             if not group:
                 continue
-            nodes = len({rank // gpus_per_node for rank in group})
-            max_nodes = max(max_nodes, nodes)
+            examined += 1
+            if isinstance(group, tuple):  # a group too large to list: bounds from its span
+                size, low, high = group
+                nodes = min(size, high // gpus_per_node - low // gpus_per_node + 1)
+                domains = min(size, high // domain - low // domain + 1)
+            else:
+                nodes = len({rank // gpus_per_node for rank in group})
+                domains = len({rank // domain for rank in group})
+            max_nodes, max_domains = max(max_nodes, nodes), max(max_domains, domains)
             intra += nodes == 1
         megatron_name = kind.megatron_global.label if kind.megatron_global else None
-        return KindSummary(kind.name, kind.key, kind.view, megatron_name, kind.count, kind.size, max_nodes, intra)
+        return KindSummary(kind.name, kind.key, kind.view, megatron_name, kind.count, kind.size, max_nodes,
+                           intra if exact else None, max_domains, examined, exact)
 
-    def summaries(self, gpus_per_node: int) -> list[KindSummary]:
+    def _sample_groups(self, kind: GroupKind) -> list[list[int]]:
+        """The groups of a few ranks: the first and last of the grid, every pipeline stage's first
+        rank where the grid has a ``pp`` dim, and random ones (fixed seed)."""
+        layout = self.layout
+        budget = max(1, SAMPLED_RANKS_BUDGET // max(1, kind.size or 1))
+        rng = random.Random(0)
+        ranks = [layout.rank_offset, layout.rank_offset + layout.size - 1]
+        if "pp" in layout.dim_names:
+            stride = layout.strides[layout.dim_names.index("pp")]
+            ranks += [layout.rank_offset + s * stride for s in range(min(layout.dim_size("pp"), 64))]
+        ranks += [layout.rank_offset + rng.randrange(layout.size) for _ in range(min(256, budget))]
+        seen: set[object] = set()
+        groups: list[Any] = []
+        for rank in ranks[:budget + 2]:
+            box = kind.box(rank)
+            if box is not None and math.prod(n for n, _ in box[1]) > SAMPLED_RANKS_BUDGET:
+                low, modes = box
+                group: Any = (math.prod(n for n, _ in modes), low, low + sum((n - 1) * st for n, st in modes))
+            else:
+                members = kind.members(rank)
+                group = None if members is None else members
+            key = group if isinstance(group, tuple) else None if group is None else tuple(group)
+            if key is not None and key not in seen:
+                seen.add(key)
+                groups.append(group)
+        return groups
+
+    def summaries(self, gpus_per_node: int, nvlink_domain: Optional[int] = None) -> list[KindSummary]:
         """:meth:`summary` of every kind, in plan order."""
-        return [self.summary(kind.name, gpus_per_node) for kind in self.kinds]
+        return [self.summary(kind.name, gpus_per_node, nvlink_domain) for kind in self.kinds]
 
-    def as_dict(self, gpus_per_node: int, rank: Optional[int] = None) -> dict[str, Any]:
-        """Everything the plan answers, as JSON-ready data (``rank``: add that rank's groups)."""
+    def as_dict(self, gpus_per_node: int, rank: Optional[int] = None,
+                nvlink_domain: Optional[int] = None, heads: Optional[int] = None) -> dict[str, Any]:
+        """Everything the plan answers, as JSON-ready data (``rank``: add that rank's groups, in
+        full, or with ``heads`` as :meth:`group_heads` gives them)."""
         out: dict[str, Any] = {
             "world_size": self.world_size,
             "gpus_per_node": gpus_per_node,
+            "nvlink_domain": gpus_per_node if nvlink_domain is None else nvlink_domain,
             "nodes": math.ceil(self.world_size / gpus_per_node),
             "grid": {
                 "shape": list(self.layout.shape),
@@ -251,7 +366,7 @@ class Plan:
                 name: {"shape": list(v.shape), "dim_names": list(v.dim_names)} for name, v in self.views.items()
             },
             "megatron": None if self.megatron is None else asdict(self.megatron),
-            "kinds": [s.as_dict() for s in self.summaries(gpus_per_node)],
+            "kinds": [s.as_dict() for s in self.summaries(gpus_per_node, nvlink_domain)],
         }
         if rank is not None:
             out["rank"] = {
@@ -260,7 +375,7 @@ class Plan:
                 "local_rank": rank % gpus_per_node,
                 "coords": self.coords(rank),
                 "view_coords": {name: self.coords(rank, name) for name in self.views},
-                "groups": self.groups_of(rank),
+                "groups": self.groups_of(rank) if heads is None else self.group_heads(rank, heads),
             }
         return out
 
@@ -352,4 +467,4 @@ def plan_megatron(
     )
     logger.debug("megatron plan %s: dense %s, expert %s", megatron, mplan.dense, mplan.expert)
     return Plan(mplan.config.world_size, mplan.dense, list(mplan.kinds), {"expert": mplan.expert}, megatron,
-                {"expert": mplan.expert_shared_dims})
+                {"expert": mplan.expert_shared_dims}, mplan.config.pipeline_model_parallel_comm_backend)

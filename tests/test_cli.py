@@ -14,6 +14,7 @@ from xml.etree import ElementTree
 import pytest
 
 from hypergrid import HyperCommGrid, cli
+from hypergrid.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.megatron import plan_model_parallel
 from hypergrid.report import describe_members, plan_grid, plan_megatron
 
@@ -50,8 +51,12 @@ def test_plan_json_png_svg_in_one_subprocess(tmp_path):
     data = json.loads(proc.stdout)  # stdout is only the JSON; picture notes go to stderr
     assert "wrote" in proc.stderr and "p.png" in proc.stderr
     # Equal to the library's answers...
-    expected = plan_megatron(64, tp=2, pp=2, cp=2, ep=4, etp=1).as_dict(8, rank=37)
+    plan = plan_megatron(64, tp=2, pp=2, cp=2, ep=4, etp=1)
+    expected = plan.as_dict(8, rank=37, nvlink_domain=16)
+    cost = data.pop("cost")
     assert data == json.loads(json.dumps(expected))
+    assert cost["rank"] == json.loads(json.dumps(rank_cost(plan, 37, nvlink_domain=16).as_dict()))
+    assert cost["max"] == max_cost(plan).as_dict() and cost["comm_memory_mb"] == DEFAULT_COMM_MEMORY_MB
     # ...which are Megatron's groups (adapter plan) and the grid's own.
     megatron = plan_model_parallel(64, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                    context_parallel_size=2, expert_model_parallel_size=4,
@@ -86,7 +91,7 @@ def test_plan_table_and_csv_and_console_script():
     assert "rank 7: node 1, local rank 1" in out and "coords tp=1 cp=0 dp=1" in out
     table = out.split("\n\n")[1]  # the kinds table, before the rank's section
     lines = {line.split()[0]: line for line in table.splitlines() if line.split()}
-    assert "inside a node" in lines["cp"] and "CROSSES NODES" in lines["dp"]
+    assert "inside a node" in lines["cp"] and "ACROSS DOMAINS" in lines["dp"]
     script = Path(sys.executable).with_name("hypergrid")
     if not script.exists():
         pytest.skip("console script not installed in this environment")
@@ -94,9 +99,9 @@ def test_plan_table_and_csv_and_console_script():
                              capture_output=True, text=True, timeout=60)
     assert csv_out.returncode == 0, csv_out.stderr
     rows = [r.split(",") for r in csv_out.stdout.strip().splitlines()]
-    assert rows[0][-1] == "rank_3_group"
-    assert rows[1][:6] == ["tp", "tp", "", "", "4", "2"] and rows[1][-1] == "2 3"
-    assert rows[2][0] == "dp" and rows[2][-1] == "1 3 5 7"
+    assert rows[0][-2:] == ["rank_3_group", "rank_3_communicator"]
+    assert rows[1][:6] == ["tp", "tp", "", "", "4", "2"] and rows[1][-2:] == ["2 3", "1"]
+    assert rows[2][0] == "dp" and rows[2][-2:] == ["1 3 5 7", "2"]
 
 
 def test_bad_input_subprocess_one_line_exit_2():
@@ -125,6 +130,7 @@ def test_bad_input_subprocess_one_line_exit_2():
         (["plan", "--world-size", str(2**80)], [str(2**80), "too large"]),
         (["plan", "--shape", str(2**80), "--dims", "a"], [str(2**80), "too large"]),
         (["check", "--world-size", str(2**40), "--tp", "8"], ["too large"]),
+        (["plan", "--world-size", str(2**63), "--tp", "8"], [str(2**63), "int64"]),
         (["plan", "--world-size", "8", "--rank", "-1"], ["-1"]),
         (["check", "--world-size", "8", "--cp", "16"], ["8", "16"]),
         (["bench", "nosuch"], ["'nosuch'"]),

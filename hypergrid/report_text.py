@@ -1,0 +1,146 @@
+"""The ``plan`` command's report as people and spreadsheets read it: a table and CSV.
+
+Both render the data ``Plan.as_dict`` gives (with the cost of :mod:`hypergrid.cost`), which is also
+what ``--format json`` prints, so the three formats never say different things.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+
+from .cost import cost_lines
+from .report import MAX_ENUMERATED_RANKS, Plan, describe_members, plan_grid  # noqa: F401 (plan_grid: examples)
+
+__all__ = ["plan_table", "plan_csv"]
+
+# Members of a group shown in a table before it is shortened (JSON and CSV show all).
+_MAX_MEMBERS_SHOWN = 16
+
+
+def _short(members) -> str:
+    if members is None:
+        return "- (in no group of this kind)"
+    if isinstance(members, dict):  # Plan.group_heads: the first members and the last
+        head, size = members["head"], members["size"]
+        if head is None:
+            return f"({size} ranks)"
+        if size <= _MAX_MEMBERS_SHOWN:
+            return describe_members(head)
+        return f"{describe_members(head[:_MAX_MEMBERS_SHOWN - 2])}, ..., {members['last']} ({size} ranks)"
+    return describe_members(members)
+
+
+def _dims_text(layout) -> str:
+    return " x ".join(f"{n}={s}" for n, s in zip(layout.dim_names, layout.shape))
+
+
+def _table(rows: list[list[str]], right: set[int]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for j, row in enumerate(rows):
+        cells = [c.rjust(widths[i]) if i in right else c.ljust(widths[i]) for i, c in enumerate(row)]
+        lines.append("  ".join(cells).rstrip())
+        if j == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def plan_table(plan: "Plan", data: dict) -> str:
+    """The ``plan`` command's table: sizes, grid, one row per kind, placement, cost, ``--rank``'s groups.
+
+    ``data`` is ``plan.as_dict(...)`` with its ``cost`` (what ``--format json`` prints).
+
+    Example::
+
+        >>> from hypergrid.cost import max_cost
+        >>> plan = plan_grid([2, 4], ["tp", "dp"])
+        >>> data = plan.as_dict(4)
+        >>> data["cost"] = {"comm_memory_mb": 600, "rank": None, "max": max_cost(plan).as_dict()}
+        >>> print(plan_table(plan, data).splitlines()[0])
+        hypergrid plan: 8 ranks on 2 nodes of 4 ranks
+    """
+    nodes, gpn = data["nodes"], data["gpus_per_node"]
+    out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
+    order_note = "first dim varies fastest over ranks"
+    m = plan.megatron
+    if m is not None:
+        out.append(
+            f"megatron sizes: tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep} etp={m.etp} "
+            f"-> dp={m.dp}, expert dp={m.edp}; order {m.order}"
+        )
+    out.append(f"grid:   {_dims_text(plan.layout)}   ({order_note})")
+    for name, view in plan.views.items():
+        out.append(f"{name + ':':<7} {_dims_text(view)}")
+    out.append("")
+    rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement", "megatron group"]]
+    where = {"node": "inside a node", "nvlink": "inside an NVLink domain", "across": "ACROSS DOMAINS"}
+    for k in data["kinds"]:
+        key = k["key"] if k["view"] is None else f"{k['view']}:{k['key']}"
+        placement = where[k["placement"]]
+        if k["placement"] != "node" and k["intra_node_groups"]:
+            placement += f" ({k['intra_node_groups']} groups inside a node)"
+        rows.append([
+            k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
+            str(k["max_nodes_per_group"]), str(k["max_nvlink_domains_per_group"]),
+            placement, k["megatron_name"] or "",
+        ])
+    out.append(_table(rows, right={2, 3, 4, 5}))
+    crossing = [k["name"] for k in data["kinds"] if k["crosses_nodes"]]
+    out.append("")
+    out.append(
+        f"cross nodes ({gpn} ranks per node): {', '.join(crossing)}" if crossing
+        else f"every group stays inside a node of {gpn} ranks"
+    )
+    if data["nvlink_domain"] != gpn:
+        across = [k["name"] for k in data["kinds"] if k["placement"] == "across"]
+        out.append(f"cross NVLink domains ({data['nvlink_domain']} ranks each): {', '.join(across) or 'none'}")
+    sampled = [k["name"] for k in data["kinds"] if not k["locality_exact"]]
+    if sampled:
+        out.append(f"node locality over a sample of groups (world over {MAX_ENUMERATED_RANKS:,} ranks): "
+                   f"{', '.join(sampled)}")
+    out += cost_lines(data["cost"])
+    if "rank" in data:
+        r = data["rank"]
+        out.append("")
+        out.append(f"rank {r['rank']}: node {r['node']}, local rank {r['local_rank']}")
+        out.append("  coords " + " ".join(f"{n}={c}" for n, c in r["coords"].items()))
+        for view, coords in r["view_coords"].items():
+            out.append(f"  {view} coords " + " ".join(f"{n}={c}" for n, c in coords.items()))
+        width = max(len(n) for n in r["groups"])
+        for name, members in r["groups"].items():
+            out.append(f"  {name.ljust(width)}  {_short(members)}")
+    return "\n".join(out)
+
+
+def plan_csv(data: dict) -> str:
+    """The ``plan`` command's CSV: one row per kind (with ``--rank``, that rank's group and communicator).
+
+    Example::
+
+        >>> from hypergrid.cost import max_cost
+        >>> plan = plan_grid([2, 4], ["tp", "dp"])
+        >>> data = plan.as_dict(4)
+        >>> data["cost"] = {"comm_memory_mb": 600, "rank": None, "max": max_cost(plan).as_dict()}
+        >>> plan_csv(data).splitlines()[1].split(",")[:6]
+        ['tp', 'tp', '', '', '4', '2']
+    """
+    buf = io.StringIO()
+    writer = csv.writer(buf, lineterminator="\n")
+    header = ["kind", "key", "view", "megatron_name", "groups", "size", "max_nodes_per_group",
+              "intra_node_groups", "crosses_nodes", "max_nvlink_domains_per_group", "placement", "locality_exact"]
+    rank = data.get("rank")
+    if rank is not None:
+        header += [f"rank_{rank['rank']}_group", f"rank_{rank['rank']}_communicator"]
+    writer.writerow(header)
+    of_kind = data["cost"]["rank"]["communicator_of_kind"] if rank is not None else {}
+    for k in data["kinds"]:
+        row = [k["name"], k["key"], k["view"] or "", k["megatron_name"] or "", k["count"], k["size"],
+               k["max_nodes_per_group"], "" if k["intra_node_groups"] is None else k["intra_node_groups"],
+               str(k["crosses_nodes"]).lower(), k["max_nvlink_domains_per_group"], k["placement"],
+               str(k["locality_exact"]).lower()]
+        if rank is not None:
+            members = rank["groups"][k["name"]]
+            row += ["" if members is None else " ".join(map(str, members)), of_kind.get(k["name"], "")]
+        writer.writerow(row)
+    return buf.getvalue().rstrip("\n")
