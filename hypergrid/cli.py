@@ -35,7 +35,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
 #: Where ``bench`` looks for benchmark scripts: the repository's ``benchmarks/`` folder.
 BENCH_DIR = Path(__file__).resolve().parent.parent / "benchmarks"
-BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py"}
+BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py", "plan": "bench_plan.py"}
 
 # The largest world a plan answers for: what a rank number in an int64 can reach.
 _MAX_WORLD = (1 << 63) - 1
@@ -100,6 +100,9 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cp", type=_positive, help="context-parallel size (default 1)")
     g.add_argument("--ep", type=_positive, help="expert-parallel size (default 1)")
     g.add_argument("--etp", type=_positive, help="expert tensor-parallel size (default: --tp)")
+    g.add_argument("--dp", type=_positive,
+                   help="data-parallel size: checked against what the world leaves; without --world-size, "
+                        "the world is tp x cp x pp x dp")
     g.add_argument("--order", help="Megatron order, first dim fastest (default tp-cp-ep-dp-pp)")
     f = p.add_argument_group("or a free grid")
     f.add_argument("--shape", type=_int_list, help="sizes, e.g. 2,3,4")
@@ -122,7 +125,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
 def _plan_from_args(args: argparse.Namespace):
     from .report import plan_grid, plan_megatron
 
-    megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "order") if getattr(args, n) is not None]
+    megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "dp", "order") if getattr(args, n) is not None]
     if args.torchtitan is not None:
         from .torchtitan import plan_torchtitan
 
@@ -147,13 +150,19 @@ def _plan_from_args(args: argparse.Namespace):
         return plan_grid(args.shape, args.dims, world_size=args.world_size, groups=args.group)
     if args.group:
         raise UsageError("--group needs a free grid (--shape and --dims)")
-    if args.world_size is None:
-        raise UsageError("give --world-size with Megatron sizes, or --shape and --dims for a free grid")
-    return plan_megatron(
-        args.world_size,
-        tp=args.tp or 1, pp=args.pp or 1, cp=args.cp or 1, ep=args.ep or 1, etp=args.etp,
-        order=args.order or "tp-cp-ep-dp-pp",
-    )
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    world = args.world_size
+    if world is None and args.dp is not None:
+        world = tp * cp * pp * args.dp  # how Megatron users count their GPUs
+    if world is None:
+        raise UsageError("give --world-size (or --dp) with Megatron sizes, or --shape and --dims for a free grid")
+    plan = plan_megatron(world, tp=tp, pp=pp, cp=cp, ep=args.ep or 1, etp=args.etp, order=args.order or "tp-cp-ep-dp-pp")
+    if args.dp is not None and plan.megatron is not None and plan.megatron.dp != args.dp:
+        raise UsageError(
+            f"--dp {args.dp} does not fit: {world} ranks / (tp {tp} x cp {cp} x pp {pp}) leave a data-parallel "
+            f"size of {plan.megatron.dp}; expected --dp {plan.megatron.dp} or --world-size {tp * cp * pp * args.dp}"
+        )
+    return plan
 
 
 def _plan_from_launch_line(args: argparse.Namespace, megatron_given: list[str]):
@@ -304,7 +313,9 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = _plan_from_args(args)
     plan.check_enumerable()
     start = time.perf_counter()
-    result = compare_with_megatron(plan)
+    progress = _Progress("comparing")
+    result = compare_with_megatron(plan, progress=progress)
+    progress.done()
     elapsed = time.perf_counter() - start
     print(
         f"compared {result.compared} enumerations with megatron-core "
@@ -319,6 +330,34 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(f"DIFFERENCE {line}")
     print("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+#: Off a terminal, how often a long command says what it is doing.
+_PROGRESS_EVERY_S = 5.0
+
+
+class _Progress:
+    """What a long command is doing, on stderr: rewritten in place on a terminal; elsewhere (a
+    log, a pipe) a plain line every few seconds, so that a slow step never looks like a hang."""
+
+    def __init__(self, verb: str) -> None:
+        self.verb, self.every_s = verb, _PROGRESS_EVERY_S
+        self.count, self.last = 0, time.monotonic()
+        self.tty = sys.stderr.isatty()
+
+    def __call__(self, what: str) -> None:
+        self.count += 1
+        if self.tty:
+            sys.stderr.write(f"\r\033[K{self.verb} {self.count}: {what}")
+            sys.stderr.flush()
+        elif time.monotonic() - self.last >= self.every_s:
+            print(f"... {self.verb} {self.count}: {what}", file=sys.stderr, flush=True)
+            self.last = time.monotonic()
+
+    def done(self) -> None:
+        if self.tty and self.count:
+            sys.stderr.write("\r\033[K")
+            sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------- demo, bench

@@ -25,7 +25,7 @@ import logging
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 from .kinds import PipelineSubset
 from .layout import GridLayout
@@ -95,7 +95,7 @@ def _subsets(names: tuple[str, ...]) -> Iterator[list[str]]:
             yield list(combo)
 
 
-def compare_with_megatron(plan: Plan) -> ParityResult:
+def compare_with_megatron(plan: Plan, progress: Optional[Callable[[str], None]] = None) -> ParityResult:
     """Compare every enumeration of ``plan`` with Megatron-Core's; see the module docstring.
 
     Raises ImportError (naming the missing package) when megatron-core is not installed.
@@ -123,6 +123,8 @@ def compare_with_megatron(plan: Plan) -> ParityResult:
         for label, layout in layouts:
             theirs = MegatronGrid(list(layout.shape), list(layout.dim_names), rank_offset=layout.rank_offset)
             for dims in _subsets(layout.dim_names):
+                if progress is not None:
+                    progress(f"{label} {layout.key(dims)} (HyperCommGrid)")
                 result._record(
                     f"{label} {layout.key(dims)}", "HyperCommGrid", layout.enumerate(dims), theirs.get_rank_enum(dims)
                 )
@@ -151,6 +153,8 @@ def compare_with_megatron(plan: Plan) -> ParityResult:
             else:
                 result.not_compared.append(kind.name)
                 continue
+            if progress is not None:
+                progress(f"{kind.name} (RankGenerator)")
             result._record(label, "RankGenerator", kind.enumerate(), theirs)
     logger.info("compared %d enumerations, %d differences", result.compared, len(result.differences))
     return result

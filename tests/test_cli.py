@@ -226,3 +226,26 @@ def test_whole_groups_that_skip_ranks_never_read_as_contiguous():
     dp_of_tp8 = [r for start in range(0, 128, 32) for r in range(start, start + 8)]
     assert describe_members(dp_of_tp8) == "0-7, 32-39, 64-71, 96-103 (32 ranks)"
     assert describe_members(list(range(128))) == "0-127"
+
+
+def test_dp_is_accepted_and_checked_against_the_world(capsys):
+    assert cli.main(["plan", "--tp", "8", "--pp", "4", "--dp", "4", "--format", "json"]) == 0
+    assert '"world_size": 128' in capsys.readouterr().out  # tp x pp x dp, as Megatron users count
+    assert cli.main(["plan", "--world-size", "128", "--tp", "8", "--dp", "4"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (
+        "hypergrid: error: --dp 4 does not fit: 128 ranks / (tp 8 x cp 1 x pp 1) leave a data-parallel size "
+        "of 16; expected --dp 16 or --world-size 32"
+    )
+    assert cli.main(["plan", "--shape", "2,4", "--dims", "tp,dp", "--dp", "4"]) == 2
+    assert "--dp" in capsys.readouterr().err
+
+
+def test_check_says_what_it_compares_while_it_runs(capsys, monkeypatch):
+    # Off a terminal a line every few seconds; here every step, to see them.
+    monkeypatch.setattr(cli, "_PROGRESS_EVERY_S", 0.0)
+    assert cli.main(["check", "--world-size", "16", "--tp", "2", "--ep", "2"]) == 0
+    captured = capsys.readouterr()
+    assert "identical to megatron-core" in captured.out
+    steps = [line for line in captured.err.splitlines() if line.startswith("... comparing ")]
+    assert any("HyperCommGrid" in line for line in steps) and any("RankGenerator" in line for line in steps), captured.err
