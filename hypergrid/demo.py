@@ -419,34 +419,9 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
     grid = HyperCommGrid(list(plan.layout.shape), list(plan.layout.dim_names), timeout=timeout)
     expert = plan.views["expert"]
     grid.register_view("expert", list(expert.shape), list(expert.dim_names), shared_dims=plan.shared_dims["expert"])
-    destroy_megatron: Callable[[], None] = lambda: None
-    megatron_grids: Any = None
+    teardown: list[Callable[[], None]] = []  # undone in reverse, before the grid and the world
     try:
-        start = time.perf_counter()
-        results = _grid_groups(grid, plan, world, rank)
-        phases["grid groups (create + verify)"] = time.perf_counter() - start
-        if config.megatron:
-            with contextlib.suppress(ImportError):
-                # Timed apart: importing megatron-core takes seconds and is not group creation.
-                with _quiet_imports():
-                    _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
-            start = time.perf_counter()
-            megatron_results, megatron_grids, destroy_megatron = _megatron_groups(config, plan, world, notes)
-            results += megatron_results
-            if megatron_results:
-                phases["megatron parallel_state (initialize + verify)"] = time.perf_counter() - start
-        else:
-            notes.append("megatron: skipped (--no-megatron)")
-        if config.mesh:
-            start = time.perf_counter()
-            # One grid for everything: the mesh over the Megatron adapter's grid where there is one.
-            mesh_grid = getattr(megatron_grids, "grid", None) or grid
-            mesh_results = _mesh_groups(mesh_grid, world, notes, megatron_grids if mesh_grid is not grid else None)
-            results += mesh_results
-            if mesh_results:
-                phases["DeviceMesh (build + verify)"] = time.perf_counter() - start
-        else:
-            notes.append("mesh: skipped (--no-mesh)")
+        results = _every_section(config, grid, plan, world, rank, phases, notes, teardown)
         phases["total on rank"] = time.perf_counter() - total_start
         gathered: Optional[list] = [None] * world if rank == 0 else None
         dist.gather_object((results, phases), gathered, dst=0)
@@ -454,13 +429,56 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
         # closed a connection under a pending operation.
         dist.barrier()
     finally:
-        destroy_megatron()
+        for step in reversed(teardown):
+            step()
         grid.destroy()
         dist.destroy_process_group()
     if rank != 0:
         return None
     assert gathered is not None
-    merged = [r for r in gathered[0][0]]  # rank 0's members; verification and timings from all
+    report = _merge(world, plan, gathered, notes)
+    logger.info("demo on %d ranks: %d group kinds verified", world, len(report.results))
+    return report
+
+
+def _every_section(
+    config: DemoConfig, grid: Any, plan: Plan, world: int, rank: int, phases: dict[str, float], notes: list[str],
+    teardown: list[Callable[[], None]],
+) -> list[GroupResult]:
+    """The grid's groups, then Megatron's parallel_state, then a DeviceMesh, each timed as a phase."""
+    start = time.perf_counter()
+    results = _grid_groups(grid, plan, world, rank)
+    phases["grid groups (create + verify)"] = time.perf_counter() - start
+    megatron_grids: Any = None
+    if config.megatron:
+        with contextlib.suppress(ImportError):
+            # Timed apart: importing megatron-core takes seconds and is not group creation.
+            with _quiet_imports():
+                _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
+        start = time.perf_counter()
+        megatron_results, megatron_grids, destroy_megatron = _megatron_groups(config, plan, world, notes)
+        teardown.append(destroy_megatron)
+        results += megatron_results
+        if megatron_results:
+            phases["megatron parallel_state (initialize + verify)"] = time.perf_counter() - start
+    else:
+        notes.append("megatron: skipped (--no-megatron)")
+    if config.mesh:
+        start = time.perf_counter()
+        # One grid for everything: the mesh over the Megatron adapter's grid where there is one.
+        mesh_grid = getattr(megatron_grids, "grid", None) or grid
+        mesh_results = _mesh_groups(mesh_grid, world, notes, megatron_grids if mesh_grid is not grid else None)
+        results += mesh_results
+        if mesh_results:
+            phases["DeviceMesh (build + verify)"] = time.perf_counter() - start
+    else:
+        notes.append("mesh: skipped (--no-mesh)")
+    return results
+
+
+def _merge(world: int, plan: Plan, gathered: list, notes: list[str]) -> DemoReport:
+    """Rank 0's rows, verified only where every rank verified, with each phase's slowest rank."""
+    merged = [r for r in gathered[0][0]]
     for i, row in enumerate(merged):
         others = [g[0][i] for g in gathered]
         row.verified = all(o.verified for o in others)
@@ -468,8 +486,7 @@ def run_rank(config: DemoConfig) -> Optional[DemoReport]:
         bad = [(r, o.detail) for r, o in enumerate(others) if not o.verified]
         if bad:
             row.detail = f"rank {bad[0][0]}: {bad[0][1]}"
-    slowest = {name: max(g[1][name] for g in gathered) for name in phases}
-    logger.info("demo on %d ranks: %d group kinds verified", world, len(merged))
+    slowest = {name: max(g[1][name] for g in gathered) for name in gathered[0][1]}
     return DemoReport(world, plan, merged, slowest, notes)
 
 
