@@ -12,6 +12,11 @@ Megatron-Core adapter lives in :mod:`hypergrid.megatron` and is imported only wh
 ``import hypergrid`` works without megatron-core installed.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
 from .errors import (
     GridDestroyedError,
     GridMismatchError,
@@ -21,10 +26,31 @@ from .errors import (
     GroupTimeoutError,
     HypergridError,
 )
-from .grid import HyperCommGrid
-from .groups import REGISTRY, GroupRegistry
 from .layout import GridLayout, Partition
-from .mesh import device_mesh, grid_from_device_mesh, grid_from_process_groups
+
+# Names whose modules import torch.distributed, loaded on first use: planning a layout
+# (``python -m hypergrid plan``) needs no torch and starts in a fraction of a second.
+_LAZY = {
+    "HyperCommGrid": "grid",
+    "REGISTRY": "groups",
+    "GroupRegistry": "groups",
+    "device_mesh": "mesh",
+    "grid_from_device_mesh": "mesh",
+    "grid_from_process_groups": "mesh",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
 
 __version__ = "0.1.0"
 

@@ -249,3 +249,13 @@ def test_check_says_what_it_compares_while_it_runs(capsys, monkeypatch):
     assert "identical to megatron-core" in captured.out
     steps = [line for line in captured.err.splitlines() if line.startswith("... comparing ")]
     assert any("HyperCommGrid" in line for line in steps) and any("RankGenerator" in line for line in steps), captured.err
+
+
+def test_planning_imports_no_torch():
+    # `hypergrid plan` is pure rank arithmetic: importing torch would cost most of its run time.
+    code = ("import sys; from hypergrid import cli; "
+            "sys.exit(cli.main(['plan', '--world-size', '16777216', '--tp', '8', '--pp', '16', '--cp', '2', "
+            "'--ep', '64', '--rank', '12345678']) or ('torch' in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "rank 12345678: node 1543209" in proc.stdout
