@@ -284,6 +284,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     mine = None if args.rank is None else rank_cost(
         plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)
     data["cost"] = {
+        "anchor": plan.anchor.value,
         "comm_memory_mb": mb,
         "rank": None if mine is None else mine.as_dict(),
         "max": max_cost(plan, comm_memory_mb=mb).as_dict(),

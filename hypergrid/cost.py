@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 from .kinds import BackendChoice, GridGroups, GroupKind, JoinedGroups, Singletons, Span, box_modes
-from .report import Plan
+from .report import Anchor, Plan
 
 __all__ = ["DEFAULT_COMM_MEMORY_MB", "EXACT_MAX_RANKS", "RankCost", "MaxCost", "rank_cost", "max_cost", "cost_lines"]
 
@@ -230,8 +230,10 @@ def rank_cost(
         identity, size, low, high = group
         backend = _backend(kind, plan)
         gloo = backend == "gloo"
-        megatron += 1
-        megatron_gloo += gloo
+        # torchtitan's DeviceMesh hands a dim spanning the world the default group.
+        if not (plan.anchor is Anchor.TORCHTITAN and size == plan.world_size):
+            megatron += 1
+            megatron_gloo += gloo
         options = kind.creation.nccl_name if nccl_options and not gloo else None
         if kind.creation.private:
             private += 1
@@ -350,7 +352,8 @@ def cost_lines(cost: dict) -> list[str]:
         >>> lines[3].split()
         ['rank', '1', '2', '2', '1.2', 'GB', '1.2', 'GB']
     """
-    rows = [["communicators", "hypergrid", "megatron-core", "memory (hypergrid)", "memory (megatron-core)"]]
+    anchor = cost.get("anchor", Anchor.MEGATRON_CORE.value)
+    rows = [["communicators", "hypergrid", anchor, "memory (hypergrid)", f"memory ({anchor})"]]
     r, m = cost["rank"], cost["max"]
     if r is not None:
         rows.append([f"rank {r['rank']}", str(r["hypergrid_communicators"]), str(r["megatron_communicators"]),

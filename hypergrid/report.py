@@ -22,6 +22,7 @@ Example::
 
 from __future__ import annotations
 
+import enum
 import logging
 import math
 import random
@@ -33,6 +34,7 @@ from .kinds import GroupKind
 from .layout import GridLayout
 
 __all__ = [
+    "Anchor",
     "describe_members",
     "GroupKind",
     "MegatronSizes",
@@ -87,6 +89,18 @@ def describe_members(members: Sequence[int], limit: int = 8) -> str:
 
 #: How many members, in all, a sampled summary of one kind lists (groups of a sample of ranks).
 SAMPLED_RANKS_BUDGET = 1 << 16
+
+class Anchor(str, enum.Enum):
+    """Whose own way of creating a plan's groups hypergrid's sharing is compared with.
+
+    ``megatron-core``: ``initialize_model_parallel`` (and ``HyperCommGrid``) make a new group for
+    every kind holding the rank. ``torchtitan``: its DeviceMeshes make one per mesh dim and
+    flattened dim, except a dim spanning the whole world, which reuses the default group.
+    """
+
+    MEGATRON_CORE = "megatron-core"
+    TORCHTITAN = "torchtitan"
+
 
 @dataclass(frozen=True)
 class MegatronSizes:
@@ -197,6 +211,8 @@ class Plan:
     #: The backend Megatron's pipeline groups ask for (``pipeline_model_parallel_comm_backend``;
     #: None: the default group's).
     pipeline_backend: Optional[str] = None
+    #: Whose creation the cost report puts beside hypergrid's.
+    anchor: Anchor = Anchor.MEGATRON_CORE
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""

@@ -47,7 +47,7 @@ from typing import Optional, Union
 
 from .kinds import GroupKind
 from .layout import GridLayout
-from .report import Plan
+from .report import Anchor, Plan
 
 __all__ = [
     "TORCHTITAN_VERSION",
@@ -347,7 +347,7 @@ def plan_torchtitan(config: Union[TorchtitanParallelism, Source], world_size: Op
     layout = GridLayout(tuple(reversed(mesh.shape)), tuple(reversed(mesh.mesh_dim_names)))
     kinds = [GroupKind(name, layout, (name,)) for name in mesh.mesh_dim_names]
     kinds += [GroupKind(name, layout, tuple(reversed(dims))) for name, dims in mesh.flattened.items()]
-    return Plan(resolved.world_size, layout, kinds)  # type: ignore[arg-type]
+    return Plan(resolved.world_size, layout, kinds, anchor=Anchor.TORCHTITAN)  # type: ignore[arg-type]
 
 
 def torchtitan_groups_per_rank(config: Union[TorchtitanParallelism, Source], world_size: Optional[int] = None) -> int:

@@ -336,3 +336,27 @@ def test_against_torchtitans_parallel_dims(world, degrees, monkeypatch):
                 assert theirs[name].mesh.flatten().tolist() == mine[name], (rank, name)
         assert not dist.is_initialized()
 
+
+
+@pytest.mark.parametrize("toml,world", [
+    ("[parallelism]\ntensor_parallel_degree = 8\n", 64),
+    ("[parallelism]\ncontext_parallel_degree = 2\n", 2),
+    ("[parallelism]\ndata_parallel_replicate_degree = 2\ntensor_parallel_degree = 2\n"
+     "context_parallel_degree = 2\npipeline_parallel_degree = 2\n", 32),
+    ("[parallelism]\ntensor_parallel_degree = 2\nexpert_parallel_degree = 4\nexpert_tensor_parallel_degree = 1\n", 16),
+])
+def test_the_cost_report_counts_torchtitans_groups(toml, world):
+    from hypergrid.cost import rank_cost
+    from hypergrid.torchtitan import shared_groups_per_rank, torchtitan_groups_per_rank
+
+    plan = plan_torchtitan(toml, world)
+    cost = rank_cost(plan, world - 1)
+    assert cost.megatron == torchtitan_groups_per_rank(toml, world)  # the anchor's column: torchtitan's
+    # hypergrid's: one per member set, the whole world's being the default group itself
+    assert cost.hypergrid == shared_groups_per_rank(plan) - (1 if cost.world_shared else 0)
+
+
+def test_the_cost_table_names_torchtitan(job, capsys):
+    assert cli.main(["plan", "--torchtitan", str(job(LLAMA3_70B)), "--world-size", "32", "--rank", "13"]) == 0
+    out = capsys.readouterr().out
+    assert "communicators" in out and "memory (torchtitan)" in out and "megatron-core" not in out.split("communicators")[-1]
