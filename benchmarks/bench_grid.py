@@ -21,6 +21,8 @@ import subprocess
 import sys
 import time
 
+from progress import progress  # benchmarks/progress.py, beside this script
+
 # (tp, cp, pp, dp) for each world; dp takes what is left.
 SHAPES = {
     4096: (8, 2, 4, 64),
@@ -67,13 +69,6 @@ def _measure(impl: str, world: int, rank: int) -> dict:
 
 
 
-def _progress(text: str) -> None:
-    """Say what is being measured now: rewritten in place on a terminal, a plain line otherwise."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[K{text}" if text else "\r\033[K")
-    elif text:
-        sys.stderr.write(text + "\n")
-    sys.stderr.flush()
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -96,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     print("-" * len(header), flush=True)
     for world in worlds:
         rank = world // 2 + 3  # a rank in the middle: no group of it starts at rank 0
-        _progress(f"{world} ranks: hypergrid ...")
+        progress(f"{world} ranks: hypergrid ...")
         ours = [_measure("hypergrid", world, rank) for _ in range(max(1, args.repeat))]
         ours_s = statistics.median(r["seconds"] for r in ours)
         if world <= args.anchor_max_world:
-            _progress(f"{world} ranks: megatron-core ...")
+            progress(f"{world} ranks: megatron-core ...")
             theirs = [_measure("megatron", world, rank) for _ in range(max(1, args.repeat))]
             if theirs[0]["sizes"] != ours[0]["sizes"]:
                 raise RuntimeError(f"group sizes differ at {world}: {theirs[0]['sizes']} vs {ours[0]['sizes']}")
@@ -108,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             anchor, ratio = f"{theirs_s * 1e3:10.1f} ms", f"{theirs_s / ours_s:7.0f}x"
         else:
             anchor, ratio = f"{'skipped':>13}", f"{'-':>8}"
-        _progress("")
+        progress("")
         print(
             f"{world:>9}  {str(SHAPES[world]):>20}  {ours_s * 1e3:8.2f} ms  {anchor}  {ratio}",
             flush=True,

@@ -22,6 +22,8 @@ import subprocess
 import sys
 import time
 
+from progress import progress  # benchmarks/progress.py, beside this script
+
 # Megatron keywords per world: tensor, pipeline, context, expert and expert-tensor parallel.
 CONFIGS = {
     4096: dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=4, context_parallel_size=2,
@@ -81,13 +83,6 @@ def _measure(impl: str, world: int, rank: int, repeat: int, timeout: float) -> d
 
 
 
-def _progress(text: str) -> None:
-    """Say what is being measured now: rewritten in place on a terminal, a plain line otherwise."""
-    if sys.stderr.isatty():
-        sys.stderr.write(f"\r\033[K{text}" if text else "\r\033[K")
-    elif text:
-        sys.stderr.write(text + "\n")
-    sys.stderr.flush()
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -115,16 +110,16 @@ def main() -> None:
     print(header)
     for world in args.worlds:
         rank = world // 2 + 3 if args.rank is None else args.rank
-        _progress(f"{world} ranks: hypergrid ...")
+        progress(f"{world} ranks: hypergrid ...")
         shared = _measure("hypergrid", world, rank, args.repeat, args.timeout)
         private = _measure("hypergrid-private", world, rank, args.repeat, args.timeout)
         anchor = None
         if world <= args.anchor_max_world:
-            _progress(f"{world} ranks: megatron-core ...")
+            progress(f"{world} ranks: megatron-core ...")
             anchor = _measure("megatron", world, rank, 1, args.timeout)
             if anchor["check"] != shared["check"]:
                 raise RuntimeError(f"getters disagree at {world} ranks: megatron {anchor['check']} vs {shared['check']}")
-        _progress("")
+        progress("")
         cold, best = shared["times"][0], min(shared["times"])
         mega = anchor["times"][0] if anchor else None
         ratio = f"{mega / best:.0f}x / {mega / cold:.0f}x" if mega else "skipped"

@@ -40,9 +40,6 @@ BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py", "plan
 # The largest world a plan answers for: what a rank number in an int64 can reach.
 _MAX_WORLD = (1 << 63) - 1
 
-# Members of a group shown in a table before it is shortened (JSON and CSV show all).
-_MAX_MEMBERS_SHOWN = 16  # the same as report_text's, which the table prints them with
-
 
 class UsageError(Exception):
     """Bad command-line input: printed as one line, exit status 2."""
@@ -264,7 +261,7 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from .cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
-    from .report_text import plan_csv, plan_table
+    from .report_text import MEMBERS_SHOWN, plan_csv, plan_table
     from .viz import picture, write_picture
 
     plan = _plan_from_args(args)
@@ -279,7 +276,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     if pictures:
         plan.check_enumerable()  # a picture draws every rank
     data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain,
-                        heads=_MAX_MEMBERS_SHOWN if args.format == "table" else None)
+                        heads=MEMBERS_SHOWN if args.format == "table" else None)
     mb = args.comm_memory_mb or DEFAULT_COMM_MEMORY_MB
     mine = None if args.rank is None else rank_cost(
         plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)

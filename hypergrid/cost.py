@@ -33,8 +33,8 @@ import random
 from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
-from .kinds import BackendChoice, GridGroups, GroupKind, JoinedGroups, Singletons, Span, box_modes
-from .report import Anchor, Plan
+from .kinds import BackendChoice, GroupKind, box_modes
+from .report import Anchor, Plan, positive_int
 
 __all__ = ["DEFAULT_COMM_MEMORY_MB", "EXACT_MAX_RANKS", "RankCost", "MaxCost", "rank_cost", "max_cost", "cost_lines"]
 
@@ -149,10 +149,9 @@ class MaxCost:
 
 
 def _uniform(kind: GroupKind) -> bool:
-    """Whether every rank's group of ``kind`` is the same shape, placed alike (a grid's tiling)."""
-    return isinstance(kind.derivation, (GridGroups, Span, Singletons)) or (
-        isinstance(kind.derivation, JoinedGroups) and kind.box(kind.layout.rank_offset) is not None
-    )
+    """Whether every rank's group of ``kind`` is the same shape, placed alike (a grid's tiling):
+    the rules whose groups are boxes of the grid, wherever one is."""
+    return kind.box(kind.layout.rank_offset) is not None
 
 
 def _group(kind: GroupKind, rank: int) -> Optional[tuple[Hashable, int, int, int]]:
@@ -186,12 +185,6 @@ def _backend(kind: GroupKind, plan: Plan) -> Optional[str]:
     return None
 
 
-def _check(name: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
-
-
 def rank_cost(
     plan: Plan,
     rank: int,
@@ -216,9 +209,9 @@ def rank_cost(
         (10, 16, 5000, 2)
     """
     plan.check_rank(rank)
-    gpus_per_node = _check("gpus_per_node", gpus_per_node)
-    domain = _check("nvlink_domain", nvlink_domain if nvlink_domain is not None else gpus_per_node)
-    comm_memory_mb = _check("comm_memory_mb", comm_memory_mb)
+    gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
+    domain = positive_int("nvlink_domain", nvlink_domain if nvlink_domain is not None else gpus_per_node)
+    comm_memory_mb = positive_int("comm_memory_mb", comm_memory_mb)
     shared: dict[Hashable, tuple[int, int, int, bool]] = {}
     private = megatron = megatron_gloo = 0
     world_kinds: list[str] = []

@@ -29,7 +29,7 @@ import enum
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from .layout import GridLayout
+from .layout import GridLayout, canonical_modes
 
 __all__ = [
     "Derivation",
@@ -78,6 +78,11 @@ class Derivation:
         """How many groups, in O(ndims); None where only :meth:`enumerate` can tell."""
         return None
 
+    def box(self, layout: GridLayout, dims: Sequence[str], rank: int) -> Optional[tuple[int, Modes]]:
+        """``(lowest member, canonical modes)`` of ``rank``'s group in O(ndims), where the rule
+        keeps groups boxes of the grid; None where only :meth:`members` can tell."""
+        return None
+
 
 @dataclass(frozen=True)
 class GridGroups(Derivation):
@@ -97,6 +102,13 @@ class GridGroups(Derivation):
 
     def enumerate(self, layout: GridLayout, dims: Sequence[str]) -> list[list[int]]:
         return layout.enumerate(list(dims))
+
+    def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
+        return layout.num_groups(list(dims))
+
+    def box(self, layout: GridLayout, dims: Sequence[str], rank: int) -> Optional[tuple[int, Modes]]:
+        low, modes = _grid_box(layout, dims, rank)
+        return low, canonical_modes(modes)
 
 
 #: The one :class:`GridGroups` value every plain kind shares.
@@ -200,6 +212,9 @@ class Singletons(Derivation):
     def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
         return layout.size
 
+    def box(self, layout: GridLayout, dims: Sequence[str], rank: int) -> Optional[tuple[int, Modes]]:
+        return rank, ()
+
     def describe(self) -> str:
         return "each rank alone"
 
@@ -226,6 +241,10 @@ class Span(Derivation):
 
     def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
         return 1
+
+    def box(self, layout: GridLayout, dims: Sequence[str], rank: int) -> Optional[tuple[int, Modes]]:
+        low, modes = _grid_box(layout, layout.dim_names, rank)
+        return low, canonical_modes(modes)
 
     def describe(self) -> str:
         return "every rank"
@@ -325,24 +344,23 @@ class JoinedGroups(Derivation):
     def num_groups(self, layout: GridLayout, dims: Sequence[str]) -> Optional[int]:
         return -(-layout.num_groups(list(dims)) // self.join)
 
+    def box(self, layout: GridLayout, dims: Sequence[str], rank: int) -> Optional[tuple[int, Modes]]:
+        # A box only where the index dim is the one other dim with more than one rank.
+        others = [d for d in layout.dim_names if d not in dims and d != self.index_dim]
+        if any(layout.dim_size(d) > 1 for d in others) or layout.dim_size(self.index_dim) % self.join:
+            return None
+        low, modes = _grid_box(layout, dims, rank)
+        i = layout.dim_names.index(self.index_dim)
+        modes.append((self.join, layout.strides[i]))
+        low -= (layout.coords(rank)[i] % self.join) * layout.strides[i]
+        return low, canonical_modes(modes)
+
     def describe(self) -> str:
         return f"{self.join} joined"
 
 
 #: The (size, stride) modes of a set of ranks, lowest stride first, as ``Partition.modes``.
 Modes = tuple[tuple[int, int], ...]
-
-
-def _canonical(modes: Sequence[tuple[int, int]]) -> Modes:
-    # As GridLayout.partition: drop size-1 modes, sort by stride, merge contiguous ones.
-    merged: list[tuple[int, int]] = []
-    for size, stride in sorted((m for m in modes if m[0] > 1), key=lambda m: m[1]):
-        if merged and merged[-1][0] * merged[-1][1] == stride:
-            prev_size, prev_stride = merged.pop()
-            merged.append((prev_size * size, prev_stride))
-        else:
-            merged.append((size, stride))
-    return tuple(merged)
 
 
 def box_modes(members: Sequence[int]) -> Optional[tuple[int, Modes]]:
@@ -374,28 +392,15 @@ def box_modes(members: Sequence[int]) -> Optional[tuple[int, Modes]]:
             return None
         modes.append((size, step))
         offsets = outer
-    return low, _canonical(modes)
+    return low, canonical_modes(modes)
 
 
-def _box_of(kind: "GroupKind", rank: int) -> Optional[tuple[int, Modes]]:
-    layout, derivation = kind.layout, kind.derivation
-    if isinstance(derivation, Singletons):
-        return rank, ()
-    dims = list(layout.dim_names) if isinstance(derivation, Span) else list(kind.dims)
-    if not isinstance(derivation, (GridGroups, Span, JoinedGroups)):
-        return None
+def _grid_box(layout: GridLayout, dims: Sequence[str], rank: int) -> tuple[int, list[tuple[int, int]]]:
+    """The lowest member of ``rank``'s grid group over ``dims``, and the group's modes."""
     coords = layout.coords(rank)
     index = {name: i for i, name in enumerate(layout.dim_names)}
     modes = [(layout.shape[index[d]], layout.strides[index[d]]) for d in dims]
-    low = rank - sum(coords[index[d]] * layout.strides[index[d]] for d in dims)
-    if isinstance(derivation, JoinedGroups):
-        others = [d for d in layout.dim_names if d not in dims and d != derivation.index_dim]
-        if any(layout.dim_size(d) > 1 for d in others) or layout.dim_size(derivation.index_dim) % derivation.join:
-            return None
-        i = index[derivation.index_dim]
-        modes.append((derivation.join, layout.strides[i]))
-        low -= (coords[i] % derivation.join) * layout.strides[i]
-    return low, _canonical(modes)
+    return rank - sum(coords[index[d]] * layout.strides[index[d]] for d in dims), modes
 
 
 class BackendChoice(enum.Enum):
@@ -484,8 +489,6 @@ class GroupKind:
     @property
     def count(self) -> int:
         """How many groups of this kind the layout has."""
-        if self.is_grid_groups:
-            return self.layout.num_groups(list(self.dims))
         count = self.derivation.num_groups(self.layout, self.dims)
         return len(self.enumerate()) if count is None else count
 
@@ -509,7 +512,7 @@ class GroupKind:
             >>> GroupKind("dp", GridLayout((2, 4), ("tp", "dp")), ("dp",)).box(3)
             (1, ((4, 2),))
         """
-        return _box_of(self, rank) if self.layout.contains(rank) else None
+        return self.derivation.box(self.layout, self.dims, rank) if self.layout.contains(rank) else None
 
     def enumerate(self) -> list[list[int]]:
         """Every group of this kind, in Megatron-Core's order; O(world size)."""

@@ -162,6 +162,25 @@ class Partition:
         return math.prod(size for size, _ in self.modes)
 
 
+def canonical_modes(modes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:
+    """The one way to write a set of (size, stride) modes: size-1 modes dropped, sorted by
+    stride, contiguous ones merged, so that equal results mean the same ranks.
+
+    Example::
+
+        >>> canonical_modes([(4, 2), (1, 8), (2, 1)])
+        ((8, 1),)
+    """
+    merged: list[tuple[int, int]] = []
+    for size, stride in sorted((m for m in modes if m[0] > 1), key=lambda m: m[1]):
+        if merged and merged[-1][0] * merged[-1][1] == stride:
+            prev_size, prev_stride = merged.pop()
+            merged.append((prev_size * size, prev_stride))
+        else:
+            merged.append((size, stride))
+    return tuple(merged)
+
+
 @dataclass(frozen=True)
 class GridLayout:
     """An N-dimensional grid of named dims over ``size`` consecutive ranks from ``rank_offset``.
@@ -433,19 +452,8 @@ class GridLayout:
         identity for "this set of groups" that every rank computes alike.
         """
         names = set(self._dim_list(dims))
-        modes = sorted(
-            (self.shape[i], self.strides[i])
-            for i, name in enumerate(self.dim_names)
-            if name in names and self.shape[i] > 1
-        )
-        merged: list[tuple[int, int]] = []
-        for size, stride in sorted(modes, key=lambda m: m[1]):
-            if merged and merged[-1][0] * merged[-1][1] == stride:
-                prev_size, prev_stride = merged.pop()
-                merged.append((prev_size * size, prev_stride))
-            else:
-                merged.append((size, stride))
-        return Partition(self.rank_offset, self.size, tuple(merged))
+        modes = [(self.shape[i], self.strides[i]) for i, name in enumerate(self.dim_names) if name in names]
+        return Partition(self.rank_offset, self.size, canonical_modes(modes))
 
     # ---------------------------------------------------------------- views
     def check_view(self, view: "GridLayout", shared_dims: Sequence[str] = ()) -> None:

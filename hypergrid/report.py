@@ -310,8 +310,8 @@ class Plan:
         A sampled group of more than :data:`SAMPLED_RANKS_BUDGET` ranks is not listed: its nodes
         are bounded by its span (lowest to highest member), an upper bound.
         """
-        gpus_per_node = _parse_positive("gpus_per_node", gpus_per_node)
-        domain = gpus_per_node if nvlink_domain is None else _parse_positive("nvlink_domain", nvlink_domain)
+        gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
+        domain = gpus_per_node if nvlink_domain is None else positive_int("nvlink_domain", nvlink_domain)
         kind = self.kind(name)
         exact = self.world_size <= MAX_ENUMERATED_RANKS
         groups = kind.enumerate() if exact else self._sample_groups(kind)
@@ -396,7 +396,14 @@ class Plan:
         return out
 
 
-def _parse_positive(name: str, value: object) -> int:
+def positive_int(name: str, value: object) -> int:
+    """``value`` if it is a positive int (not a bool); ValueError naming ``name`` otherwise.
+
+    Example::
+
+        >>> positive_int("gpus_per_node", 8)
+        8
+    """
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
     return value
@@ -421,7 +428,7 @@ def plan_grid(
         ('cp-dp', 'dp-cp', 2, 12)
     """
     layout = GridLayout(tuple(shape), tuple(dim_names), rank_offset)
-    world = layout.rank_offset + layout.size if world_size is None else _parse_positive("world_size", world_size)
+    world = layout.rank_offset + layout.size if world_size is None else positive_int("world_size", world_size)
     if layout.rank_offset + layout.size > world:
         raise ValueError(
             f"the grid {list(layout.shape)} needs {layout.size} ranks from rank {layout.rank_offset} "

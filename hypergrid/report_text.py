@@ -14,8 +14,8 @@ from .report import MAX_ENUMERATED_RANKS, Plan, describe_members, plan_grid  # n
 
 __all__ = ["plan_table", "plan_csv"]
 
-# Members of a group shown in a table before it is shortened (JSON and CSV show all).
-_MAX_MEMBERS_SHOWN = 16
+#: Members of a group a table shows before it shortens the list (JSON and CSV show all).
+MEMBERS_SHOWN = 16
 
 
 def _short(members) -> str:
@@ -25,9 +25,9 @@ def _short(members) -> str:
         head, size = members["head"], members["size"]
         if head is None:
             return f"({size} ranks)"
-        if size <= _MAX_MEMBERS_SHOWN:
+        if size <= MEMBERS_SHOWN:
             return describe_members(head)
-        return f"{describe_members(head[:_MAX_MEMBERS_SHOWN - 2])}, ..., {members['last']} ({size} ranks)"
+        return f"{describe_members(head[:MEMBERS_SHOWN - 2])}, ..., {members['last']} ({size} ranks)"
     return describe_members(members)
 
 
