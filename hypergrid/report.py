@@ -333,20 +333,31 @@ class Plan:
         return KindSummary(kind.name, kind.key, kind.view, megatron_name, kind.count, kind.size, max_nodes,
                            intra if exact else None, max_domains, examined, exact)
 
-    def _sample_groups(self, kind: GroupKind) -> list[list[int]]:
-        """The groups of a few ranks: the first and last of the grid, every pipeline stage's first
-        rank where the grid has a ``pp`` dim, and random ones (fixed seed)."""
+    def sample_ranks(self, random_ranks: int, seed: int = 0) -> list[int]:
+        """Ranks whose groups stand for the world's: the grid's first and last, the first rank of
+        each pipeline stage (up to 64) where the grid has a ``pp`` dim, then ``random_ranks``
+        drawn with ``seed``. Repeats are possible; O(count).
+
+        Example::
+
+            >>> plan_grid([2, 3, 4], ["tp", "pp", "dp"]).sample_ranks(2, seed=1)
+            [0, 23, 0, 2, 4, 4, 18]
+        """
         layout = self.layout
-        budget = max(1, SAMPLED_RANKS_BUDGET // max(1, kind.size or 1))
-        rng = random.Random(0)
+        rng = random.Random(seed)
         ranks = [layout.rank_offset, layout.rank_offset + layout.size - 1]
         if "pp" in layout.dim_names:
             stride = layout.strides[layout.dim_names.index("pp")]
             ranks += [layout.rank_offset + s * stride for s in range(min(layout.dim_size("pp"), 64))]
-        ranks += [layout.rank_offset + rng.randrange(layout.size) for _ in range(min(256, budget))]
+        return ranks + [layout.rank_offset + rng.randrange(layout.size) for _ in range(random_ranks)]
+
+    def _sample_groups(self, kind: GroupKind) -> list[list[int]]:
+        """The groups of a few ranks: the first and last of the grid, every pipeline stage's first
+        rank where the grid has a ``pp`` dim, and random ones (fixed seed)."""
+        budget = max(1, SAMPLED_RANKS_BUDGET // max(1, kind.size or 1))
         seen: set[object] = set()
         groups: list[Any] = []
-        for rank in ranks[:budget + 2]:
+        for rank in self.sample_ranks(min(256, budget))[:budget + 2]:
             box = kind.box(rank)
             if box is not None and math.prod(n for n, _ in box[1]) > SAMPLED_RANKS_BUDGET:
                 low, modes = box

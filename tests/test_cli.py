@@ -129,7 +129,7 @@ def test_bad_input_subprocess_one_line_exit_2():
         (["plan", "--world-size", "0"], ["0"]),
         (["plan", "--world-size", str(2**80)], [str(2**80), "too large"]),
         (["plan", "--shape", str(2**80), "--dims", "a"], [str(2**80), "too large"]),
-        (["check", "--world-size", str(2**40), "--tp", "8"], ["too large"]),
+        (["check", "--world-size", str(2**40), "--tp", "8", "--full"], ["too large"]),
         (["plan", "--world-size", str(2**63), "--tp", "8"], [str(2**63), "int64"]),
         (["plan", "--world-size", "8", "--rank", "-1"], ["-1"]),
         (["check", "--world-size", "8", "--cp", "16"], ["8", "16"]),
