@@ -285,8 +285,6 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for name in args.kinds or []:
         plan.kind(name)  # an unknown kind fails before any work, naming the known ones
     pictures = _picture_paths(args)
-    if pictures:
-        plan.check_enumerable()  # a picture draws every rank
     data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain,
                         heads=MEMBERS_SHOWN if args.format == "table" else None)
     mb = args.comm_memory_mb or DEFAULT_COMM_MEMORY_MB

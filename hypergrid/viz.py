@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from .report import MAX_ENUMERATED_RANKS
+
 __all__ = ["Panel", "Picture", "assign_styles", "picture", "write_picture", "MAX_RANKS_DRAWN", "HATCHES"]
 
 logger = logging.getLogger("hypergrid.viz")
@@ -40,6 +42,7 @@ logger = logging.getLogger("hypergrid.viz")
 MAX_RANKS_DRAWN = 256
 _WINDOW_RANKS = 128  # ranks in a summarised picture's window (whole nodes, at least one)
 _MAX_ROWS = 64  # nodes drawn at most (a world of 1 or 2 GPUs per node is summarised sooner)
+_RANK_MEMBERS_SHOWN = 4  # members of the chosen rank's group named in a panel's title
 #: Kinds drawn by default when a plan has many (a Megatron plan has ~17), in this order.
 DEFAULT_KINDS = ("tp", "cp", "dp", "pp", "ep", "expt_tp", "expt_dp")
 #: Second cue, used when a panel has more groups than colours: one hatch pattern per repeat.
@@ -54,7 +57,7 @@ class Panel:
 
     name: str
     title: list[str]
-    group_of: dict[int, int]  # drawn rank -> index of its group in kind.enumerate()
+    group_of: dict[int, int]  # drawn rank -> its group's number (see _window_groups)
     styles: dict[int, tuple[int, int]]  # group index -> (colour index, hatch index)
     highlight: set[int] = field(default_factory=set)  # drawn members of the chosen rank's group
 
@@ -170,7 +173,8 @@ def picture(
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
     domain = nvlink_domain or gpus_per_node
     world = plan.world_size
-    groups_of = plan.groups_of(rank) if rank is not None else {}  # checks the rank first
+    if rank is not None:
+        plan.check_rank(rank)
     asked = [kinds] if isinstance(kinds, str) else list(kinds or [])
     names = asked or _default_kinds(plan)
     for name in names:
@@ -183,22 +187,26 @@ def picture(
         first_node = 0 if rank is None else (rank // gpus_per_node) // drawn_nodes * drawn_nodes
         first_node = min(first_node, world_nodes - drawn_nodes)
     lo, hi = first_node * gpus_per_node, min((first_node + drawn_nodes) * gpus_per_node, world)
+    heads = plan.group_heads(rank, _RANK_MEMBERS_SHOWN) if rank is not None else {}
 
     panels: list[Panel] = []
     left_out: list[str] = []
-    drawn_enumerations: dict[str, list[list[int]]] = {}
+    drawn_groups: dict[str, object] = {}
     for name in names:
         kind = plan.kind(name)
-        groups = kind.enumerate()
+        group_of, identity = _window_groups(plan, kind, lo, hi)
         if not asked:
-            same = next((n for n, e in drawn_enumerations.items() if e == groups), None)
+            same = next((n for n, other in drawn_groups.items() if other == identity), None)
             if kind.size == 1 or same:
                 left_out.append(f"{name} (groups of 1)" if kind.size == 1 else f"{name} (same groups as {same})")
                 continue
-        drawn_enumerations[name] = groups
-        group_of = {r: g for g, members in enumerate(groups) for r in members if lo <= r < hi}
+        drawn_groups[name] = identity
         shown = sorted(set(group_of.values()))
-        styles = assign_styles([[r for r in groups[g] if lo <= r < hi] for g in shown], gpus_per_node)
+        members_drawn: dict[int, list[int]] = {g: [] for g in shown}
+        for r in range(lo, hi):
+            if r in group_of:
+                members_drawn[group_of[r]].append(r)
+        styles = assign_styles([members_drawn[g] for g in shown], gpus_per_node)
         summary = plan.summary(name, gpus_per_node)
         size = "sizes vary" if summary.size is None else f"of {summary.size}"
         title = [f"{name}: {summary.count} groups {size}"]
@@ -209,11 +217,12 @@ def picture(
         if domain != gpus_per_node:
             in_domain = plan.summary(name, domain)
             title[-1] += "; " + ("crosses NVLink domains" if in_domain.crosses_nodes else "inside NVLink domains")
-        members = groups_of.get(name)
+        highlight: set[int] = set()
         if rank is not None:
-            title.append(f"rank {rank}: " + ("in no group" if members is None else _short(members, lo, hi)))
-        panels.append(Panel(name, title, group_of, dict(zip(shown, styles)),
-                            {r for r in members or [] if lo <= r < hi}))
+            info = heads.get(name)
+            highlight = set(members_drawn[group_of[rank]]) if info is not None and rank in group_of else set()
+            title.append(f"rank {rank}: " + ("in no group" if info is None else _short(info, len(highlight))))
+        panels.append(Panel(name, title, group_of, dict(zip(shown, styles)), highlight))
 
     if not panels:  # every kind has groups of one rank: draw the first anyway
         return picture(plan, names[0], gpus_per_node, rank=rank, nvlink_domain=nvlink_domain, max_ranks=max_ranks)
@@ -237,11 +246,41 @@ def picture(
     return Picture(gpus_per_node, domain, lo, hi, rank, title, caption, panels)
 
 
-def _short(members: Sequence[int], lo: int, hi: int) -> str:
-    text = ", ".join(map(str, members[:4])) + (", ..." if len(members) > 4 else "")
-    drawn = sum(lo <= r < hi for r in members)
-    notes = [f"{len(members)} ranks"] if len(members) > 4 else []
-    notes += [f"{drawn} drawn"] if drawn < len(members) else []
+def _window_groups(plan: Any, kind: Any, lo: int, hi: int) -> tuple[dict[int, int], object]:
+    """Each drawn rank's group number, and a value equal for two kinds with the same groups.
+
+    A world small enough to enumerate numbers groups by their index in ``kind.enumerate()`` and
+    compares whole enumerations. A larger one looks at the drawn ranks only, each in O(ndims)
+    where the kind's groups are boxes (else O(group size)): a group is numbered by its lowest
+    rank, and two kinds count as the same when their counts, sizes, boxes at a sample of ranks
+    and groups among the drawn ranks all agree.
+    """
+    if plan.world_size <= MAX_ENUMERATED_RANKS:
+        groups = kind.enumerate()
+        return {r: g for g, members in enumerate(groups) for r in members if lo <= r < hi}, groups
+    group_of: dict[int, int] = {}
+    for r in range(lo, hi):
+        box = kind.box(r)
+        if box is not None:
+            group_of[r] = box[0]
+        else:
+            members = kind.members(r)
+            if members is not None:
+                group_of[r] = min(members)
+    drawn = sorted(sorted(r for r in group_of if group_of[r] == g) for g in set(group_of.values()))
+    boxes = [kind.box(r) for r in plan.sample_ranks(16)]
+    return group_of, (kind.count, kind.size, boxes, drawn)
+
+
+def _short(info: dict[str, Any], drawn: int) -> str:
+    """A rank's group from :meth:`~hypergrid.report.Plan.group_heads`: its first members, its
+    size where more, and how many are drawn where not all."""
+    size, head = info["size"], info["head"] or []
+    if not head:  # a group too large to list (a span or joined groups of a huge world)
+        return f"{size} ranks ({drawn} drawn)"
+    text = ", ".join(map(str, head)) + (", ..." if size > len(head) else "")
+    notes = [f"{size} ranks"] if size > len(head) else []
+    notes += [f"{drawn} drawn"] if drawn < size else []
     return text + (f" ({', '.join(notes)})" if notes else "")
 
 

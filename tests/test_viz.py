@@ -9,7 +9,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from hypergrid import cli
+from hypergrid import cli, viz
 from hypergrid.report import plan_grid, plan_megatron
 from hypergrid.viz import HATCHES, assign_styles, picture, write_picture
 
@@ -86,6 +86,39 @@ def test_large_world_draws_a_window_with_whole_world_counts():
                                   "rank 3000: 952, 1976, 3000, 4024 (1 drawn)"]
     assert panels["dp"].title[0] == "dp: 16 groups of 256"
     assert set(panels["pp"].group_of) == set(range(2944, 3072))
+
+
+def _partition(panel) -> set[frozenset[int]]:
+    groups: dict[int, set[int]] = {}
+    for r, g in panel.group_of.items():
+        groups.setdefault(g, set()).add(r)
+    return {frozenset(members) for members in groups.values()}
+
+
+@pytest.mark.parametrize("rank", [0, 1500, 4095])
+def test_a_world_too_large_to_enumerate_draws_the_same_window(monkeypatch, rank):
+    # The path for huge worlds (each drawn rank's group in O(ndims)) pictures a small world exactly
+    # as the enumerating path does: the same panels, groups, outlines and titles.
+    plan = plan_megatron(4096, tp=2, pp=4, cp=2, ep=8, etp=2)
+    small = picture(plan, gpus_per_node=8, rank=rank, nvlink_domain=32)
+    monkeypatch.setattr(viz, "MAX_ENUMERATED_RANKS", 0)
+    large = picture(plan, gpus_per_node=8, rank=rank, nvlink_domain=32)
+    assert (large.first_rank, large.end_rank, large.title, large.caption) == (
+        small.first_rank, small.end_rank, small.title, small.caption)
+    assert [p.name for p in large.panels] == [p.name for p in small.panels]
+    for a, b in zip(large.panels, small.panels):
+        assert (a.title, a.highlight, _partition(a)) == (b.title, b.highlight, _partition(b)), a.name
+
+
+def test_sixteen_million_ranks_draw_a_window_around_the_rank(tmp_path):
+    plan = plan_megatron(1 << 24, tp=8, pp=16, cp=2, ep=64)
+    pic = picture(plan, gpus_per_node=4, rank=12345678, nvlink_domain=72)
+    assert pic.first_rank <= 12345678 < pic.end_rank and pic.end_rank - pic.first_rank == 128
+    panels = {p.name: p for p in pic.panels}
+    assert panels["dp"].title[0] == "dp: 256 groups of 65536"
+    assert panels["dp"].title[2].startswith("rank 12345678: 11534350, 11534366, 11534382, 11534398, ... (65536 ranks, ")
+    assert panels["tp"].highlight == set(range(12345672, 12345680))
+    assert write_picture(pic, str(tmp_path / "huge.png")) > 10_000
 
 
 @pytest.mark.parametrize(
