@@ -3,6 +3,8 @@ for the matrix of bad inputs (each a subprocess would cost a torch import)."""
 
 from __future__ import annotations
 
+import importlib.util
+import io
 import json
 import struct
 import subprocess
@@ -199,6 +201,46 @@ def test_bench_streams_scripts_and_reports_missing(tmp_path, capfd):
     (tmp_path / "bench_grid.py").write_text("raise SystemExit(3)\n")
     assert cli.main(["bench", "grid", "--bench-dir", str(tmp_path)]) == 1
     assert "exited with status 3" in capfd.readouterr().err
+
+
+def _benchmark_progress():
+    spec = importlib.util.spec_from_file_location("bench_progress", cli.BENCH_DIR / "progress.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+class _Stream(io.StringIO):
+    def __init__(self, tty: bool) -> None:
+        super().__init__()
+        self.tty = tty
+
+    def isatty(self) -> bool:
+        return self.tty
+
+
+@pytest.mark.parametrize("tty", [True, False])
+def test_benchmark_progress_rewrites_a_terminal_line_and_writes_lines_elsewhere(monkeypatch, tty):
+    stream = _Stream(tty)
+    monkeypatch.setattr(sys, "stderr", stream)
+    progress = _benchmark_progress().progress
+    progress("4096 ranks: hypergrid ...")
+    progress("4096 ranks: megatron-core ...")
+    progress("")  # before a result row
+    expected = ("\r\033[K4096 ranks: hypergrid ...\r\033[K4096 ranks: megatron-core ...\r\033[K" if tty
+                else "4096 ranks: hypergrid ...\n4096 ranks: megatron-core ...\n")
+    assert stream.getvalue() == expected
+
+
+@pytest.mark.slow
+def test_bench_says_what_it_measures_before_each_row():
+    # Off a terminal (a pipe here) each measurement is announced on its own stderr line.
+    proc = _run("bench", "grid", "--", "--worlds", "4096", "--repeat", "1", timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    steps = [line for line in proc.stderr.splitlines() if line.startswith("4096 ranks:")]
+    assert steps == ["4096 ranks: hypergrid ...", "4096 ranks: megatron-core ..."], proc.stderr
+    row = next(line for line in proc.stdout.splitlines() if line.split()[:1] == ["4096"])
+    assert row.rstrip().endswith("x"), row  # the ratio, hypergrid against megatron-core
 
 
 def test_free_grid_plan_with_world_larger_than_grid():

@@ -29,6 +29,25 @@ def test_demo_four_local_ranks():
     assert all("yes" in r for r in rows), out
     assert "all " in out and "groups verified on every rank" in out
     assert "4 ranks finished" in out
+    # No warning from importing megatron-core on any rank: the table is the first thing shown.
+    assert "Warning" not in proc.stdout + proc.stderr, proc.stderr
+    # Timings name what they time, none reads as a contradiction of another.
+    timings = out[out.index("timings (slowest rank):"):].splitlines()[1:]
+    names = [line.rsplit(None, 2)[0].strip() for line in timings if line.endswith(" ms")]
+    assert names == ["init_process_group", "grid groups (create + verify)", "import megatron-core",
+                     "megatron parallel_state (initialize + verify)", "DeviceMesh (build + verify)",
+                     "total on rank"], timings
+    assert "filled parallel_state" not in out
+
+
+@pytest.mark.gloo
+def test_demo_timeout_is_one_line_for_all_ranks():
+    proc = subprocess.run([sys.executable, "-m", "hypergrid", "demo", "-n", "4", "--timeout", "2"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    lines = [line for line in (proc.stdout + proc.stderr).splitlines() if "still running" in line]
+    assert lines == ["ranks 0-3: still running after 2s: killed"], proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_demo_reports_a_failed_layout_with_exit_2():
