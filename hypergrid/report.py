@@ -44,6 +44,7 @@ __all__ = [
     "plan_megatron",
     "MAX_ENUMERATED_RANKS",
     "SAMPLED_RANKS_BUDGET",
+    "member_runs",
 ]
 
 logger = logging.getLogger("hypergrid.report")
@@ -51,6 +52,23 @@ logger = logging.getLogger("hypergrid.report")
 #: Largest world whose groups a summary looks at one by one (about ten seconds of pure Python);
 #: larger worlds are summarised over a sample of groups. One rank's groups have no limit.
 MAX_ENUMERATED_RANKS = 1 << 22
+
+def member_runs(members: Sequence[int]) -> list[tuple[int, int]]:
+    """Runs of consecutive ranks, in order, as ``(first, last)``.
+
+    Example::
+
+        >>> member_runs([4, 5, 6, 9, 1])
+        [(4, 6), (9, 9), (1, 1)]
+    """
+    runs: list[tuple[int, int]] = []
+    for r in members:
+        if runs and r == runs[-1][1] + 1:
+            runs[-1] = (runs[-1][0], r)
+        else:
+            runs.append((r, r))
+    return runs
+
 
 def describe_members(members: Sequence[int], limit: int = 8) -> str:
     """A group's members for people: runs of consecutive ranks as ranges, long lists cut.
@@ -72,12 +90,7 @@ def describe_members(members: Sequence[int], limit: int = 8) -> str:
     members = list(members)
     if not members:
         return "none"
-    runs: list[tuple[int, int]] = []
-    for r in members:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], r)
-        else:
-            runs.append((r, r))
+    runs = member_runs(members)
     parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
     if len(parts) > limit:
         steps = {b - a for a, b in zip(members, members[1:])}

@@ -10,12 +10,40 @@ import csv
 import io
 
 from .cost import cost_lines
-from .report import MAX_ENUMERATED_RANKS, Plan, describe_members, plan_grid  # noqa: F401 (plan_grid: examples)
+from .report import MAX_ENUMERATED_RANKS, Plan, describe_members, member_runs, plan_grid  # noqa: F401 (plan_grid: examples)
 
 __all__ = ["plan_table", "plan_csv"]
 
 #: Members of a group a table shows before it shortens the list (JSON and CSV show all).
 MEMBERS_SHOWN = 16
+_RUNS_SHOWN = 7  # runs of a cut group named before its "..."
+
+
+def _cut_group(head: list[int], last: int, size: int) -> str:
+    """A group too long to list from its first members: whole runs of consecutive ranks (a run
+    the cut would shorten is left to the ``...``, lest it read as complete), then the last
+    member, the size, and the step where the members are evenly spaced.
+
+    Example::
+
+        >>> _cut_group([r + o for r in (104, 232, 360, 488) for o in range(4)], 1003, 32)
+        '104-107, 232-235, 360-363, ..., 1003 (32 ranks)'
+        >>> _cut_group(list(range(896, 912)), 1023, 128)
+        '896-1023 (128 ranks)'
+        >>> _cut_group(list(range(0, 64, 4)), 252, 64)
+        '0, 4, 8, 12, 16, 20, 24, ..., 252 (64 ranks, step 4)'
+    """
+    steps = {b - a for a, b in zip(head, head[1:])}
+    step = steps.pop() if len(steps) == 1 else None
+    even = step is not None and head[0] + step * (size - 1) == last
+    if even and step == 1:
+        return f"{head[0]}-{last} ({size} ranks)"
+    shown = head[:MEMBERS_SHOWN - 2]
+    runs = member_runs(shown)
+    if len(runs) > 1 and shown[-1] + 1 == head[MEMBERS_SHOWN - 2]:
+        runs.pop()
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:_RUNS_SHOWN]]
+    return f"{', '.join(parts)}, ..., {last} ({size} ranks{f', step {step}' if even else ''})"
 
 
 def _short(members) -> str:
@@ -27,7 +55,7 @@ def _short(members) -> str:
             return f"({size} ranks)"
         if size <= MEMBERS_SHOWN:
             return describe_members(head)
-        return f"{describe_members(head[:MEMBERS_SHOWN - 2])}, ..., {members['last']} ({size} ranks)"
+        return _cut_group(head, members["last"], size)
     return describe_members(members)
 
 

@@ -270,6 +270,18 @@ def test_whole_groups_that_skip_ranks_never_read_as_contiguous():
     assert describe_members(list(range(128))) == "0-127"
 
 
+def test_a_rank_s_long_groups_show_whole_runs_only(capsys):
+    # A group longer than the table shows: no run cut short, no count of the shown part alone.
+    assert cli.main(["plan", "--world-size", "1024", "--tp", "4", "--pp", "8", "--cp", "2", "--ep", "16",
+                     "--etp", "1", "--rank", "1000"]) == 0
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and len(line.split()) > 1}
+    assert rows["mp"] == "104-107, 232-235, 360-363, ..., 1003 (32 ranks)"
+    assert rows["tp_dp"] == "896-899, 904-907, 912-915, ..., 1019 (64 ranks)"
+    assert rows["tp_dp_cp"] == "896-1023 (128 ranks)"
+    assert rows["dp_cp"] == "896, 900, 904, 908, 912, 916, 920, ..., 1020 (32 ranks, step 4)"
+
+
 def test_dp_is_accepted_and_checked_against_the_world(capsys):
     assert cli.main(["plan", "--tp", "8", "--pp", "4", "--dp", "4", "--format", "json"]) == 0
     assert '"world_size": 128' in capsys.readouterr().out  # tp x pp x dp, as Megatron users count
