@@ -9,12 +9,15 @@ communicators (``active_grids().num_process_groups``).
 from __future__ import annotations
 
 import itertools
+import re
 import warnings
+from pathlib import Path
 
 import pytest
 
 from hypergrid.cost import max_cost, rank_cost
 from hypergrid.kinds import box_modes
+from hypergrid.megatron.launch_args import parse_megatron_args, plan_from_megatron_args
 from hypergrid.report import plan_grid, plan_megatron
 
 dist = pytest.importorskip("torch.distributed")
@@ -33,7 +36,8 @@ CONFIGS = [
 
 def _megatron_kwargs(sizes: dict) -> dict:
     names = dict(tp="tensor_model_parallel_size", pp="pipeline_model_parallel_size", cp="context_parallel_size",
-                 ep="expert_model_parallel_size", etp="expert_tensor_parallel_size")
+                 ep="expert_model_parallel_size", etp="expert_tensor_parallel_size", order="order",
+                 virtual_pipeline_model_parallel_size="virtual_pipeline_model_parallel_size")
     return {names[k]: v for k, v in sizes.items()}
 
 
@@ -145,3 +149,18 @@ def test_a_large_world_is_summarised_not_refused():
     assert not summaries["dp"].exact and summaries["dp"].intra_node_groups is None
     assert summaries["ep"].placement == "across"
     assert rank_cost(plan, 12_345_678).megatron == 15
+
+
+def test_the_documented_moe_launch_line_costs_what_megatron_core_creates():
+    # docs/cli.md's Megatron-LM launch line for a 1,024-GPU MoE job, read as the CLI reads it.
+    page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
+    line = re.search(r'--world-size 1024 --megatron-args "(.*?)"', page, re.S).group(1).replace("\\\n", " ")
+    launch = parse_megatron_args(line)
+    plan = plan_from_megatron_args(launch, world_size=1024)
+    sizes = {k: v for k, v in launch.megatron_kwargs().items()}
+    assert sizes["virtual_pipeline_model_parallel_size"] == 4 and sizes["cp"] == 2 and sizes["ep"] == 16
+    for rank in (0, 517, 1000, 1023):
+        cost = rank_cost(plan, rank)
+        assert cost.megatron == _megatron_count(rank, 1024, sizes), rank
+        assert cost.hypergrid == _hypergrid_count(rank, 1024, sizes), rank
+    assert (max_cost(plan).megatron, max_cost(plan).hypergrid) == (17, 14)  # what the docs' table shows

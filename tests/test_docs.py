@@ -5,11 +5,14 @@ Each fenced ``python`` block of ``docs/*.md`` runs in a fresh namespace. A block
 that runs inside a job); ``# doc-test: skip`` is allowed only for blocks that need a multi-node
 cluster, and says why. The site is built as CI would, ``python -m sphinx -W --keep-going -b html
 docs OUT``, and any warning (a broken docstring, a link to a missing page) fails the test.
+A ``text`` block that starts with ``$ hypergrid ...`` shows a command and its output: the command
+is run, and every line shown (but ``...`` and timings) must be among the lines it prints.
 """
 
 from __future__ import annotations
 
 import re
+import shlex
 import subprocess
 import sys
 import warnings
@@ -18,6 +21,7 @@ from xml.etree import ElementTree
 
 import pytest
 
+from hypergrid import cli
 from tests.harness import fake_world
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -59,6 +63,37 @@ def test_doc_example_runs(page, index, code):
                 exec(compile(code, f"{page}#{index}", "exec"), namespace)
         else:
             exec(compile(code, f"{page}#{index}", "exec"), namespace)
+
+
+# A shown command line and what it prints: ```text blocks whose first line is "$ hypergrid ...".
+SHOWN_RUN = re.compile(r"^```text\n\$ hypergrid ([^\n]*)\n(.*?)^```", re.S | re.M)
+TIMING = re.compile(r" in [0-9.]+s$")
+
+
+def _shown_runs() -> list[tuple[str, str, str]]:
+    return [(page.name, match.group(1), match.group(2)) for page in sorted(DOCS.glob("*.md"))
+            for match in SHOWN_RUN.finditer(page.read_text(encoding="utf-8"))]
+
+
+SHOWN_RUNS = _shown_runs()
+
+
+def test_the_cli_pages_show_runs():
+    assert len([run for run in SHOWN_RUNS if run[0] == "cli.md"]) >= 3
+
+
+@pytest.mark.parametrize("page,command,shown", SHOWN_RUNS, ids=[f"{p}:{c.split()[0]}#{i}" for i, (p, c, _) in
+                                                                 enumerate(SHOWN_RUNS)])
+def test_shown_output_is_what_the_command_prints(page, command, shown, capsys, monkeypatch):
+    # Run from the repository root, where the docs' example files are found as the pages name them.
+    monkeypatch.chdir(DOCS.parent)
+    assert cli.main(shlex.split(command)) == 0
+    # Timings differ from run to run; every other line shown must be printed as shown ("..." stands
+    # for lines left out).
+    printed = [TIMING.sub("", line) for line in capsys.readouterr().out.splitlines()]
+    for line in shown.splitlines():
+        if line != "...":
+            assert TIMING.sub("", line) in printed, (f"{page}: shown but not printed", line, printed)
 
 
 def test_every_python_example_is_a_block_that_runs():
