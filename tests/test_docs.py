@@ -96,6 +96,46 @@ def test_shown_output_is_what_the_command_prints(page, command, shown, capsys, m
             assert TIMING.sub("", line) in printed, (f"{page}: shown but not printed", line, printed)
 
 
+# Command lines in ```bash blocks that answer without a job: plan and check.
+BASH_BLOCK = re.compile(r"^```bash\n(.*?)^```", re.S | re.M)
+PLAN_OR_CHECK = re.compile(r"^(?:python3? -m )?hypergrid (plan|check)\b")
+
+
+def _shown_commands() -> list[tuple[str, list[str]]]:
+    found = []
+    for page in sorted(DOCS.glob("*.md")):
+        for block in BASH_BLOCK.finditer(page.read_text(encoding="utf-8")):
+            for line in block.group(1).replace("\\\n", " ").splitlines():
+                words = shlex.split(line, comments=True)
+                if PLAN_OR_CHECK.match(line) and not any(w.startswith("[") for w in words):  # "[--cp N]": a synopsis
+                    found.append((page.name, words[words.index("hypergrid") + 1:]))
+    return found
+
+
+SHOWN_COMMANDS = _shown_commands()
+
+
+def test_the_pages_show_plan_and_check_commands():
+    assert {"cli.md", "quickstart.md", "cluster.md"} <= {page for page, _ in SHOWN_COMMANDS}
+
+
+@pytest.mark.parametrize(
+    "page,argv",
+    [pytest.param(p, a, marks=[pytest.mark.slow] if a[0] == "check" else []) for p, a in SHOWN_COMMANDS],
+    ids=[f"{p}:{' '.join(a[:3])}#{i}" for i, (p, a) in enumerate(SHOWN_COMMANDS)],
+)
+def test_documented_command_runs(page, argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(DOCS.parent)  # the pages name example files from the repository root
+    argv = list(argv)
+    for i, word in enumerate(argv[:-1]):
+        if word in ("--png", "--svg"):  # pictures go to a scratch folder, not over the committed ones
+            argv[i + 1] = str(tmp_path / Path(argv[i + 1]).name)
+    status = cli.main(argv)
+    captured = capsys.readouterr()
+    assert status == 0, (page, argv, captured.err)
+    assert captured.out.strip() and "Traceback" not in captured.err
+
+
 def test_every_python_example_is_a_block_that_runs():
     # A ```py or ```{code-block} python fence would render like the others but never run here.
     for page in sorted(DOCS.glob("*.md")):
