@@ -260,13 +260,16 @@ def _window_groups(plan: Any, kind: Any, lo: int, hi: int) -> tuple[dict[int, in
         return {r: g for g, members in enumerate(groups) for r in members if lo <= r < hi}, groups
     group_of: dict[int, int] = {}
     for r in range(lo, hi):
+        if r in group_of:
+            continue
         box = kind.box(r)
         if box is not None:
             group_of[r] = box[0]
-        else:
-            members = kind.members(r)
-            if members is not None:
-                group_of[r] = min(members)
+            continue
+        members = kind.members(r)  # listed once per group: its drawn members are numbered together
+        if members is not None:
+            low = min(members)
+            group_of.update((m, low) for m in members if lo <= m < hi)
     drawn = sorted(sorted(r for r in group_of if group_of[r] == g) for g in set(group_of.values()))
     boxes = [kind.box(r) for r in plan.sample_ranks(16)]
     return group_of, (kind.count, kind.size, boxes, drawn)
