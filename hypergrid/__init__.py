@@ -14,9 +14,7 @@ Megatron-Core adapter lives in :mod:`hypergrid.megatron` and is imported only wh
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from ._lazy import lazy_attributes
 from .errors import (
     GridDestroyedError,
     GridMismatchError,
@@ -40,16 +38,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
 
 
 __version__ = "0.1.0"

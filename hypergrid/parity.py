@@ -233,6 +233,12 @@ def compare_with_megatron(
         >>> result.sampled, result.ok, str(result.not_compared[0])                  # doctest: +SKIP
         (True, True, 'grid: HyperCommGrid.get_rank_enum lists every one of the 1073741824 ranks; ...')
     """
+    # Bad requests fail before megatron-core's import, which takes seconds.
+    sampled = plan.world_size > FULL_COMPARISON_RANKS if sample is None else sample
+    if not sampled:
+        plan.check_enumerable()
+    if groups_per_kind < 1:
+        raise ValueError(f"groups_per_kind must be at least 1, got {groups_per_kind}")
     with warnings.catch_warnings():
         # megatron-core warns at import about optional CUDA packages a planning laptop lacks.
         warnings.simplefilter("ignore")
@@ -243,11 +249,6 @@ def compare_with_megatron(
             raise ImportError(
                 f"check needs megatron-core (pip install 'hypergrid[megatron]'): {exc}"
             ) from exc
-    sampled = plan.world_size > FULL_COMPARISON_RANKS if sample is None else sample
-    if not sampled:
-        plan.check_enumerable()
-    if groups_per_kind < 1:
-        raise ValueError(f"groups_per_kind must be at least 1, got {groups_per_kind}")
 
     result = ParityResult(sampled=sampled, seed=seed)
     layouts: list[tuple[str, GridLayout]] = [("grid", plan.layout)] + list(plan.views.items())

@@ -19,6 +19,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hypergrid"
 LAYERS = {
     # pure values and rank arithmetic: no torch.distributed
     "errors": 0,
+    "_lazy": 0,
     "layout": 1,
     "kinds": 2,
     "megatron.features": 0,
@@ -55,7 +56,7 @@ LAYERS = {
 }
 
 #: Modules that must not import torch.distributed at all: planning works without a process group.
-PURE = {"errors", "layout", "kinds", "megatron.features", "megatron.config", "megatron.plan", "report",
+PURE = {"_lazy", "errors", "layout", "kinds", "megatron.features", "megatron.config", "megatron.plan", "report",
         "torchtitan", "megatron.lm_flags", "megatron.launch_args", "cost", "report_text"}
 
 #: Code lines (docstrings, comments and blank lines not counted) a module may have, and the

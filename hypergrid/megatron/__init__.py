@@ -21,9 +21,7 @@ Example::
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
-
+from .._lazy import lazy_attributes
 from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
 from .features import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, SUPPORTED_PROFILES, MegatronFeatures
 from .plan import MegatronPlan, plan_model_parallel
@@ -61,14 +59,4 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
-        value = getattr(module, name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = lazy_attributes(__name__, _LAZY, globals())
