@@ -18,8 +18,9 @@ setup(
     packages=find_packages(include=["hypergrid", "hypergrid.*"]),
     package_data={"hypergrid": ["py.typed"]},
     python_requires=">=3.10",
-    # 2.13.0 is the version this project is tested on; split_group with a bound device and
-    # use_local_synchronization, which hypergrid relies on, are older than that.
+    # Tested on torch 2.13.0 to 2.15.0 (CI runs both ends). What hypergrid needs from torch
+    # (split_group, use_local_synchronization, DeviceMesh's _MeshLayout internals) is detected
+    # at run time, not inferred from the version; 2.13.0 is the oldest torch that has it all.
     install_requires=["torch>=2.13.0"],
     extras_require={
         # The adapter is tested against 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); pip picks

@@ -21,21 +21,27 @@ members meet to agree), ``_get_default_timeout`` and a backend's ``options._time
 whether a whole-world request can be served by the default group). Each degrades to torch's own
 behaviour, with a log line, where it is missing.
 
-Supported torch: :data:`SUPPORTED_TORCH` (the ``_MeshLayout``-based DeviceMesh with
-``_MeshLayout.collapse``, first in 2.13); tested on 2.13. :func:`require_mesh_support` checks
-every attribute named above, once, and raises :class:`UnsupportedTorchError` naming the
-installed version and the missing attributes, instead of failing somewhere deep in torch.
+Tested torch: :data:`TESTED_TORCH`. Nothing here compares version strings: each internal is
+looked up where it is used, and :func:`require_mesh_support` checks every DeviceMesh attribute
+named above, once, raising :class:`UnsupportedTorchError` naming the installed version and the
+missing attributes, instead of failing somewhere deep in torch.
+
+Group creation needs to know how torch makes a new communicator in this job, and that changed
+between releases; :func:`bound_split_device`, :func:`world_backend_on` and
+:func:`torchcomms_subgroups` read it from what the installed torch has (see
+:mod:`hypergrid.strategy` for the decision they feed).
 
 Example::
 
-    >>> require_mesh_support()          # silent on a supported torch
-    >>> SUPPORTED_TORCH
-    '>=2.13,<2.14'
+    >>> require_mesh_support()          # silent on a torch that has every internal used
+    >>> TESTED_TORCH
+    '2.13.0 to 2.15.0'
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import logging
@@ -48,7 +54,7 @@ import torch.distributed as dist
 from .errors import HypergridError
 
 __all__ = [
-    "SUPPORTED_TORCH",
+    "TESTED_TORCH",
     "UnsupportedTorchError",
     "require_mesh_support",
     "mesh_from_groups",
@@ -60,18 +66,19 @@ __all__ = [
     "default_store",
     "default_group_timeout",
     "new_group_default_timeout",
-    "world_split_source",
+    "bound_split_device",
+    "world_backend_on",
+    "TorchCommsSubgroups",
     "torchcomms_enabled",
+    "torchcomms_subgroups",
     "default_group",
     "forget_empty_tags",
 ]
 
 logger = logging.getLogger("hypergrid.mesh")
 
-#: The torch versions this module is written and tested against.
-SUPPORTED_TORCH = ">=2.13,<2.14"
-_MIN = (2, 13)
-_TESTED_BELOW = (2, 14)
+#: The torch releases the project's CI runs on (information only: behaviour follows features).
+TESTED_TORCH = "2.13.0 to 2.15.0"
 
 # DeviceMesh.__init__ keywords hypergrid passes (all private in torch).
 _INIT_KEYWORDS = ("_init_backend", "_layout", "_rank_map", "_root_mesh")
@@ -83,19 +90,10 @@ class UnsupportedTorchError(HypergridError):
     """The installed torch lacks a DeviceMesh internal hypergrid needs; the message names it."""
 
 
-def _torch_version() -> tuple[int, int]:
-    base = torch.__version__.split("+")[0]
-    parts = base.split(".")
-    try:
-        return int(parts[0]), int(parts[1])
-    except (IndexError, ValueError):
-        return (0, 0)
-
-
 def _unsupported(missing: Sequence[str]) -> UnsupportedTorchError:
     return UnsupportedTorchError(
-        f"hypergrid's DeviceMesh adapter needs torch {SUPPORTED_TORCH}; the installed torch "
-        f"{torch.__version__} lacks {', '.join(missing)}"
+        f"hypergrid's DeviceMesh adapter needs DeviceMesh internals that the installed torch "
+        f"{torch.__version__} lacks: {', '.join(missing)} (tested on torch {TESTED_TORCH})"
     )
 
 
@@ -132,27 +130,13 @@ def _detect() -> tuple[str, ...]:
 def require_mesh_support() -> None:
     """Raise :class:`UnsupportedTorchError` unless this torch has every internal hypergrid uses.
 
-    A torch outside :data:`SUPPORTED_TORCH` that still has them all is used, with one warning.
-
     Example::
 
-        >>> require_mesh_support()   # torch 2.13: returns None
+        >>> require_mesh_support()   # returns None where everything is present
     """
     missing = _detect()
     if missing:
         raise _unsupported(missing)
-    _warn_untested_once(_torch_version())
-
-
-@functools.lru_cache(maxsize=None)
-def _warn_untested_once(version: tuple[int, int]) -> None:
-    if not (_MIN <= version < _TESTED_BELOW):
-        logger.warning(
-            "torch %s is outside the range hypergrid's DeviceMesh adapter is tested on (%s); "
-            "every internal it uses is present, so it goes on",
-            torch.__version__,
-            SUPPORTED_TORCH,
-        )
 
 
 def _check_instance(mesh: Any) -> None:
@@ -448,40 +432,108 @@ def default_group() -> dist.ProcessGroup:
     return dist.distributed_c10d._get_default_group()
 
 
-def world_split_source() -> Any:
-    """The backend torch would split new communicators from, or None where it makes them afresh.
+def bound_split_device() -> Optional[str]:
+    """The type of the device the default group is bound to, if torch splits communicators there.
 
-    torch splits only once the default group is bound to a device (``init_process_group(...,
-    device_id=...)``) and that device's backend can split (NCCL); then every rank of the world
-    must take part in each new communicator of that backend. torch's own ``_get_split_source``
-    decides this inside ``new_group``; asking it here makes hypergrid's choice the same as
-    torch's. Where torch lacks the helper, the bound backend's ``supports_splitting`` is read.
+    torch makes a subgroup by splitting the world's communicator (which every rank of the world
+    must then join) only once the default group is bound to a device and that device's backend
+    can split. A group is bound by ``init_process_group(..., device_id=...)``; torch 2.15's
+    ``nccl2`` backend (its default "nccl") and ``nccl-lazy`` bind the default group by themselves
+    when it is created, so on those a world started without ``device_id`` is bound too.
+
+    Asked of torch's own ``_get_split_source``, so that hypergrid decides as torch does: its
+    signature is read, not assumed (torch 2.15 also takes the requested backend, here the world's
+    own; 2.13 takes the group alone). Where torch has no such helper, the bound backend's
+    ``supports_splitting`` is read. None: torch makes every communicator afresh among its members.
 
     Example::
 
-        >>> world_split_source() is None    # no process group, or gloo / lazy NCCL
+        >>> bound_split_device() is None    # no process group; or unbound gloo, legacy NCCL without device_id
         True
     """
     if not dist.is_available() or not dist.is_initialized():
         return None
     world = default_group()
-    if getattr(world, "bound_device_id", None) is None:
+    device = getattr(world, "bound_device_id", None)
+    if device is None:
         return None
     helper = getattr(dist.distributed_c10d, "_get_split_source", None)
     if helper is not None:
-        return helper(world)
+        if _takes_requested_backend(helper):
+            source = helper(world, dist.get_backend(world))
+        else:
+            source = helper(world)
+        return device.type if source is not None else None
     try:
-        backend = world._get_backend(world.bound_device_id)
-    except RuntimeError:
+        backend = world._get_backend(device)
+    except RuntimeError:  # no backend registered for the bound device
         return None
-    return backend if getattr(backend, "supports_splitting", False) else None
+    return device.type if getattr(backend, "supports_splitting", False) else None
+
+
+def _takes_requested_backend(helper: Any) -> bool:
+    """Whether torch's ``_get_split_source`` takes the backend requested for the new group."""
+    try:
+        return len(inspect.signature(helper).parameters) >= 2
+    except (TypeError, ValueError):
+        return False
+
+
+def world_backend_on(device_type: str) -> Optional[str]:
+    """The default group's backend name on ``device_type`` (``"nccl"``, ``"gloo"``, ...), or None.
+
+    Read from :func:`torch.distributed.get_backend_config`, which resolves a world started with
+    no backend, or with one per device (``"cpu:gloo,cuda:nccl"``), to one name per device.
+
+    Example, in a one-rank gloo world::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> world_backend_on("cpu"), world_backend_on("xpu")
+        ('gloo', None)
+        >>> dist.destroy_process_group()
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    for pair in str(dist.get_backend_config()).split(","):
+        device, _, name = pair.strip().partition(":")
+        if device == device_type and name:
+            return name.lower()
+    return None
+
+
+class TorchCommsSubgroups(str, enum.Enum):
+    """How torch makes a subgroup while TorchComms is enabled (``TORCH_DISTRIBUTED_USE_TORCHCOMMS``)."""
+
+    #: TorchComms is not enabled.
+    OFF = "off"
+    #: ``new_group`` delegates to ``split_group``: every rank of the world joins each creation, and
+    #: ``use_local_synchronization=True`` is refused (torch 2.13's ``_new_group_via_split_group``).
+    WORLD_SPLIT = "world-split"
+    #: Subgroups are new communicators among their members only (TorchComms' ``new_comm``, torch 2.15).
+    MEMBERS_ONLY = "members-only"
+
+
+def torchcomms_subgroups() -> TorchCommsSubgroups:
+    """Which :class:`TorchCommsSubgroups` the installed torch follows in this process.
+
+    Detected by what torch has, not by its version: a torch whose ``new_group`` delegates to
+    ``split_group`` under TorchComms has the helper that does it, ``_new_group_via_split_group``.
+
+    Example::
+
+        >>> torchcomms_subgroups()     # TorchComms not enabled
+        <TorchCommsSubgroups.OFF: 'off'>
+    """
+    if not torchcomms_enabled():
+        return TorchCommsSubgroups.OFF
+    if callable(getattr(dist.distributed_c10d, "_new_group_via_split_group", None)):
+        return TorchCommsSubgroups.WORLD_SPLIT
+    return TorchCommsSubgroups.MEMBERS_ONLY
 
 
 def torchcomms_enabled() -> bool:
     """Whether torch routes group creation through TorchComms (``TORCH_DISTRIBUTED_USE_TORCHCOMMS``).
-
-    Then ``new_group`` becomes ``split_group``, which every rank of the world must join and
-    which refuses ``use_local_synchronization=True``.
 
     Example::
 

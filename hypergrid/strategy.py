@@ -5,10 +5,13 @@ decided from how the job was started, which every rank of the world sees alike:
 
 ``auto`` (default)
     The right mode for the job. On a default group bound to a device whose backend splits
-    (``init_process_group("nccl", device_id=...)``), or with TorchComms enabled
-    (``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``), torch builds every communicator of that backend by
-    splitting the world's, which every rank of the world must join: ``split``. Otherwise (lazy
-    NCCL, gloo): ``local``.
+    (``init_process_group("nccl", device_id=...)``; torch 2.15's default ``nccl``, which is
+    ``nccl2``, binds itself), torch builds every communicator of that backend by splitting the
+    world's, which every rank of the world must join: ``split``. Likewise where TorchComms makes
+    ``new_group`` a world-wide split (torch 2.13 with ``TORCH_DISTRIBUTED_USE_TORCHCOMMS=1``).
+    Otherwise (an unbound world, gloo, ``nccl-legacy`` without ``device_id``, a group of another
+    backend than the bound one, TorchComms building subgroups among their members as in 2.15):
+    ``local``. The table of which mode runs on which job, and why, is in docs/strategies.md.
 ``local``
     Only the members of a group call ``new_group(..., use_local_synchronization=True)``. A rank's
     cost is its own groups, whatever the world size. Refused where the world must split: a
@@ -44,7 +47,7 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
-from ._torch_compat import torchcomms_enabled, world_split_source
+from ._torch_compat import TorchCommsSubgroups, bound_split_device, torchcomms_subgroups, world_backend_on
 
 __all__ = [
     "Strategy",
@@ -159,46 +162,82 @@ def resolve_strategy(strategy: Union[str, Strategy, None]) -> Strategy:
 class JobKind:
     """How the job was started, as far as group creation cares; alike on every rank.
 
-    ``splits``: the default group is bound to a device whose backend builds new communicators by
-    splitting the world's (NCCL with ``device_id``), so groups of that backend must be split by
-    every rank. ``torchcomms``: TorchComms is enabled; every group, of any backend, is split.
     ``backend``: the default group's backend name (lower case), None when not initialized.
+    ``split_device``: the type of the device the default group is bound to when torch splits new
+    communicators of its backend there (see :func:`~hypergrid._torch_compat.bound_split_device`),
+    with ``split_backend`` the world's backend on that device. ``torchcomms``: how torch makes
+    subgroups under TorchComms.
 
     Example::
 
-        >>> JobKind(splits=False, torchcomms=False, backend="gloo").must_split("gloo")
-        False
-        >>> JobKind(splits=True, torchcomms=False, backend="nccl").must_split(None)
+        >>> nccl = JobKind(backend="nccl", split_device="cuda", split_backend="nccl")
+        >>> nccl.must_split(None), nccl.must_split("nccl"), nccl.must_split("gloo")
+        (True, True, False)
+        >>> nccl.must_split("cpu:gloo,cuda:nccl")      # its CUDA half is split from the world's
         True
-        >>> JobKind(splits=True, torchcomms=False, backend="nccl").must_split("gloo")   # gloo never touches NCCL
+        >>> JobKind(backend="gloo").must_split(None)   # not bound: communicators are made afresh
         False
     """
 
-    splits: bool
-    torchcomms: bool
-    backend: Optional[str]
+    backend: Optional[str] = None
+    split_device: Optional[str] = None
+    split_backend: Optional[str] = None
+    torchcomms: TorchCommsSubgroups = TorchCommsSubgroups.OFF
+
+    @property
+    def splits(self) -> bool:
+        """Whether new communicators of the world's own backend are split from the world's."""
+        return self.split_device is not None or self.torchcomms is TorchCommsSubgroups.WORLD_SPLIT
 
     def must_split(self, backend: Optional[str]) -> bool:
-        """Whether a group of ``backend`` (None: the default group's) must be made by a world-wide split."""
-        if self.torchcomms:
-            return True
-        if not self.splits:
+        """Whether a group of ``backend`` (None: the default group's) is made by a world-wide split.
+
+        torch splits a new group from the world's communicator when the group's backend on the
+        bound device is the world's backend there (torch 2.15's ``_get_split_source`` compares
+        exactly this; on 2.13 only such groups use the split, other backends ignore it). Under
+        TorchComms with world-wide ``new_group`` every group but a ``fake`` one of a real world splits.
+        """
+        if self.torchcomms is TorchCommsSubgroups.WORLD_SPLIT:
+            return not (_backend_on("fake", backend) and self.backend != "fake")
+        if self.torchcomms is TorchCommsSubgroups.MEMBERS_ONLY or self.split_device is None:
             return False
-        return backend is None or str(backend).lower() == self.backend
+        requested = self.split_backend if backend is None else _backend_on(self.split_device, backend)
+        return requested is not None and requested == self.split_backend
+
+
+def _backend_on(device_type: str, backend: str) -> Optional[str]:
+    """The backend name ``backend`` gives ``device_type``: ``"nccl"`` for ``"cpu:gloo,cuda:nccl"``
+    on ``"cuda"``, the name itself for one name. (For ``"fake"`` as ``device_type`` alone: whether
+    the request is a fake-backend one, for the TorchComms rule.)"""
+    text = str(backend).strip().lower()
+    if device_type == "fake":
+        return "fake" if text == "fake" else None
+    if ":" not in text:
+        return text or None
+    for pair in text.split(","):
+        device, _, name = pair.strip().partition(":")
+        if device == device_type:
+            return name or None
+    return None
 
 
 def job_kind() -> JobKind:
-    """The :class:`JobKind` of this process's default group (not split-capable when uninitialized).
+    """The :class:`JobKind` of this process's default group (nothing splits when uninitialized).
 
     Example::
 
         >>> job_kind()          # no process group
-        JobKind(splits=False, torchcomms=False, backend=None)
+        JobKind(backend=None, split_device=None, split_backend=None, torchcomms=<TorchCommsSubgroups.OFF: 'off'>)
     """
     if not dist.is_available() or not dist.is_initialized():
-        return JobKind(splits=False, torchcomms=False, backend=None)
-    backend = str(dist.get_backend()).lower()
-    return JobKind(splits=world_split_source() is not None, torchcomms=torchcomms_enabled(), backend=backend)
+        return JobKind()
+    device = bound_split_device()
+    return JobKind(
+        backend=str(dist.get_backend()).lower(),
+        split_device=device,
+        split_backend=None if device is None else world_backend_on(device),
+        torchcomms=torchcomms_subgroups(),
+    )
 
 
 def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None, job: Optional[JobKind] = None) -> CreationMode:
@@ -206,16 +245,17 @@ def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None,
 
     Example::
 
-        >>> creation_mode("auto", job=JobKind(splits=True, torchcomms=False, backend="nccl"))
+        >>> bound_nccl = JobKind(backend="nccl", split_device="cuda", split_backend="nccl")
+        >>> creation_mode("auto", job=bound_nccl)
         <CreationMode.SPLIT: 'split'>
-        >>> creation_mode("auto", "gloo", job=JobKind(splits=True, torchcomms=False, backend="nccl"))
+        >>> creation_mode("auto", "gloo", job=bound_nccl)
         <CreationMode.LOCAL: 'local'>
-        >>> creation_mode("split", job=JobKind(splits=False, torchcomms=False, backend="gloo"))
+        >>> creation_mode("split", job=JobKind(backend="gloo"))
         <CreationMode.LOCAL: 'local'>
-        >>> creation_mode("local", job=JobKind(splits=True, torchcomms=False, backend="nccl"))
+        >>> creation_mode("local", job=bound_nccl)
         Traceback (most recent call last):
         ...
-        ValueError: strategy 'local' cannot create a 'nccl' group here: the default group is bound to a device whose backend splits (init_process_group(..., device_id=...)), so torch makes every new communicator by splitting the world's, which every rank must join; a member-only new_group would wait forever. Use strategy 'auto' or 'split'.
+        ValueError: strategy 'local' cannot create a 'nccl' group here: the default group is bound to a device ('cuda') whose 'nccl' backend splits (init_process_group(..., device_id=...), or a backend that binds itself such as torch 2.15's nccl2), so torch makes every new 'nccl' communicator by splitting the world's, which every rank of the world must join; a member-only new_group would wait for ranks that never come. Use strategy 'auto' or 'split'.
     """
     chosen = parse_strategy(strategy)
     job = job_kind() if job is None else job
@@ -223,14 +263,19 @@ def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None,
         return CreationMode.ENUMERATE
     must_split = job.must_split(backend)
     if chosen is Strategy.LOCAL and must_split:
-        why = (
-            "TorchComms is enabled (TORCH_DISTRIBUTED_USE_TORCHCOMMS), which makes every group by "
-            "split_group and refuses use_local_synchronization"
-            if job.torchcomms
-            else "the default group is bound to a device whose backend splits "
-            "(init_process_group(..., device_id=...)), so torch makes every new communicator by "
-            "splitting the world's, which every rank must join; a member-only new_group would wait forever"
-        )
+        if job.torchcomms is TorchCommsSubgroups.WORLD_SPLIT:
+            why = (
+                "TorchComms is enabled (TORCH_DISTRIBUTED_USE_TORCHCOMMS) and this torch makes every "
+                "new_group a split_group of the world's, which refuses use_local_synchronization"
+            )
+        else:
+            why = (
+                f"the default group is bound to a device ({job.split_device!r}) whose "
+                f"{job.split_backend!r} backend splits (init_process_group(..., device_id=...), or a "
+                f"backend that binds itself such as torch 2.15's nccl2), so torch makes every new "
+                f"{job.split_backend!r} communicator by splitting the world's, which every rank of the "
+                f"world must join; a member-only new_group would wait for ranks that never come"
+            )
         shown = backend if backend is not None else job.backend
         raise ValueError(f"strategy 'local' cannot create a {shown!r} group here: {why}. Use strategy 'auto' or 'split'.")
     if chosen in (Strategy.AUTO, Strategy.SPLIT) and must_split:

@@ -39,6 +39,7 @@ def _child(
     results: "mp.Queue",
     pg_timeout_s: float,
     env: dict[str, str],
+    init_kwargs: dict[str, Any],
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -47,7 +48,8 @@ def _child(
     try:
         timeout = datetime.timedelta(seconds=pg_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout,
+                                **init_kwargs)
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
     except BaseException as exc:  # reported to the parent, which fails the test with it
@@ -66,12 +68,15 @@ def run_gloo(
     pg_timeout_s: float = 60.0,
     expect_failure: bool = False,
     env: Optional[dict[str, str]] = None,
+    init_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
     With ``expect_failure=True`` a rank's exception is not a test failure: the result list holds
     ``("error", message)`` for such ranks and ``("ok", value)`` for the others, and a rank that
     ended without a word (killed) holds ``("dead", exitcode)``.
+
+    ``init_kwargs`` go to each rank's ``init_process_group`` (e.g. ``device_id=``).
 
     Under pytest the calling test must be marked ``gloo`` (see tests/conftest.py).
     """
@@ -89,7 +94,7 @@ def run_gloo(
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, port, fn, args, results, pg_timeout_s, dict(env or {})),
+            args=(rank, world_size, port, fn, args, results, pg_timeout_s, dict(env or {}), dict(init_kwargs or {})),
             daemon=True,
         )
         for rank in range(world_size)

@@ -32,10 +32,9 @@ def test_flattened_name_follows_torch_flatten_convention():
 
 # ----------------------------------------------------------------------------- torch internals
 def test_installed_torch_has_every_internal_used():
+    """On every torch the project is tested on (2.13.0 and 2.15.0 in CI), each internal is present."""
     assert compat._detect() == ()
     compat.require_mesh_support()
-    assert compat.SUPPORTED_TORCH == ">=2.13,<2.14"
-    assert torch.__version__.startswith("2.13")
 
 
 def test_missing_internal_is_named_with_the_torch_version(monkeypatch):
@@ -43,7 +42,7 @@ def test_missing_internal_is_named_with_the_torch_version(monkeypatch):
     with pytest.raises(compat.UnsupportedTorchError) as info:
         compat.require_mesh_support()
     message = str(info.value)
-    assert torch.__version__ in message and compat.SUPPORTED_TORCH in message
+    assert torch.__version__ in message and compat.TESTED_TORCH in message
     assert "DeviceMesh.from_group" in message and "_MeshLayout.collapse" in message
     assert isinstance(info.value, RuntimeError)
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=4)

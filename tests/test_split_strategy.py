@@ -2,17 +2,26 @@
 member-only ``new_group`` there, and every rank makes the same world-wide calls, one per request.
 
 No GPU here, so the job is simulated: this process plays one rank of a 64-rank world on torch's
-fake backend, the default group is bound to a device (``bound_device_id``, as
-``init_process_group(..., device_id=...)`` does) and torch's own ``_get_split_source`` reports a
-backend that splits, as NCCL's does. hypergrid's detection runs unchanged on top of that. torch's
-constructors are recorded; ``split_group`` itself needs an accelerator, so the recorder makes the
-caller's group with the fake backend and returns None to non-members, as ``split_group`` does.
-Ranks 0, 31 and 63 are played in turn and their call sequences compared.
+fake backend whose default group is bound to a device, as ``init_process_group(...,
+device_id=...)`` binds it. Where the installed torch can bind the fake backend to a CPU device
+and its own ``_get_split_source`` then reports a backend that splits (torch 2.15), that is the
+whole simulation: hypergrid's detection meets torch's real decision. Elsewhere (torch 2.13 binds
+only accelerators, and its fake backend does not split) the default group's ``bound_device_id``
+is set by hand and torch's ``_get_split_source`` is replaced by a stand-in that takes exactly the
+installed function's parameters (read from its signature, so a call torch would refuse is refused
+alike) and reports a splitting backend for the bound world's own backend only, as torch does.
+torch's constructors are recorded; ``split_group`` itself needs an accelerator, so the recorder
+makes the caller's group with the fake backend and returns None to non-members, as
+``split_group`` does. Ranks 0, 31 and 63 are played in turn and their call sequences compared.
+
+Real processes on a really bound, really splitting world are in ``test_split_gloo.py`` (torch
+2.15 binds gloo to a CPU device).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
 from typing import Any, Callable, Iterator
 
 import pytest
@@ -21,7 +30,6 @@ import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, device_mesh
 from hypergrid.strategy import CreationMode, JobKind, creation_mode, job_kind
-from tests.harness import fake_world
 
 WORLD = 64
 RANKS = (0, 31, 63)
@@ -58,26 +66,65 @@ class Recorder:
         return [(fn, {k: v for k, v in (info or {}).items() if k != "mine"}) for fn, info in self.calls]
 
 
+def _bind_fake_world(rank: int) -> bool:
+    """Start this rank's fake world bound to a CPU device, where torch allows it and its own
+    decision then says the world splits; False (nothing started) where it does not."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    try:
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD,
+                                device_id=torch.device("cpu", 0))
+    except (ValueError, RuntimeError, TypeError):
+        return False
+    world = dist.distributed_c10d._get_default_group()
+    source = dist.distributed_c10d._get_split_source
+    takes_backend = len(inspect.signature(source).parameters) >= 2
+    if (source(world, "fake") if takes_backend else source(world)) is None:
+        dist.destroy_process_group()
+        return False
+    return True
+
+
+def _split_source_stand_in() -> Callable[..., Any]:
+    """torch's ``_get_split_source`` for a bound fake world, with the installed one's parameters."""
+    signature = inspect.signature(dist.distributed_c10d._get_split_source)
+    splitter = object()  # stands for the world's NCCL backend
+
+    def split_source(*args: Any, **kwargs: Any) -> Any:
+        call = signature.bind(*args, **kwargs)  # refuses what torch's own would refuse
+        pg, *requested = call.arguments.values()
+        if getattr(pg, "bound_device_id", None) is None:
+            return None
+        if requested and requested[0] is not None and str(requested[0]).lower() not in ("fake", "undefined"):
+            return None  # another backend than the world's is made afresh, as torch 2.15 decides
+        return splitter
+
+    split_source.__signature__ = signature  # type: ignore[attr-defined]  # what inspect reports
+    return split_source
+
+
 @contextlib.contextmanager
 def bound_splitting_world(rank: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
     """Be ``rank`` of a simulated ``init_process_group("nccl", device_id=...)`` job."""
-    with fake_world(rank, WORLD):
-        world = dist.distributed_c10d._get_default_group()
-        world.bound_device_id = torch.device("cuda", rank % 8)
-        splitter = object()  # stands for the world's NCCL backend
+    from hypergrid.groups import REGISTRY
 
-        def split_source(pg):
-            return splitter if getattr(pg, "bound_device_id", None) is not None else None
+    with monkeypatch.context() as patch:
+        if not _bind_fake_world(rank):
+            from torch.testing._internal.distributed.fake_pg import FakeStore
 
+            dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
+            world = dist.distributed_c10d._get_default_group()
+            world.bound_device_id = torch.device("cuda", rank % 8)
+            patch.setattr(dist.distributed_c10d, "_get_split_source", _split_source_stand_in())
         recorder = Recorder()
-        with monkeypatch.context() as patch:
-            patch.setattr(dist.distributed_c10d, "_get_split_source", split_source)
-            for name in ("new_group", "new_subgroups_by_enumeration", "split_group"):
-                patch.setattr(dist, name, getattr(recorder, name))
-            try:
-                yield recorder
-            finally:
-                world.bound_device_id = None
+        for name in ("new_group", "new_subgroups_by_enumeration", "split_group"):
+            patch.setattr(dist, name, getattr(recorder, name))
+        try:
+            yield recorder
+        finally:
+            dist.distributed_c10d._get_default_group().bound_device_id = None
+            dist.destroy_process_group()
+            REGISTRY.reset()
 
 
 def play(scenario: Callable[[int], Any], monkeypatch: pytest.MonkeyPatch) -> dict[int, tuple[Recorder, Any]]:
@@ -104,10 +151,11 @@ def assert_world_wide(played: dict[int, tuple[Recorder, Any]], requests: int) ->
 def test_the_simulated_job_is_seen_as_one_that_must_split(monkeypatch):
     with bound_splitting_world(5, monkeypatch):
         kind = job_kind()
-        assert kind == JobKind(splits=True, torchcomms=False, backend="fake")
+        assert kind.splits and kind.backend == "fake" and kind.split_backend == "fake"
+        assert kind.split_device in ("cpu", "cuda")
         assert creation_mode("auto") is CreationMode.SPLIT
         assert creation_mode("auto", "gloo") is CreationMode.LOCAL  # gloo never touches NCCL
-        with pytest.raises(ValueError, match="member-only new_group would wait forever"):
+        with pytest.raises(ValueError, match="member-only new_group would wait for ranks that never come"):
             creation_mode("local")
 
 
@@ -217,3 +265,48 @@ def test_initialize_model_parallel_splits_every_group_on_every_rank(monkeypatch)
     for rank, (_, (got, expected)) in played.items():
         # A rank outside every embedding group gets None from split_group, as from Megatron-Core.
         assert got == expected, rank
+
+
+@pytest.mark.parametrize("backend", [None, "fake", "gloo", "nccl", "cpu:fake", "cpu:gloo", "cpu:gloo,cuda:fake",
+                                     "cuda:nccl,cpu:fake", "FAKE"])
+def test_which_backends_split_is_what_torch_decides(backend, monkeypatch):
+    """Where torch's ``_get_split_source`` takes the requested backend, it is the judge: for each
+    backend a group may ask for, hypergrid's rule must say "split" exactly when torch does."""
+    source = dist.distributed_c10d._get_split_source
+    if len(inspect.signature(source).parameters) < 2:
+        pytest.skip(f"torch {torch.__version__}'s _get_split_source takes no requested backend; "
+                    f"its members split only for the bound backend, the rule's premise (see strategy.JobKind)")
+    with bound_splitting_world(7, monkeypatch):
+        assert dist.distributed_c10d._get_split_source is source, "torch's own decision, not a stand-in"
+        world = dist.distributed_c10d._get_default_group()
+        torch_splits = dist.distributed_c10d._get_split_source(world, backend or dist.get_backend()) is not None
+        assert job_kind().must_split(backend) is torch_splits
+
+
+def test_torchcomms_subgroups_follow_what_torch_has(monkeypatch):
+    from hypergrid._torch_compat import TorchCommsSubgroups, torchcomms_subgroups
+
+    c10d = dist.distributed_c10d
+    assert torchcomms_subgroups() is TorchCommsSubgroups.OFF  # not enabled here
+    monkeypatch.setattr(c10d, "_use_torchcomms_enabled", lambda: True, raising=False)
+    # A torch whose new_group delegates to split_group under TorchComms has the helper that does it.
+    monkeypatch.setattr(c10d, "_new_group_via_split_group", lambda *a, **k: None, raising=False)
+    assert torchcomms_subgroups() is TorchCommsSubgroups.WORLD_SPLIT
+    monkeypatch.delattr(c10d, "_new_group_via_split_group")
+    assert torchcomms_subgroups() is TorchCommsSubgroups.MEMBERS_ONLY
+
+
+def test_torchcomms_decides_the_mode_as_its_subgroups_are_made():
+    from hypergrid._torch_compat import TorchCommsSubgroups
+
+    world_split = JobKind(backend="nccl", torchcomms=TorchCommsSubgroups.WORLD_SPLIT)
+    assert creation_mode("auto", job=world_split) is CreationMode.SPLIT
+    assert creation_mode("auto", "gloo", job=world_split) is CreationMode.SPLIT  # every backend splits there
+    assert creation_mode("auto", "fake", job=world_split) is CreationMode.LOCAL  # torch routes fake groups around it
+    with pytest.raises(ValueError, match="refuses use_local_synchronization"):
+        creation_mode("local", job=world_split)
+    # torch 2.15: TorchComms builds subgroups among their members, even on a bound world.
+    members_only = JobKind(backend="nccl", split_device="cuda", split_backend="nccl",
+                           torchcomms=TorchCommsSubgroups.MEMBERS_ONLY)
+    assert creation_mode("auto", job=members_only) is CreationMode.LOCAL
+    assert creation_mode("local", job=members_only) is CreationMode.LOCAL
