@@ -20,6 +20,7 @@ from .errors import (
     GridMismatchError,
     GridTooLargeError,
     ShapeTypeError,
+    UnsupportedTorchError,
     GroupCreationError,
     GroupTimeoutError,
     HypergridError,
@@ -35,6 +36,8 @@ _LAZY = {
     "device_mesh": "mesh",
     "grid_from_device_mesh": "mesh",
     "grid_from_process_groups": "mesh",
+    "route_device_meshes": "mesh_groups",
+    "grid_of": "mesh_groups",
 }
 
 
@@ -50,6 +53,8 @@ __all__ = [
     "device_mesh",
     "grid_from_device_mesh",
     "grid_from_process_groups",
+    "route_device_meshes",
+    "grid_of",
     "GroupRegistry",
     "REGISTRY",
     "HypergridError",
@@ -59,5 +64,6 @@ __all__ = [
     "GroupCreationError",
     "GroupTimeoutError",
     "GridMismatchError",
+    "UnsupportedTorchError",
     "__version__",
 ]

@@ -1,30 +1,16 @@
-"""Every use of torch's private DeviceMesh and c10d internals, in one place, feature-detected.
+"""Every use of torch's private c10d internals, in one place, feature-detected.
 
-hypergrid builds ``DeviceMesh`` objects over process groups it already holds. torch offers one
-public door for that, :meth:`DeviceMesh.from_group`, and hypergrid goes through it for the mesh
-itself. Two things have no public door and need torch's private attributes:
-
-* a mesh on a rank outside it (a grid with ``rank_offset`` > 0), which torch builds with
-  ``DeviceMesh(..., _init_backend=False)`` and an empty ``_dim_group_names``;
-* a *flattened* dim backed by an existing group: a 1-D mesh constructed with ``_layout``,
-  ``_rank_map`` and ``_root_mesh``, recorded in the root mesh's ``_flatten_mapping`` (which is
-  where ``mesh["dp_cp"]``, ``_flatten()`` and DTensor's redistribute look) and in its
-  ``_pg_registry`` (where compiled code resolves groups by name).
-
-Counting a rank's process groups (to prove none was created) reads
-``distributed_c10d._world.pg_map``.
-
-The group registry and the agreement check need four c10d internals, also kept here:
+The group registry and the agreement check need some c10d internals:
 ``distributed_c10d._process_group_name`` (overridden for one call so that a group's name depends
 only on what its members share, see :func:`group_name_override`), ``_get_default_store`` (where
 members meet to agree), ``_get_default_timeout`` and a backend's ``options._timeout`` (to tell
-whether a whole-world request can be served by the default group). Each degrades to torch's own
-behaviour, with a log line, where it is missing.
+whether a whole-world request can be served by the default group), and ``_world.pg_map`` (to
+count a rank's process groups, proving none was created). Each degrades to torch's own
+behaviour, with a log line, where it is missing. DeviceMesh's internals are in
+:mod:`hypergrid._mesh_compat`.
 
 Tested torch: :data:`TESTED_TORCH`. Nothing here compares version strings: each internal is
-looked up where it is used, and :func:`require_mesh_support` checks every DeviceMesh attribute
-named above, once, raising :class:`UnsupportedTorchError` naming the installed version and the
-missing attributes, instead of failing somewhere deep in torch.
+looked up where it is used.
 
 Group creation needs to know how torch makes a new communicator in this job, and that changed
 between releases; :func:`bound_split_device`, :func:`world_backend_on` and
@@ -33,7 +19,6 @@ between releases; :func:`bound_split_device`, :func:`world_backend_on` and
 
 Example::
 
-    >>> require_mesh_support()          # silent on a torch that has every internal used
     >>> TESTED_TORCH
     '2.13.0 to 2.15.0'
 """
@@ -42,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import functools
 import inspect
 import logging
 from datetime import timedelta
@@ -51,16 +35,11 @@ from typing import Any, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .errors import HypergridError
+from .errors import UnsupportedTorchError
+
 
 __all__ = [
     "TESTED_TORCH",
-    "UnsupportedTorchError",
-    "require_mesh_support",
-    "mesh_from_groups",
-    "register_flattened",
-    "flattened_meshes",
-    "root_mesh",
     "process_group_count",
     "group_name_override",
     "default_store",
@@ -79,205 +58,6 @@ logger = logging.getLogger("hypergrid.mesh")
 
 #: The torch releases the project's CI runs on (information only: behaviour follows features).
 TESTED_TORCH = "2.13.0 to 2.15.0"
-
-# DeviceMesh.__init__ keywords hypergrid passes (all private in torch).
-_INIT_KEYWORDS = ("_init_backend", "_layout", "_rank_map", "_root_mesh")
-# Instance attributes hypergrid reads or writes on a DeviceMesh.
-_INSTANCE_ATTRIBUTES = ("_dim_group_names", "_flatten_mapping", "_pg_registry", "_layout", "_rank_map")
-
-
-class UnsupportedTorchError(HypergridError):
-    """The installed torch lacks a DeviceMesh internal hypergrid needs; the message names it."""
-
-
-def _unsupported(missing: Sequence[str]) -> UnsupportedTorchError:
-    return UnsupportedTorchError(
-        f"hypergrid's DeviceMesh adapter needs DeviceMesh internals that the installed torch "
-        f"{torch.__version__} lacks: {', '.join(missing)} (tested on torch {TESTED_TORCH})"
-    )
-
-
-@functools.lru_cache(maxsize=1)
-def _detect() -> tuple[str, ...]:
-    """The names of the needed internals that the installed torch does not have."""
-    missing: list[str] = []
-    if not dist.is_available():
-        return ("torch.distributed",)
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:
-        return ("torch.distributed.device_mesh.DeviceMesh",)
-    try:
-        from torch.distributed._mesh_layout import _MeshLayout
-    except ImportError:
-        missing.append("torch.distributed._mesh_layout._MeshLayout")
-    else:
-        if not callable(getattr(_MeshLayout, "collapse", None)):
-            missing.append("_MeshLayout.collapse")
-    try:
-        params = inspect.signature(DeviceMesh.__init__).parameters
-    except (TypeError, ValueError):
-        params = {}
-    missing += [f"DeviceMesh.__init__({name}=)" for name in _INIT_KEYWORDS if name not in params]
-    for name in ("from_group", "_get_root_mesh", "_flatten"):
-        if not callable(getattr(DeviceMesh, name, None)):
-            missing.append(f"DeviceMesh.{name}")
-    if not hasattr(getattr(dist.distributed_c10d, "_world", None), "pg_map"):
-        missing.append("distributed_c10d._world.pg_map")
-    return tuple(missing)
-
-
-def require_mesh_support() -> None:
-    """Raise :class:`UnsupportedTorchError` unless this torch has every internal hypergrid uses.
-
-    Example::
-
-        >>> require_mesh_support()   # returns None where everything is present
-    """
-    missing = _detect()
-    if missing:
-        raise _unsupported(missing)
-
-
-def _check_instance(mesh: Any) -> None:
-    # Instance attributes only exist once a mesh is built, so they are checked on the first one.
-    missing = [f"DeviceMesh.{name}" for name in _INSTANCE_ATTRIBUTES if not hasattr(mesh, name)]
-    if missing:
-        raise _unsupported(missing)
-
-
-def mesh_from_groups(
-    device_type: str,
-    mesh: torch.Tensor,
-    mesh_dim_names: tuple[str, ...],
-    groups: Optional[Sequence[dist.ProcessGroup]],
-) -> Any:
-    """A root DeviceMesh over ``mesh`` whose dim ``i`` uses ``groups[i]``; creates no group.
-
-    ``groups`` None: this rank is outside ``mesh``; it gets the mesh torch gives such a rank
-    (no groups, ``get_coordinate()`` None).
-
-    Example, as rank 0 of an 8-rank job on torch's fake backend::
-
-        >>> import torch.distributed as dist
-        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
-        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-        >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
-        >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
-        >>> before = process_group_count()
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
-        >>> dm.mesh_dim_names, dm.get_group("tp") is tp, process_group_count() == before
-        (('dp', 'tp'), True, True)
-        >>> dist.destroy_process_group()
-    """
-    require_mesh_support()
-    from torch.distributed.device_mesh import DeviceMesh
-
-    if groups is None:
-        result = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _init_backend=False)
-        # torch's own meshes leave this empty on ranks outside them; it is set, not read, here.
-        result._dim_group_names = []
-        _check_instance(result)
-        return result
-    # from_group is public; its list form takes any number of dims, one group each.
-    result = DeviceMesh.from_group(list(groups), device_type, mesh, mesh_dim_names=mesh_dim_names)
-    _check_instance(result)
-    return result
-
-
-def register_flattened(root: Any, name: str, dims: tuple[str, ...], pg: Optional[dist.ProcessGroup]) -> Any:
-    """Make ``pg`` the group of the flattened dim ``name`` (over ``dims``) of the root mesh.
-
-    Afterwards ``root[name]``, ``root[dims]._flatten(name)`` and DTensor's search for a
-    flattened mesh by layout all find this mesh, exactly as if torch's ``_flatten`` had made it,
-    but over ``pg`` instead of a new group. Returns the flattened mesh. Idempotent for the same
-    ``name`` and ``dims``.
-
-    Example, as rank 0 of an 8-rank job on torch's fake backend: the flattened ``dp_tp`` dim of
-    a 2 x 4 mesh, over a group made beforehand (in hypergrid, the grid's ``["tp", "dp"]`` group)::
-
-        >>> import torch.distributed as dist
-        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
-        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-        >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
-        >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
-        >>> dp_tp = dist.new_group(list(range(8)), use_local_synchronization=True)
-        >>> root = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
-        >>> flat = register_flattened(root, "dp_tp", ("dp", "tp"), dp_tp)
-        >>> flat.mesh_dim_names, root["dp_tp"].get_group() is dp_tp
-        (('dp_tp',), True)
-        >>> dist.destroy_process_group()
-    """
-    require_mesh_support()
-    from torch.distributed._mesh_layout import _MeshLayout
-    from torch.distributed.device_mesh import DeviceMesh
-
-    # Slicing a root creates no group; its layout is what torch's _flatten would collapse.
-    sub = root if tuple(dims) == tuple(root.mesh_dim_names) else root[tuple(dims)]
-    layout = _MeshLayout([sub._layout.collapse()])
-    existing = root._flatten_mapping.get(name)
-    if existing is not None:
-        if existing._layout != layout:
-            raise ValueError(
-                f"flattened dim {name!r} already exists on this mesh over other ranks; "
-                f"choose another name for the flattening of {list(dims)}"
-            )
-        return existing
-    flat = DeviceMesh(
-        root.device_type,
-        _layout=layout,
-        _rank_map=root._rank_map,
-        mesh_dim_names=(name,),
-        _root_mesh=root,
-        _init_backend=False,
-    )
-    if pg is None:
-        flat._dim_group_names = []
-    else:
-        flat._dim_group_names = [pg.group_name]
-        root._pg_registry[pg.group_name] = pg
-    root._flatten_mapping[name] = flat
-    return flat
-
-
-def flattened_meshes(mesh: Any) -> dict[str, Any]:
-    """The flattened dims registered on ``mesh``'s root, by name (a copy).
-
-    Example, as rank 0 of an 8-rank job on torch's fake backend::
-
-        >>> import torch.distributed as dist
-        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
-        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-        >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
-        >>> flattened_meshes(dm)
-        {}
-        >>> flat = register_flattened(dm, "dp_tp", ("dp", "tp"), dist.new_group(list(range(8))))
-        >>> list(flattened_meshes(dm["tp"]))            # found from a slice too
-        ['dp_tp']
-        >>> dist.destroy_process_group()
-    """
-    require_mesh_support()
-    return dict(root_mesh(mesh)._flatten_mapping)
-
-
-def root_mesh(mesh: Any) -> Any:
-    """The mesh ``mesh`` was sliced or flattened from (itself for a root).
-
-    Example, as rank 0 of an 8-rank job on torch's fake backend::
-
-        >>> import torch.distributed as dist
-        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
-        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-        >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
-        >>> root_mesh(dm["tp"]) is dm, root_mesh(dm) is dm
-        (True, True)
-        >>> dist.destroy_process_group()
-    """
-    require_mesh_support()
-    return mesh._get_root_mesh()
-
 
 def process_group_count() -> int:
     """How many process groups this process has (default group included), as c10d counts them.
@@ -305,7 +85,10 @@ def process_group_count() -> int:
     world = getattr(dist.distributed_c10d, "_world", None)
     pg_map = getattr(world, "pg_map", None)
     if pg_map is None:
-        raise _unsupported(["distributed_c10d._world.pg_map"])
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__} has no distributed_c10d._world.pg_map, where hypergrid counts "
+            f"this process's groups (tested on torch {TESTED_TORCH})"
+        )
     return len(pg_map)
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "GroupCreationError",
     "GroupTimeoutError",
     "GridMismatchError",
+    "UnsupportedTorchError",
 ]
 
 
@@ -61,3 +62,7 @@ class GroupTimeoutError(GroupCreationError, TimeoutError):
 
 class GridMismatchError(HypergridError):
     """Ranks that must agree on a grid or on a group request do not; the message names them."""
+
+
+class UnsupportedTorchError(HypergridError):
+    """The installed torch lacks an internal hypergrid needs; the message names it and the version."""

@@ -23,7 +23,7 @@ from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
 from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
 from .groups import REGISTRY, GroupOptions, GroupRequest, enumerate_before_init, require_initialized
 from .strategy import Strategy, creation_mode, resolve_strategy
-from .layout import KEY_SEPARATOR, Dims, GridLayout, as_int
+from .layout import KEY_SEPARATOR, Dims, GridLayout, Partition, as_int
 
 __all__ = ["HyperCommGrid", "RankView", "resolve_world_size"]
 
@@ -268,6 +268,11 @@ class HyperCommGrid:
         return self._strategy.value
 
     @property
+    def default_timeout(self) -> Optional[timedelta]:
+        """The timeout of the grid's groups when a request gives none (None: the job's)."""
+        return self._default_timeout
+
+    @property
     def check_agreement(self) -> bool:
         """Whether group creation first checks that the members agree on the request."""
         return self._check_agreement
@@ -413,8 +418,9 @@ class HyperCommGrid:
     def create_derived_pg(
         self,
         label: str,
-        members: Optional[Sequence[int]],
+        members: Optional[Sequence[int]] = None,
         *,
+        partition: Optional[Partition] = None,
         groups: Optional[Callable[[], list[list[int]]]] = None,
         owner: Any = None,
         private: bool = False,
@@ -423,12 +429,16 @@ class HyperCommGrid:
         """A group the grid's dims do not name, made through the same door as :meth:`create_pg`.
 
         For groups derived from the grid by a rule of their own (Megatron's embedding group from
-        the pipeline group, a distributed-optimizer instance, ...): ``members`` is this rank's
-        group (None: it is in none), ``groups`` every group of the request (needed only by the
-        ``enumerate`` strategy). The request takes the grid's next position, so its members
-        check they agree exactly as for :meth:`create_pg`, and it follows the grid's strategy:
-        under ``split`` every rank of the world must call this, members or not. The group is
-        not stored under a key; ``owner`` (default: the grid) holds it until released.
+        the pipeline group, a distributed-optimizer instance, a DeviceMesh's flattened or
+        unflattened dims, ...). Either ``members``, this rank's group (None: it is in none), with
+        ``groups`` every group of the request (needed only by the ``enumerate`` strategy); or a
+        ``partition`` of ranks (:class:`~hypergrid.layout.Partition`), from which this rank's
+        group and every group follow, and which is the request's identity: a partition equal to
+        one of the grid's dims gets that dims' group. The request takes the grid's next
+        position, so its members check they agree exactly as for :meth:`create_pg`, and it
+        follows the grid's strategy: under ``split`` every rank of the world must call this,
+        members or not. The group is not stored under a key; ``owner`` (default: the grid)
+        holds it until released.
 
         Example: Megatron's embedding group, the first and last pipeline stages, as rank 0 of an
         8-rank job on torch's fake backend (rank 0 is a first stage, so it is a member)::
@@ -443,7 +453,10 @@ class HyperCommGrid:
             >>> embd = grid.create_derived_pg("embd", [pp[0], pp[-1]], group_desc="EMBEDDING")
             >>> dist.get_process_group_ranks(embd)
             [0, 6]
-            >>> grid.destroy()                              # releases the derived group too
+            >>> dp_pp = grid.create_derived_pg("dp_pp", partition=Partition.of(0, 8, [(8, 1)]))
+            >>> grid.create_pg(["dp", "pp"]) is dp_pp         # the same partition: the same group
+            True
+            >>> grid.destroy()                              # releases the derived groups too
             >>> dist.destroy_process_group()
         """
         self._check_alive()
@@ -452,8 +465,15 @@ class HyperCommGrid:
             raise TypeError(f"create_derived_pg() got unexpected keyword argument(s) {unknown}; it accepts {list(_CREATE_KWARGS)}")
         if not isinstance(label, str) or not label:
             raise TypeError(f"label must be a non-empty str, got {label!r}")
-        mine = None if members is None else tuple(members)
-        request = GroupRequest(label, mine, ("derived", label), groups)
+        if partition is not None:
+            if members is not None or groups is not None:
+                raise TypeError("create_derived_pg() takes either members (and groups) or partition, not both")
+            if not isinstance(partition, Partition):
+                raise TypeError(f"partition must be a hypergrid.layout.Partition, got {type(partition).__name__} {partition!r}")
+            request = GroupRequest.for_partition(label, partition, self._current_rank())
+        else:
+            mine = None if members is None else tuple(members)
+            request = GroupRequest(label, mine, ("derived", label), groups)
         options = GroupOptions(
             backend=kwargs.get("backend", self.backend),
             timeout=kwargs.get("timeout", self._default_timeout),

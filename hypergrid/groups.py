@@ -38,11 +38,11 @@ Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no othe
     >>> from hypergrid.layout import GridLayout
     >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     >>> registry = GroupRegistry()
-    >>> layout = GridLayout((2, 4), ("tp", "dp"))
-    >>> pg = registry.acquire("grid-a", layout, ["dp"], rank=5, strategy="local")
+    >>> dp = GroupRequest.from_layout(GridLayout((2, 4), ("tp", "dp")), ["dp"], rank=5)
+    >>> pg = registry.acquire_request("grid-a", dp, strategy="local")
     >>> dist.get_process_group_ranks(pg)
     [1, 3, 5, 7]
-    >>> registry.acquire("grid-b", layout, "dp", rank=5) is pg     # identical: shared
+    >>> registry.acquire_request("grid-b", dp) is pg     # identical: shared
     True
     >>> sorted(registry.holders_of(pg))
     [('grid-a', 'dp'), ('grid-b', 'dp')]
@@ -58,7 +58,7 @@ import logging
 import threading
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable, Hashable, Mapping, Optional, Union
+from typing import Any, Callable, Hashable, Optional, Union
 
 import torch.distributed as dist
 
@@ -71,15 +71,12 @@ from ._torch_compat import (
 )
 from .agreement import Agreement, check_agreement, describe_ranks, explain_creation_failure, publish_position
 from .errors import GroupCreationError
-from .layout import Dims, GridLayout
+from .layout import Dims, GridLayout, Partition
 from .strategy import CreationMode, Strategy, creation_mode
 
-__all__ = ["STRATEGIES", "GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "effective_timeout"]
+__all__ = ["GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "effective_timeout", "same_as_world"]
 
 logger = logging.getLogger("hypergrid.groups")
-
-#: The ways a grid can create its groups (see :mod:`hypergrid.strategy`).
-STRATEGIES = tuple(s.value for s in Strategy)
 
 #: What a grid passes as the owner of the groups it holds; released together by ``release``.
 Owner = Hashable
@@ -183,6 +180,35 @@ def effective_timeout(options: "GroupOptions") -> timedelta:
     return new_group_default_timeout(options.backend or (str(dist.get_backend()) if dist.is_initialized() else "gloo"))
 
 
+def same_as_world(options: GroupOptions) -> bool:
+    """Whether a group of every rank made with ``options`` is interchangeable with the default group.
+
+    Then it is the default group: torch's DeviceMesh hands out the default group for a dim that
+    spans the world, and so do hypergrid's adapters, instead of a second communicator over the
+    same ranks. Options that differ (another backend, timeout or ``pg_options``) make a new one.
+
+    Example, in a one-rank gloo world started with a 60 s timeout::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+        ...                         timeout=timedelta(seconds=60))
+        >>> same_as_world(GroupOptions()), same_as_world(GroupOptions(timeout=timedelta(seconds=5)))
+        (True, False)
+        >>> dist.destroy_process_group()
+    """
+    if options.pg_options is not None:
+        return False
+    backend = str(dist.get_backend()).lower()
+    if options.backend is not None and str(options.backend).lower() != backend:
+        return False
+    world_timeout = default_group_timeout()
+    if world_timeout is None:
+        # A backend without timeouts (e.g. torch's fake backend): nothing to differ in.
+        return True
+    # A group given no timeout is made with the job's (effective_timeout), the world's own.
+    return effective_timeout(options) == world_timeout
+
+
 @dataclass
 class _Entry:
     """One process group this rank holds (``pg`` None: a world-wide request this rank is in no group of)."""
@@ -254,38 +280,6 @@ class GroupRegistry:
             self._world = current
 
     # ------------------------------------------------------------------ acquire / release
-    def acquire(
-        self,
-        owner: Owner,
-        layout: GridLayout,
-        dims: Dims,
-        *,
-        rank: int,
-        strategy: Union[str, Strategy] = Strategy.AUTO,
-        options: GroupOptions = GroupOptions(),
-        private: bool = False,
-        label: Optional[str] = None,
-    ) -> Optional[dist.ProcessGroup]:
-        """The group of ``dims`` holding ``rank``, created if no identical one exists yet.
-
-        Shorthand for :meth:`acquire_request` with :meth:`GroupRequest.from_layout` (no agreement
-        check). Returns None on a rank outside ``layout`` (Megatron-Core returns None there too).
-
-        Example, as rank 5 of an 8-rank job on torch's fake backend::
-
-            >>> import torch.distributed as dist
-            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
-            >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
-            >>> pg = REGISTRY.acquire("my-grid", GridLayout((2, 4), ("tp", "dp")), "dp", rank=5)
-            >>> dist.get_process_group_ranks(pg)
-            [1, 3, 5, 7]
-            >>> REGISTRY.release("my-grid")
-            1
-            >>> dist.destroy_process_group()
-        """
-        request = GroupRequest.from_layout(layout, dims, rank, label)
-        return self.acquire_request(owner, request, strategy=strategy, options=options, private=private)
-
     def acquire_request(
         self,
         owner: Owner,
@@ -306,7 +300,7 @@ class GroupRegistry:
             >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-            >>> req = GroupRequest.from_members("embd", [0, 7])
+            >>> req = GroupRequest("embd", (0, 7), ("derived", "embd"))   # this rank's group: [0, 7]
             >>> pg = REGISTRY.acquire_request("owner", req, options=GroupOptions(group_desc="EMBD"))
             >>> dist.get_process_group_ranks(pg), pg.group_desc
             ([0, 7], 'EMBD')
@@ -323,7 +317,7 @@ class GroupRegistry:
             raise ValueError(
                 f"group {request.label!r} was requested by its members alone, which strategy "
                 f"'enumerate' cannot create (it needs every group of the request); use "
-                f"GroupRequest.from_rank_lists, or strategy 'auto', 'local' or 'split'"
+                f"GroupRequest.for_partition, or strategy 'auto', 'local' or 'split'"
             )
         if mode is CreationMode.ENUMERATE:
             # Megatron-Core's call pattern is one torch call per created group, never a reused
@@ -417,7 +411,7 @@ class GroupRegistry:
             >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
             >>> tp = REGISTRY.adopt("my-grid", mesh.get_group("tp"))
             >>> same_members = GridLayout((4, 2), ("tp", "dp"))  # its tp group of rank 0: [0, 1, 2, 3]
-            >>> REGISTRY.acquire("other", same_members, "tp", rank=0) is tp   # the mesh's group
+            >>> REGISTRY.acquire_request("other", GroupRequest.from_layout(same_members, "tp", rank=0)) is tp
             True
             >>> REGISTRY.release("my-grid"), REGISTRY.release("other")   # never destroyed
             (0, 0)
@@ -568,9 +562,9 @@ class GroupRequest:
 
     Example::
 
-        >>> req = GroupRequest.from_rank_lists("embd", [[0, 3], [4, 7]], rank=3)
+        >>> req = GroupRequest.from_layout(GridLayout((4, 2), ("tp", "dp")), "dp", rank=3)
         >>> req.members, req.enumerate()
-        ((0, 3), [[0, 3], [4, 7]])
+        ((3, 7), [[0, 4], [1, 5], [2, 6], [3, 7]])
     """
 
     label: str
@@ -601,21 +595,25 @@ class GroupRequest:
         agreement: Optional[Agreement] = None,
     ) -> "GroupRequest":
         """The ``dims`` groups of ``layout`` as seen by global ``rank``: O(group size)."""
-        members = tuple(layout.group_ranks(dims, rank)) if layout.contains(rank) else None
-        return cls(label or layout.key(dims), members, layout.partition(dims), lambda: layout.enumerate(dims), agreement)
+        return cls.for_partition(label or layout.key(dims), layout.partition(dims), rank, agreement)
 
     @classmethod
-    def from_rank_lists(cls, label: str, groups: list[list[int]], rank: int) -> "GroupRequest":
-        """Explicit, disjoint groups of global ranks (all of them: O(total size))."""
-        frozen = [list(g) for g in groups]
-        mine = next((tuple(g) for g in frozen if rank in g), None)
-        identity = ("rank-lists", tuple(tuple(sorted(g)) for g in frozen))
-        return cls(label, mine, identity, lambda: frozen)
+    def for_partition(
+        cls, label: str, partition: Partition, rank: int, agreement: Optional[Agreement] = None
+    ) -> "GroupRequest":
+        """The groups of ``partition`` as seen by global ``rank``: O(group size).
 
-    @classmethod
-    def from_members(cls, label: str, members: Optional[list[int]]) -> "GroupRequest":
-        """Only this rank's own group: the ``local`` and ``split`` modes need no more."""
-        return cls(label, None if members is None else tuple(members), ("members-only", label), None)
+        Every request for the same partition (a grid's dims, a view's, a DeviceMesh's flattened
+        or unflattened dims) has the same identity, so the world-wide modes share its group.
+
+        Example::
+
+            >>> req = GroupRequest.for_partition("dp_cp", Partition.of(0, 16, [(2, 2), (2, 8)]), rank=10)
+            >>> req.members, req.identity == GridLayout((2, 2, 2, 2), ("a", "cp", "b", "dp")).partition(["cp", "dp"])
+            ((0, 2, 8, 10), True)
+        """
+        members = tuple(partition.group_ranks(rank)) if partition.contains(rank) else None
+        return cls(label, members, partition, partition.enumerate, agreement)
 
 
 def enumerate_before_init(label: str, enumeration: list[list[int]], options: GroupOptions) -> Optional[dist.ProcessGroup]:

@@ -13,7 +13,9 @@ This module makes both worlds use one set of communicators:
   that adopts groups which already exist (a mesh from ``init_device_mesh``, communicators made
   elsewhere) and creates none. hypergrid never destroys an adopted group.
 
-Every private torch attribute used here is reached through :mod:`hypergrid._torch_compat`.
+Every group torch's own mesh operations would create on such a mesh (``_flatten``,
+``_unflatten``) comes from the grid's registry too (:mod:`hypergrid.mesh_groups`). Every private
+torch attribute used here is reached through :mod:`hypergrid._mesh_compat`.
 
 Example, as rank 0 of an 8-rank job on torch's fake backend, which needs no other process::
 
@@ -45,10 +47,11 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import _torch_compat as compat
+from . import _mesh_compat as compat
 from .errors import HypergridError
 from .groups import REGISTRY, GroupOptions
 from .layout import Dims, GridLayout
+from .mesh_groups import register_mesh_root
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -290,6 +293,7 @@ def _root_for(
                 f"(view {view!r}): {dict(zip(names, groups))}; a grid's ranks are in all or none"
             )
         root = compat.mesh_from_groups(device, mesh_tensor(layout), names, groups if member else None)
+        register_mesh_root(root, grid)
         _roots[grid][key] = (tuple(groups), root)
         logger.debug("built DeviceMesh %s over the groups of %r (view %r)", root, grid, view)
         return root
@@ -307,7 +311,7 @@ def _register(
 ) -> None:
     pg = grid.get_pg(dims, view=view) if member else None
     try:
-        flat = compat.register_flattened(root, name, tuple(dims), pg)
+        flat = compat.flatten_onto(root, name, tuple(dims), pg)
     except ValueError as exc:
         if explicit:
             raise

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from hypergrid import REGISTRY, GridDestroyedError, GridLayout, HyperCommGrid
-from hypergrid import _torch_compat as compat
+from hypergrid import _mesh_compat as compat
+from hypergrid._torch_compat import TESTED_TORCH, process_group_count
+from hypergrid.errors import UnsupportedTorchError
 from hypergrid.mesh import device_mesh, flattened_name, grid_from_device_mesh, grid_from_process_groups, mesh_tensor
 from tests.harness import fake_world
 
@@ -39,14 +41,14 @@ def test_installed_torch_has_every_internal_used():
 
 def test_missing_internal_is_named_with_the_torch_version(monkeypatch):
     monkeypatch.setattr(compat, "_detect", lambda: ("DeviceMesh.from_group", "_MeshLayout.collapse"))
-    with pytest.raises(compat.UnsupportedTorchError) as info:
+    with pytest.raises(UnsupportedTorchError) as info:
         compat.require_mesh_support()
     message = str(info.value)
-    assert torch.__version__ in message and compat.TESTED_TORCH in message
+    assert torch.__version__ in message and TESTED_TORCH in message
     assert "DeviceMesh.from_group" in message and "_MeshLayout.collapse" in message
     assert isinstance(info.value, RuntimeError)
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=4)
-    with pytest.raises(compat.UnsupportedTorchError):
+    with pytest.raises(UnsupportedTorchError):
         device_mesh(grid, device_type="cpu")
 
 
@@ -54,9 +56,9 @@ def test_missing_internal_is_named_with_the_torch_version(monkeypatch):
 def test_device_mesh_creates_missing_groups_through_the_registry():
     with fake_world(rank=21, world_size=64):
         grid = HyperCommGrid([4, 4, 4], ["tp", "cp", "dp"])
-        before_pgs, before_registry = compat.process_group_count(), REGISTRY.count()
+        before_pgs, before_registry = process_group_count(), REGISTRY.count()
         mesh = device_mesh(grid, device_type="cpu")
-        assert compat.process_group_count() - before_pgs == 3
+        assert process_group_count() - before_pgs == 3
         assert REGISTRY.count() - before_registry == 3
         assert mesh.mesh_dim_names == ("dp", "cp", "tp")
         assert torch.equal(mesh.mesh, torch.arange(64, dtype=torch.int).reshape(4, 4, 4))
@@ -64,7 +66,7 @@ def test_device_mesh_creates_missing_groups_through_the_registry():
         assert mesh.get_coordinate() == (1, 1, 1)
         assert [mesh.get_group(n) is grid.get_pg(n) for n in ("dp", "cp", "tp")] == [True] * 3
         assert device_mesh(grid, device_type="cpu") is mesh
-        assert compat.process_group_count() - before_pgs == 3
+        assert process_group_count() - before_pgs == 3
 
 
 def test_flatten_argument_creates_and_names_flattened_dims():
@@ -73,10 +75,10 @@ def test_flatten_argument_creates_and_names_flattened_dims():
         mesh = device_mesh(grid, device_type="cpu", flatten=[["dp", "cp"]])
         dp_cp = grid.get_pg(["cp", "dp"])
         assert mesh["dp_cp"].get_group() is dp_cp
-        count = compat.process_group_count()
+        count = process_group_count()
         assert mesh["dp", "cp"]._flatten().get_group() is dp_cp
         assert mesh.get_group("dp_cp") is dp_cp
-        assert compat.process_group_count() == count
+        assert process_group_count() == count
         # A custom name for another combination; the default name is registered as well.
         device_mesh(grid, device_type="cpu", flatten={"model": ["tp", "cp"]})
         assert mesh["model"].get_group() is grid.get_pg(["tp", "cp"])
@@ -112,10 +114,10 @@ def test_views_are_meshes_of_their_own_sharing_groups():
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp_shard", "dp_replicate"])
         grid.register_view("moe", [2, 2, 2], ["ep", "efsdp", "dp_replicate"], shared_dims=["dp_replicate"])
         dense = device_mesh(grid, device_type="cpu")
-        count = compat.process_group_count()
+        count = process_group_count()
         sparse = device_mesh(grid, view="moe", device_type="cpu")
         assert sparse.mesh_dim_names == ("dp_replicate", "efsdp", "ep")
-        assert compat.process_group_count() == count
+        assert process_group_count() == count
         assert sparse.get_group("ep") is dense.get_group("tp")
         assert sparse is not dense and compat.root_mesh(sparse) is sparse
 
@@ -125,14 +127,14 @@ def test_adopting_a_torch_mesh_on_one_rank():
 
     with fake_world(rank=6, world_size=8):
         ref = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
-        count = compat.process_group_count()
+        count = process_group_count()
         grid = grid_from_device_mesh(ref)
         assert (grid.dim_names, grid.shape, grid.rank_offset) == (["tp", "dp"], [4, 2], 0)
         assert grid.get_pg("tp") is ref.get_group("tp") and grid.get_pg("dp") is ref.get_group("dp")
         assert device_mesh(grid, device_type="cpu") == ref
-        assert compat.process_group_count() == count
+        assert process_group_count() == count
         grid.destroy()
-        assert compat.process_group_count() == count  # adopted groups are not destroyed
+        assert process_group_count() == count  # adopted groups are not destroyed
 
 
 # ----------------------------------------------------------------------------- bad arguments

@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from .._torch_compat import UnsupportedTorchError, default_group_timeout, new_group_default_timeout
+from ..errors import UnsupportedTorchError
 from ..grid import HyperCommGrid
 from ..agreement import world_checkpoint
-from ..groups import REGISTRY, GroupOptions, effective_timeout
+from ..groups import REGISTRY, GroupOptions, effective_timeout, same_as_world
 from ..strategy import resolve_strategy
 from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
 from .features import MegatronFeatures
@@ -242,7 +242,7 @@ def initialize_model_parallel(
     to_world = {
         kind.name
         for kind in plan.kinds
-        if share_groups and not kind.creation.private and kind.size == world and _same_as_world(options[kind.name])
+        if share_groups and not kind.creation.private and kind.size == world and same_as_world(options[kind.name])
     }
     members = {kind.name: plan.rank_group(kind.name, rank) for kind in plan.kinds if kind.name not in to_world}
     if config.pipeline_model_parallel_comm_backend == "ucc":
@@ -461,21 +461,6 @@ def _options(kind: GroupKind, config: MegatronConfig, nccl_cfgs: dict, timeout: 
         pg_options=pg_options,
         group_desc=creation.group_desc,
     )
-
-
-def _same_as_world(options: GroupOptions) -> bool:
-    """Whether a group of every rank with these options is interchangeable with the default group."""
-    if options.pg_options is not None:
-        return False
-    backend = str(dist.get_backend()).lower()
-    if options.backend is not None and str(options.backend).lower() != backend:
-        return False
-    world_timeout = default_group_timeout()
-    if world_timeout is None:
-        # A backend without timeouts (e.g. torch's fake backend): nothing to differ in.
-        return True
-    wanted = options.timeout if options.timeout is not None else new_group_default_timeout(backend)
-    return wanted == world_timeout
 
 
 def _prepare_ucc() -> None:
