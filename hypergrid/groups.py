@@ -53,6 +53,7 @@ Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no othe
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import threading
@@ -242,7 +243,7 @@ class GroupRegistry:
         self._world: Optional[dist.ProcessGroup] = None
         # Attempts to create a group of exactly these members without an agreement round (which
         # names the group itself): the same count on every member, so it names the group alike.
-        self._attempts: dict[tuple[int, ...], int] = {}
+        self._attempts: dict[Hashable, int] = {}
 
     # ------------------------------------------------------------------ queries
     def count(self) -> int:
@@ -328,7 +329,7 @@ class GroupRegistry:
                 if request.agreement is not None:
                     publish_position(request.agreement)
                 return None
-            key: tuple = ("members", tuple(sorted(request.members)), options.identity)
+            key: tuple = ("members", request.ordered_members, options.identity)
         else:
             key = ("request", request.identity, options.identity)
         held = None if private else self._hold_existing(owner, request.label, key)
@@ -346,7 +347,7 @@ class GroupRegistry:
                 if not private:
                     keys = [key]
                     if entry.pg is not None and mode is not CreationMode.LOCAL:
-                        keys.append(("members", tuple(sorted(request.members or ())), options.identity))
+                        keys.append(("members", request.ordered_members, options.identity))
                     entry.keys = tuple(keys)
                     for k in keys:
                         self._shared[k] = entry
@@ -503,13 +504,20 @@ class GroupRegistry:
         """The torch name of this rank's new group: alike on every member, unlike any earlier one."""
         if request.members is None:
             return None
-        ordered = tuple(sorted(request.members))
-        if request.agreement is not None:
-            seed = f"{request.agreement.round_id}|{','.join(map(str, ordered))}"
+        # A partition's group is named by the partition and its lowest rank, O(1), alike on every
+        # member; a group given by its members alone, by the members.
+        if isinstance(request.identity, Partition):
+            group: Hashable = (request.identity, request.members[0])
+            shown = f"{request.identity}@{request.members[0]}"
         else:
-            attempt = self._attempts.get(ordered, 0)
-            self._attempts[ordered] = attempt + 1
-            seed = f"{','.join(map(str, ordered))}#{attempt}"
+            group = request.ordered_members
+            shown = ",".join(map(str, group))
+        if request.agreement is not None:
+            seed = f"{request.agreement.round_id}|{shown}"
+        else:
+            attempt = self._attempts.get(group, 0)
+            self._attempts[group] = attempt + 1
+            seed = f"{shown}#{attempt}"
         return "hypergrid-" + hashlib.sha1(seed.encode()).hexdigest()
 
     @staticmethod
@@ -572,6 +580,13 @@ class GroupRequest:
     identity: Hashable
     enumeration: Optional[Callable[[], list[list[int]]]] = field(default=None, compare=False)
     agreement: Optional[Agreement] = field(default=None, compare=False)
+
+    @functools.cached_property
+    def ordered_members(self) -> tuple[int, ...]:
+        """This rank's group, ascending (a partition's already is): what sharing by members keys on."""
+        if self.members is None:
+            return ()
+        return self.members if isinstance(self.identity, Partition) else tuple(sorted(self.members))
 
     def enumerate(self) -> list[list[int]]:
         """Every group of the request (O(world)); a ValueError where only the members are known."""

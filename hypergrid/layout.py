@@ -235,10 +235,15 @@ class Partition:
         base = self.rank_offset + local
         for size, stride in self.modes:
             base -= ((local // stride) % size) * stride
+        if len(self.modes) == 1:
+            size, stride = self.modes[0]
+            return list(range(base, base + size * stride, stride))
+        # Each mode's steps are multiples of the reach of the modes below it (checked in of()),
+        # so stepping the widest mode outermost lists the group in ascending order.
         members = [base]
         for size, stride in self.modes:
             members = [m + step for step in range(0, size * stride, stride) for m in members]
-        return sorted(members)
+        return members
 
     def enumerate(self) -> list[list[int]]:
         """Every group, by its lowest rank, each ascending. O(span).
