@@ -16,6 +16,8 @@ Example::
 
 from __future__ import annotations
 
+from typing import Optional
+
 __all__ = [
     "HypergridError",
     "GridTooLargeError",
@@ -25,11 +27,26 @@ __all__ = [
     "GroupTimeoutError",
     "GridMismatchError",
     "UnsupportedTorchError",
+    "StoreUnresponsiveError",
 ]
 
 
 class HypergridError(RuntimeError):
-    """Base of hypergrid's distributed failures."""
+    """Base of hypergrid's distributed failures.
+
+    ``root_cause``: where one rank's failure made others fail, that rank's own error, in one line
+    (None when this error is its own cause).
+
+    Example::
+
+        >>> error = HypergridError("group 'tp' failed on rank 2", root_cause="ValueError: bad shape")
+        >>> str(error), error.root_cause
+        ("group 'tp' failed on rank 2", 'ValueError: bad shape')
+    """
+
+    def __init__(self, *args: object, root_cause: Optional[str] = None) -> None:
+        super().__init__(*args)
+        self.root_cause = root_cause
 
 
 class GridTooLargeError(ValueError, RuntimeError):
@@ -66,3 +83,8 @@ class GridMismatchError(HypergridError):
 
 class UnsupportedTorchError(HypergridError):
     """The installed torch lacks an internal hypergrid needs; the message names it and the version."""
+
+
+class StoreUnresponsiveError(HypergridError):
+    """The job's store did not answer a call within the time it was given (its host stopped,
+    hangs or is overloaded), as opposed to a store whose host has gone (torch's ``DistNetworkError``)."""

@@ -21,7 +21,8 @@ import torch.distributed as dist
 
 from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
 from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
-from .groups import REGISTRY, GroupOptions, GroupRequest, enumerate_before_init, require_initialized
+from .group_options import GroupOptions
+from .groups import REGISTRY, GroupRequest, enumerate_before_init, require_initialized
 from .strategy import Strategy, creation_mode, resolve_strategy
 from .layout import KEY_SEPARATOR, Dims, GridLayout, Partition, as_int
 
@@ -31,19 +32,6 @@ logger = logging.getLogger("hypergrid.grid")
 
 # Distinguishes grids in the registry's holder table; a counter, not id(), because ids are reused.
 _grid_ids = itertools.count()
-
-# How many grids of each family (dim names) issued requests in this process. Every rank builds
-# and uses its grids in the same order, so the count names a grid's creation rounds alike on all
-# of them, and a rank still busy with an earlier grid is recognised as late, not diverged.
-_generations: dict[str, int] = {}
-_generations_lock = threading.Lock()
-
-
-def _next_generation(family: str) -> int:
-    with _generations_lock:
-        value = _generations.get(family, 0)
-        _generations[family] = value + 1
-        return value
 
 _CREATE_KWARGS = ("timeout", "pg_options", "group_desc", "backend")
 
@@ -248,8 +236,10 @@ class HyperCommGrid:
         self.size: int = layout.size
         # Every group this grid created, under Megatron-Core's keys (see GroupKey).
         self._pgs: dict[GroupKey, Optional[dist.ProcessGroup]] = {}
-        self._requests = 0  # requests that reached the registry: a position all ranks share
-        self._generation: Optional[int] = None  # assigned at the first request (see _next_generation)
+        self._requests = 0  # requests that reached the registry: the position members compare
+        # Orders destroy() against a create_pg() in another thread: a creation either lands before
+        # the destroy (and is destroyed with the grid) or finds the grid destroyed and lets go.
+        self._state_lock = threading.Lock()
 
     # ------------------------------------------------------------------ facts
     @property
@@ -356,8 +346,7 @@ class HyperCommGrid:
             require_initialized(label)
         self._check_fits_world(label)
         request = GroupRequest.from_layout(layout, dims, self._current_rank(), label)
-        pg = self._acquire(self._id, request, view, options, private)
-        self._pgs[key] = pg
+        pg = self._acquire(self._id, request, view, options, private, key=key)
         logger.debug("grid %d created %s: this rank's group is %s", self._id, label, pg)
         return pg
 
@@ -725,12 +714,15 @@ class HyperCommGrid:
             [[0, 1], [2, 3], [4, 5], [6, 7]]
             >>> dist.destroy_process_group()
         """
-        if self._destroyed:
-            return
-        self._destroyed = True
+        with self._state_lock:
+            if self._destroyed:
+                return
+            self._destroyed = True
+            held = list(self._pgs.values())
+            self._pgs.clear()
         non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
         destroyed: set[int] = set()
-        for pg in list(self._pgs.values()):
+        for pg in held:
             if pg is None or pg is non_member or id(pg) in destroyed:
                 continue
             destroyed.add(id(pg))
@@ -739,20 +731,38 @@ class HyperCommGrid:
                 dist.destroy_process_group(pg)
         # hypergrid's own groups: destroyed (by destroy_process_group) once nobody holds them.
         REGISTRY.release(self._id)
-        self._pgs.clear()
 
     # ------------------------------------------------------------------ helpers
     def _acquire(
-        self, owner: Any, request: GroupRequest, view: Optional[str], options: GroupOptions, private: bool
+        self,
+        owner: Any,
+        request: GroupRequest,
+        view: Optional[str],
+        options: GroupOptions,
+        private: bool,
+        key: Optional[GroupKey] = None,
     ) -> Optional[dist.ProcessGroup]:
-        """Stamp ``request`` with the grid's next position and hand it to the registry."""
-        if self._generation is None:
-            self._generation = _next_generation(self._facts().family)
-        index = self._requests
-        self._requests += 1
+        """Stamp ``request`` with the grid's next position and hand it to the registry.
+
+        Raises :class:`~hypergrid.errors.GridDestroyedError`, holding nothing, when the grid was
+        destroyed (by another thread) while the group was being made."""
+        with self._state_lock:
+            self._check_alive()
+            index = self._requests
+            self._requests += 1
         if self._check_agreement:
             request = request.with_agreement(self._agreement(request.label, view, index, options, private))
-        return REGISTRY.acquire_request(owner, request, strategy=self._strategy, options=options, private=private)
+        pg = REGISTRY.acquire_request(owner, request, strategy=self._strategy, options=options, private=private)
+        with self._state_lock:
+            if not self._destroyed:
+                if key is not None:
+                    self._pgs[key] = pg
+                return pg
+        # destroy() ran while this creation waited on its peers: it has released what the grid
+        # held then; release this one too, instead of handing out a destroyed grid's group.
+        REGISTRY.release(owner)
+        self._check_alive()
+        return pg  # not reached: _check_alive raised
 
     def _facts(self) -> GridFacts:
         views = tuple(
@@ -765,9 +775,8 @@ class HyperCommGrid:
     def _agreement(self, label: str, view: Optional[str], index: int, options: GroupOptions, private: bool) -> Agreement:
         """What every member of a group must have asked for alike (see hypergrid.agreement)."""
         facts = self._facts()
-        assert self._generation is not None
         return Agreement(
-            position=Position(facts.family, self._generation, index),
+            position=Position(facts.family, facts.digest, index),
             grid=facts,
             request=RequestFacts(
                 label=label,

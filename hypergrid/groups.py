@@ -58,156 +58,23 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from datetime import timedelta
 from typing import Any, Callable, Hashable, Optional, Union
 
 import torch.distributed as dist
 
-from ._torch_compat import (
-    default_group,
-    default_group_timeout,
-    forget_empty_tags,
-    group_name_override,
-    new_group_default_timeout,
-)
-from .agreement import Agreement, check_agreement, describe_ranks, explain_creation_failure, publish_position
+from ._torch_compat import default_group, forget_empty_tags, group_name_override
+from .agreement import Agreement, RoundId, check_agreement, describe_ranks, explain_creation_failure, publish_position
 from .errors import GroupCreationError
+from .group_options import GroupOptions, effective_timeout
 from .layout import Dims, GridLayout, Partition
 from .strategy import CreationMode, Strategy, creation_mode
 
-__all__ = ["GroupOptions", "GroupRequest", "GroupRegistry", "REGISTRY", "effective_timeout", "same_as_world"]
+__all__ = ["GroupRequest", "GroupRegistry", "REGISTRY"]
 
 logger = logging.getLogger("hypergrid.groups")
 
 #: What a grid passes as the owner of the groups it holds; released together by ``release``.
 Owner = Hashable
-
-
-def _fingerprint(value: Any, depth: int = 0) -> Hashable:
-    """A hashable summary of a ``pg_options`` object by value, so equal options share a group.
-
-    Falls back to the object's identity where its public attributes do not say what it is
-    (an option we cannot compare is treated as different, never wrongly shared).
-    """
-    if value is None or isinstance(value, (bool, int, float, str, timedelta)):
-        return value
-    if isinstance(value, (list, tuple)):
-        return tuple(_fingerprint(v, depth + 1) for v in value)
-    if depth >= 2:
-        return ("id", id(value))
-    fields = []
-    for name in sorted(dir(value)):
-        if name.startswith("_"):
-            continue
-        try:
-            attr = getattr(value, name)
-        except Exception:  # a property that cannot be read says nothing about equality
-            continue
-        if callable(attr):
-            continue
-        fields.append((name, _fingerprint(attr, depth + 1)))
-    if not fields:
-        return ("id", id(value))
-    return (type(value).__qualname__, tuple(fields))
-
-
-@dataclass(frozen=True)
-class GroupOptions:
-    """What is passed to torch for a group, beside its ranks.
-
-    ``identity`` is the part that makes two groups with the same members different
-    communicators; ``group_desc`` is only a label and does not prevent sharing.
-    """
-
-    backend: Optional[str] = None
-    timeout: Optional[timedelta] = None
-    pg_options: Any = None
-    group_desc: Optional[str] = None
-    _identity: Hashable = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        if self.backend is not None and not isinstance(self.backend, str):
-            raise TypeError(f"backend must be a str or None, got {type(self.backend).__name__} {self.backend!r}")
-        if self.backend is not None:
-            _check_backend_known(self.backend)
-        if self.timeout is not None and not isinstance(self.timeout, timedelta):
-            raise TypeError(
-                f"timeout must be a datetime.timedelta or None, got {type(self.timeout).__name__} {self.timeout!r}"
-            )
-        if self.timeout is not None and self.timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
-        if self.group_desc is not None and not isinstance(self.group_desc, str):
-            raise TypeError(f"group_desc must be a str or None, got {type(self.group_desc).__name__} {self.group_desc!r}")
-        # Keep the options object alive: an identity fingerprint must not be reused by another.
-        object.__setattr__(self, "_identity", (self.backend, self.timeout, _fingerprint(self.pg_options)))
-
-    @property
-    def identity(self) -> Hashable:
-        return self._identity
-
-
-def _check_backend_known(backend: str) -> None:
-    """Refuse a backend torch has not registered, here rather than at the first create_pg.
-
-    ``backend`` may be one name (``"nccl"``) or torch's per-device form (``"cpu:gloo,cuda:nccl"``).
-    """
-    known = [name for name in dist.Backend.backend_list if name != "undefined"]
-    for part in backend.split(","):
-        name = part.split(":", 1)[-1].strip().lower()
-        if name not in known:
-            raise ValueError(
-                f"backend {backend!r}: {name!r} is not a backend torch knows; registered backends "
-                f"are {known} (a device-specific form like 'cpu:gloo,cuda:nccl' is accepted too)"
-            )
-
-
-def effective_timeout(options: "GroupOptions") -> timedelta:
-    """The timeout a group is created, and agreed on, with: the request's, else the job's.
-
-    With none given, the default group's timeout (``init_process_group(timeout=...)``) rules,
-    so a rank that dies is reported within the job's own timeout rather than torch's 30-minute
-    default for new groups.
-
-    Example::
-
-        >>> effective_timeout(GroupOptions(timeout=timedelta(seconds=5)))
-        datetime.timedelta(seconds=5)
-    """
-    if options.timeout is not None:
-        return options.timeout
-    job = default_group_timeout() if dist.is_initialized() else None
-    if job is not None:
-        return job
-    return new_group_default_timeout(options.backend or (str(dist.get_backend()) if dist.is_initialized() else "gloo"))
-
-
-def same_as_world(options: GroupOptions) -> bool:
-    """Whether a group of every rank made with ``options`` is interchangeable with the default group.
-
-    Then it is the default group: torch's DeviceMesh hands out the default group for a dim that
-    spans the world, and so do hypergrid's adapters, instead of a second communicator over the
-    same ranks. Options that differ (another backend, timeout or ``pg_options``) make a new one.
-
-    Example, in a one-rank gloo world started with a 60 s timeout::
-
-        >>> import torch.distributed as dist
-        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
-        ...                         timeout=timedelta(seconds=60))
-        >>> same_as_world(GroupOptions()), same_as_world(GroupOptions(timeout=timedelta(seconds=5)))
-        (True, False)
-        >>> dist.destroy_process_group()
-    """
-    if options.pg_options is not None:
-        return False
-    backend = str(dist.get_backend()).lower()
-    if options.backend is not None and str(options.backend).lower() != backend:
-        return False
-    world_timeout = default_group_timeout()
-    if world_timeout is None:
-        # A backend without timeouts (e.g. torch's fake backend): nothing to differ in.
-        return True
-    # A group given no timeout is made with the job's (effective_timeout), the world's own.
-    return effective_timeout(options) == world_timeout
 
 
 @dataclass
@@ -332,6 +199,8 @@ class GroupRegistry:
             key: tuple = ("members", request.ordered_members, options.identity)
         else:
             key = ("request", request.identity, options.identity)
+        with self._lock:
+            self._follow_world()  # a new world's first request forgets the old one before naming
         held = None if private else self._hold_existing(owner, request.label, key)
         if held is not None:
             return held.pg
@@ -444,14 +313,16 @@ class GroupRegistry:
     def _create(self, mode: CreationMode, request: "GroupRequest", options: GroupOptions) -> _Entry:
         members = request.members
         timeout = effective_timeout(options)
-        name = self._group_name(request)
+        round_id: Optional[RoundId] = None
         if members is not None and request.agreement is not None:
-            check_agreement(request.label, members, request.agreement, timeout=timeout)
+            round_id = check_agreement(request.label, members, request.agreement, timeout=timeout)
         elif members is None and request.agreement is not None:
             publish_position(request.agreement)
+        name = self._group_name(request, round_id)
         if mode is CreationMode.LOCAL:
             assert members is not None
             pg = self._call_torch(
+                round_id,
                 request,
                 options,
                 name,
@@ -468,6 +339,7 @@ class GroupRegistry:
         elif mode is CreationMode.ENUMERATE:
             enumeration = request.enumerate()
             pg, _ = self._call_torch(
+                round_id,
                 request,
                 options,
                 name,
@@ -483,8 +355,9 @@ class GroupRegistry:
         else:
             # split_group uses only the caller's own split; a rank in no group passes one it is
             # not in and takes part in the world-wide split as a non-member (None back).
-            mine = list(members) if members is not None else _a_group_without(dist.get_rank())
+            mine = list(members) if members is not None else [1 if dist.get_rank() == 0 else 0]
             pg = self._call_torch(
+                round_id,
                 request,
                 options,
                 name,
@@ -500,29 +373,37 @@ class GroupRegistry:
             return _Entry(None)
         return _Entry(pg)
 
-    def _group_name(self, request: "GroupRequest") -> Optional[str]:
-        """The torch name of this rank's new group: alike on every member, unlike any earlier one."""
+    def _group_name(self, request: "GroupRequest", round_id: Optional[RoundId]) -> Optional[str]:
+        """The torch name of this rank's new group: alike on every member, unlike any earlier one.
+
+        From the round its members agreed in (their member set and its epoch in the store), which
+        is theirs alone; without one (a group of one rank, no agreement check, no store to meet
+        in) from how many times this process made the group, which names it alike only where
+        every member made the same groups."""
         if request.members is None:
             return None
-        # A partition's group is named by the partition and its lowest rank, O(1), alike on every
-        # member; a group given by its members alone, by the members.
+        if round_id is not None:
+            return "hypergrid-" + hashlib.sha1(round_id.seed.encode()).hexdigest()
+        # A partition's group is named by the partition and its lowest rank, O(1); a group given
+        # by its members alone, by the members.
         if isinstance(request.identity, Partition):
             group: Hashable = (request.identity, request.members[0])
             shown = f"{request.identity}@{request.members[0]}"
         else:
             group = request.ordered_members
             shown = ",".join(map(str, group))
-        if request.agreement is not None:
-            seed = f"{request.agreement.round_id}|{shown}"
-        else:
-            attempt = self._attempts.get(group, 0)
-            self._attempts[group] = attempt + 1
-            seed = f"{shown}#{attempt}"
-        return "hypergrid-" + hashlib.sha1(seed.encode()).hexdigest()
+        attempt = self._attempts.get(group, 0)
+        self._attempts[group] = attempt + 1
+        return "hypergrid-" + hashlib.sha1(f"{shown}#{attempt}".encode()).hexdigest()
 
     @staticmethod
     def _call_torch(
-        request: "GroupRequest", options: GroupOptions, name: Optional[str], ranks: list[int], create: Callable[[], Any]
+        round_id: Optional[RoundId],
+        request: "GroupRequest",
+        options: GroupOptions,
+        name: Optional[str],
+        ranks: list[int],
+        create: Callable[[], Any],
     ) -> Any:
         """Run a torch group constructor under hypergrid's name, its failures named with the group."""
         try:
@@ -545,16 +426,11 @@ class GroupRegistry:
         except Exception as exc:
             members = request.members
             shown = describe_ranks(members) if members is not None else "none (not a member)"
-            who = explain_creation_failure(request.label, members or (), request.agreement)
+            who = explain_creation_failure(request.label, members or (), request.agreement, round_id)
             raise GroupCreationError(
                 f"creating process group {request.label!r} with members {shown} failed: "
                 f"{type(exc).__name__}: {exc}" + (f"; {who}" if who else "")
             ) from exc
-
-
-def _a_group_without(rank: int) -> list[int]:
-    """A one-rank split that does not hold ``rank``: what a non-member passes to split_group."""
-    return [1 if rank == 0 else 0]
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,8 @@ import torch.distributed as dist
 
 from . import _mesh_compat as compat
 from .errors import HypergridError
-from .groups import REGISTRY, GroupOptions
+from .group_options import GroupOptions
+from .groups import REGISTRY
 from .layout import Dims, GridLayout
 from .mesh_groups import register_mesh_root
 

@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ._mesh_compat import MeshDimRequest, install_mesh_router, rank_map_of
-from .groups import GroupOptions, same_as_world
+from .group_options import GroupOptions, same_as_world
 from .layout import Partition
 from .strategy import resolve_strategy
 

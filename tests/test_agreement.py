@@ -44,20 +44,35 @@ def _job_store_keys_over_cycles(rank: int, world_size: int) -> list:
     written: set = set()
 
     class Recording:
-        """The job's store, noting every key hypergrid's agreement writes."""
+        """A store, noting every key hypergrid's agreement writes (through its clones too)."""
+
+        def __init__(self, store):
+            self._store = store
 
         def __getattr__(self, name):
-            return getattr(real, name)
+            return getattr(self._store, name)
+
+        def clone(self):
+            return Recording(self._store.clone())
 
         def set(self, key, value):
             written.add(key)
-            return real.set(key, value)
+            return self._store.set(key, value)
 
         def multi_set(self, keys, values):
             written.update(keys)
-            return real.multi_set(keys, values)
+            return self._store.multi_set(keys, values)
 
-    agreement.default_store = lambda: Recording()
+        def compare_set(self, key, expected, desired):
+            written.add(key)
+            return self._store.compare_set(key, expected, desired)
+
+        def add(self, key, amount):
+            written.add(key)
+            return self._store.add(key, amount)
+
+    recording = Recording(real)
+    agreement.default_store = lambda: recording
     per_cycle = []
     for _ in range(4):
         grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=TIMEOUT_S))
@@ -119,13 +134,15 @@ def test_agreeing_ranks_create_every_group():
 @pytest.mark.gloo
 def test_re_creating_groups_does_not_grow_the_store():
     # Entries are per member set, overwritten by later rounds; a verdict is per round, and its
-    # leader deletes it when the same members meet again: four create/destroy cycles leave as
-    # many keys in the store as the first one (a key per round kept would grow with every cycle).
+    # leader deletes it when the same members meet again; the epoch and the mark of what was
+    # deleted are one key each per member set: four create/destroy cycles leave as many keys in
+    # the store as the first one (a key per round kept would grow with every cycle).
     for per_cycle in run_gloo(_job_store_keys_over_cycles, 4, timeout=90, pg_timeout_s=TIMEOUT_S):
         assert per_cycle[0], per_cycle
         assert all(len(keys) == len(per_cycle[0]) for keys in per_cycle), per_cycle
-        # this rank's last state, plus an entry and a verdict for each of its 3 groups at most
-        assert len(per_cycle[0]) <= 1 + 2 * len(REQUESTS), per_cycle[0]
+        # this rank's last state, plus an entry, a verdict, an epoch and a cleanup mark for each of
+        # its 3 groups at most
+        assert len(per_cycle[0]) <= 1 + 4 * len(REQUESTS), per_cycle[0]
 
 
 @pytest.mark.gloo
@@ -209,7 +226,7 @@ class _LostStore(dist.Store):
     def _gone(self, *args, **kwargs):
         raise dist.DistNetworkError("Failed to recv, got 0 bytes. Connection was likely closed.")
 
-    set = get = check = multi_get = multi_set = wait = _gone
+    set = get = check = multi_get = multi_set = wait = add = compare_set = append = delete_key = _gone
 
 
 def _make_agreement():

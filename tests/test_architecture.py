@@ -36,6 +36,7 @@ LAYERS = {
     # group creation
     "strategy": 2,
     "agreement": 2,
+    "group_options": 2,
     "groups": 3,
     # the public grid
     "grid": 4,

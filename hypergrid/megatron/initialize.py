@@ -18,7 +18,6 @@ from its version number.
 from __future__ import annotations
 
 import inspect
-import itertools
 import logging
 import os
 from datetime import timedelta
@@ -30,8 +29,9 @@ from megatron.core import parallel_state as ps
 
 from ..errors import UnsupportedTorchError
 from ..grid import HyperCommGrid
-from ..agreement import world_checkpoint
-from ..groups import REGISTRY, GroupOptions, effective_timeout, same_as_world
+from ..agreement import within_step, world_checkpoint, world_start
+from ..group_options import GroupOptions, effective_timeout, same_as_world
+from ..groups import REGISTRY
 from ..strategy import resolve_strategy
 from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
 from .features import MegatronFeatures
@@ -55,8 +55,6 @@ __all__ = [
 
 logger = logging.getLogger("hypergrid.megatron")
 
-# Initializations this process made: alike on every rank, so it names the end-of-init checkpoint.
-_checkpoints = itertools.count()
 
 # Globals whose groups Megatron-Core's destroy_model_parallel destroys itself (its gloo groups).
 _DESTROYED_BY_MEGATRON = (
@@ -258,19 +256,22 @@ def initialize_model_parallel(
     grids._members.update(members)
     # NCCL applies SHARP to the first communicator made with NCCL_COLLNET_ENABLE=1 only.
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
-    checkpoint = f"megatron#{next(_checkpoints)}"
     checkpoint_timeout = effective_timeout(GroupOptions(timeout=timeout))
+    # Every rank starts together, so the end's checkpoint is named alike on all of them whatever
+    # any rank did before (an earlier attempt that failed on some ranks only, say).
+    step = world_start("initialize_model_parallel", timeout=checkpoint_timeout)
     try:
-        _create_all(grids, options, to_world)
+        with within_step(step):  # a failure elsewhere ends this rank's waits too
+            _create_all(grids, options, to_world)
         _fill_parallel_state(grids)
     except Exception as exc:
         grids.release()
         # Ranks that got through every group of their own would otherwise go on and hang in their
         # first collective with this rank: they learn of the failure here.
-        world_checkpoint("initialize_model_parallel", checkpoint, exc, timeout=checkpoint_timeout)
+        world_checkpoint(step, exc, timeout=checkpoint_timeout)
         raise
     try:
-        world_checkpoint("initialize_model_parallel", checkpoint, None, timeout=checkpoint_timeout)
+        world_checkpoint(step, None, timeout=checkpoint_timeout)
     except Exception:
         grids.release()
         raise
