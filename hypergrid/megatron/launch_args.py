@@ -443,7 +443,7 @@ def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[
 
 
 def plan_from_megatron_args(
-    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None
+    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None, *, features: Any = None
 ) -> Any:
     """The :class:`~hypergrid.report.Plan` of a Megatron-LM launch line for ``world_size`` ranks.
 
@@ -451,7 +451,9 @@ def plan_from_megatron_args(
     the one :func:`hypergrid.report.plan_megatron` returns for the same sizes. ``world_size``
     (Megatron-LM reads it from ``WORLD_SIZE``) may be left out when the launch line sets
     ``WORLD_SIZE=N``; both given and different is an error. Sizes that do not fit the world raise
-    :class:`MegatronArgsError` naming the flags, as Megatron-LM would name them.
+    :class:`MegatronArgsError` naming the flags, as Megatron-LM would name them. ``features`` is
+    the megatron-core version planned for (see :func:`hypergrid.megatron.plan.plan_model_parallel`;
+    None: the groups every supported version makes).
 
     Example::
 
@@ -479,7 +481,8 @@ def plan_from_megatron_args(
             "pass world_size (hypergrid plan --world-size N)"
         )
     try:
-        return plan_megatron(world, **launch.megatron_kwargs())
+        extra = {} if features is None else {"features": features}
+        return plan_megatron(world, **launch.megatron_kwargs(), **extra)
     except ValueError as exc:
         message, flag = _with_flag_names(str(exc), launch, world)
         raise MegatronArgsError(message, flag) from None
