@@ -55,21 +55,32 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------------- arguments
+def _empty_entry(text: str) -> str:
+    # Every entry counts: "2,,2" is a typo to point at, not the grid 2,2.
+    empty = [i for i, v in enumerate(text.split(","), 1) if not v.strip()]
+    return f" (entry {empty[0]} is empty)" if empty else ""
+
+
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,4, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one size, got {text!r}")
-    return values
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,4, got {text!r}"
+                                         f"{_empty_entry(text)}") from None
 
 
 def _name_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated dim names like tp,cp,dp, got {text!r}")
+    values = [v.strip() for v in text.split(",")]
+    if not all(values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated dim names like tp,cp,dp, got {text!r}"
+                                         f"{_empty_entry(text)}")
     return values
+
+
+def _order(text: str) -> str:
+    if not text.strip():  # an empty order would silently plan the default one
+        raise argparse.ArgumentTypeError(f"expected a Megatron order like tp-cp-ep-dp-pp, got {text!r}")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -103,7 +114,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=_positive,
                    help="data-parallel size: checked against what the world leaves; without --world-size, "
                         "the world is tp x cp x pp x dp")
-    g.add_argument("--order", help="Megatron order, first dim fastest (default tp-cp-ep-dp-pp)")
+    g.add_argument("--order", type=_order, help="Megatron order, first dim fastest (default tp-cp-ep-dp-pp)")
     f = p.add_argument_group("or a free grid")
     f.add_argument("--shape", type=_int_list, help="sizes, e.g. 2,3,4")
     f.add_argument("--dims", type=_name_list, help="dim names, first fastest, e.g. tp,cp,dp")
@@ -241,7 +252,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name in ("tp", "pp", "cp", "ep", "etp"):
         sizes.add_argument(f"--{name}", type=_positive, default=None)
-    d.add_argument("--order", default="tp-cp-ep-dp-pp")
+    d.add_argument("--order", type=_order, default="tp-cp-ep-dp-pp")
     d.add_argument("--timeout", type=_positive, default=120, help="seconds for the whole run (default 120)")
     d.add_argument("--no-megatron", action="store_true", help="skip Megatron parallel_state even if available")
     d.add_argument("--no-mesh", action="store_true", help="skip the DeviceMesh even if available")
