@@ -4,7 +4,8 @@ Only argument handling and printing live here; the work is done by :mod:`hypergr
 (plans), :mod:`hypergrid.viz` (pictures), :mod:`hypergrid.parity` (comparison with
 Megatron-Core), :mod:`hypergrid.demo` (the gloo demo) and the scripts in ``benchmarks/``.
 
-Bad input prints one line, ``hypergrid: error: ...``, and exits with status 2.
+Bad input prints one line, ``hypergrid: error: ...``, and exits with status 2; output that cannot
+be written (a full disk) one such line and status 1 (:mod:`hypergrid.console`).
 
 Example::
 
@@ -27,6 +28,7 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .console import OutputError, Progress, drop_stdout, out
 from .parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
 from .report import MAX_ENUMERATED_RANKS
 
@@ -52,6 +54,12 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse prints the whole usage block; one line says what is wrong and where to look.
         raise UsageError(f"{message} (see: {self.prog} --help)")
+
+    def print_help(self, file=None) -> None:  # type: ignore[no-untyped-def]
+        # argparse drops a failed write; --help on a full disk is an error like any other output.
+        if file is not None and file is not sys.stdout:
+            return super().print_help(file)
+        out(self.format_help(), end="")
 
 
 # ---------------------------------------------------------------------------- arguments
@@ -308,11 +316,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "max": max_cost(plan, comm_memory_mb=mb).as_dict(),
     }
     if args.format == "json":
-        print(json.dumps(data, indent=1))
+        out(json.dumps(data, indent=1))
     elif args.format == "csv":
-        print(plan_csv(data))
+        out(plan_csv(data))
     else:
-        print(plan_table(plan, data))
+        out(plan_table(plan, data))
     if pictures:
         pic = picture(plan, args.kinds, args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain)
         for path, fmt in pictures:
@@ -332,7 +340,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = _plan_from_args(args)
     sample = True if args.sample else False if args.full else None
     start = time.perf_counter()
-    progress = _Progress("comparing")
+    progress = Progress("comparing")
     result = compare_with_megatron(plan, progress=progress, sample=sample, seed=args.seed,
                                    groups_per_kind=args.groups)
     progress.done()
@@ -340,51 +348,23 @@ def _cmd_check(args: argparse.Namespace) -> int:
     generator = (f"{result.compared_rank_generator} RankGenerator.get_ranks on a sample of "
                  f"{result.sampled_groups} groups" if result.sampled else
                  f"{result.compared_rank_generator} RankGenerator.get_ranks")
-    print(
+    out(
         f"compared {result.compared} enumerations with megatron-core "
         f"({result.compared_hyper_comm_grid} HyperCommGrid.get_rank_enum, {generator}) "
         f"for {plan.world_size} ranks in {elapsed:.2f}s"
     )
     if result.sampled:
-        print(f"sampled (seed {result.seed}): per kind, the groups of the first and last rank, of each "
+        out(f"sampled (seed {result.seed}): per kind, the groups of the first and last rank, of each "
               f"pipeline stage's first rank and of random ranks, up to {args.groups}, computed by "
               f"Megatron-Core's generate_masked_orthogonal_rank_groups for those groups only; "
               + ("--full compares every group" if plan.world_size <= MAX_ENUMERATED_RANKS else
                  f"worlds over {MAX_ENUMERATED_RANKS} ranks are too large to compare in full"))
     for skipped in result.not_compared:
-        print(f"not compared: {skipped}")
+        out(f"not compared: {skipped}")
     for line in result.differences:
-        print(f"DIFFERENCE {line}")
-    print("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
+        out(f"DIFFERENCE {line}")
+    out("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
     return EXIT_OK if result.ok else EXIT_FAILED
-
-
-#: Off a terminal, how often a long command says what it is doing.
-_PROGRESS_EVERY_S = 5.0
-
-
-class _Progress:
-    """What a long command is doing, on stderr: rewritten in place on a terminal; elsewhere (a
-    log, a pipe) a plain line every few seconds, so that a slow step never looks like a hang."""
-
-    def __init__(self, verb: str) -> None:
-        self.verb, self.every_s = verb, _PROGRESS_EVERY_S
-        self.count, self.last = 0, time.monotonic()
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, what: str) -> None:
-        self.count += 1
-        if self.tty:
-            sys.stderr.write(f"\r\033[K{self.verb} {self.count}: {what}")
-            sys.stderr.flush()
-        elif time.monotonic() - self.last >= self.every_s:
-            print(f"... {self.verb} {self.count}: {what}", file=sys.stderr, flush=True)
-            self.last = time.monotonic()
-
-    def done(self) -> None:
-        if self.tty and self.count:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------- demo, bench
@@ -411,7 +391,7 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             traceback.print_exc()
             return EXIT_FAILED
         if report is not None:  # rank 0
-            print(demo.format_report(report))
+            out(demo.format_report(report))
             return EXIT_OK if report.ok else EXIT_FAILED
         return EXIT_OK
     world = args.world_size or demo.DEFAULT_WORLD_SIZE
@@ -419,11 +399,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     argv = [sys.executable, "-m", "hypergrid", "demo", "--worker", f"--order={config.order}", f"--timeout={args.timeout}"]
     argv += [f"--{n}={getattr(config, n)}" for n in ("tp", "pp", "cp", "ep", "etp") if getattr(config, n) is not None]
     argv += (["--no-megatron"] if args.no_megatron else []) + (["--no-mesh"] if args.no_mesh else [])
-    print(f"launching {world} local gloo ranks ...", flush=True)
+    out(f"launching {world} local gloo ranks ...")
     outcome = demo.launch(world, argv, timeout_s=float(args.timeout))
     for line in demo.describe_failures(outcome.failures):
         print(line, file=sys.stderr)
-    print(f"{world} ranks {'finished' if outcome.ok else 'FAILED'} in {outcome.seconds:.1f}s (wall, start-up included)")
+    out(f"{world} ranks {'finished' if outcome.ok else 'FAILED'} in {outcome.seconds:.1f}s (wall, start-up included)")
     return EXIT_OK if outcome.ok else EXIT_FAILED
 
 
@@ -443,7 +423,7 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
             )
             status = EXIT_USAGE
             continue
-        print(f"== {name}: {script} {' '.join(extra)}".rstrip(), flush=True)
+        out(f"== {name}: {script} {' '.join(extra)}".rstrip())
         # Inherited stdout, unbuffered: the script's own lines are the progress, as they come.
         proc = subprocess.run([sys.executable, "-u", str(script), *extra], check=False)
         if proc.returncode != 0:
@@ -454,7 +434,8 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 # ---------------------------------------------------------------------------- entry point
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 failed check, 2 bad input).
+    """Run the command line; returns the exit status (0 ok, 1 failed check or unwritable output,
+    2 bad input).
 
     Example::
 
@@ -470,7 +451,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     try:
-        args, unknown = parser.parse_known_args(argv)
+        try:
+            args, unknown = parser.parse_known_args(argv)
+        except SystemExit:
+            out()
+            raise
         if unknown:
             # Told by the subcommand, whose --help lists what it takes (argparse blames the top).
             where = f"hypergrid {args.command}" if args.command else "hypergrid"
@@ -499,8 +484,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print("hypergrid: interrupted", file=sys.stderr)
         return 130
+    except OutputError as exc:
+        drop_stdout()
+        print(f"hypergrid: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:
         # `hypergrid plan ... | head` closes the pipe early; that is not an error.
+        drop_stdout()
         return EXIT_OK
 
 

@@ -16,7 +16,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from hypergrid import HyperCommGrid, cli
+from hypergrid import HyperCommGrid, cli, console
 from hypergrid.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.megatron import plan_model_parallel
 from hypergrid.report import describe_members, plan_grid, plan_megatron
@@ -298,7 +298,7 @@ def test_dp_is_accepted_and_checked_against_the_world(capsys):
 
 def test_check_says_what_it_compares_while_it_runs(capsys, monkeypatch):
     # Off a terminal a line every few seconds; here every step, to see them.
-    monkeypatch.setattr(cli, "_PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
     assert cli.main(["check", "--world-size", "16", "--tp", "2", "--ep", "2"]) == 0
     captured = capsys.readouterr()
     assert "identical to megatron-core" in captured.out
@@ -346,3 +346,40 @@ def test_plan_json_lists_groups_in_full_up_to_the_listed_limit(capsys):
     rows = {row[0]: row for row in csv.reader(io.StringIO(capsys.readouterr().out))}
     assert rows["dp"][-2] == f"1, 3, 5, 7, 9, 11, 13, ..., {2 * LISTED_MEMBERS + 1} ({LISTED_MEMBERS + 1} ranks, step 2)"
     assert rows["tp"][-2] == "2 3"
+
+
+# Every subcommand that writes to stdout; each is in-process (stdout a file on /dev/full).
+FULL_DISK = [
+    ["plan", "--world-size", "64", "--tp", "8"],
+    ["plan", "--world-size", "64", "--tp", "8", "--rank", "3", "--json"],
+    ["plan", "--world-size", "64", "--tp", "8", "--csv"],
+    ["check", "--world-size", "16", "--tp", "2"],
+    ["demo", "-n", "2", "--tp", "1", "--pp", "1"],
+    ["bench", "grid"],
+    ["plan", "--help"],
+    [],
+]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", FULL_DISK, ids=[" ".join(a[:2]) or "no command" for a in FULL_DISK])
+def test_a_full_disk_is_one_error_line_and_status_1(argv, monkeypatch, capsys, tmp_path):
+    if argv[:1] == ["bench"]:
+        (tmp_path / "bench_grid.py").write_text("pass\n")
+        argv = [*argv, "--bench-dir", str(tmp_path)]
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        status = cli.main(argv)
+    assert status == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "hypergrid: error: cannot write the output: No space left on device", err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_leaves_no_traceback_at_exit():
+    # The real stream: what is still buffered must not fail again while the interpreter exits.
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "hypergrid", "plan", "--world-size", "4096", "--tp", "8",
+                               "--rank", "5", "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == "hypergrid: error: cannot write the output: No space left on device\n"
