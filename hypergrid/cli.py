@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -264,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--timeout", type=_positive, default=120, help="seconds for the whole run (default 120)")
     d.add_argument("--no-megatron", action="store_true", help="skip Megatron parallel_state even if available")
     d.add_argument("--no-mesh", action="store_true", help="skip the DeviceMesh even if available")
+    d.add_argument("--ignore-machine-limit", action="store_true",
+                   help="launch even more ranks than this machine's CPUs and memory can run (see docs/cli.md)")
     d.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
     b = sub.add_parser(
@@ -396,6 +399,8 @@ def _cmd_demo(args: argparse.Namespace) -> int:
         return EXIT_OK
     world = args.world_size or demo.DEFAULT_WORLD_SIZE
     config.check(world)
+    if not args.ignore_machine_limit:
+        demo.machine_limit(world, float(args.timeout))  # before any process starts, in well under a second
     argv = [sys.executable, "-m", "hypergrid", "demo", "--worker", f"--order={config.order}", f"--timeout={args.timeout}"]
     argv += [f"--{n}={getattr(config, n)}" for n in ("tp", "pp", "cp", "ep", "etp") if getattr(config, n) is not None]
     argv += (["--no-megatron"] if args.no_megatron else []) + (["--no-mesh"] if args.no_mesh else [])
@@ -435,7 +440,7 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 # ---------------------------------------------------------------------------- entry point
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failed check or unwritable output,
-    2 bad input).
+    2 bad input, 128 + N after signal N stopped a demo).
 
     Example::
 
@@ -481,9 +486,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError as exc:
         print(f"hypergrid: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("hypergrid: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        # The demo's launcher has killed its ranks by now (hypergrid.launcher.LaunchInterrupted).
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"hypergrid: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
     except OutputError as exc:
         drop_stdout()
         print(f"hypergrid: error: {exc}", file=sys.stderr)

@@ -383,3 +383,33 @@ def test_a_full_disk_leaves_no_traceback_at_exit():
                                "--rank", "5", "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
     assert proc.returncode == 1
     assert proc.stderr == "hypergrid: error: cannot write the output: No space left on device\n"
+
+
+def test_demo_refuses_a_world_this_machine_cannot_run():
+    # Was: 100,000 processes started, and the machine ran out of memory. Refused before any
+    # process starts (stdout says nothing was launched).
+    proc = _run("demo", "-n", "100000", timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert "\n" not in err and err.startswith("hypergrid: error: demo --world-size 100000 is more local ranks"), err
+    for word in ("at most", "CPUs x 120 s / 6 CPU-s per rank", "600 MB per rank", "--ignore-machine-limit"):
+        assert word in err, (word, err)
+
+
+def test_demo_limit_follows_the_machine_and_can_be_overridden_by_name(monkeypatch, capsys):
+    from hypergrid import demo
+    from hypergrid.launcher import LaunchOutcome, Machine
+
+    monkeypatch.setattr(demo, "probe_machine", lambda: Machine(cpus=2, available_bytes=8 << 30))
+    launched = []
+    monkeypatch.setattr(demo, "launch", lambda world, argv, timeout_s: launched.append(world) or LaunchOutcome(True, 0.1, {}))
+    assert cli.main(["demo", "-n", "12", "--tp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 10 (2 CPUs x 120 s / 6 CPU-s per rank = 40; 8.0 GiB available x 0.8 / 600 MB per rank = 10;" in err
+    assert "a longer --timeout" not in err and not launched  # memory binds: more time would not help
+    assert cli.main(["demo", "-n", "10", "--tp", "1"]) == 0 and launched == [10]
+    assert cli.main(["demo", "-n", "12", "--tp", "1", "--ignore-machine-limit"]) == 0 and launched == [10, 12]
+    monkeypatch.setattr(demo, "probe_machine", lambda: Machine(cpus=1, available_bytes=None))
+    assert cli.main(["demo", "-n", "4", "--tp", "1", "--timeout", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 2 (1 CPUs x 12 s / 6 CPU-s per rank = 2; memory unknown;" in err and "a longer --timeout" in err
