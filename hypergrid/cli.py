@@ -4,7 +4,8 @@ Only argument handling and printing live here; the work is done by :mod:`hypergr
 (plans), :mod:`hypergrid.viz` (pictures), :mod:`hypergrid.parity` (comparison with
 Megatron-Core), :mod:`hypergrid.demo` (the gloo demo) and the scripts in ``benchmarks/``.
 
-Bad input prints one line, ``hypergrid: error: ...``, and exits with status 2.
+Bad input prints one line, ``hypergrid: error: ...``, and exits with status 2; output that cannot
+be written (a full disk) one such line and status 1 (:mod:`hypergrid.console`).
 
 Example::
 
@@ -20,6 +21,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .console import OutputError, Progress, drop_stdout, out
 from .parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
 from .report import MAX_ENUMERATED_RANKS
 
@@ -53,23 +56,40 @@ class _Parser(argparse.ArgumentParser):
         # argparse prints the whole usage block; one line says what is wrong and where to look.
         raise UsageError(f"{message} (see: {self.prog} --help)")
 
+    def print_help(self, file=None) -> None:  # type: ignore[no-untyped-def]
+        # argparse drops a failed write; --help on a full disk is an error like any other output.
+        if file is not None and file is not sys.stdout:
+            return super().print_help(file)
+        out(self.format_help(), end="")
+
 
 # ---------------------------------------------------------------------------- arguments
+def _empty_entry(text: str) -> str:
+    # Every entry counts: "2,,2" is a typo to point at, not the grid 2,2.
+    empty = [i for i, v in enumerate(text.split(","), 1) if not v.strip()]
+    return f" (entry {empty[0]} is empty)" if empty else ""
+
+
 def _int_list(text: str) -> list[int]:
     try:
-        values = [int(v) for v in text.split(",") if v.strip()]
+        return [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,4, got {text!r}") from None
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected at least one size, got {text!r}")
-    return values
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,4, got {text!r}"
+                                         f"{_empty_entry(text)}") from None
 
 
 def _name_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
-    if not values:
-        raise argparse.ArgumentTypeError(f"expected comma-separated dim names like tp,cp,dp, got {text!r}")
+    values = [v.strip() for v in text.split(",")]
+    if not all(values):
+        raise argparse.ArgumentTypeError(f"expected comma-separated dim names like tp,cp,dp, got {text!r}"
+                                         f"{_empty_entry(text)}")
     return values
+
+
+def _order(text: str) -> str:
+    if not text.strip():  # an empty order would silently plan the default one
+        raise argparse.ArgumentTypeError(f"expected a Megatron order like tp-cp-ep-dp-pp, got {text!r}")
+    return text
 
 
 def _positive(text: str) -> int:
@@ -103,7 +123,7 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--dp", type=_positive,
                    help="data-parallel size: checked against what the world leaves; without --world-size, "
                         "the world is tp x cp x pp x dp")
-    g.add_argument("--order", help="Megatron order, first dim fastest (default tp-cp-ep-dp-pp)")
+    g.add_argument("--order", type=_order, help="Megatron order, first dim fastest (default tp-cp-ep-dp-pp)")
     f = p.add_argument_group("or a free grid")
     f.add_argument("--shape", type=_int_list, help="sizes, e.g. 2,3,4")
     f.add_argument("--dims", type=_name_list, help="dim names, first fastest, e.g. tp,cp,dp")
@@ -241,10 +261,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for name in ("tp", "pp", "cp", "ep", "etp"):
         sizes.add_argument(f"--{name}", type=_positive, default=None)
-    d.add_argument("--order", default="tp-cp-ep-dp-pp")
+    d.add_argument("--order", type=_order, default="tp-cp-ep-dp-pp")
     d.add_argument("--timeout", type=_positive, default=120, help="seconds for the whole run (default 120)")
     d.add_argument("--no-megatron", action="store_true", help="skip Megatron parallel_state even if available")
     d.add_argument("--no-mesh", action="store_true", help="skip the DeviceMesh even if available")
+    d.add_argument("--ignore-machine-limit", action="store_true",
+                   help="launch even more ranks than this machine's CPUs and memory can run (see docs/cli.md)")
     d.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
 
     b = sub.add_parser(
@@ -297,11 +319,11 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "max": max_cost(plan, comm_memory_mb=mb).as_dict(),
     }
     if args.format == "json":
-        print(json.dumps(data, indent=1))
+        out(json.dumps(data, indent=1))
     elif args.format == "csv":
-        print(plan_csv(data))
+        out(plan_csv(data))
     else:
-        print(plan_table(plan, data))
+        out(plan_table(plan, data))
     if pictures:
         pic = picture(plan, args.kinds, args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain)
         for path, fmt in pictures:
@@ -321,7 +343,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     plan = _plan_from_args(args)
     sample = True if args.sample else False if args.full else None
     start = time.perf_counter()
-    progress = _Progress("comparing")
+    progress = Progress("comparing")
     result = compare_with_megatron(plan, progress=progress, sample=sample, seed=args.seed,
                                    groups_per_kind=args.groups)
     progress.done()
@@ -329,51 +351,23 @@ def _cmd_check(args: argparse.Namespace) -> int:
     generator = (f"{result.compared_rank_generator} RankGenerator.get_ranks on a sample of "
                  f"{result.sampled_groups} groups" if result.sampled else
                  f"{result.compared_rank_generator} RankGenerator.get_ranks")
-    print(
+    out(
         f"compared {result.compared} enumerations with megatron-core "
         f"({result.compared_hyper_comm_grid} HyperCommGrid.get_rank_enum, {generator}) "
         f"for {plan.world_size} ranks in {elapsed:.2f}s"
     )
     if result.sampled:
-        print(f"sampled (seed {result.seed}): per kind, the groups of the first and last rank, of each "
+        out(f"sampled (seed {result.seed}): per kind, the groups of the first and last rank, of each "
               f"pipeline stage's first rank and of random ranks, up to {args.groups}, computed by "
               f"Megatron-Core's generate_masked_orthogonal_rank_groups for those groups only; "
               + ("--full compares every group" if plan.world_size <= MAX_ENUMERATED_RANKS else
                  f"worlds over {MAX_ENUMERATED_RANKS} ranks are too large to compare in full"))
     for skipped in result.not_compared:
-        print(f"not compared: {skipped}")
+        out(f"not compared: {skipped}")
     for line in result.differences:
-        print(f"DIFFERENCE {line}")
-    print("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
+        out(f"DIFFERENCE {line}")
+    out("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
     return EXIT_OK if result.ok else EXIT_FAILED
-
-
-#: Off a terminal, how often a long command says what it is doing.
-_PROGRESS_EVERY_S = 5.0
-
-
-class _Progress:
-    """What a long command is doing, on stderr: rewritten in place on a terminal; elsewhere (a
-    log, a pipe) a plain line every few seconds, so that a slow step never looks like a hang."""
-
-    def __init__(self, verb: str) -> None:
-        self.verb, self.every_s = verb, _PROGRESS_EVERY_S
-        self.count, self.last = 0, time.monotonic()
-        self.tty = sys.stderr.isatty()
-
-    def __call__(self, what: str) -> None:
-        self.count += 1
-        if self.tty:
-            sys.stderr.write(f"\r\033[K{self.verb} {self.count}: {what}")
-            sys.stderr.flush()
-        elif time.monotonic() - self.last >= self.every_s:
-            print(f"... {self.verb} {self.count}: {what}", file=sys.stderr, flush=True)
-            self.last = time.monotonic()
-
-    def done(self) -> None:
-        if self.tty and self.count:
-            sys.stderr.write("\r\033[K")
-            sys.stderr.flush()
 
 
 # ---------------------------------------------------------------------------- demo, bench
@@ -400,19 +394,21 @@ def _cmd_demo(args: argparse.Namespace) -> int:
             traceback.print_exc()
             return EXIT_FAILED
         if report is not None:  # rank 0
-            print(demo.format_report(report))
+            out(demo.format_report(report))
             return EXIT_OK if report.ok else EXIT_FAILED
         return EXIT_OK
     world = args.world_size or demo.DEFAULT_WORLD_SIZE
     config.check(world)
+    if not args.ignore_machine_limit:
+        demo.machine_limit(world, float(args.timeout))  # before any process starts, in well under a second
     argv = [sys.executable, "-m", "hypergrid", "demo", "--worker", f"--order={config.order}", f"--timeout={args.timeout}"]
     argv += [f"--{n}={getattr(config, n)}" for n in ("tp", "pp", "cp", "ep", "etp") if getattr(config, n) is not None]
     argv += (["--no-megatron"] if args.no_megatron else []) + (["--no-mesh"] if args.no_mesh else [])
-    print(f"launching {world} local gloo ranks ...", flush=True)
+    out(f"launching {world} local gloo ranks ...")
     outcome = demo.launch(world, argv, timeout_s=float(args.timeout))
     for line in demo.describe_failures(outcome.failures):
         print(line, file=sys.stderr)
-    print(f"{world} ranks {'finished' if outcome.ok else 'FAILED'} in {outcome.seconds:.1f}s (wall, start-up included)")
+    out(f"{world} ranks {'finished' if outcome.ok else 'FAILED'} in {outcome.seconds:.1f}s (wall, start-up included)")
     return EXIT_OK if outcome.ok else EXIT_FAILED
 
 
@@ -432,7 +428,7 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
             )
             status = EXIT_USAGE
             continue
-        print(f"== {name}: {script} {' '.join(extra)}".rstrip(), flush=True)
+        out(f"== {name}: {script} {' '.join(extra)}".rstrip())
         # Inherited stdout, unbuffered: the script's own lines are the progress, as they come.
         proc = subprocess.run([sys.executable, "-u", str(script), *extra], check=False)
         if proc.returncode != 0:
@@ -443,7 +439,8 @@ def _cmd_bench(args: argparse.Namespace, extra: list[str]) -> int:
 
 # ---------------------------------------------------------------------------- entry point
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """Run the command line; returns the exit status (0 ok, 1 failed check, 2 bad input).
+    """Run the command line; returns the exit status (0 ok, 1 failed check or unwritable output,
+    2 bad input, 128 + N after signal N stopped a demo).
 
     Example::
 
@@ -459,7 +456,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv, extra = argv[:cut], argv[cut + 1:]
     parser = build_parser()
     try:
-        args, unknown = parser.parse_known_args(argv)
+        try:
+            args, unknown = parser.parse_known_args(argv)
+        except SystemExit:
+            out()
+            raise
         if unknown:
             # Told by the subcommand, whose --help lists what it takes (argparse blames the top).
             where = f"hypergrid {args.command}" if args.command else "hypergrid"
@@ -485,11 +486,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError as exc:
         print(f"hypergrid: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    except KeyboardInterrupt:
-        print("hypergrid: interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        # The demo's launcher has killed its ranks by now (hypergrid.launcher.LaunchInterrupted).
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"hypergrid: interrupted ({signal.Signals(signum).name})", file=sys.stderr)
+        return 128 + signum
+    except OutputError as exc:
+        drop_stdout()
+        print(f"hypergrid: error: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     except BrokenPipeError:
         # `hypergrid plan ... | head` closes the pipe early; that is not an error.
+        drop_stdout()
         return EXIT_OK
 
 

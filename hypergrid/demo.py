@@ -2,9 +2,11 @@
 
 Two ways to run, one code path per rank:
 
-* :func:`launch` starts ``world_size`` local processes (``python -m hypergrid demo --worker``)
-  with the environment torchrun would give them, on a free loopback port, and waits for them
-  with a deadline; on failure or timeout it kills every one it started.
+* :func:`launch` (:mod:`hypergrid.launcher`) starts ``world_size`` local processes
+  (``python -m hypergrid demo --worker``) with the environment torchrun would give them, on a
+  free loopback port, in one process group, and waits for them with a deadline; on failure,
+  timeout, SIGINT or SIGTERM it kills the group. :func:`machine_limit` first refuses a world
+  this machine cannot hold.
 * :func:`run_rank` is what each rank does, under :func:`launch` or under ``torchrun``: join a
   gloo world, build the grid of a Megatron layout (dense dims plus the expert view), create every
   group kind, the Megatron-Core ``parallel_state`` groups through :mod:`hypergrid.megatron` and a
@@ -32,14 +34,14 @@ import datetime
 import importlib
 import logging
 import os
-import socket
-import subprocess
-import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
+from .launcher import (
+    LaunchInterrupted, LaunchOutcome, LocalLimit, Machine, RankCost, launch, local_rank_limit, probe_machine,
+)
 from .report import Plan, describe_members, plan_megatron
 
 __all__ = [
@@ -48,6 +50,9 @@ __all__ = [
     "GroupResult",
     "DemoReport",
     "LaunchOutcome",
+    "LaunchInterrupted",
+    "RANK_COST",
+    "machine_limit",
     "describe_failures",
     "launched_by_torchrun",
     "launch",
@@ -58,6 +63,35 @@ __all__ = [
 logger = logging.getLogger("hypergrid.demo")
 
 DEFAULT_WORLD_SIZE = 8
+
+#: What one demo rank takes at most, measured with the Megatron and mesh sections on a 2-core
+#: machine (a rank's peak proportional set size, and its CPU time): 596 MB and 6.1 CPU-s with
+#: torch 2.15 (CUDA wheel) and megatron-core 0.19.2 on 8 ranks, 285 MB and 4.6 CPU-s with torch
+#: 2.13 (CPU) and megatron-core 0.16.1 on 8 and 16 ranks. The larger of each, rounded up, so that
+#: a world the limit allows fits where ranks cost the most measured.
+RANK_COST = RankCost(memory_mb=600, cpu_s=6.0)
+
+
+def machine_limit(world_size: int, timeout_s: float, machine: Optional[Machine] = None) -> LocalLimit:
+    """The most demo ranks this machine (default: :func:`~hypergrid.launcher.probe_machine`) runs
+    within ``timeout_s``; ValueError, with the limit and how it was found, if ``world_size`` exceeds it.
+
+    Example::
+
+        >>> machine_limit(100_000, 120, Machine(cpus=2, available_bytes=8 << 30))   # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: demo --world-size 100000 is more local ranks than this machine runs: at most 10 (2 CPUs x 120 s ...
+    """
+    limit = local_rank_limit(probe_machine() if machine is None else machine, RANK_COST, timeout_s)
+    if world_size > limit.ranks:
+        raise ValueError(
+            f"demo --world-size {world_size} is more local ranks than this machine runs: at most {limit.ranks} "
+            f"({limit.why}; costs per rank as measured in docs/cli.md); give --world-size {limit.ranks} or less, "
+            f"{'a longer --timeout, ' if limit.by_cpu == limit.ranks else ''}or --ignore-machine-limit to launch anyway"
+        )
+    return limit
+
 
 @dataclass
 class DemoConfig:
@@ -132,15 +166,6 @@ class DemoReport:
         return bool(self.results) and all(r.verified for r in self.results)
 
 
-@dataclass
-class LaunchOutcome:
-    """How a local launch ended: ``failures`` maps a rank to its stderr (or why it was killed)."""
-
-    ok: bool
-    seconds: float
-    failures: dict[int, str]
-
-
 def describe_failures(failures: dict[int, str]) -> list[str]:
     """What a failed launch says, one line per distinct reason: ranks that failed alike together.
 
@@ -178,86 +203,6 @@ def launched_by_torchrun() -> bool:
         True
     """
     return all(v in os.environ for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR"))
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-# ---------------------------------------------------------------------------- launcher
-def launch(world_size: int, argv: list[str], *, timeout_s: float = 120.0) -> LaunchOutcome:
-    """Run ``argv`` as ``world_size`` local ranks with torchrun's environment; wait with a deadline.
-
-    Rank 0's stdout is this process's stdout; every rank's stderr is kept and returned for the
-    ranks that fail. When one rank fails the others get a few seconds to report, then every
-    process still running is killed, as on timeout, so none outlives the call.
-
-    Example::
-
-        >>> import sys
-        >>> launch(2, [sys.executable, "-c", "pass"], timeout_s=60).ok   # doctest: +SKIP
-        True
-    """
-    port = _free_port()
-    start = time.monotonic()
-    deadline = start + timeout_s
-    procs: list[subprocess.Popen] = []
-    logs = []
-    failures: dict[int, str] = {}
-    try:
-        for rank in range(world_size):
-            env = dict(os.environ)
-            env.update(
-                RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                # N ranks share this machine's cores; one thread each avoids oversubscription.
-                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-            )
-            log = tempfile.TemporaryFile(mode="w+")
-            logs.append(log)
-            procs.append(
-                subprocess.Popen(
-                    argv, env=env, stdout=None if rank == 0 else subprocess.DEVNULL, stderr=log,
-                    start_new_session=True,
-                )
-            )
-        first_failure: Optional[float] = None
-        while True:
-            # Poll every process each round (no short-circuit): a failure must be seen at once.
-            running = [p.poll() is None for p in procs]
-            if not any(running):
-                break
-            now = time.monotonic()
-            if now > deadline:
-                for rank, p in enumerate(procs):
-                    if p.poll() is None:
-                        failures[rank] = f"still running after {timeout_s:.0f}s: killed"
-                break
-            if first_failure is None and any(p.returncode not in (None, 0) for p in procs):
-                first_failure = now
-            # The others of a failed job would wait for it until their collective timeout.
-            if first_failure is not None and now - first_failure > 5.0:
-                for rank, p in enumerate(procs):
-                    if p.poll() is None:
-                        failures[rank] = "killed after another rank failed"
-                break
-            time.sleep(0.05)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, 9)
-        for p in procs:
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                p.wait(timeout=10)
-    for rank, (p, log) in enumerate(zip(procs, logs)):
-        if p.returncode != 0 and rank not in failures:
-            log.seek(0)
-            failures[rank] = f"exit status {p.returncode}\n" + log.read()[-4000:]
-        log.close()
-    return LaunchOutcome(ok=not failures, seconds=time.monotonic() - start, failures=failures)
 
 
 # ---------------------------------------------------------------------------- one rank

@@ -24,6 +24,7 @@ from typing import Any, Hashable, Optional
 import torch.distributed as dist
 
 from ._torch_compat import default_group_timeout, new_group_default_timeout
+from .group_args import backend_names, check_timeout
 
 __all__ = ["GroupOptions", "effective_timeout", "same_as_world"]
 
@@ -79,8 +80,8 @@ class GroupOptions:
             raise TypeError(
                 f"timeout must be a datetime.timedelta or None, got {type(self.timeout).__name__} {self.timeout!r}"
             )
-        if self.timeout is not None and self.timeout.total_seconds() <= 0:
-            raise ValueError(f"timeout must be positive, got {self.timeout}")
+        if self.timeout is not None:
+            check_timeout("timeout", self.timeout)  # torch's bounds, before torch fails on them
         if self.group_desc is not None and not isinstance(self.group_desc, str):
             raise TypeError(f"group_desc must be a str or None, got {type(self.group_desc).__name__} {self.group_desc!r}")
         # Keep the options object alive: an identity fingerprint must not be reused by another.
@@ -92,18 +93,8 @@ class GroupOptions:
 
 
 def _check_backend_known(backend: str) -> None:
-    """Refuse a backend torch has not registered, here rather than at the first create_pg.
-
-    ``backend`` may be one name (``"nccl"``) or torch's per-device form (``"cpu:gloo,cuda:nccl"``).
-    """
-    known = [name for name in dist.Backend.backend_list if name != "undefined"]
-    for part in backend.split(","):
-        name = part.split(":", 1)[-1].strip().lower()
-        if name not in known:
-            raise ValueError(
-                f"backend {backend!r}: {name!r} is not a backend torch knows; registered backends "
-                f"are {known} (a device-specific form like 'cpu:gloo,cuda:nccl' is accepted too)"
-            )
+    """Refuse a backend torch has not registered (or writes otherwise), here rather than at the first create_pg."""
+    backend_names(backend, [name for name in dist.Backend.backend_list if name != "undefined"])
 
 
 def effective_timeout(options: "GroupOptions") -> timedelta:

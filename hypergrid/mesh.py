@@ -243,12 +243,16 @@ def device_mesh(
         KeyError: an unknown ``view``.
         UnsupportedTorchError: the installed torch lacks a DeviceMesh internal this needs.
     """
+    from .grid import HyperCommGrid
+
+    if not isinstance(grid, HyperCommGrid):
+        raise TypeError(f"grid must be a hypergrid HyperCommGrid, got {type(grid).__name__} {grid!r}")
     compat.require_mesh_support()
     backend = grid.backend if grid.backend is not None else (dist.get_backend() if dist.is_initialized() else None)
     device = _check_device_type(device_type, backend)
-    layout = grid.layout if view is None else grid.views.get(view)
-    if layout is None:
-        raise KeyError(f"unknown view {view!r}; registered views: {sorted(grid.views)}")
+    # The grid's own check of view= (O(ndims)), so both say the same about an unknown view.
+    grid.coords(grid.rank_offset, view=view)
+    layout = grid.layout if view is None else grid.views[view]
     requests = _flatten_requests(layout, flatten)
     names = tuple(reversed(layout.dim_names))
     # Checked before any group is made, so a bad request leaves the grid as it was.

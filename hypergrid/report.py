@@ -44,6 +44,8 @@ __all__ = [
     "plan_megatron",
     "MAX_ENUMERATED_RANKS",
     "SAMPLED_RANKS_BUDGET",
+    "LISTED_MEMBERS",
+    "HEAD_MEMBERS",
     "member_runs",
 ]
 
@@ -102,6 +104,11 @@ def describe_members(members: Sequence[int], limit: int = 8) -> str:
 
 #: How many members, in all, a sampled summary of one kind lists (groups of a sample of ranks).
 SAMPLED_RANKS_BUDGET = 1 << 16
+#: The largest group :meth:`Plan.rank_groups` lists member by member (so a JSON plan of any world
+#: up to this many ranks lists every group in full); larger ones come as their first
+#: :data:`HEAD_MEMBERS` members, their last one and their size.
+LISTED_MEMBERS = 1 << 16
+HEAD_MEMBERS = 16
 
 class Anchor(str, enum.Enum):
     """Whose own way of creating a plan's groups hypergrid's sharing is compared with.
@@ -291,6 +298,28 @@ class Plan:
             out[kind.name] = None if group is None else {"size": len(group), "head": group[:head], "last": group[-1]}
         return out
 
+    def rank_groups(self, rank: int, listed: Optional[int] = None) -> dict[str, Any]:
+        """Per kind, ``rank``'s group as a list of members where it has at most ``listed``
+        (default :data:`LISTED_MEMBERS`), else as :meth:`group_heads` gives it (``{"size", "head",
+        "last"}``, the first :data:`HEAD_MEMBERS`); None where the rank is in no group of the kind.
+
+        What ``plan --json`` prints: any world answers without listing a group of billions.
+
+        Example::
+
+            >>> groups = plan_grid([4, 1 << 40], ["tp", "dp"]).rank_groups(5)
+            >>> groups["tp"], groups["dp"]["size"], groups["dp"]["head"][:3]
+            ([4, 5, 6, 7], 1099511627776, [1, 5, 9])
+        """
+        listed = LISTED_MEMBERS if listed is None else listed
+        out: dict[str, Any] = self.group_heads(rank, HEAD_MEMBERS)
+        for kind in self.kinds:
+            entry = out[kind.name]
+            if entry is not None and entry["size"] <= listed:
+                whole = entry["head"] is not None and len(entry["head"]) == entry["size"]
+                out[kind.name] = entry["head"] if whole else kind.members(rank)
+        return out
+
     def check_enumerable(self) -> None:
         """ValueError if the world is too large to list every group (:data:`MAX_ENUMERATED_RANKS`).
 
@@ -390,8 +419,9 @@ class Plan:
 
     def as_dict(self, gpus_per_node: int, rank: Optional[int] = None,
                 nvlink_domain: Optional[int] = None, heads: Optional[int] = None) -> dict[str, Any]:
-        """Everything the plan answers, as JSON-ready data (``rank``: add that rank's groups, in
-        full, or with ``heads`` as :meth:`group_heads` gives them)."""
+        """Everything the plan answers, as JSON-ready data (``rank``: add that rank's groups, as
+        :meth:`rank_groups` gives them, or with ``heads`` as :meth:`group_heads` does). O(ndims)
+        for the rank's groups at any world size beyond :data:`LISTED_MEMBERS` ranks."""
         out: dict[str, Any] = {
             "world_size": self.world_size,
             "gpus_per_node": gpus_per_node,
@@ -415,7 +445,7 @@ class Plan:
                 "local_rank": rank % gpus_per_node,
                 "coords": self.coords(rank),
                 "view_coords": {name: self.coords(rank, name) for name in self.views},
-                "groups": self.groups_of(rank) if heads is None else self.group_heads(rank, heads),
+                "groups": self.rank_groups(rank) if heads is None else self.group_heads(rank, heads),
             }
         return out
 

@@ -142,7 +142,8 @@ def plan_table(plan: "Plan", data: dict) -> str:
 
 
 def plan_csv(data: dict) -> str:
-    """The ``plan`` command's CSV: one row per kind (with ``--rank``, that rank's group and communicator).
+    """The ``plan`` command's CSV: one row per kind (with ``--rank``, that rank's group and communicator:
+    its members space-separated, or a group over ``LISTED_MEMBERS`` ranks shortened as in the table).
 
     Example::
 
@@ -169,6 +170,8 @@ def plan_csv(data: dict) -> str:
                str(k["locality_exact"]).lower()]
         if rank is not None:
             members = rank["groups"][k["name"]]
-            row += ["" if members is None else " ".join(map(str, members)), of_kind.get(k["name"], "")]
+            # A group too large to list (Plan.rank_groups) is written as the table shows it.
+            text = "" if members is None else _short(members) if isinstance(members, dict) else " ".join(map(str, members))
+            row += [text, of_kind.get(k["name"], "")]
         writer.writerow(row)
     return buf.getvalue().rstrip("\n")

@@ -3,6 +3,7 @@ for the matrix of bad inputs (each a subprocess would cost a torch import)."""
 
 from __future__ import annotations
 
+import csv
 import importlib.util
 import io
 import json
@@ -15,7 +16,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from hypergrid import HyperCommGrid, cli
+from hypergrid import HyperCommGrid, cli, console
 from hypergrid.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.megatron import plan_model_parallel
 from hypergrid.report import describe_members, plan_grid, plan_megatron
@@ -297,7 +298,7 @@ def test_dp_is_accepted_and_checked_against_the_world(capsys):
 
 def test_check_says_what_it_compares_while_it_runs(capsys, monkeypatch):
     # Off a terminal a line every few seconds; here every step, to see them.
-    monkeypatch.setattr(cli, "_PROGRESS_EVERY_S", 0.0)
+    monkeypatch.setattr(console, "PROGRESS_EVERY_S", 0.0)
     assert cli.main(["check", "--world-size", "16", "--tp", "2", "--ep", "2"]) == 0
     captured = capsys.readouterr()
     assert "identical to megatron-core" in captured.out
@@ -313,3 +314,102 @@ def test_planning_imports_no_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "rank 12345678: node 1543209" in proc.stdout
+
+
+def test_plan_json_for_one_rank_of_a_huge_world_is_o_ndims():
+    # Was: every member of the rank's 2**30-rank groups listed (MemoryError under 3 GB; at 2**63
+    # ranks the machine ran out of memory). Measured: 0.13-0.15 s and 18-20 MB of resident memory.
+    resource = pytest.importorskip("resource")
+    limit = 200 << 20
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    for world in (1 << 30, (1 << 63) - 1):
+        proc = subprocess.run([sys.executable, "-m", "hypergrid", "plan", "-n", str(world), "--rank", "5", "--json"],
+                              capture_output=True, text=True, timeout=120, preexec_fn=limit_memory)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        groups = json.loads(proc.stdout)["rank"]["groups"]
+        assert groups["tp"] == [5] and groups["dp"] == {"size": world, "head": list(range(16)), "last": world - 1}
+
+
+def test_plan_json_lists_groups_in_full_up_to_the_listed_limit(capsys):
+    from hypergrid.report import LISTED_MEMBERS
+
+    plan = plan_grid([2, LISTED_MEMBERS, 2], ["tp", "dp", "pp"])
+    groups = plan.as_dict(8, rank=3)["rank"]["groups"]
+    assert groups["dp"] == plan.groups_of(3)["dp"] and len(groups["dp"]) == LISTED_MEMBERS
+    big = plan_grid([2, LISTED_MEMBERS + 1], ["tp", "dp"]).as_dict(8, rank=3)["rank"]["groups"]
+    assert big["tp"] == [2, 3] and big["dp"] == {"size": LISTED_MEMBERS + 1, "head": list(range(1, 33, 2)),
+                                                   "last": 2 * LISTED_MEMBERS + 1}
+    assert cli.main(["plan", "--shape", f"2,{LISTED_MEMBERS + 1}", "--dims", "tp,dp", "--rank", "3", "--csv"]) == 0
+    rows = {row[0]: row for row in csv.reader(io.StringIO(capsys.readouterr().out))}
+    assert rows["dp"][-2] == f"1, 3, 5, 7, 9, 11, 13, ..., {2 * LISTED_MEMBERS + 1} ({LISTED_MEMBERS + 1} ranks, step 2)"
+    assert rows["tp"][-2] == "2 3"
+
+
+# Every subcommand that writes to stdout; each is in-process (stdout a file on /dev/full).
+FULL_DISK = [
+    ["plan", "--world-size", "64", "--tp", "8"],
+    ["plan", "--world-size", "64", "--tp", "8", "--rank", "3", "--json"],
+    ["plan", "--world-size", "64", "--tp", "8", "--csv"],
+    ["check", "--world-size", "16", "--tp", "2"],
+    ["demo", "-n", "2", "--tp", "1", "--pp", "1"],
+    ["bench", "grid"],
+    ["plan", "--help"],
+    [],
+]
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+@pytest.mark.parametrize("argv", FULL_DISK, ids=[" ".join(a[:2]) or "no command" for a in FULL_DISK])
+def test_a_full_disk_is_one_error_line_and_status_1(argv, monkeypatch, capsys, tmp_path):
+    if argv[:1] == ["bench"]:
+        (tmp_path / "bench_grid.py").write_text("pass\n")
+        argv = [*argv, "--bench-dir", str(tmp_path)]
+    with open("/dev/full", "w") as full:
+        monkeypatch.setattr(sys, "stdout", full)
+        status = cli.main(argv)
+    assert status == 1
+    err = capsys.readouterr().err.strip()
+    assert err == "hypergrid: error: cannot write the output: No space left on device", err
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full (Linux)")
+def test_a_full_disk_leaves_no_traceback_at_exit():
+    # The real stream: what is still buffered must not fail again while the interpreter exits.
+    with open("/dev/full", "w") as full:
+        proc = subprocess.run([sys.executable, "-m", "hypergrid", "plan", "--world-size", "4096", "--tp", "8",
+                               "--rank", "5", "--json"], stdout=full, stderr=subprocess.PIPE, text=True, timeout=120)
+    assert proc.returncode == 1
+    assert proc.stderr == "hypergrid: error: cannot write the output: No space left on device\n"
+
+
+def test_demo_refuses_a_world_this_machine_cannot_run():
+    # Was: 100,000 processes started, and the machine ran out of memory. Refused before any
+    # process starts (stdout says nothing was launched).
+    proc = _run("demo", "-n", "100000", timeout=60)
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    err = proc.stderr.strip()
+    assert "\n" not in err and err.startswith("hypergrid: error: demo --world-size 100000 is more local ranks"), err
+    for word in ("at most", "CPUs x 120 s / 6 CPU-s per rank", "600 MB per rank", "--ignore-machine-limit"):
+        assert word in err, (word, err)
+
+
+def test_demo_limit_follows_the_machine_and_can_be_overridden_by_name(monkeypatch, capsys):
+    from hypergrid import demo
+    from hypergrid.launcher import LaunchOutcome, Machine
+
+    monkeypatch.setattr(demo, "probe_machine", lambda: Machine(cpus=2, available_bytes=8 << 30))
+    launched = []
+    monkeypatch.setattr(demo, "launch", lambda world, argv, timeout_s: launched.append(world) or LaunchOutcome(True, 0.1, {}))
+    assert cli.main(["demo", "-n", "12", "--tp", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 10 (2 CPUs x 120 s / 6 CPU-s per rank = 40; 8.0 GiB available x 0.8 / 600 MB per rank = 10;" in err
+    assert "a longer --timeout" not in err and not launched  # memory binds: more time would not help
+    assert cli.main(["demo", "-n", "10", "--tp", "1"]) == 0 and launched == [10]
+    assert cli.main(["demo", "-n", "12", "--tp", "1", "--ignore-machine-limit"]) == 0 and launched == [10, 12]
+    monkeypatch.setattr(demo, "probe_machine", lambda: Machine(cpus=1, available_bytes=None))
+    assert cli.main(["demo", "-n", "4", "--tp", "1", "--timeout", "12"]) == 2
+    err = capsys.readouterr().err
+    assert "at most 2 (1 CPUs x 12 s / 6 CPU-s per rank = 2; memory unknown;" in err and "a longer --timeout" in err

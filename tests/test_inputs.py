@@ -7,11 +7,14 @@ general shapes of bad input; these are the named cases.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import numpy as np
 import pytest
 import torch
 
 from hypergrid import GridLayout, HyperCommGrid, device_mesh
+from hypergrid.group_args import MAX_TIMEOUT, MIN_TIMEOUT
 from hypergrid.layout import MAX_ENUMERATED_RANKS
 
 from .harness import fake_world
@@ -96,3 +99,133 @@ def test_pg_options_torch_refuses_are_named(strategy: str) -> None:
             grid.create_pg("tp", pg_options="x")
         # The failed request leaves nothing behind: the same group with no options is made.
         assert grid.create_pg("tp") is not None
+
+
+# ---------------------------------------------------------------------------- backends and timeouts
+@pytest.mark.parametrize("backend,words", [
+    ("gloo ", ["'gloo '", "whitespace", "'gloo'"]),
+    (" cpu:gloo", ["' cpu:gloo'", "whitespace"]),
+    ("cpu: gloo", ["'cpu: gloo'", "whitespace"]),
+    ("gloo,cuda:nccl", ["'gloo,cuda:nccl'", "'gloo' is not a device:backend pair", "'cpu:gloo,cuda:nccl'"]),
+    ("cpu:gloo,cpu:gloo", ["names device 'cpu' twice"]),
+    ("gloo,", ["'gloo,'", "'gloo' is not a device:backend pair"]),
+])
+def test_backend_strings_torch_would_misread_are_refused_at_construction(backend: str, words: list[str]) -> None:
+    # torch matches names exactly and splits only on ',' and ':': 'gloo ' passed validation and
+    # failed inside torch ("Unknown backend type gloo ") at the first create_pg.
+    with pytest.raises(ValueError, match="^backend ") as refused:
+        HyperCommGrid([2, 4], ["tp", "dp"], world_size=8, backend=backend)
+    for word in words:
+        assert word in str(refused.value), (word, str(refused.value))
+    with fake_world(0, 8):
+        with pytest.raises(ValueError, match="whitespace"):
+            HyperCommGrid([2, 4], ["tp", "dp"]).create_pg("tp", backend="gloo ")
+
+
+def test_backend_case_is_read_as_torch_reads_it() -> None:
+    assert HyperCommGrid([2, 4], ["tp", "dp"], world_size=8, backend="GLOO").backend == "GLOO"
+    assert HyperCommGrid([2, 4], ["tp", "dp"], world_size=8, backend="CPU:gloo,cuda:NCCL").backend
+
+
+@pytest.mark.parametrize("timeout,words", [
+    (timedelta.max, ["at most 106751987 days, 23:39:36.868000", "9223371761976868 ms", "999999999 days"]),
+    (MAX_TIMEOUT + timedelta(milliseconds=1), ["at most", "gloo"]),
+    (timedelta(microseconds=500), ["at least 1 ms", "whole milliseconds", "0:00:00.000500"]),
+    (timedelta(0), ["must be positive", "0:00:00"]),
+    (timedelta(seconds=-1), ["must be positive"]),
+])
+def test_timeouts_torch_cannot_take_are_refused_naming_the_bound(timeout: timedelta, words: list[str]) -> None:
+    for make in (lambda: HyperCommGrid([2, 4], ["tp", "dp"], world_size=8, timeout=timeout),
+                 lambda: HyperCommGrid([2, 4], ["tp", "dp"], world_size=8).create_pg("tp", timeout=timeout)):
+        with pytest.raises(ValueError, match="^timeout must be") as refused:
+            make()
+        for word in words:
+            assert word in str(refused.value), (word, str(refused.value))
+
+
+def test_the_timeout_bounds_are_gloos_own() -> None:
+    # In a one-rank gloo world: the longest timeout accepted makes a working group, and what
+    # hypergrid refuses above it gloo refuses too ("Invalid timeout"): timedelta.max on every
+    # torch, one millisecond more from torch 2.15 on (2.13 takes up to 2**63 - 1 microseconds).
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grid = HyperCommGrid([1], ["dp"], timeout=MAX_TIMEOUT)
+        ones = torch.ones(1)
+        dist.all_reduce(ones, group=grid.create_pg("dp"))
+        assert ones.item() == 1.0
+        grid.destroy()
+        too_long = [timedelta.max] + [MAX_TIMEOUT + MIN_TIMEOUT] * (tuple(map(int, torch.__version__.split(".")[:2])) >= (2, 15))
+        for timeout in too_long:
+            with pytest.raises(RuntimeError, match="Invalid timeout"):
+                dist.new_group([0], timeout=timeout)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("minutes,words", [
+    (float("nan"), ["distributed_timeout_minutes", "finite", "nan"]),
+    (float("inf"), ["distributed_timeout_minutes", "finite", "inf"]),
+    (1e-9, ["distributed_timeout_minutes=1e-09", "6e-05 ms", "at least 1.67e-05 minutes (1 ms)"]),
+    (1e300, ["distributed_timeout_minutes=1e+300", "at most 153722862699 minutes"]),
+    (0, ["distributed_timeout_minutes", "positive", "got 0"]),
+])
+def test_megatron_timeout_minutes_name_the_parameter(minutes: float, words: list[str]) -> None:
+    from hypergrid.megatron.config import MegatronConfig, ParallelConfigError
+
+    with pytest.raises(ParallelConfigError) as refused:
+        MegatronConfig.from_megatron_kwargs(8, {"distributed_timeout_minutes": minutes})
+    for word in words:
+        assert word in str(refused.value), (word, str(refused.value))
+
+
+def test_initialize_model_parallel_names_a_nan_timeout() -> None:
+    pytest.importorskip("megatron.core.parallel_state")
+    from hypergrid.megatron import ParallelConfigError, initialize_model_parallel
+
+    with fake_world(0, 8):
+        for minutes in (float("nan"), 1e-9):
+            with pytest.raises(ParallelConfigError, match="distributed_timeout_minutes"):
+                initialize_model_parallel(tensor_model_parallel_size=2, distributed_timeout_minutes=minutes)
+
+
+# ---------------------------------------------------------------------------- the DeviceMesh adapter
+@pytest.mark.parametrize("grid", [None, "grid", [2, 4]])
+def test_device_mesh_of_something_else_is_a_type_error_naming_grid(grid) -> None:
+    with pytest.raises(TypeError, match=r"^grid must be a hypergrid HyperCommGrid, got "):
+        device_mesh(grid)
+
+
+def test_device_mesh_names_an_unknown_view_as_the_grid_does() -> None:
+    with fake_world(0, 8):
+        grid = HyperCommGrid([2, 4], ["tp", "dp"])
+        with pytest.raises(KeyError) as from_grid:
+            grid.create_pg("tp", view="moe")
+        with pytest.raises(KeyError) as from_mesh:
+            device_mesh(grid, view="moe", device_type="cpu")
+        assert str(from_mesh.value) == str(from_grid.value)
+        assert "Registered views: ['base']" in str(from_mesh.value)
+        with pytest.raises(TypeError, match="view must be a view name"):
+            device_mesh(grid, view=["moe"], device_type="cpu")
+
+
+# ---------------------------------------------------------------------------- the command line
+@pytest.mark.parametrize("argv,words", [
+    (["plan", "--world-size", "8", "--order", ""], ["argument --order", "expected a Megatron order like tp-cp-ep-dp-pp", "''"]),
+    (["check", "--world-size", "8", "--order", ""], ["argument --order", "''"]),
+    (["demo", "--order", ""], ["argument --order", "''"]),
+    (["plan", "--shape", "2,,2", "--dims", "tp,dp"], ["argument --shape", "'2,,2'", "entry 2 is empty"]),
+    (["plan", "--shape", "2,2,", "--dims", "tp,dp"], ["'2,2,'", "entry 3 is empty"]),
+    (["plan", "--shape", "2,2", "--dims", "tp,,dp"], ["argument --dims", "'tp,,dp'", "entry 2 is empty"]),
+    (["plan", "--shape", "2,2", "--dims", "tp,dp", "--group", ",dp"], ["argument --group", "entry 1 is empty"]),
+])
+def test_cli_empty_order_and_empty_list_entries_are_usage_errors(argv: list[str], words: list[str], capsys) -> None:
+    from hypergrid import cli
+
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith("hypergrid: error:") and "\n" not in err and captured.out == "", err
+    for word in words:
+        assert word in err, (word, err)

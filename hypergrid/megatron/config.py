@@ -26,6 +26,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
 from ..layout import as_int
+from ..group_args import MAX_TIMEOUT_MS
 from .features import COMMON_FEATURES, MegatronFeatures
 
 __all__ = [
@@ -373,10 +374,7 @@ class MegatronConfig:
                 f"distributed_timeout_minutes must be a number, got "
                 f"{type(self.distributed_timeout_minutes).__name__} {self.distributed_timeout_minutes!r}"
             )
-        if self.distributed_timeout_minutes <= 0:
-            raise ParallelConfigError(
-                f"distributed_timeout_minutes must be positive, got {self.distributed_timeout_minutes}"
-            )
+        self._check_timeout_minutes()
         for name in ("use_sharp", "hybrid_context_parallel", "create_gloo_process_groups"):
             _check_bool(name, getattr(self, name))
         if self.create_all_gather_group is not None:
@@ -397,6 +395,23 @@ class MegatronConfig:
             raise TypeError(
                 f"nccl_communicator_config_path must be a str path, got {self.nccl_communicator_config_path!r}"
             )
+
+    def _check_timeout_minutes(self) -> None:
+        """distributed_timeout_minutes as a timeout torch can take (hypergrid.group_args): finite,
+        at least 1 ms, at most gloo's bound; named here, before timedelta or torch fail on it."""
+        minutes = self.distributed_timeout_minutes
+        if (isinstance(minutes, float) and not math.isfinite(minutes)) or minutes <= 0:
+            raise ParallelConfigError(f"distributed_timeout_minutes must be a positive, finite number of minutes, "
+                                      f"got {minutes}")
+        ms = minutes * 60_000
+        if ms < 1:
+            raise ParallelConfigError(
+                f"distributed_timeout_minutes={minutes} is {ms:g} ms: torch counts whole milliseconds, so a timeout "
+                f"under 1 ms is 0 ms and expires at once; expected at least {1 / 60_000:.3g} minutes (1 ms)")
+        if ms > MAX_TIMEOUT_MS:
+            raise ParallelConfigError(
+                f"distributed_timeout_minutes={minutes} is longer than torch's gloo backend takes: expected at most "
+                f"{MAX_TIMEOUT_MS // 60_000} minutes ({MAX_TIMEOUT_MS} ms, microseconds in 64 bits)")
 
     def _validate_span(self) -> None:
         # The grids must fit in the world (Megatron-Core finds out inside torch, groups half made).
