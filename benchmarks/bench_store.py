@@ -41,10 +41,14 @@ AGREEMENT_PREFIX = "hypergrid/agree"
 class CountingStore(dist.Store):
     """Forwards every call to ``inner`` and counts it, split by whether the key is hypergrid's agreement's."""
 
-    def __init__(self, inner: dist.Store) -> None:
+    def __init__(self, inner: dist.Store, counts: "Counter | None" = None) -> None:
         super().__init__()
         self.inner = inner
-        self.counts: Counter = Counter()
+        self.counts: Counter = Counter() if counts is None else counts
+
+    def clone(self):
+        """Another connection (hypergrid's agreement uses its own), counted with this one."""
+        return CountingStore(self.inner.clone(), self.counts)
 
     def _note(self, op: str, keys: Any) -> None:
         keys = [keys] if isinstance(keys, str) else list(keys)
@@ -88,6 +92,10 @@ class CountingStore(dist.Store):
     def delete_key(self, key):
         self._note("delete_key", key)
         return self.inner.delete_key(key)
+
+    def append(self, key, value):
+        self._note("append", key)
+        return self.inner.append(key, value)
 
     def num_keys(self):
         return self.inner.num_keys()

@@ -44,8 +44,10 @@ counter, one entry per member (overwritten round after round) and at most a verd
 the next meeting deletes; per rank one last state. Nothing grows with create and destroy cycles.
 
 What an agreeing round costs a follower: one ``add`` (read the epoch), one ``multi_set`` (entry
-and last state), one blocking ``wait`` for the verdict. The leader adds one ``multi_get``, one
-``compare_set`` and one ``set``, and deletes the previous verdict.
+and last state) and one blocking ``get`` of the verdict. The leader: the ``add`` and the
+``multi_set``, one blocking ``wait`` for the entries and one ``multi_get`` of them, two
+``compare_set`` (advance the epoch, decide the verdict) and one ``delete_key`` (the previous
+verdict).
 
 Example::
 
@@ -500,6 +502,24 @@ class _Store:
     def get(self, key: str) -> bytes:
         return self._call("get", lambda store: store.get(key))
 
+    def get_within(self, key: str, seconds: float) -> Optional[bytes]:
+        """``key``'s value once it is set, waiting at most ``seconds``; None if it is not set by then.
+        One store call (a wait and a get would be two)."""
+        seconds = min(seconds, self.remaining())
+        if seconds <= 0:
+            return None
+
+        def getting(store: Any) -> Optional[bytes]:
+            store.set_timeout(timedelta(seconds=seconds))  # how long the store waits for the key
+            try:
+                return store.get(key)
+            except dist.DistNetworkError:
+                raise
+            except RuntimeError:  # not set in time
+                return None
+
+        return self._call("get", getting, seconds + 1.0)
+
     def set(self, key: str, value: str) -> None:
         self._call("set", lambda store: store.set(key, value))
 
@@ -774,12 +794,14 @@ def _timeout_message(rnd: _Round, missing: list[int], timeout: timedelta) -> str
 def _lead(rnd: _Round, timeout: timedelta) -> None:
     keys = [rnd.entry_key(r) for r in rnd.members]
     entries: dict[int, Entry] = {}
+    published = [False]  # every member has published at least once: its key exists
 
     def arrived() -> bool:
         # Cheap until every member has published once: one check of all keys.
         entries.clear()
-        if not rnd.store.check(keys):
+        if not published[0] and not rnd.store.check(keys):
             return False
+        published[0] = True
         raws = rnd.store.multi_get(keys)
         for r, raw in zip(rnd.members, raws):
             entry = _read(Entry, raw)
@@ -792,7 +814,7 @@ def _lead(rnd: _Round, timeout: timedelta) -> None:
 
     try:
         # The first meeting of these members blocks until every entry exists instead of polling.
-        rnd.store.wait(keys, _SLICE_S)
+        published[0] = rnd.store.wait(keys, _SLICE_S)
         if not _poll(rnd.store.deadline, arrived, lambda: _judge_absent(rnd, absent())):
             raise GroupTimeoutError(_timeout_message(rnd, absent(), timeout))
         if len({e.digest for e in entries.values()}) > 1:
@@ -822,12 +844,10 @@ def _concurrency_hint(diffs: Mapping[str, Any]) -> str:
 
 
 def _drop_old_verdicts(rnd: _Round) -> None:
-    cleaned_key = f"{rnd.base}/cleaned"
-    first = int(rnd.store.add(cleaned_key, 0))
-    for epoch in range(first, rnd.epoch):
-        rnd.store.delete_key(f"{rnd.base}/verdict/{epoch}")
-    if rnd.epoch > first:
-        rnd.store.add(cleaned_key, rnd.epoch - first)
+    """Delete the previous round's verdict: every member has published in this round, so every
+    member is past that one. (A verdict of a round before a failed one stays, one key a failure.)"""
+    if rnd.epoch > 0:
+        rnd.store.delete_key(f"{rnd.base}/verdict/{rnd.epoch - 1}")
 
 
 def _follow(rnd: _Round, timeout: timedelta) -> None:
@@ -835,8 +855,9 @@ def _follow(rnd: _Round, timeout: timedelta) -> None:
     # leader that died or went another way decides nothing, so after a while (the slice) the
     # follower looks at the leader's last state, as the leader looks at its members'; at the
     # deadline it proposes a timeout itself, naming the absent members, unless a verdict stands.
-    if rnd.store.wait([rnd.verdict_key], _SLICE_S):
-        _act_on(_read(Verdict, rnd.store.get(rnd.verdict_key)))
+    raw = rnd.store.get_within(rnd.verdict_key, _SLICE_S)
+    if raw is not None:
+        _act_on(_read(Verdict, raw))
         return
 
     def diagnose() -> None:
