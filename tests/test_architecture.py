@@ -20,9 +20,10 @@ LAYERS = {
     # pure values and rank arithmetic: no torch.distributed
     "errors": 0,
     "_lazy": 0,
+    "releases": 0,
     "layout": 1,
     "kinds": 2,
-    "megatron.features": 0,
+    "megatron.features": 1,
     "megatron.lm_flags": 0,
     "megatron.config": 2,
     "megatron.plan": 3,
@@ -56,7 +57,7 @@ LAYERS = {
 }
 
 #: Modules that must not import torch.distributed at all: planning works without a process group.
-PURE = {"_lazy", "errors", "layout", "kinds", "megatron.features", "megatron.config", "megatron.plan", "report",
+PURE = {"_lazy", "errors", "releases", "layout", "kinds", "megatron.features", "megatron.config", "megatron.plan", "report",
         "torchtitan", "megatron.lm_flags", "megatron.launch_args", "cost", "report_text"}
 
 #: Code lines (docstrings, comments and blank lines not counted) a module may have, and the
