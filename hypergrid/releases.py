@@ -81,6 +81,11 @@ def installed_version(distribution: str) -> Optional[str]:
 
     Read from the package metadata: nothing is imported (megatron-core's import alone takes
     seconds and loads torch).
+
+    Example::
+
+        >>> installed_version("surely-not-installed-anywhere") is None
+        True
     """
     try:
         return importlib.metadata.version(distribution)
