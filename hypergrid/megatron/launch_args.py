@@ -444,7 +444,7 @@ def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[
 
 
 def plan_from_megatron_args(
-    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None,
+    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None, *,
     features: Optional[MegatronFeatures] = None,
 ) -> Any:
     """The :class:`~hypergrid.report.Plan` of a Megatron-LM launch line for ``world_size`` ranks.
