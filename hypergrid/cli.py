@@ -142,70 +142,10 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                    help="a torchtitan TOML job config: its [parallelism] degrees, with --world-size")
 
 
-def _plan_from_args(args: argparse.Namespace):
-    from .report import plan_grid, plan_megatron
+def _plan_from_args(args: argparse.Namespace, follow_release: bool = False):
+    from .plan_args import plan_from_args
 
-    megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "dp", "order") if getattr(args, n) is not None]
-    if args.torchtitan is not None:
-        from .torchtitan import plan_torchtitan
-
-        others = megatron_given + [n for n in ("shape", "dims") if getattr(args, n) is not None]
-        others += [n.replace("_", "-") for n in ("megatron_args", "megatron_args_file") if getattr(args, n) is not None]
-        if others or args.group:
-            raise UsageError(f"--torchtitan and {', '.join('--' + n for n in others or ['group'])} are two ways "
-                             f"to give a layout; use one")
-        if args.world_size is None:
-            raise UsageError("--torchtitan needs --world-size: torchtitan takes the world size from the launcher")
-        return plan_torchtitan(Path(args.torchtitan), args.world_size)  # a Path: always read as a file
-    if args.megatron_args is not None or args.megatron_args_file is not None:
-        return _plan_from_launch_line(args, megatron_given)
-    if args.shape is not None or args.dims is not None:
-        if args.shape is None or args.dims is None:
-            raise UsageError("a free grid needs both --shape and --dims, e.g. --shape 2,3,4 --dims tp,cp,dp")
-        if megatron_given:
-            raise UsageError(
-                f"--shape/--dims and Megatron sizes ({', '.join('--' + n for n in megatron_given)}) "
-                f"are two ways to give a layout; use one"
-            )
-        return plan_grid(args.shape, args.dims, world_size=args.world_size, groups=args.group)
-    if args.group:
-        raise UsageError("--group needs a free grid (--shape and --dims)")
-    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
-    world = args.world_size
-    if world is None and args.dp is not None:
-        world = tp * cp * pp * args.dp  # how Megatron users count their GPUs
-    if world is None:
-        raise UsageError("give --world-size (or --dp) with Megatron sizes, or --shape and --dims for a free grid")
-    plan = plan_megatron(world, tp=tp, pp=pp, cp=cp, ep=args.ep or 1, etp=args.etp, order=args.order or "tp-cp-ep-dp-pp")
-    if args.dp is not None and plan.megatron is not None and plan.megatron.dp != args.dp:
-        raise UsageError(
-            f"--dp {args.dp} does not fit: {world} ranks / (tp {tp} x cp {cp} x pp {pp}) leave a data-parallel "
-            f"size of {plan.megatron.dp}; expected --dp {plan.megatron.dp} or --world-size {tp * cp * pp * args.dp}"
-        )
-    return plan
-
-
-def _plan_from_launch_line(args: argparse.Namespace, megatron_given: list[str]):
-    from .megatron.launch_args import parse_megatron_args, plan_from_megatron_args
-
-    other = ["--" + n for n in megatron_given] + [
-        f"--{n}" for n in ("shape", "dims") if getattr(args, n) is not None] + (["--group"] if args.group else [])
-    if args.megatron_args is not None and args.megatron_args_file is not None:
-        other.append("--megatron-args-file")
-    if other:
-        raise UsageError(f"--megatron-args{'-file' * (args.megatron_args is None)} and {', '.join(other)} "
-                         f"are two ways to give a layout; use one")
-    text = args.megatron_args
-    if text is None:
-        try:
-            text = Path(args.megatron_args_file).read_text()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UsageError(f"--megatron-args-file {args.megatron_args_file}: cannot read it: "
-                             f"{getattr(exc, 'strerror', None) or exc}") from None
-    launch = parse_megatron_args(text)
-    if args.world_size is None and launch.world_size is None:
-        raise UsageError("a Megatron-LM launch line needs --world-size N (Megatron-LM reads it from WORLD_SIZE)")
-    return plan_from_megatron_args(launch, world_size=args.world_size)
+    return plan_from_args(args, follow_release)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -225,6 +165,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="groups, node locality and a picture of a layout (no GPU needed)")
     _add_layout_args(p)
+    from .plan_args import add_release_args
+
+    add_release_args(p)
     p.add_argument("--gpus-per-node", type=_positive, default=8, help="ranks per node (default 8)")
     p.add_argument("--rank", type=_non_negative, help="show this rank's coordinates and groups")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
@@ -298,7 +241,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from .report_text import MEMBERS_SHOWN, plan_csv, plan_table
     from .viz import picture, write_picture
 
-    plan = _plan_from_args(args)
+    plan = _plan_from_args(args, follow_release=True)
     if plan.world_size > _MAX_WORLD:
         raise UsageError(f"world size {plan.world_size} is too large: plans answer for worlds up to "
                          f"{_MAX_WORLD} ranks (int64)")
@@ -314,6 +257,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)
     data["cost"] = {
         "anchor": plan.anchor.value,
+        "follows": None if plan.follows is None else plan.follows.as_dict(),
         "comm_memory_mb": mb,
         "rank": None if mine is None else mine.as_dict(),
         "max": max_cost(plan, comm_memory_mb=mb).as_dict(),

@@ -9,6 +9,16 @@ Pure integer work over a :class:`~hypergrid.report.Plan`; no torch. For one rank
   itself (no new communicator). A rank's size-1 groups share one communicator.
 * **Megatron-Core** (its own ``initialize_model_parallel``): one new group per kind whose group
   holds the rank, none shared. Gloo copies are counted apart: they hold no GPU memory.
+* **torchtitan** (a plan's ``anchor``; its DeviceMeshes): one new group per kind holding the rank,
+  none shared, but a group of the whole world on the default backend is the default group.
+
+Groups on torch's fake backend (torchtitan 0.3 asks it for the mesh dims it does not use) are
+process groups without a communicator: both counts include them, say how many, and give them no
+memory.
+
+Which kinds a plan has is its release's (``plan.follows``): Megatron-Core 0.19 makes three groups
+per rank that 0.16 does not (the ``gtp_remat`` and expert ``gtp_remat`` groups, of one rank each
+at size 1, and a second tp-ep-pp group), and torchtitan 0.3 other meshes than 0.2.
 
 Identity of a group is decided without listing its members where its kind is a grid's own groups
 (or a block of them): by the lowest member and the canonical (size, stride) modes of the set, as
@@ -52,11 +62,13 @@ class RankCost:
     """The communicators one rank holds, with hypergrid and with Megatron-Core, and their memory.
 
     ``hypergrid``: communicators hypergrid creates for the rank (the default group excluded),
-    ``hypergrid_gloo`` of them gloo; ``single_rank``: how many of them have one rank;
-    ``world_shared``: kinds handed the default group. ``megatron``: groups Megatron-Core creates
-    for the rank, ``megatron_gloo`` of them gloo. ``memory_mb`` / ``megatron_memory_mb``: the
-    non-gloo communicators times ``comm_memory_mb``. ``inside_node`` / ``inside_domain``: of
-    hypergrid's non-gloo communicators, how many stay inside one node / one NVLink domain.
+    ``hypergrid_gloo`` of them gloo, ``hypergrid_fake`` on the fake backend; ``single_rank``: how
+    many of them have one rank; ``world_shared``: kinds handed the default group. ``megatron``:
+    groups the plan's anchor (Megatron-Core or torchtitan) creates for the rank, ``megatron_gloo``
+    and ``megatron_fake`` of them gloo and fake. ``memory_mb`` / ``megatron_memory_mb``: the GPU
+    (neither gloo nor fake) communicators times ``comm_memory_mb``. ``inside_node`` /
+    ``inside_domain``: of hypergrid's GPU communicators, how many stay inside one node / one
+    NVLink domain.
 
     Example::
 
@@ -81,6 +93,8 @@ class RankCost:
     #: Per kind holding the rank, hypergrid's communicator for it: ``"default"`` (the default
     #: group) or its number, 1 for the first made; kinds sharing one have the same number.
     communicators: tuple[tuple[str, str], ...] = ()
+    hypergrid_fake: int = 0
+    megatron_fake: int = 0
 
     def as_dict(self) -> dict[str, object]:
         """JSON-ready fields (see docs/cli.md).
@@ -93,6 +107,7 @@ class RankCost:
         """
         return {
             "rank": self.rank, "hypergrid_communicators": self.hypergrid, "hypergrid_gloo": self.hypergrid_gloo,
+            "hypergrid_fake": self.hypergrid_fake, "megatron_fake": self.megatron_fake,
             "single_rank_communicators": self.single_rank, "world_shared": list(self.world_shared),
             "megatron_communicators": self.megatron, "megatron_gloo": self.megatron_gloo,
             "memory_mb": self.memory_mb, "megatron_memory_mb": self.megatron_memory_mb,
@@ -125,6 +140,9 @@ class MaxCost:
     megatron_memory_mb: int
     ranks_examined: int
     method: str
+    #: Of the two maxima, the groups on torch's fake backend.
+    hypergrid_fake: int = 0
+    megatron_fake: int = 0
 
     @property
     def exact(self) -> bool:
@@ -145,6 +163,7 @@ class MaxCost:
             "megatron_communicators": self.megatron, "megatron_rank": self.megatron_rank,
             "memory_mb": self.memory_mb, "megatron_memory_mb": self.megatron_memory_mb,
             "ranks_examined": self.ranks_examined, "method": self.method, "exact": self.exact,
+            "hypergrid_fake": self.hypergrid_fake, "megatron_fake": self.megatron_fake,
         }
 
 
@@ -182,6 +201,8 @@ def _backend(kind: GroupKind, plan: Plan) -> Optional[str]:
         return "gloo"
     if choice is BackendChoice.PIPELINE:
         return plan.pipeline_backend
+    if choice is BackendChoice.FAKE:
+        return "fake"
     return None
 
 
@@ -212,8 +233,8 @@ def rank_cost(
     gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
     domain = positive_int("nvlink_domain", nvlink_domain if nvlink_domain is not None else gpus_per_node)
     comm_memory_mb = positive_int("comm_memory_mb", comm_memory_mb)
-    shared: dict[Hashable, tuple[int, int, int, bool]] = {}
-    private = megatron = megatron_gloo = 0
+    shared: dict[Hashable, tuple[int, int, int, Optional[str]]] = {}
+    private = megatron = megatron_gloo = megatron_fake = 0
     world_kinds: list[str] = []
     assignment: list[tuple[str, str]] = []
     for kind in plan.kinds:
@@ -223,10 +244,12 @@ def rank_cost(
         identity, size, low, high = group
         backend = _backend(kind, plan)
         gloo = backend == "gloo"
-        # torchtitan's DeviceMesh hands a dim spanning the world the default group.
-        if not (plan.anchor is Anchor.TORCHTITAN and size == plan.world_size):
+        # torchtitan's DeviceMesh hands a dim spanning the world the default group, unless it asks
+        # another backend for it.
+        if not (plan.anchor is Anchor.TORCHTITAN and size == plan.world_size and backend is None):
             megatron += 1
             megatron_gloo += gloo
+            megatron_fake += backend == "fake"
         options = kind.creation.nccl_name if nccl_options and not gloo else None
         if kind.creation.private:
             private += 1
@@ -237,20 +260,22 @@ def rank_cost(
             continue
         else:
             key = (identity, backend, kind.creation.timeout, options)
-        shared.setdefault(key, (size, low, high, gloo))
+        shared.setdefault(key, (size, low, high, backend))
         assignment.append((kind.name, str(list(shared).index(key) + 1)))
-    gpu = [v for v in shared.values() if not v[3]]
+    gpu = [v for v in shared.values() if v[3] not in ("gloo", "fake")]
     # A rank's size-1 groups are one communicator only where their options agree; count as made.
     return RankCost(
         rank=rank,
         hypergrid=len(shared),
-        hypergrid_gloo=len(shared) - len(gpu),
+        hypergrid_gloo=sum(1 for v in shared.values() if v[3] == "gloo"),
+        hypergrid_fake=sum(1 for v in shared.values() if v[3] == "fake"),
         single_rank=sum(1 for v in shared.values() if v[0] == 1),
         world_shared=tuple(world_kinds),
         megatron=megatron,
         megatron_gloo=megatron_gloo,
         memory_mb=len(gpu) * comm_memory_mb,
-        megatron_memory_mb=(megatron - megatron_gloo) * comm_memory_mb,
+        megatron_fake=megatron_fake,
+        megatron_memory_mb=(megatron - megatron_gloo - megatron_fake) * comm_memory_mb,
         inside_node=sum(1 for _, lo, hi, _ in gpu if lo // gpus_per_node == hi // gpus_per_node),
         inside_domain=sum(1 for _, lo, hi, _ in gpu if lo // domain == hi // domain),
         comm_memory_mb=comm_memory_mb,
@@ -329,6 +354,7 @@ def max_cost(
         hypergrid=best.hypergrid, hypergrid_rank=best.rank, megatron=best_megatron.megatron,
         megatron_rank=best_megatron.rank, memory_mb=best.memory_mb,
         megatron_memory_mb=best_megatron.megatron_memory_mb, ranks_examined=len(ranks), method=method,
+        hypergrid_fake=best.hypergrid_fake, megatron_fake=best_megatron.megatron_fake,
     )
 
 
@@ -349,11 +375,13 @@ def cost_lines(cost: dict) -> list[str]:
     rows = [["communicators", "hypergrid", anchor, "memory (hypergrid)", f"memory ({anchor})"]]
     r, m = cost["rank"], cost["max"]
     if r is not None:
-        rows.append([f"rank {r['rank']}", str(r["hypergrid_communicators"]), str(r["megatron_communicators"]),
+        rows.append([f"rank {r['rank']}", _count(r["hypergrid_communicators"], r.get("hypergrid_fake", 0)),
+                     _count(r["megatron_communicators"], r.get("megatron_fake", 0)),
                      f"{r['memory_mb'] / 1000:.1f} GB", f"{r['megatron_memory_mb'] / 1000:.1f} GB"])
-    rows.append([f"most of any rank ({m['method']})", f"{m['hypergrid_communicators']} (rank {m['hypergrid_rank']})",
-                 f"{m['megatron_communicators']} (rank {m['megatron_rank']})", f"{m['memory_mb'] / 1000:.1f} GB",
-                 f"{m['megatron_memory_mb'] / 1000:.1f} GB"])
+    rows.append([f"most of any rank ({m['method']})",
+                 _count(m["hypergrid_communicators"], m.get("hypergrid_fake", 0), m["hypergrid_rank"]),
+                 _count(m["megatron_communicators"], m.get("megatron_fake", 0), m["megatron_rank"]),
+                 f"{m['memory_mb'] / 1000:.1f} GB", f"{m['megatron_memory_mb'] / 1000:.1f} GB"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     out = [""]
     for j, row in enumerate(rows):
@@ -366,4 +394,16 @@ def cost_lines(cost: dict) -> list[str]:
                    f"{', '.join(r['world_shared']) or 'no kind'}")
     out.append(f"memory: GPU communicators x {cost['comm_memory_mb']} MB each, an estimate "
                f"(--comm-memory-mb; gloo groups hold none)")
+    if any(d.get(f) for d in (r or {}, m) for f in ("hypergrid_fake", "megatron_fake")):
+        out.append(f"fake: groups on torch's fake backend, which {anchor} asks for the mesh dims it does not "
+                   f"use; counted, but process groups without a communicator, holding no memory")
+    follows = cost.get("follows")
+    if follows:
+        out.append(f"{anchor} column: the groups {follows['description']} creates")
     return out
+
+
+def _count(communicators: int, fake: int, rank: Optional[int] = None) -> str:
+    """A count cell: ``18 (7 fake, rank 0)``, the parts in brackets only where they apply."""
+    notes = ([f"{fake} fake"] if fake else []) + ([f"rank {rank}"] if rank is not None else [])
+    return f"{communicators} ({', '.join(notes)})" if notes else str(communicators)

@@ -409,6 +409,9 @@ class BackendChoice(enum.Enum):
     DEFAULT = "default"  # the default group's
     GLOO = "gloo"  # a gloo copy of a group, for CPU-side work
     PIPELINE = "pipeline"  # Megatron's pipeline_model_parallel_comm_backend
+    # torch's fake backend: a placeholder group with no communicator, which torchtitan 0.3 asks
+    # for the mesh dims it does not use (its backend_override)
+    FAKE = "fake"
 
 
 @dataclass(frozen=True)

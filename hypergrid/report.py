@@ -32,6 +32,7 @@ from typing import Any, Optional
 
 from .kinds import GroupKind
 from .layout import GridLayout
+from .releases import Followed
 
 __all__ = [
     "Anchor",
@@ -174,6 +175,9 @@ class KindSummary:
     max_domains: int = 1
     groups_examined: int = 0
     exact: bool = True
+    #: The backend the kind's groups ask for (:class:`~hypergrid.kinds.BackendChoice` value):
+    #: ``"fake"`` groups have no communicator.
+    backend: str = "default"
 
     @property
     def crosses_nodes(self) -> bool:
@@ -201,6 +205,7 @@ class KindSummary:
             "placement": self.placement,
             "groups_examined": self.groups_examined,
             "locality_exact": self.exact,
+            "backend": self.backend,
         }
 
 
@@ -233,6 +238,9 @@ class Plan:
     pipeline_backend: Optional[str] = None
     #: Whose creation the cost report puts beside hypergrid's.
     anchor: Anchor = Anchor.MEGATRON_CORE
+    #: The anchor's release the kinds follow and how it was chosen (None: not said; a Megatron
+    #: plan is then of the groups every supported megatron-core makes).
+    follows: Optional[Followed] = None
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
@@ -373,7 +381,7 @@ class Plan:
             intra += nodes == 1
         megatron_name = kind.megatron_global.label if kind.megatron_global else None
         return KindSummary(kind.name, kind.key, kind.view, megatron_name, kind.count, kind.size, max_nodes,
-                           intra if exact else None, max_domains, examined, exact)
+                           intra if exact else None, max_domains, examined, exact, kind.creation.backend.value)
 
     def sample_ranks(self, random_ranks: int, seed: int = 0) -> list[int]:
         """Ranks whose groups stand for the world's: the grid's first and last, the first rank of

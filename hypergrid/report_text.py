@@ -108,6 +108,8 @@ def plan_table(plan: "Plan", data: dict) -> str:
         placement = where[k["placement"]]
         if k["placement"] != "node" and k["intra_node_groups"]:
             placement += f" ({k['intra_node_groups']} groups inside a node)"
+        if k.get("backend") == "fake":  # where it lies does not matter: nothing is sent
+            placement = "fake backend: no communicator"
         rows.append([
             k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
             str(k["max_nodes_per_group"]), str(k["max_nvlink_domains_per_group"]),

@@ -18,7 +18,7 @@ import pytest
 
 from hypergrid import HyperCommGrid, cli, console
 from hypergrid.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
-from hypergrid.megatron import plan_model_parallel
+from hypergrid.megatron import choose_megatron_core, plan_model_parallel
 from hypergrid.report import describe_members, plan_grid, plan_megatron
 
 MOE = ["--world-size", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "4", "--etp", "1"]
@@ -53,17 +53,19 @@ def test_plan_json_png_svg_in_one_subprocess(tmp_path):
     assert proc.returncode == 0, proc.stderr
     data = json.loads(proc.stdout)  # stdout is only the JSON; picture notes go to stderr
     assert "wrote" in proc.stderr and "p.png" in proc.stderr
-    # Equal to the library's answers...
-    plan = plan_megatron(64, tp=2, pp=2, cp=2, ep=4, etp=1)
+    # Equal to the library's answers, for the megatron-core release plan follows (the installed one)...
+    features, followed = choose_megatron_core()
+    plan = plan_megatron(64, tp=2, pp=2, cp=2, ep=4, etp=1, features=features)
     expected = plan.as_dict(8, rank=37, nvlink_domain=16)
     cost = data.pop("cost")
     assert data == json.loads(json.dumps(expected))
     assert cost["rank"] == json.loads(json.dumps(rank_cost(plan, 37, nvlink_domain=16).as_dict()))
     assert cost["max"] == max_cost(plan).as_dict() and cost["comm_memory_mb"] == DEFAULT_COMM_MEMORY_MB
+    assert cost["follows"] == json.loads(json.dumps(followed.as_dict()))
     # ...which are Megatron's groups (adapter plan) and the grid's own.
     megatron = plan_model_parallel(64, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
                                    context_parallel_size=2, expert_model_parallel_size=4,
-                                   expert_tensor_parallel_size=1, create_gloo_process_groups=False)
+                                   expert_tensor_parallel_size=1, create_gloo_process_groups=False, features=features)
     assert data["rank"]["groups"] == megatron.rank_groups(37)
     grid = HyperCommGrid(data["grid"]["shape"], data["grid"]["dim_names"], world_size=64)
     assert data["rank"]["groups"]["tp_dp_cp"] == grid.ranks(["tp", "dp", "cp"], rank=37)
@@ -413,3 +415,27 @@ def test_demo_limit_follows_the_machine_and_can_be_overridden_by_name(monkeypatc
     assert cli.main(["demo", "-n", "4", "--tp", "1", "--timeout", "12"]) == 2
     err = capsys.readouterr().err
     assert "at most 2 (1 CPUs x 12 s / 6 CPU-s per rank = 2; memory unknown;" in err and "a longer --timeout" in err
+
+
+def test_planning_a_torchtitan_job_imports_no_torch(tmp_path):
+    job = tmp_path / "job.toml"
+    job.write_text("[parallelism]\ntensor_parallel_degree = 8\npipeline_parallel_degree = 4\n")
+    code = ("import sys; from hypergrid import cli; "
+            f"sys.exit(cli.main(['plan', '--torchtitan', {str(job)!r}, '--world-size', '256', '--rank', '5']) "
+            "or ('torch' in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "torchtitan column: the groups torchtitan 0." in proc.stdout
+
+
+@pytest.mark.parametrize("release,megatron,version", [("0.16", "17 (rank 0)", "0.16.1"), ("0.19", "20 (rank 0)", "0.19.2")])
+def test_plan_counts_the_megatron_core_release_asked_for(release, megatron, version, capsys):
+    # 0.19's three gtp_remat groups a rank: Megatron-Core's count grows, hypergrid's does not.
+    argv = ["plan", "--world-size", "16", "--tp", "2", "--pp", "2", "--ep", "2", "--megatron-core-version", release]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("most of any rank"))
+    assert row.split()[6:12] == ["10", "(rank", "0)", *megatron.split()], row  # hypergrid's, then Megatron-Core's
+    assert f"megatron-core column: the groups megatron-core {version} (given" in out
+    assert cli.main(["plan", "--shape", "2,8", "--dims", "tp,dp", "--megatron-core-version", release]) == 2
+    assert "--megatron-core-version goes with Megatron sizes or --megatron-args" in capsys.readouterr().err

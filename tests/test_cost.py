@@ -3,9 +3,9 @@
 Each configuration is initialized on torch's fake backend as ranks first, middle and last; the
 new process groups Megatron-Core's own ``initialize_model_parallel`` adds to torch's map are
 counted (a rank gets a group only where it is a member), and hypergrid's adapter reports its own
-communicators (``active_grids().num_process_groups``). The plan compared is the installed
-megatron-core's (``features=installed_features()``): 0.19 makes groups 0.16 does not (its
-GTP-remat groups, even at size 1), on every torch.
+communicators (``active_grids().num_process_groups``). The plan follows the installed
+megatron-core, found by what its source defines (0.19's ``initialize_model_parallel`` takes
+``gtp_remat_size`` and creates three more groups per rank than 0.16's), as ``hypergrid plan`` does.
 """
 
 from __future__ import annotations
@@ -19,7 +19,9 @@ import pytest
 
 from hypergrid.cost import max_cost, rank_cost
 from hypergrid.kinds import box_modes
+from hypergrid.megatron.features import MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, choose_megatron_core
 from hypergrid.megatron.launch_args import parse_megatron_args, plan_from_megatron_args
+from hypergrid.releases import ReleaseChoice
 from hypergrid.report import plan_grid, plan_megatron
 
 dist = pytest.importorskip("torch.distributed")
@@ -69,15 +71,22 @@ def _hypergrid_count(rank: int, world: int, sizes: dict) -> int:
             hm.destroy_model_parallel()
 
 
-def _installed():
+def _installed_features():
+    features, followed = choose_megatron_core()
+    assert followed.chosen_by is ReleaseChoice.INSTALLED, followed
+    return features
+
+
+def test_the_installed_megatron_core_is_read_from_its_source_as_inspect_reads_it():
     from hypergrid.megatron import installed_features
 
-    return installed_features()
+    found = installed_features()  # inspect.signature of the imported function
+    assert _installed_features().keywords == found.keywords and _installed_features().version == found.version
 
 
 @pytest.mark.parametrize("world,sizes", CONFIGS)
 def test_counts_equal_what_megatron_core_and_hypergrid_create(world, sizes):
-    plan = plan_megatron(world, features=_installed(), **sizes)
+    plan = plan_megatron(world, features=_installed_features(), **sizes)
     for rank in (0, world // 2 + 1, world - 1):
         cost = rank_cost(plan, rank)
         assert cost.megatron == _megatron_count(rank, world, sizes), (rank, sizes)
@@ -164,13 +173,31 @@ def test_the_documented_moe_launch_line_costs_what_megatron_core_creates():
     page = (Path(__file__).resolve().parent.parent / "docs" / "cli.md").read_text(encoding="utf-8")
     line = re.search(r'--world-size 1024 --megatron-args "(.*?)"', page, re.S).group(1).replace("\\\n", " ")
     launch = parse_megatron_args(line)
-    installed = plan_from_megatron_args(launch, world_size=1024, features=_installed())
+    plan = plan_from_megatron_args(launch, world_size=1024, features=_installed_features())
     sizes = {k: v for k, v in launch.megatron_kwargs().items()}
     assert sizes["virtual_pipeline_model_parallel_size"] == 4 and sizes["cp"] == 2 and sizes["ep"] == 16
     for rank in (0, 517, 1000, 1023):
-        cost = rank_cost(installed, rank)
+        cost = rank_cost(plan, rank)
         assert cost.megatron == _megatron_count(rank, 1024, sizes), rank
         assert cost.hypergrid == _hypergrid_count(rank, 1024, sizes), rank
-    # What the docs' table shows: the groups every supported megatron-core makes (the CLI's plan).
-    plan = plan_from_megatron_args(launch, world_size=1024)
-    assert (max_cost(plan).megatron, max_cost(plan).hypergrid) == (17, 14)
+    # What the docs' two tables show, for each release: the installed one's is the one checked above.
+    shown = {}
+    for features in (MEGATRON_CORE_0_16, MEGATRON_CORE_0_19):
+        worst = max_cost(plan_from_megatron_args(launch, world_size=1024, features=features))
+        shown[features.version] = (worst.megatron, worst.hypergrid)
+    assert shown == {"0.16.1": (17, 14), "0.19.2": (20, 14)}
+    assert shown[_installed_features().version] == (max_cost(plan).megatron, max_cost(plan).hypergrid)
+
+
+@pytest.mark.parametrize("world,sizes", CONFIGS)
+def test_megatron_core_0_19_makes_three_groups_a_rank_more_than_0_16(world, sizes):
+    # The generalized tensor-parallel (gtp_remat) groups 0.19 creates at their default size of one
+    # rank, dense and expert, and the tp-ep-pp group over gtp_remat, which repeats tp-ep-pp there.
+    old, new = (plan_megatron(world, features=f, **sizes) for f in (MEGATRON_CORE_0_16, MEGATRON_CORE_0_19))
+    assert [k.name for k in new.kinds if k.name not in {k.name for k in old.kinds}] == [
+        "gtp_remat", "expt_gtp_remat", "tp_ep_pp_egtp"]
+    for rank in (0, world - 1):
+        before, after = rank_cost(old, rank), rank_cost(new, rank)
+        assert after.megatron == before.megatron + 3 and after.hypergrid == before.hypergrid
+        assert new.kind("gtp_remat").members(rank) == [rank] == new.kind("expt_gtp_remat").members(rank)
+        assert new.kind("tp_ep_pp_egtp").members(rank) == new.kind("tp_ep_pp").members(rank)

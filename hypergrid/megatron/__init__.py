@@ -9,8 +9,8 @@ The pure planning part (:func:`plan_model_parallel`, :class:`MegatronPlan`,
 :class:`MegatronConfig`) needs neither megatron-core nor a process group and is imported eagerly;
 the parts that create groups import megatron-core on first use. Supported: megatron-core 0.16.1
 (Python 3.11) to 0.19.2 (Python 3.12); what the installed one offers is read from its
-``parallel_state`` (:func:`installed_features`), and ``initialize_model_parallel`` takes exactly
-its keywords.
+``parallel_state`` (:func:`installed_features`; :func:`read_installed_features` reads the same from
+its source without importing it), and ``initialize_model_parallel`` takes exactly its keywords.
 
 Example::
 
@@ -23,7 +23,15 @@ from __future__ import annotations
 
 from .._lazy import lazy_attributes
 from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
-from .features import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, SUPPORTED_PROFILES, MegatronFeatures
+from .features import (
+    COMMON_FEATURES,
+    MEGATRON_CORE_0_16,
+    MEGATRON_CORE_0_19,
+    SUPPORTED_PROFILES,
+    MegatronFeatures,
+    choose_megatron_core,
+    read_installed_features,
+)
 from .plan import MegatronPlan, plan_model_parallel
 
 __all__ = [
@@ -33,6 +41,8 @@ __all__ = [
     "process_group_collection",
     "active_grids",
     "installed_features",
+    "read_installed_features",
+    "choose_megatron_core",
     "MegatronGrids",
     "plan_model_parallel",
     "MegatronPlan",

@@ -6,8 +6,11 @@ arguments) and the version to name in messages. Everything version-dependent in 
 modules follows from it by *feature*: the plan makes the generalized tensor-parallel
 ("gtp_remat") groups when ``gtp_remat_size`` is a keyword, the separate all-gather group when
 ``create_all_gather_group`` is, and so on. :func:`hypergrid.megatron.initialize.installed_features`
-reads the installed module's signature with :mod:`inspect` to build one; the profiles here
-describe the supported releases for planning without megatron-core installed.
+reads the installed module's signature with :mod:`inspect` to build one, and
+:func:`read_installed_features` reads the same keywords from the installed source file without
+importing it (what the planner uses: no torch, no seconds of import); the profiles here describe
+the supported releases for planning without megatron-core installed. :func:`choose_megatron_core`
+decides which one a plan follows.
 
 Example::
 
@@ -21,8 +24,15 @@ Example::
 
 from __future__ import annotations
 
+import ast
+import functools
+import importlib.util
+import logging
 from dataclasses import dataclass
-from typing import Iterable
+from pathlib import Path
+from typing import Iterable, Optional
+
+from ..releases import Followed, ReleaseChoice, installed_version
 
 __all__ = [
     "MegatronFeatures",
@@ -30,7 +40,13 @@ __all__ = [
     "MEGATRON_CORE_0_19",
     "COMMON_FEATURES",
     "SUPPORTED_PROFILES",
+    "MEGATRON_CORE_RELEASES",
+    "keywords_in_source",
+    "read_installed_features",
+    "choose_megatron_core",
 ]
+
+logger = logging.getLogger("hypergrid.megatron.features")
 
 
 @dataclass(frozen=True)
@@ -164,3 +180,81 @@ COMMON_FEATURES = MegatronFeatures(
     "0.16.1 to 0.19.2 (the keywords all of them take)",
     tuple(k for k in _KEYWORDS_0_16 if k in _KEYWORDS_0_19),
 )
+#: The releases a plan can be asked to follow (``--megatron-core-version``), by release line.
+MEGATRON_CORE_RELEASES = {"0.16": MEGATRON_CORE_0_16, "0.19": MEGATRON_CORE_0_19}
+
+
+def keywords_in_source(source: str) -> Optional[tuple[str, ...]]:
+    """The keywords of ``initialize_model_parallel`` defined in ``source`` (the text of a
+    megatron-core ``parallel_state.py``), in signature order; None where it defines none.
+
+    The same names :mod:`inspect` reports for the imported function: its positional-or-keyword
+    and keyword-only parameters.
+
+    Example::
+
+        >>> keywords_in_source("def initialize_model_parallel(tensor_model_parallel_size=1, *, order='tp'): pass")
+        ('tensor_model_parallel_size', 'order')
+        >>> keywords_in_source("x = 1") is None
+        True
+    """
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name == "initialize_model_parallel":
+            return tuple(a.arg for a in node.args.args + node.args.kwonlyargs)
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def read_installed_features() -> Optional[MegatronFeatures]:
+    """The installed megatron-core's ``initialize_model_parallel`` keywords, read from its
+    ``megatron/core/parallel_state.py`` where ``import megatron.core`` would find it, without
+    importing it; None where megatron-core is not installed (or its file defines no such function).
+
+    Example::
+
+        >>> features = read_installed_features()
+        >>> features is None or features.accepts("tensor_model_parallel_size")
+        True
+    """
+    spec = importlib.util.find_spec("megatron")
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / "core" / "parallel_state.py"
+        if not path.is_file():
+            continue
+        keywords = keywords_in_source(path.read_text(encoding="utf-8"))
+        if keywords is None:
+            logger.warning("%s defines no initialize_model_parallel; megatron-core's groups are not read from it", path)
+            return None
+        return MegatronFeatures(installed_version("megatron-core") or "(version unknown)", keywords)
+    return None
+
+
+def choose_megatron_core(release: Optional[str] = None) -> tuple[MegatronFeatures, Followed]:
+    """The megatron-core whose groups a plan follows: ``release`` where given (``"0.16"``,
+    ``"0.19"`` or a profile's full version), else the installed one (read by
+    :func:`read_installed_features`, whatever its version), else the newest profile.
+
+    Example::
+
+        >>> features, followed = choose_megatron_core("0.16")
+        >>> features is MEGATRON_CORE_0_16, followed.release, followed.chosen_by.value
+        (True, '0.16.1', 'given')
+        >>> choose_megatron_core("0.17")
+        Traceback (most recent call last):
+        ...
+        ValueError: megatron-core release '0.17' is not one hypergrid follows; expected one of ['0.16', '0.19']
+    """
+    installed = installed_version("megatron-core")
+    if release is not None:
+        profile = MEGATRON_CORE_RELEASES.get(release) or next(
+            (p for p in SUPPORTED_PROFILES if p.version == release), None)
+        if profile is None:
+            raise ValueError(f"megatron-core release {release!r} is not one hypergrid follows; "
+                             f"expected one of {list(MEGATRON_CORE_RELEASES)}")
+        other = installed if installed is not None and installed != profile.version else None
+        return profile, Followed("megatron-core", profile.version, ReleaseChoice.GIVEN, other)
+    found = read_installed_features()
+    if found is not None:
+        return found, Followed("megatron-core", found.version, ReleaseChoice.INSTALLED)
+    newest = SUPPORTED_PROFILES[-1]
+    return newest, Followed("megatron-core", newest.version, ReleaseChoice.NEWEST, installed)

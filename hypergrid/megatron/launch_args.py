@@ -34,6 +34,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from .features import MegatronFeatures
 from .lm_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_RELEASES
 
 __all__ = [
@@ -443,17 +444,17 @@ def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[
 
 
 def plan_from_megatron_args(
-    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None, *, features: Any = None
+    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None, *,
+    features: Optional[MegatronFeatures] = None,
 ) -> Any:
     """The :class:`~hypergrid.report.Plan` of a Megatron-LM launch line for ``world_size`` ranks.
 
     ``args`` is a :class:`MegatronLaunch` or what :func:`parse_megatron_args` takes. The plan is
-    the one :func:`hypergrid.report.plan_megatron` returns for the same sizes. ``world_size``
+    the one :func:`hypergrid.report.plan_megatron` returns for the same sizes (and ``features``,
+    the megatron-core release planned for; default the groups every supported release makes). ``world_size``
     (Megatron-LM reads it from ``WORLD_SIZE``) may be left out when the launch line sets
     ``WORLD_SIZE=N``; both given and different is an error. Sizes that do not fit the world raise
-    :class:`MegatronArgsError` naming the flags, as Megatron-LM would name them. ``features`` is
-    the megatron-core version planned for (see :func:`hypergrid.megatron.plan.plan_model_parallel`;
-    None: the groups every supported version makes).
+    :class:`MegatronArgsError` naming the flags, as Megatron-LM would name them.
 
     Example::
 
@@ -481,8 +482,7 @@ def plan_from_megatron_args(
             "pass world_size (hypergrid plan --world-size N)"
         )
     try:
-        extra = {} if features is None else {"features": features}
-        return plan_megatron(world, **launch.megatron_kwargs(), **extra)
+        return plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
     except ValueError as exc:
         message, flag = _with_flag_names(str(exc), launch, world)
         raise MegatronArgsError(message, flag) from None
