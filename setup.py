@@ -26,7 +26,7 @@ setup(
         # The adapter is tested against 0.16.1 (Python 3.11) and 0.19.2 (Python 3.12); pip picks
         # the newest release the interpreter can run.
         "megatron": ["megatron-core>=0.16.1,<0.20"],
-        # Pictures of a plan (`hypergrid plan --png/--svg`, hypergrid.viz.write_picture) only.
+        # Pictures of a plan (`hypergrid plan --png/--svg`, hypergrid.planning.viz.write_picture) only.
         "viz": ["matplotlib>=3.8"],
         # The documentation: Markdown pages (MyST) and an API reference from the docstrings,
         # built with `python -m sphinx -W -b html docs docs/_build`.
@@ -44,7 +44,7 @@ setup(
             "myst-parser>=4",
         ],
     },
-    entry_points={"console_scripts": ["hypergrid=hypergrid.cli:main"]},
+    entry_points={"console_scripts": ["hypergrid=hypergrid.app.cli:main"]},
     classifiers=[
         "Programming Language :: Python :: 3",
         "Topic :: Scientific/Engineering :: Artificial Intelligence",

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 
-from hypergrid.cli import main
+from hypergrid.app.cli import main
 
 
 def run(argv: list[str], repeat: int) -> list[float]:

@@ -31,13 +31,13 @@ from .layout import GridLayout, Partition
 # (``python -m hypergrid plan``) needs no torch and starts in a fraction of a second.
 _LAZY = {
     "HyperCommGrid": "grid",
-    "REGISTRY": "groups",
-    "GroupRegistry": "groups",
+    "REGISTRY": "runtime.registry",
+    "GroupRegistry": "runtime.registry",
     "device_mesh": "mesh",
     "grid_from_device_mesh": "mesh",
     "grid_from_process_groups": "mesh",
-    "route_device_meshes": "mesh_groups",
-    "grid_of": "mesh_groups",
+    "route_device_meshes": "mesh",
+    "grid_of": "mesh",
 }
 
 

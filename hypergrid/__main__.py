@@ -1,8 +1,8 @@
-"""``python -m hypergrid``: the command line of :mod:`hypergrid.cli`."""
+"""``python -m hypergrid``: the command line of :mod:`hypergrid.app.cli`."""
 
 import sys
 
-from .cli import main
+from .app.cli import main
 
 if __name__ == "__main__":
     sys.exit(main())

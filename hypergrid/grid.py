@@ -19,11 +19,11 @@ from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 
-from .agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
+from .runtime.agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
 from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
-from .group_options import GroupOptions
-from .groups import REGISTRY, GroupRequest, enumerate_before_init, require_initialized
-from .strategy import Strategy, creation_mode, resolve_strategy
+from .runtime.options import GroupOptions
+from .runtime.registry import REGISTRY, GroupRequest, enumerate_before_init, require_initialized
+from .runtime.modes import Strategy, creation_mode, resolve_strategy
 from .layout import KEY_SEPARATOR, Dims, GridLayout, Partition, as_int
 
 __all__ = ["HyperCommGrid", "RankView", "resolve_world_size"]
@@ -179,15 +179,15 @@ class HyperCommGrid:
         rank_offset: first global rank of the grid, for grids that do not start at rank 0.
         backend: backend of the groups; None uses the default group's backend.
         world_size: the world to fit in when torch.distributed is not initialized (planning).
-        strategy: how groups are made (see :mod:`hypergrid.strategy`): ``"auto"`` (the
-            default unless :func:`~hypergrid.strategy.set_default_strategy` or
+        strategy: how groups are made (see :mod:`hypergrid.runtime.modes`): ``"auto"`` (the
+            default unless :func:`~hypergrid.runtime.modes.set_default_strategy` or
             ``HYPERGRID_STRATEGY`` say otherwise: ``"split"`` on a device-bound NCCL default
             group, else ``"local"``), ``"local"`` (each rank creates only its own groups),
             ``"split"`` (every rank joins one ``split_group`` per request) or ``"enumerate"``
             (Megatron-Core's call pattern, all ranks create all groups).
         timeout: default timeout of the grid's groups (a ``create_pg`` timeout overrides it).
         check_agreement: check before each group is created that its members requested the
-            same grid and group (see :mod:`hypergrid.agreement`); on by default.
+            same grid and group (see :mod:`hypergrid.runtime.agreement`); on by default.
 
     Raises:
         ValueError: bad shape, names or offset, or a grid larger than the world (also a
@@ -720,16 +720,9 @@ class HyperCommGrid:
             self._destroyed = True
             held = list(self._pgs.values())
             self._pgs.clear()
-        non_member = getattr(dist.GroupMember, "NON_GROUP_MEMBER", None)
-        destroyed: set[int] = set()
-        for pg in held:
-            if pg is None or pg is non_member or id(pg) in destroyed:
-                continue
-            destroyed.add(id(pg))
-            if not REGISTRY.holders_of(pg):
-                # Not hypergrid's: nobody else can be holding it through hypergrid.
-                dist.destroy_process_group(pg)
-        # hypergrid's own groups: destroyed (by destroy_process_group) once nobody holds them.
+        # Groups put into _pgs from outside are destroyed as Megatron-Core destroys them;
+        # hypergrid's own, by destroy_process_group too, once nobody holds them any more.
+        REGISTRY.destroy_foreign(held)
         REGISTRY.release(self._id)
 
     # ------------------------------------------------------------------ helpers
@@ -773,7 +766,7 @@ class HyperCommGrid:
         return GridFacts.of(self.shape, self.dim_names, self.rank_offset, views)
 
     def _agreement(self, label: str, view: Optional[str], index: int, options: GroupOptions, private: bool) -> Agreement:
-        """What every member of a group must have asked for alike (see hypergrid.agreement)."""
+        """What every member of a group must have asked for alike (see hypergrid.runtime.agreement)."""
         facts = self._facts()
         return Agreement(
             position=Position(facts.family, facts.digest, index),

@@ -167,7 +167,7 @@ def fake_world(rank: int, world_size: int) -> Iterator[None]:
     try:
         yield
     finally:
-        from hypergrid.groups import REGISTRY
+        from hypergrid.runtime.registry import REGISTRY
 
         dist.destroy_process_group()
         REGISTRY.reset()

@@ -1,9 +1,10 @@
-"""The layers of docs/architecture.md, enforced: who may import whom, where torch's private names
-live, and how long a file may grow.
+"""The layers of docs/architecture.md, enforced by folder: who may import whom, where torch's
+private names and torch's group constructors live, and how long a file may grow.
 
-Every module of the package has a layer; a module imports only modules of lower layers (lazy
-imports inside functions included, so no import circle can hide there). A new module must be
-placed here before its first import is allowed.
+A module's layer is its folder's (``hypergrid/runtime/`` is one layer, ``hypergrid/planning/``
+another); a module imports only modules of lower layers or of its own folder, lazy imports inside
+functions included, and no chain of imports comes back to where it started. A new folder, or a new
+module at the top of the package, must be placed here before its first import is allowed.
 """
 
 from __future__ import annotations
@@ -15,69 +16,69 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "hypergrid"
 
-#: module (relative to the package, dotted) -> layer. Lower layers never import higher ones.
+#: folder (dotted, relative to the package; "" is the package's own __init__) or top-level module
+#: -> layer. A module takes the layer of the longest entry its name starts with.
 LAYERS = {
-    # pure values and rank arithmetic: no torch.distributed
+    # values every layer uses: the exceptions, lazy package names, which release a plan follows
     "errors": 0,
     "_lazy": 0,
-    "group_args": 0,
     "releases": 0,
+    # pure: rank arithmetic and the kinds of groups; no torch
     "layout": 1,
-    "kinds": 2,
-    "megatron.features": 1,
-    "megatron.lm_flags": 0,
-    "megatron.config": 2,
-    "megatron.plan": 3,
-    "report": 4,
-    "torchtitan": 5,
-    "cost": 5,
-    "report_text": 6,
-    "plan_args": 6,
-    # torch, wrapped once: c10d's internals, then DeviceMesh's
-    "_torch_compat": 1,
-    "_mesh_compat": 2,
-    # group creation
-    "strategy": 2,
-    "agreement": 2,
-    "group_options": 2,
-    "groups": 3,
-    # the public grid
-    "grid": 4,
-    # adapters
-    "mesh_groups": 5,
-    "mesh": 6,
-    "megatron.grids": 5,
-    "megatron.collection": 6,
-    "megatron.initialize": 6,
-    # tools on top
-    "parity": 5,
-    "viz": 5,
-    "megatron.launch_args": 5,
-    "launcher": 6,
-    "demo": 7,
-    "console": 7,
-    "cli": 8,
-    # package facades
-    "megatron": 7,
-    "": 9,
-    "__main__": 10,
+    # Megatron-Core's rules as pure values; the runtime, the only code that makes groups
+    "megatron.spec": 2,
+    "runtime": 2,
+    # the public grid; the offline planning tool (pure)
+    "grid": 3,
+    "planning": 3,
+    # adapters over the grid
+    "mesh": 4,
+    "megatron": 4,
+    # the applications: command line, demo, local launcher
+    "app": 5,
+    # the package's public names, and python -m hypergrid
+    "": 6,
+    "__main__": 7,
 }
 
-#: Modules that must not import torch.distributed at all: planning works without a process group.
-PURE = {"_lazy", "errors", "releases", "layout", "kinds", "megatron.features", "megatron.config", "megatron.plan",
-        "report", "torchtitan", "megatron.lm_flags", "megatron.launch_args", "cost", "report_text", "group_args",
-        "launcher", "console", "plan_args"}
+#: Folders and modules that must not import torch at all: planning works without a process group.
+PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console")
+
+#: The only modules that may touch torch's private names: c10d's, and DeviceMesh's.
+COMPAT = {"runtime.torch_compat", "runtime.mesh_compat"}
+
+#: torch.distributed's calls that make groups, and the one that destroys a given group: only the
+#: runtime makes them (an application may still end its own world, destroy_process_group()).
+GROUP_CALLS = ("new_group", "split_group", "new_subgroups_by_enumeration", "new_subgroups")
+GROUP_DESTROY = "destroy_process_group"
 
 #: Code lines (docstrings, comments and blank lines not counted) a module may have, and the
 #: modules allowed more, with the reason.
 MAX_CODE_LINES = 410
 LONGER = {
-    "agreement": "one protocol (publish, lead, follow, diagnose the absent, end-of-step checkpoint) "
-    "whose waits and diagnoses share the round's keys and states; split, one state machine would span two files",
-    "grid": "HyperCommGrid is one public class, Megatron-Core's, with its views; its methods stay together",
-    "megatron.config": "one value: Megatron-Core's 30-odd keywords, the sizes derived from them and their "
+    "grid": "moved as it stood; its environment and view checks leave it in the next commits",
+    "runtime.agreement": "moved as it stood; split into store, wire records, rounds and diagnosis next",
+    "megatron.spec.config": "one value: Megatron-Core's 30-odd keywords, the sizes derived from them and their "
     "checks in Megatron-Core's order, each check a method of its own",
 }
+
+
+def _entry(name: str) -> str:
+    """The LAYERS entry that places module ``name``: the longest one its dotted name starts with."""
+    parts = name.split(".") if name else []
+    for length in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:length])
+        if prefix in LAYERS:
+            return prefix
+    raise KeyError(name)
+
+
+def layer_of(name: str) -> int:
+    return LAYERS[_entry(name)]
+
+
+def _is_pure(name: str) -> bool:
+    return any(name == folder or name.startswith(folder + ".") for folder in PURE)
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -120,23 +121,52 @@ def _imports(name: str, path: pathlib.Path) -> set[str]:
 
 
 def test_every_module_has_a_layer():
-    missing = sorted(set(_modules()) - set(LAYERS))
-    assert not missing, f"place these modules in LAYERS (and docs/architecture.md): {missing}"
+    missing = []
+    for name in _modules():
+        try:
+            _entry(name)
+        except KeyError:
+            missing.append(name)
+    assert not missing, f"place these modules' folders in LAYERS (and docs/architecture.md): {missing}"
 
 
 @pytest.mark.parametrize("name", sorted(_modules()))
-def test_a_module_imports_only_lower_layers(name):
+def test_a_module_imports_only_lower_layers_or_its_own_folder(name):
     path = _modules()[name]
     upward = sorted(
-        f"{imported} (layer {LAYERS.get(imported)})"
+        f"{imported} (folder {_entry(imported)!r}, layer {layer_of(imported)})"
         for imported in _imports(name, path)
-        if LAYERS.get(imported, 99) >= LAYERS[name]
+        if layer_of(imported) > layer_of(name)
+        or (layer_of(imported) == layer_of(name) and _entry(imported) != _entry(name))
     )
-    assert not upward, f"{name} (layer {LAYERS[name]}) imports {upward}: a module imports only lower layers"
+    assert not upward, (
+        f"{name} (folder {_entry(name)!r}, layer {layer_of(name)}) imports {upward}: a module imports "
+        f"only lower layers or its own folder"
+    )
 
 
-@pytest.mark.parametrize("name", sorted(PURE))
-def test_planning_modules_need_no_torch_distributed(name):
+def test_no_import_comes_back_to_where_it_started():
+    modules = _modules()
+    graph = {name: _imports(name, path) & set(modules) for name, path in modules.items()}
+    cycles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(node: str, stack: list[str]) -> None:
+        for nxt in sorted(graph[node]):
+            if nxt in stack:
+                cycles.append(stack[stack.index(nxt):] + [nxt])
+            elif nxt not in done:
+                visit(nxt, stack + [nxt])
+        done.add(node)
+
+    for name in sorted(graph):
+        if name not in done:
+            visit(name, [name])
+    assert not cycles, f"import circles: {cycles[:5]}"
+
+
+@pytest.mark.parametrize("name", sorted(n for n in _modules() if _is_pure(n)))
+def test_planning_modules_need_no_torch(name):
     tree = ast.parse(_modules()[name].read_text())
     for node in ast.walk(tree):
         # A relative import is one of hypergrid's own modules (".torchtitan" is not torch).
@@ -167,14 +197,28 @@ def _private_torch_names(tree: ast.AST) -> list[str]:
     return names
 
 
-#: The only modules that may touch torch's private names: c10d's, and DeviceMesh's.
-COMPAT = {"_torch_compat", "_mesh_compat"}
-
-
 @pytest.mark.parametrize("name", sorted(set(_modules()) - COMPAT))
 def test_private_torch_names_only_in_the_compat_modules(name):
     found = _private_torch_names(ast.parse(_modules()[name].read_text()))
-    assert not found, f"{name} uses torch internals {found}: go through hypergrid._torch_compat or _mesh_compat"
+    assert not found, f"{name} uses torch internals {found}: go through {sorted(COMPAT)}"
+
+
+def _group_calls(tree: ast.AST) -> list[str]:
+    """Calls of torch.distributed's group constructors and destructor, by name."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else ""
+            if name in GROUP_CALLS or (name == GROUP_DESTROY and (node.args or node.keywords)):
+                found.append(f"{name} (line {node.lineno})")
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(n for n in _modules() if _entry(n) != "runtime"))
+def test_only_the_runtime_makes_or_destroys_groups(name):
+    found = _group_calls(ast.parse(_modules()[name].read_text()))
+    assert not found, f"{name} calls {found}: groups are made and destroyed only in hypergrid/runtime/"
 
 
 def _code_lines(path: pathlib.Path) -> int:
@@ -203,9 +247,15 @@ def test_a_module_stays_short_or_says_why(name):
     )
 
 
-def test_the_checker_sees_an_upward_import(tmp_path):
-    # The check itself can fail: a layout module importing the grid is caught.
-    fake = tmp_path / "layout.py"
-    fake.write_text("from .grid import HyperCommGrid\n\ndef f():\n    from . import cli\n")
-    assert _imports("layout", fake) == {"grid", "cli"}
+def test_the_checker_sees_what_it_forbids(tmp_path):
+    # Each check can fail: a layout module importing the grid and the application is caught, and
+    # so are a private torch name and a group constructor.
+    fake = tmp_path / "grid_layout.py"
+    fake.write_text("from ..grid import HyperCommGrid\n\ndef f():\n    from .. import app\n")
+    assert _imports("layout.grid_layout", fake) == {"grid", "app"}
+    assert layer_of("grid") > layer_of("layout.grid_layout") and layer_of("app.cli") > layer_of("layout")
+    assert _entry("megatron.spec.plan") == "megatron.spec" and _entry("megatron.state") == "megatron"
     assert _private_torch_names(ast.parse("import torch.distributed as dist\ndist.distributed_c10d._world\n"))
+    assert _group_calls(ast.parse("import torch.distributed as dist\ndist.new_group([0, 1])\n"))
+    assert _group_calls(ast.parse("dist.destroy_process_group(pg)\n"))
+    assert not _group_calls(ast.parse("dist.destroy_process_group()\n"))

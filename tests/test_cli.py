@@ -16,10 +16,12 @@ from xml.etree import ElementTree
 
 import pytest
 
-from hypergrid import HyperCommGrid, cli, console
-from hypergrid.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
+from hypergrid import HyperCommGrid
+from hypergrid.app import cli
+from hypergrid.app import console
+from hypergrid.planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.megatron import choose_megatron_core, plan_model_parallel
-from hypergrid.report import describe_members, plan_grid, plan_megatron
+from hypergrid.planning.plan import describe_members, plan_grid, plan_megatron
 
 MOE = ["--world-size", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "4", "--etp", "1"]
 
@@ -164,7 +166,7 @@ def test_check_subprocess_identical_exit_0():
 
 
 def test_check_reports_a_difference_and_exits_1(monkeypatch, capsys):
-    from hypergrid import report
+    from hypergrid.planning import plan as report
 
     real = report.GroupKind.enumerate
 
@@ -266,7 +268,7 @@ def test_demo_sizes_the_user_did_not_give_are_one(capsys):
 
 
 def test_whole_groups_that_skip_ranks_never_read_as_contiguous():
-    from hypergrid.report import describe_members
+    from hypergrid.planning.plan import describe_members
 
     dp_of_tp8 = [r for start in range(0, 128, 32) for r in range(start, start + 8)]
     assert describe_members(dp_of_tp8) == "0-7, 32-39, 64-71, 96-103 (32 ranks)"
@@ -310,7 +312,7 @@ def test_check_says_what_it_compares_while_it_runs(capsys, monkeypatch):
 
 def test_planning_imports_no_torch():
     # `hypergrid plan` is pure rank arithmetic: importing torch would cost most of its run time.
-    code = ("import sys; from hypergrid import cli; "
+    code = ("import sys; from hypergrid.app import cli; "
             "sys.exit(cli.main(['plan', '--world-size', '16777216', '--tp', '8', '--pp', '16', '--cp', '2', "
             "'--ep', '64', '--rank', '12345678']) or ('torch' in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
@@ -336,7 +338,7 @@ def test_plan_json_for_one_rank_of_a_huge_world_is_o_ndims():
 
 
 def test_plan_json_lists_groups_in_full_up_to_the_listed_limit(capsys):
-    from hypergrid.report import LISTED_MEMBERS
+    from hypergrid.planning.plan import LISTED_MEMBERS
 
     plan = plan_grid([2, LISTED_MEMBERS, 2], ["tp", "dp", "pp"])
     groups = plan.as_dict(8, rank=3)["rank"]["groups"]
@@ -399,8 +401,8 @@ def test_demo_refuses_a_world_this_machine_cannot_run():
 
 
 def test_demo_limit_follows_the_machine_and_can_be_overridden_by_name(monkeypatch, capsys):
-    from hypergrid import demo
-    from hypergrid.launcher import LaunchOutcome, Machine
+    from hypergrid.app import demo
+    from hypergrid.app.launcher import LaunchOutcome, Machine
 
     monkeypatch.setattr(demo, "probe_machine", lambda: Machine(cpus=2, available_bytes=8 << 30))
     launched = []
@@ -420,7 +422,7 @@ def test_demo_limit_follows_the_machine_and_can_be_overridden_by_name(monkeypatc
 def test_planning_a_torchtitan_job_imports_no_torch(tmp_path):
     job = tmp_path / "job.toml"
     job.write_text("[parallelism]\ntensor_parallel_degree = 8\npipeline_parallel_degree = 4\n")
-    code = ("import sys; from hypergrid import cli; "
+    code = ("import sys; from hypergrid.app import cli; "
             f"sys.exit(cli.main(['plan', '--torchtitan', {str(job)!r}, '--world-size', '256', '--rank', '5']) "
             "or ('torch' in sys.modules))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -1,4 +1,4 @@
-"""Communicators per rank (hypergrid.cost) against what Megatron-Core and hypergrid really create.
+"""Communicators per rank (hypergrid.planning.cost) against what Megatron-Core and hypergrid really create.
 
 Each configuration is initialized on torch's fake backend as ranks first, middle and last; the
 new process groups Megatron-Core's own ``initialize_model_parallel`` adds to torch's map are
@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from hypergrid.cost import max_cost, rank_cost
-from hypergrid.kinds import box_modes
-from hypergrid.megatron.features import MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, choose_megatron_core
-from hypergrid.megatron.launch_args import parse_megatron_args, plan_from_megatron_args
+from hypergrid.planning.cost import max_cost, rank_cost
+from hypergrid.layout.kinds import box_modes
+from hypergrid.megatron.spec.features import MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, choose_megatron_core
+from hypergrid.planning.megatron_args import parse_megatron_args, plan_from_megatron_args
 from hypergrid.releases import ReleaseChoice
-from hypergrid.report import plan_grid, plan_megatron
+from hypergrid.planning.plan import plan_grid, plan_megatron
 
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("megatron.core")

@@ -11,7 +11,7 @@ import time
 import pytest
 import torch.distributed as dist
 
-from hypergrid.report import plan_megatron
+from hypergrid.planning.plan import plan_megatron
 from tests.harness import run_gloo
 
 
@@ -99,7 +99,7 @@ def test_plan_agrees_with_groups_built_over_gloo():
 def test_launcher_kills_the_rest_when_one_rank_fails(capfd):
     import os
 
-    from hypergrid.demo import launch
+    from hypergrid.app.demo import launch
 
     # Rank 1 fails at once; the others would wait 300 s for it, as ranks in a collective do.
     script = ("import os, sys, time\n"
@@ -118,14 +118,14 @@ def test_launcher_kills_the_rest_when_one_rank_fails(capfd):
 
 @pytest.mark.slow
 def test_launcher_deadline(capfd):
-    from hypergrid.demo import launch
+    from hypergrid.app.demo import launch
 
     outcome = launch(2, [sys.executable, "-c", "import time; time.sleep(300)"], timeout_s=2)
     assert not outcome.ok and all("still running after 2s" in v for v in outcome.failures.values())
 
 
 def test_failed_verification_is_reported_and_not_ok():
-    from hypergrid.demo import DemoReport, GroupResult, format_report
+    from hypergrid.app.demo import DemoReport, GroupResult, format_report
 
     plan = plan_megatron(4, tp=2)
     rows = [GroupResult("grid", "tp", "tp", 2, 2, [0, 1], True, 0.01),
@@ -176,7 +176,7 @@ def _wait_for(condition, timeout: float) -> bool:
 # signal it at a chosen point of the spawn loop. Ranks sleep: no gloo job is started.
 _SLOW_SPAWN = """
 import subprocess, sys, time
-from hypergrid import launcher
+from hypergrid.app import launcher
 
 class Announced(subprocess.Popen):
     def __init__(self, *args, **kwargs):

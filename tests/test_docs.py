@@ -21,7 +21,7 @@ from xml.etree import ElementTree
 
 import pytest
 
-from hypergrid import cli
+from hypergrid.app import cli
 from tests.harness import fake_world
 
 DOCS = Path(__file__).resolve().parent.parent / "docs"
@@ -181,7 +181,7 @@ CONCEPTS_PICTURE = ["plan", "--shape", "2,3,4", "--dims", "tp,cp,dp", "--colour"
 
 
 def test_committed_picture_is_what_the_cli_draws(tmp_path, capsys):
-    from hypergrid.cli import main
+    from hypergrid.app.cli import main
 
     drawn = tmp_path / "concepts.svg"
     assert main([*CONCEPTS_PICTURE, "--svg", str(drawn)]) == 0

@@ -25,7 +25,7 @@ import pytest
 import torch.distributed as dist
 
 import hypergrid
-from hypergrid.groups import REGISTRY
+from hypergrid.runtime.registry import REGISTRY
 
 #: Modules with no docstring examples of their own: ``python -m hypergrid`` only calls the CLI.
 NO_EXAMPLES = {"hypergrid.__main__"}
@@ -45,7 +45,7 @@ MODULES = _modules()
 
 def test_every_module_is_collected():
     # The walk itself: a package or module it missed would silently lose its examples.
-    for name in ("hypergrid.mesh", "hypergrid.agreement", "hypergrid._torch_compat",
+    for name in ("hypergrid.mesh", "hypergrid.runtime.agreement", "hypergrid.runtime.torch_compat",
                  "hypergrid.megatron.initialize", "hypergrid.megatron.collection"):
         assert name in MODULES
 

@@ -484,7 +484,7 @@ def fake16():
 @settings(FUZZ, max_examples=250)
 @given(st.data())
 def test_create_pg_bad_options(fake16, data):
-    from hypergrid.groups import REGISTRY
+    from hypergrid.runtime.registry import REGISTRY
 
     g = HyperCommGrid([2, 2, 4], ["tp", "cp", "dp"])
     before = REGISTRY.count()
@@ -590,7 +590,7 @@ def test_device_mesh_garbage(fake16, dims, device_type, flatten):
 # ----------------------------------------------------------------------------- the command line
 def _cli_main():
     try:
-        from hypergrid.cli import main
+        from hypergrid.app.cli import main
     except ImportError:
         return None
     return main
@@ -610,7 +610,7 @@ cli_values = st.one_of(
 def test_cli_plan_bad_input_in_process(pairs):
     main = _cli_main()
     if main is None:
-        pytest.skip("hypergrid.cli does not exist yet")
+        pytest.skip("hypergrid.app.cli does not exist yet")
     argv = ["plan"]
     for flag, value in pairs:
         argv += [flag, value] if not value.startswith("-") else [f"{flag}={value}"]
@@ -642,7 +642,7 @@ def test_cli_plan_bad_input_in_process(pairs):
 )
 def test_cli_plan_bad_input_subprocess(argv):
     if _cli_main() is None:
-        pytest.skip("hypergrid.cli does not exist yet")
+        pytest.skip("hypergrid.app.cli does not exist yet")
     COUNTS["cli plan (subprocess)"] += 1
     proc = subprocess.run([sys.executable, "-m", "hypergrid", *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2, (argv, proc.returncode, proc.stdout, proc.stderr)
@@ -654,7 +654,7 @@ def test_cli_plan_bad_input_subprocess(argv):
 @pytest.mark.parametrize("argv", [["plan", "--world-size", str(2**80)], ["plan", "--shape", str(2**80), "--dims", "a"]])
 def test_cli_plan_huge_world_is_refused_quickly(argv):
     if _cli_main() is None:
-        pytest.skip("hypergrid.cli does not exist yet")
+        pytest.skip("hypergrid.app.cli does not exist yet")
     proc = subprocess.run([sys.executable, "-m", "hypergrid", *argv], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.strip()]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hypergrid import GridLayout, HyperCommGrid, device_mesh
-from hypergrid.group_args import MAX_TIMEOUT, MIN_TIMEOUT
+from hypergrid.layout.checks import MAX_TIMEOUT, MIN_TIMEOUT
 from hypergrid.layout import MAX_ENUMERATED_RANKS
 
 from .harness import fake_world
@@ -32,7 +32,7 @@ def test_integer_scalars_are_accepted_everywhere_a_size_rank_or_offset_is_taken(
 
 def test_megatron_sizes_accept_integer_scalars() -> None:
     pytest.importorskip("megatron.core")
-    from hypergrid.megatron.config import MegatronConfig
+    from hypergrid.megatron.spec.config import MegatronConfig
 
     config = MegatronConfig.from_megatron_kwargs(np.int64(8), {"tensor_model_parallel_size": np.int32(2)})
     assert config.data_parallel_size == 4 and type(config.tensor_model_parallel_size) is int
@@ -172,7 +172,7 @@ def test_the_timeout_bounds_are_gloos_own() -> None:
     (0, ["distributed_timeout_minutes", "positive", "got 0"]),
 ])
 def test_megatron_timeout_minutes_name_the_parameter(minutes: float, words: list[str]) -> None:
-    from hypergrid.megatron.config import MegatronConfig, ParallelConfigError
+    from hypergrid.megatron.spec.config import MegatronConfig, ParallelConfigError
 
     with pytest.raises(ParallelConfigError) as refused:
         MegatronConfig.from_megatron_kwargs(8, {"distributed_timeout_minutes": minutes})
@@ -221,7 +221,7 @@ def test_device_mesh_names_an_unknown_view_as_the_grid_does() -> None:
     (["plan", "--shape", "2,2", "--dims", "tp,dp", "--group", ",dp"], ["argument --group", "entry 1 is empty"]),
 ])
 def test_cli_empty_order_and_empty_list_entries_are_usage_errors(argv: list[str], words: list[str], capsys) -> None:
-    from hypergrid import cli
+    from hypergrid.app import cli
 
     assert cli.main(argv) == 2
     captured = capsys.readouterr()

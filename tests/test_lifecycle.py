@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from hypergrid import GridDestroyedError, HyperCommGrid
-from hypergrid.groups import REGISTRY
+from hypergrid.runtime.registry import REGISTRY
 
 from .harness import fake_world, run_gloo
 

@@ -7,16 +7,16 @@ from dataclasses import replace
 
 import pytest
 
-from hypergrid import cli
-from hypergrid.megatron.launch_args import (
+from hypergrid.app import cli
+from hypergrid.planning.megatron_args import (
     MegatronArgsError,
     MegatronLaunch,
     UnknownMegatronFlagError,
     parse_megatron_args,
     plan_from_megatron_args,
 )
-from hypergrid.megatron.lm_flags import MEGATRON_LM_FLAGS
-from hypergrid.report import plan_megatron
+from hypergrid.planning.megatron_flags import MEGATRON_LM_FLAGS
+from hypergrid.planning.plan import plan_megatron
 
 # A 1,024-GPU MoE pretraining line as a launch script holds it: the parallel flags among many others.
 MOE_LINE = """

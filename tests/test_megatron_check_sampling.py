@@ -16,9 +16,10 @@ import warnings
 
 import pytest
 
-from hypergrid import cli, parity
+from hypergrid.app import cli
+from hypergrid.planning import parity
 from hypergrid.layout import GridLayout
-from hypergrid.report import plan_megatron
+from hypergrid.planning.plan import plan_megatron
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")

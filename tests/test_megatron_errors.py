@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 import hypergrid.megatron as hm
-from hypergrid.groups import REGISTRY
+from hypergrid.runtime.registry import REGISTRY
 from hypergrid.megatron import (
     MEGATRON_CORE_0_16,
     SUPPORTED_PROFILES,

@@ -93,7 +93,7 @@ def _case(rank: int, kwargs: dict[str, Any], variants: list[dict[str, Any]]) -> 
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     import hypergrid.megatron as hm
-    from hypergrid.megatron.config import MegatronConfig
+    from hypergrid.megatron.spec.config import MegatronConfig
     from tests.test_megatron_parallel_state_parity import collection_snapshot, differences, load_megatron, snapshot
 
     load_megatron()

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import hypergrid.megatron as hm
 from hypergrid import HyperCommGrid
-from hypergrid.groups import REGISTRY
+from hypergrid.runtime.registry import REGISTRY
 from tests.harness import fake_world
 
 #: megatron.core.parallel_state, set by the fixture below when the first test here runs (importing

@@ -26,7 +26,7 @@ import pytest
 import torch.distributed as dist
 
 import hypergrid.megatron as hm
-from hypergrid.megatron.config import MegatronConfig
+from hypergrid.megatron.spec.config import MegatronConfig
 from tests.harness import fake_world
 
 # Set by load_megatron() when the first test here runs: importing megatron-core takes seconds,
@@ -396,7 +396,7 @@ def _ranks_of(kwargs: dict[str, Any], world: int, rank: int, kind: str) -> Any:
 
 
 def test_all_gather_groups_need_initialization_and_are_released() -> None:
-    from hypergrid.groups import REGISTRY
+    from hypergrid.runtime.registry import REGISTRY
 
     with fake_world(1, 8):
         with pytest.raises(RuntimeError, match="requires parallel state to be initialized"):

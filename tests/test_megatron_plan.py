@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-from hypergrid.kinds import Singletons
+from hypergrid.layout.kinds import Singletons
 
 from hypergrid.megatron import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, plan_model_parallel
 
@@ -39,7 +39,7 @@ def test_plan_imports_without_megatron_or_torch_distributed_use() -> None:
     code = (
         "import sys; sys.modules['megatron'] = None\n"
         "from hypergrid.megatron import plan_model_parallel\n"
-        "import hypergrid.megatron.plan as plan\n"
+        "import hypergrid.megatron.spec.plan as plan\n"
         "p = plan_model_parallel(16, tensor_model_parallel_size=2, expert_model_parallel_size=2)\n"
         "from hypergrid.megatron import MEGATRON_CORE_0_19\n"
         "g = plan_model_parallel(16, features=MEGATRON_CORE_0_19, gtp_remat_size=2, rank_offset=8, local_world_size=8)\n"
@@ -55,7 +55,7 @@ def test_plan_imports_without_megatron_or_torch_distributed_use() -> None:
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "lazy"
     # The planning modules themselves import neither torch nor megatron-core.
-    for name in ("hypergrid.megatron.plan", "hypergrid.megatron.config", "hypergrid.megatron.features", "hypergrid.layout"):
+    for name in ("hypergrid.megatron.spec.plan", "hypergrid.megatron.spec.config", "hypergrid.megatron.spec.features", "hypergrid.layout"):
         tree = ast.parse(open(importlib.import_module(name).__file__).read())
         imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         imported += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
@@ -143,7 +143,7 @@ def test_unknown_kind_names_the_kinds() -> None:
 
 
 @pytest.mark.parametrize(
-    "name", ["hypergrid.megatron", "hypergrid.megatron.config", "hypergrid.megatron.features", "hypergrid.megatron.plan",
+    "name", ["hypergrid.megatron", "hypergrid.megatron.spec.config", "hypergrid.megatron.spec.features", "hypergrid.megatron.spec.plan",
              "hypergrid.megatron.initialize"]
 )
 def test_module_doctests(name: str) -> None:

@@ -49,7 +49,7 @@ def _parity_job(rank: int, world_size: int) -> list[dict]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hypergrid import HyperCommGrid
-    from hypergrid._torch_compat import process_group_count
+    from hypergrid.runtime.torch_compat import process_group_count
 
     out = []
     for shape, names in PARITY_CASES:
@@ -115,7 +115,7 @@ def _dtensor_job(rank: int, world_size: int) -> dict:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from hypergrid import HyperCommGrid
-    from hypergrid._torch_compat import process_group_count
+    from hypergrid.runtime.torch_compat import process_group_count
 
     grid = HyperCommGrid([2, 2, 2], ["tp", "cp", "dp"])
     mesh = device_mesh(grid, device_type="cpu", flatten=[["cp", "dp"]])
@@ -172,7 +172,7 @@ def _fsdp_job(rank: int, world_size: int) -> dict:
     from torch.distributed.fsdp import fully_shard
 
     from hypergrid import HyperCommGrid
-    from hypergrid._torch_compat import process_group_count
+    from hypergrid.runtime.torch_compat import process_group_count
 
     torch.manual_seed(1)
     x = torch.randn(2 * world_size, 8)
@@ -213,7 +213,7 @@ def _views_and_adoption_job(rank: int, world_size: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from hypergrid import REGISTRY, HyperCommGrid
-    from hypergrid._torch_compat import process_group_count
+    from hypergrid.runtime.torch_compat import process_group_count
 
     out: dict = {}
     # Dense (pp, dp_replicate, dp_shard, cp, tp) = (1, 2, 2, 1, 2); sparse (pp, dp_replicate,
@@ -305,7 +305,7 @@ def _megatron_job(rank: int, world_size: int) -> Optional[dict]:
         return None
     import torch.distributed._functional_collectives as funcol
 
-    from hypergrid._torch_compat import process_group_count
+    from hypergrid.runtime.torch_compat import process_group_count
     from hypergrid.megatron import active_grids, destroy_model_parallel, initialize_model_parallel
 
     initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.distributed.device_mesh as torch_mesh
 
 from hypergrid import REGISTRY, HyperCommGrid, device_mesh, grid_of, route_device_meshes
-from hypergrid._torch_compat import process_group_count
+from hypergrid.runtime.torch_compat import process_group_count
 from tests.harness import fake_world
 
 warnings.filterwarnings("ignore", message="Slicing a flattened dim")

@@ -116,7 +116,7 @@ def test_a_derived_megatron_group_that_differs_on_one_rank_fails_everywhere():
 
 def _reader_while_creating(rank: int, world_size: int) -> dict:
     from hypergrid import HyperCommGrid
-    from hypergrid.groups import REGISTRY
+    from hypergrid.runtime.registry import REGISTRY
 
     grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=60))
     if rank != 0:

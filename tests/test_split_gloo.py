@@ -31,7 +31,7 @@ BIND = {"device_id": torch.device("cpu", 0)}
 
 def _cpu_bound_gloo_splits() -> str:
     """Why this torch cannot run these tests, or "" when it can (checked in a one-rank world)."""
-    from hypergrid._torch_compat import bound_split_device
+    from hypergrid.runtime.torch_compat import bound_split_device
 
     if dist.is_initialized():
         return "a process group is already initialized in the test process"
@@ -89,7 +89,7 @@ def members_by_reduce(pg: Any) -> list[int]:
 
 def grid_job(rank: int, world: int) -> dict:
     from hypergrid import HyperCommGrid
-    from hypergrid.strategy import CreationMode, creation_mode, job_kind
+    from hypergrid.runtime.modes import CreationMode, creation_mode, job_kind
 
     kind = job_kind()
     with recorded_calls() as calls:

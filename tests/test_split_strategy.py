@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, device_mesh
-from hypergrid.strategy import CreationMode, JobKind, creation_mode, job_kind
+from hypergrid.runtime.modes import CreationMode, JobKind, creation_mode, job_kind
 
 WORLD = 64
 RANKS = (0, 31, 63)
@@ -106,7 +106,7 @@ def _split_source_stand_in() -> Callable[..., Any]:
 @contextlib.contextmanager
 def bound_splitting_world(rank: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
     """Be ``rank`` of a simulated ``init_process_group("nccl", device_id=...)`` job."""
-    from hypergrid.groups import REGISTRY
+    from hypergrid.runtime.registry import REGISTRY
 
     with monkeypatch.context() as patch:
         if not _bind_fake_world(rank):
@@ -284,7 +284,7 @@ def test_which_backends_split_is_what_torch_decides(backend, monkeypatch):
 
 
 def test_torchcomms_subgroups_follow_what_torch_has(monkeypatch):
-    from hypergrid._torch_compat import TorchCommsSubgroups, torchcomms_subgroups
+    from hypergrid.runtime.torch_compat import TorchCommsSubgroups, torchcomms_subgroups
 
     c10d = dist.distributed_c10d
     assert torchcomms_subgroups() is TorchCommsSubgroups.OFF  # not enabled here
@@ -297,7 +297,7 @@ def test_torchcomms_subgroups_follow_what_torch_has(monkeypatch):
 
 
 def test_torchcomms_decides_the_mode_as_its_subgroups_are_made():
-    from hypergrid._torch_compat import TorchCommsSubgroups
+    from hypergrid.runtime.torch_compat import TorchCommsSubgroups
 
     world_split = JobKind(backend="nccl", torchcomms=TorchCommsSubgroups.WORLD_SPLIT)
     assert creation_mode("auto", job=world_split) is CreationMode.SPLIT

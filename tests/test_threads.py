@@ -7,7 +7,7 @@ import threading
 import torch.distributed as dist
 
 from hypergrid import HyperCommGrid
-from hypergrid.groups import REGISTRY
+from hypergrid.runtime.registry import REGISTRY
 
 from .harness import fake_world
 

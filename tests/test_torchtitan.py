@@ -20,10 +20,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from hypergrid import cli
-from hypergrid.cost import rank_cost
+from hypergrid.app import cli
+from hypergrid.planning.cost import rank_cost
 from hypergrid.releases import ReleaseChoice
-from hypergrid.torchtitan import (
+from hypergrid.planning.torchtitan import (
     SpmdBackend,
     TorchtitanParallelism,
     TorchtitanRelease,
@@ -214,7 +214,7 @@ def test_unreadable_and_odd_inputs(job, tmp_path):
 
 # ---------------------------------------------------------------------------- which release
 def test_the_release_is_given_else_installed_else_the_newest(monkeypatch):
-    import hypergrid.torchtitan as tt
+    import hypergrid.planning.torchtitan as tt
 
     monkeypatch.setattr(tt, "installed_version", lambda name: None)
     assert choose_release() == tt.Followed("torchtitan", "0.3", ReleaseChoice.NEWEST)

@@ -17,7 +17,7 @@ import pytest
 import torch.distributed as dist
 
 from hypergrid import REGISTRY, grid_of, route_device_meshes
-from hypergrid._torch_compat import process_group_count
+from hypergrid.runtime.torch_compat import process_group_count
 from tests.harness import fake_world
 from tests.test_mesh_routing import torch_group_calls
 from tests.torchtitan_code import TorchtitanUnavailable, build_meshes, load_parallel_dims

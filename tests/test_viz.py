@@ -9,9 +9,10 @@ from xml.etree import ElementTree
 
 import pytest
 
-from hypergrid import cli, viz
-from hypergrid.report import plan_grid, plan_megatron
-from hypergrid.viz import HATCHES, assign_styles, picture, write_picture
+from hypergrid.app import cli
+from hypergrid.planning import viz
+from hypergrid.planning.plan import plan_grid, plan_megatron
+from hypergrid.planning.viz import HATCHES, assign_styles, picture, write_picture
 
 SVG = "{http://www.w3.org/2000/svg}"
 

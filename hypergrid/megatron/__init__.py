@@ -22,8 +22,8 @@ Example::
 from __future__ import annotations
 
 from .._lazy import lazy_attributes
-from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
-from .features import (
+from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from .spec.features import (
     COMMON_FEATURES,
     MEGATRON_CORE_0_16,
     MEGATRON_CORE_0_19,
@@ -32,7 +32,7 @@ from .features import (
     choose_megatron_core,
     read_installed_features,
 )
-from .plan import MegatronPlan, plan_model_parallel
+from .spec.plan import MegatronPlan, plan_model_parallel
 
 __all__ = [
     "initialize_model_parallel",
@@ -62,9 +62,9 @@ _LAZY = {
     "initialize_model_parallel": "initialize",
     "destroy_model_parallel": "initialize",
     "create_all_gather_groups": "initialize",
-    "active_grids": "grids",
+    "active_grids": "state",
     "installed_features": "initialize",
-    "MegatronGrids": "grids",
+    "MegatronGrids": "state",
     "process_group_collection": "collection",
 }
 

@@ -1,7 +1,7 @@
 """Megatron-Core's ``ProcessGroupCollection``, filled from hypergrid's groups.
 
 Each field of the installed ``megatron.core.process_groups_config.ProcessGroupCollection`` maps
-to one kind of the :class:`~hypergrid.megatron.plan.MegatronPlan`; the values are the same
+to one kind of the :class:`~hypergrid.megatron.spec.plan.MegatronPlan`; the values are the same
 objects ``ProcessGroupCollection.use_mpu_process_groups()`` would read from ``parallel_state``
 after :func:`~hypergrid.megatron.initialize_model_parallel`, taken from the grids instead. The
 fields are whatever the installed version declares (0.19 adds the gtp_remat and all-gather
@@ -15,8 +15,8 @@ from typing import Any, Optional
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from .config import ParallelStateError
-from .grids import MegatronGrids, active_grids
+from .spec.config import ParallelStateError
+from .state import MegatronGrids, active_grids
 
 __all__ = ["process_group_collection", "COLLECTION_FIELDS"]
 

@@ -2,7 +2,7 @@
 
 ``initialize_model_parallel`` takes every keyword of the installed megatron-core's function (read
 from its signature: :func:`installed_features`), plans the groups with
-:mod:`hypergrid.megatron.plan`, creates this rank's groups through one
+:mod:`hypergrid.megatron.spec.plan`, creates this rank's groups through one
 :class:`~hypergrid.grid.HyperCommGrid` (the dense layout, with the expert layout as its
 ``"expert"`` view) and hypergrid's registry, and fills ``megatron.core.parallel_state`` so that
 every getter there answers as after that version's own call. What changes is the cost: a rank
@@ -29,15 +29,15 @@ from megatron.core import parallel_state as ps
 
 from ..errors import UnsupportedTorchError
 from ..grid import HyperCommGrid
-from ..agreement import within_step, world_checkpoint, world_start
-from ..group_options import GroupOptions, effective_timeout, same_as_world
-from ..groups import REGISTRY
-from ..strategy import resolve_strategy
-from .config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
-from .features import MegatronFeatures
-from ..kinds import BackendChoice, GroupKind
-from .grids import MegatronGrids, active_grids, set_active
-from .plan import ALIAS_GLOBALS, MegatronPlan
+from ..runtime.agreement import within_step, world_checkpoint, world_start
+from ..runtime.options import GroupOptions, effective_timeout, same_as_world
+from ..runtime.registry import REGISTRY
+from ..runtime.modes import resolve_strategy
+from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from .spec.features import MegatronFeatures
+from ..layout.kinds import BackendChoice, GroupKind
+from .state import MegatronGrids, active_grids, set_active
+from .spec.plan import ALIAS_GLOBALS, MegatronPlan
 
 # megatron-core's own function, kept from import time: the drop-in use of hypergrid is
 # `parallel_state.initialize_model_parallel = hypergrid.megatron.initialize_model_parallel`, after
@@ -164,7 +164,7 @@ def initialize_model_parallel(
     Takes exactly the arguments of the installed megatron-core's function, positionally (in its
     signature's order) or by keyword, with the same meaning, defaults and validation (errors are
     raised before any group is made and name the sizes; see
-    :class:`~hypergrid.megatron.config.ParallelConfigError`). A keyword the installed version
+    :class:`~hypergrid.megatron.spec.config.ParallelConfigError`). A keyword the installed version
     does not have is a ``TypeError`` naming it and the version. Afterwards every
     ``megatron.core.parallel_state`` getter answers as after that version's own call. Returns
     None, as Megatron-Core does; :func:`active_grids` gives the :class:`MegatronGrids` built.
@@ -182,7 +182,7 @@ def initialize_model_parallel(
         targets are never shared. ``False`` gives every Megatron group its own communicator,
         exactly as Megatron-Core does.
     ``strategy`` (default: the process-wide default, ``"auto"`` unless set)
-        How the grid makes groups (see :mod:`hypergrid.strategy`): ``"auto"`` (``"split"`` on a
+        How the grid makes groups (see :mod:`hypergrid.runtime.modes`): ``"auto"`` (``"split"`` on a
         device-bound NCCL default group, else ``"local"``), ``"local"`` (each rank creates only
         its own groups; start-up does not grow with the world size), ``"split"`` (every rank
         joins one ``split_group`` per request) or ``"enumerate"`` (Megatron-Core's call pattern,

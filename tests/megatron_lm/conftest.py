@@ -13,7 +13,7 @@ Every test is parametrized by the :func:`implementation` fixture:
     ``parallel_state.initialize_model_parallel`` / ``destroy_model_parallel`` are hypergrid's
     Megatron adapter. A test that patches ``torch.distributed.new_subgroups_by_enumeration`` and
     expects the mock's group back runs with hypergrid's strategy ``"enumerate"``
-    (:func:`hypergrid.strategy.set_default_strategy`), the strategy that calls torch's
+    (:func:`hypergrid.runtime.modes.set_default_strategy`), the strategy that calls torch's
     constructor exactly as Megatron-Core does; every other test runs with the default.
 """
 
@@ -98,7 +98,7 @@ def release_leaked_groups() -> Iterator[None]:
     yield
     import torch.distributed as dist
 
-    from hypergrid.groups import REGISTRY
+    from hypergrid.runtime.registry import REGISTRY
 
     if not dist.is_initialized():
         return
@@ -121,7 +121,7 @@ def implementation(request: pytest.FixtureRequest, release_leaked_groups: None) 
 
     import hypergrid
     import hypergrid.megatron as hg_megatron
-    from hypergrid.strategy import set_default_strategy
+    from hypergrid.runtime.modes import set_default_strategy
 
     megatron_destroy = ps.destroy_model_parallel
 

@@ -1,0 +1,142 @@
+"""The layout arguments of ``hypergrid plan`` and ``check``, turned into a :class:`~hypergrid.planning.plan.Plan`.
+
+A layout comes one way of four: Megatron-Core sizes (``--tp``, ``--pp``, ...), a free grid
+(``--shape``/``--dims``), a Megatron-LM launch line (``--megatron-args[-file]``) or a torchtitan
+job config (``--torchtitan``); given two ways, or with a size missing, the arguments are refused
+naming the flags. ``plan`` also chooses the release of Megatron-Core or torchtitan whose groups it
+plans (:func:`add_release_args`). Pure: no torch, no megatron import.
+
+Example::
+
+    >>> import argparse
+    >>> parser = argparse.ArgumentParser()
+    >>> add_release_args(parser)
+    >>> parser.parse_args(["--torchtitan-version", "0.3"]).torchtitan_version
+    '0.3'
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from .plan import Plan, plan_grid, plan_megatron
+
+__all__ = ["LayoutArgumentError", "add_release_args", "plan_from_args"]
+
+
+class LayoutArgumentError(ValueError):
+    """A layout given wrongly on the command line: two ways at once, a size or a file missing.
+    The command line prints it as one ``hypergrid: error:`` line, exit status 2."""
+
+
+def add_release_args(parser: argparse.ArgumentParser) -> None:
+    """``--megatron-core-version`` and ``--torchtitan-version``: the release a plan follows."""
+    from ..megatron.spec.features import MEGATRON_CORE_RELEASES
+    from .torchtitan import TorchtitanRelease
+
+    parser.add_argument("--megatron-core-version", choices=list(MEGATRON_CORE_RELEASES),
+                        help="the megatron-core release whose groups are planned and counted (default: the "
+                             "installed one, read from its source; without one, the newest)")
+    parser.add_argument("--torchtitan-version", choices=[r.value for r in TorchtitanRelease],
+                        help="with --torchtitan: the torchtitan release whose meshes are planned (default: the "
+                             "installed one; without one, the newest)")
+
+
+def plan_from_args(args: argparse.Namespace, follow_release: bool = False) -> Plan:
+    """The plan the layout arguments of ``plan`` or ``check`` give (``args`` as
+    :func:`hypergrid.app.cli.build_parser` parses them): Megatron sizes, a free grid, a Megatron-LM
+    launch line or a torchtitan job config, one of them. ``follow_release`` (``plan``; ``check``
+    keeps the groups every supported megatron-core makes): a Megatron plan follows
+    ``--megatron-core-version`` or the installed megatron-core, and says so in ``follows``; a
+    torchtitan plan always follows a release (``--torchtitan-version`` or the installed one).
+    Two layouts at once, or a size missing, is a :class:`LayoutArgumentError` naming the flags.
+
+    Example::
+
+        >>> args = argparse.Namespace(world_size=16, tp=2, pp=None, cp=None, ep=None, etp=None, dp=None,
+        ...                           order=None, shape=None, dims=None, group=[], megatron_args=None,
+        ...                           megatron_args_file=None, torchtitan=None, megatron_core_version="0.19")
+        >>> plan = plan_from_args(args, follow_release=True)
+        >>> plan.megatron.dp, plan.follows.release, plan.kinds[0].name
+        (8, '0.19.2', 'gtp_remat')
+        >>> plan_from_args(argparse.Namespace(**{**vars(args), "shape": [16], "dims": ["dp"]}))
+        Traceback (most recent call last):
+        ...
+        hypergrid.planning.arguments.LayoutArgumentError: --megatron-core-version goes with Megatron sizes or --megatron-args, not another layout
+    """
+    megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "dp", "order") if getattr(args, n) is not None]
+    titan_release, megatron_release = (getattr(args, n, None) for n in ("torchtitan_version", "megatron_core_version"))
+    if titan_release is not None and args.torchtitan is None:
+        raise LayoutArgumentError("--torchtitan-version goes with --torchtitan FILE")
+    if megatron_release is not None and (args.torchtitan is not None or args.shape is not None):
+        raise LayoutArgumentError("--megatron-core-version goes with Megatron sizes or --megatron-args, not another layout")
+    if args.torchtitan is not None:
+        from .torchtitan import plan_torchtitan
+
+        others = megatron_given + [n for n in ("shape", "dims") if getattr(args, n) is not None]
+        others += [n.replace("_", "-") for n in ("megatron_args", "megatron_args_file") if getattr(args, n) is not None]
+        if others or args.group:
+            raise LayoutArgumentError(f"--torchtitan and {', '.join('--' + n for n in others or ['group'])} are two ways "
+                             f"to give a layout; use one")
+        if args.world_size is None:
+            raise LayoutArgumentError("--torchtitan needs --world-size: torchtitan takes the world size from the launcher")
+        return plan_torchtitan(Path(args.torchtitan), args.world_size, titan_release)  # a Path: always read as a file
+    chosen, followed = {}, None
+    if follow_release:
+        from ..megatron.spec.features import choose_megatron_core
+
+        chosen["features"], followed = choose_megatron_core(megatron_release)
+    if args.megatron_args is not None or args.megatron_args_file is not None:
+        plan = _plan_from_launch_line(args, megatron_given, chosen)
+        plan.follows = followed
+        return plan
+    if args.shape is not None or args.dims is not None:
+        if args.shape is None or args.dims is None:
+            raise LayoutArgumentError("a free grid needs both --shape and --dims, e.g. --shape 2,3,4 --dims tp,cp,dp")
+        if megatron_given:
+            raise LayoutArgumentError(
+                f"--shape/--dims and Megatron sizes ({', '.join('--' + n for n in megatron_given)}) "
+                f"are two ways to give a layout; use one"
+            )
+        return plan_grid(args.shape, args.dims, world_size=args.world_size, groups=args.group)
+    if args.group:
+        raise LayoutArgumentError("--group needs a free grid (--shape and --dims)")
+    tp, pp, cp = args.tp or 1, args.pp or 1, args.cp or 1
+    world = args.world_size
+    if world is None and args.dp is not None:
+        world = tp * cp * pp * args.dp  # how Megatron users count their GPUs
+    if world is None:
+        raise LayoutArgumentError("give --world-size (or --dp) with Megatron sizes, or --shape and --dims for a free grid")
+    plan = plan_megatron(world, tp=tp, pp=pp, cp=cp, ep=args.ep or 1, etp=args.etp,
+                         order=args.order or "tp-cp-ep-dp-pp", **chosen)
+    if args.dp is not None and plan.megatron is not None and plan.megatron.dp != args.dp:
+        raise LayoutArgumentError(
+            f"--dp {args.dp} does not fit: {world} ranks / (tp {tp} x cp {cp} x pp {pp}) leave a data-parallel "
+            f"size of {plan.megatron.dp}; expected --dp {plan.megatron.dp} or --world-size {tp * cp * pp * args.dp}"
+        )
+    plan.follows = followed
+    return plan
+
+
+def _plan_from_launch_line(args: argparse.Namespace, megatron_given: list[str], chosen: dict) -> Plan:
+    from .megatron_args import parse_megatron_args, plan_from_megatron_args
+
+    other = ["--" + n for n in megatron_given] + [
+        f"--{n}" for n in ("shape", "dims") if getattr(args, n) is not None] + (["--group"] if args.group else [])
+    if args.megatron_args is not None and args.megatron_args_file is not None:
+        other.append("--megatron-args-file")
+    if other:
+        raise LayoutArgumentError(f"--megatron-args{'-file' * (args.megatron_args is None)} and {', '.join(other)} "
+                         f"are two ways to give a layout; use one")
+    text = args.megatron_args
+    if text is None:
+        try:
+            text = Path(args.megatron_args_file).read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LayoutArgumentError(f"--megatron-args-file {args.megatron_args_file}: cannot read it: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+    launch = parse_megatron_args(text)
+    if args.world_size is None and launch.world_size is None:
+        raise LayoutArgumentError("a Megatron-LM launch line needs --world-size N (Megatron-LM reads it from WORLD_SIZE)")
+    return plan_from_megatron_args(launch, world_size=args.world_size, **chosen)

@@ -1,0 +1,488 @@
+"""A plan from a Megatron-LM launch line: ``--tensor-model-parallel-size 8 --pipeline-... ...``.
+
+Pure Python: no torch, no megatron import. :func:`parse_megatron_args` reads the flags of a
+Megatron-LM training launch line (a string as a shell splits it, or an argv list) into a
+:class:`MegatronLaunch`: the parallelism sizes under Megatron-LM's own flag names and defaults,
+the virtual pipeline size derived the way Megatron-LM's ``validate_args`` derives it, and the
+order ``--use-tp-pp-dp-mapping`` selects. :func:`plan_from_megatron_args` turns it into the same
+:class:`~hypergrid.planning.plan.Plan` that :func:`hypergrid.planning.plan.plan_megatron` returns for those sizes.
+
+A launch line has hundreds of flags. Those that do not change the groups (``--num-layers``,
+``--hidden-size``, ``--lr``, ...) are accepted and set aside in :attr:`MegatronLaunch.ignored`; a
+flag Megatron-LM does not have (:data:`~hypergrid.planning.megatron_flags.MEGATRON_LM_FLAGS`) is
+refused. Every bad input raises :class:`MegatronArgsError` (a ``ValueError``) naming the flag.
+
+Example::
+
+    >>> launch = parse_megatron_args(
+    ...     "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 4 --num-layers 32 "
+    ...     "--num-layers-per-virtual-pipeline-stage 2 --hidden-size 4096 --bf16")
+    >>> launch.tensor_model_parallel_size, launch.virtual_pipeline_model_parallel_size, launch.order
+    (2, 4, 'tp-cp-ep-dp-pp')
+    >>> launch.ignored
+    ('hidden-size', 'bf16')
+    >>> plan_from_megatron_args(launch, world_size=64).megatron.dp
+    8
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import shlex
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+from ..megatron.spec.features import MegatronFeatures
+from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_RELEASES
+
+__all__ = [
+    "MegatronArgsError",
+    "UnknownMegatronFlagError",
+    "MegatronLaunch",
+    "parse_megatron_args",
+    "plan_from_megatron_args",
+]
+
+_RELEASES = f"{MEGATRON_LM_RELEASES[0]} to {MEGATRON_LM_RELEASES[-1]}"
+
+#: Flags read as positive integers (the minimum is 0 for the uneven first and last stages).
+_INT_FLAGS = {
+    "tensor-model-parallel-size": 1,
+    "pipeline-model-parallel-size": 1,
+    "context-parallel-size": 1,
+    "expert-model-parallel-size": 1,
+    "expert-tensor-parallel-size": 1,
+    "num-distributed-optimizer-instances": 1,
+    "num-layers-per-virtual-pipeline-stage": 1,
+    "num-virtual-stages-per-pipeline-rank": 1,
+    "num-layers": 1,
+    "decoder-num-layers": 1,
+    "decoder-first-pipeline-num-layers": 0,
+    "decoder-last-pipeline-num-layers": 0,
+}
+#: Flags taking one or more integers (Megatron-LM's ``nargs='+'``).
+_INT_LIST_FLAGS = {"hierarchical-context-parallel-sizes"}
+#: Switches (``store_true``, or ``store_false`` for the ``--no-...`` one): they take no value.
+_SWITCHES = {
+    "use-sharp",
+    "hybrid-context-parallel",
+    "use-tp-pp-dp-mapping",
+    "account-for-embedding-in-pipeline-split",
+    "account-for-loss-in-pipeline-split",
+    "no-overlap-p2p-communication",
+}
+#: Flags taking one word, with the choices Megatron-LM allows (None: any).
+_WORD_FLAGS: dict[str, Optional[tuple[str, ...]]] = {
+    "sharp-enabled-group": ("dp", "dp_replica"),
+    "pipeline-model-parallel-layout": None,
+}
+#: Flags Megatron-LM still parses but refuses in ``validate_args``, with its advice.
+_REFUSED = {"model-parallel-size": "is no longer valid in Megatron-LM, use --tensor-model-parallel-size instead"}
+#: Flags that choose the virtual pipeline size; Megatron-LM takes at most one of them.
+_VPP_FLAGS = ("num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
+              "pipeline-model-parallel-layout")
+#: Megatron-Core keyword -> the Megatron-LM flag that sets it, for messages.
+_KEYWORD_FLAGS = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "context_parallel_size": "--context-parallel-size",
+    "hierarchical_context_parallel_sizes": "--hierarchical-context-parallel-sizes",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "expert_tensor_parallel_size": "--expert-tensor-parallel-size",
+    "num_distributed_optimizer_instances": "--num-distributed-optimizer-instances",
+    "use_sharp": "--use-sharp",
+    "sharp_enabled_group": "--sharp-enabled-group",
+    "hybrid_context_parallel": "--hybrid-context-parallel",
+    "virtual_pipeline_model_parallel_size": "the virtual pipeline size",
+    "data_parallel_size": "the data-parallel size",
+    "expert_data_parallel_size": "the expert data-parallel size",
+}
+# A launcher's environment assignment before the command, e.g. ``WORLD_SIZE=1024``.
+_ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
+# Most copies ``*n`` a pipeline layout may ask for: a bigger one is a typo, not a model.
+_MAX_LAYOUT_REPEAT = 1 << 16
+
+
+class MegatronArgsError(ValueError):
+    """A Megatron-LM launch line that cannot be planned; ``flag`` is the flag at fault (or None).
+
+    Example::
+
+        >>> try:
+        ...     parse_megatron_args("--context-parallel-size two")
+        ... except MegatronArgsError as exc:
+        ...     print(exc.flag, "|", exc)
+        --context-parallel-size | --context-parallel-size expects an integer, got 'two'
+    """
+
+    def __init__(self, message: str, flag: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+class UnknownMegatronFlagError(MegatronArgsError):
+    """A flag Megatron-LM does not have (in :data:`~hypergrid.planning.megatron_flags.MEGATRON_LM_RELEASES`)."""
+
+
+@dataclass(frozen=True)
+class MegatronLaunch:
+    """The parallelism of a Megatron-LM launch line, under Megatron-LM's names and defaults.
+
+    ``virtual_pipeline_model_parallel_size`` is derived as Megatron-LM derives it (None for no
+    interleaving); ``world_size`` is the ``WORLD_SIZE=N`` assignment before the command, if any
+    (Megatron-LM reads it from the environment). ``ignored`` names the flags given that have no
+    say in the groups, in the order given (``--num-layers`` is read: it sets the interleaving).
+
+    Example::
+
+        >>> launch = parse_megatron_args(["--expert-model-parallel-size", "8", "--use-tp-pp-dp-mapping"])
+        >>> launch.order, launch.expert_tensor_parallel_size
+        ('tp-cp-ep-pp-dp', None)
+        >>> launch.megatron_kwargs()
+        {'tp': 1, 'pp': 1, 'cp': 1, 'ep': 8, 'etp': None, 'order': 'tp-cp-ep-pp-dp'}
+    """
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    context_parallel_size: int = 1
+    hierarchical_context_parallel_sizes: Optional[tuple[int, ...]] = None
+    hybrid_context_parallel: bool = False
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    num_distributed_optimizer_instances: int = 1
+    use_sharp: bool = False
+    sharp_enabled_group: Optional[str] = None
+    use_tp_pp_dp_mapping: bool = False
+    world_size: Optional[int] = None
+    ignored: tuple[str, ...] = ()
+
+    @property
+    def order(self) -> str:
+        """Megatron-Core's ``order``: Megatron-LM passes ``tp-cp-ep-pp-dp`` under ``--use-tp-pp-dp-mapping``."""
+        return "tp-cp-ep-pp-dp" if self.use_tp_pp_dp_mapping else "tp-cp-ep-dp-pp"
+
+    def megatron_kwargs(self) -> dict[str, Any]:
+        """The keywords of :func:`hypergrid.planning.plan.plan_megatron` for this launch (defaults left out).
+
+        Example::
+
+            >>> parse_megatron_args("--context-parallel-size 4 --hierarchical-context-parallel-sizes 2 2"
+            ...                     ).megatron_kwargs()["hierarchical_context_parallel_sizes"]
+            [2, 2]
+        """
+        kwargs: dict[str, Any] = {
+            "tp": self.tensor_model_parallel_size, "pp": self.pipeline_model_parallel_size,
+            "cp": self.context_parallel_size, "ep": self.expert_model_parallel_size,
+            "etp": self.expert_tensor_parallel_size, "order": self.order,
+        }
+        optional = {
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "hierarchical_context_parallel_sizes": (
+                None if self.hierarchical_context_parallel_sizes is None
+                else list(self.hierarchical_context_parallel_sizes)
+            ),
+            "hybrid_context_parallel": self.hybrid_context_parallel or None,
+            "num_distributed_optimizer_instances": (
+                self.num_distributed_optimizer_instances if self.num_distributed_optimizer_instances != 1 else None
+            ),
+            "use_sharp": self.use_sharp or None,
+            "sharp_enabled_group": self.sharp_enabled_group,
+        }
+        kwargs.update({k: v for k, v in optional.items() if v is not None})
+        return kwargs
+
+
+def _split(text: str) -> list[str]:
+    # Backslash continuations join lines; ``#`` starts a comment to the end of its line.
+    joined = re.sub(r"\\\r?\n", " ", text)
+    try:
+        return shlex.split(joined, comments=True)
+    except ValueError as exc:  # an unclosed quote
+        raise MegatronArgsError(f"cannot split the launch line as a shell would: {exc}") from None
+
+
+def _unknown(flag: str) -> UnknownMegatronFlagError:
+    name = flag[2:]
+    if name in ("world-size", "world_size"):
+        hint = ("; Megatron-LM reads the world size from the WORLD_SIZE environment variable: give it "
+                "separately (world_size=..., hypergrid plan --world-size N)")
+    else:
+        close = difflib.get_close_matches(name, MEGATRON_LM_FLAGS, n=1)
+        hint = f"; did you mean --{close[0]}?" if close else ""
+    return UnknownMegatronFlagError(f"{flag} is not a Megatron-LM flag ({_RELEASES}){hint}", flag)
+
+
+def _int(flag: str, text: str, minimum: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise MegatronArgsError(f"{flag} expects an integer, got {text!r}", flag) from None
+    if value < minimum:
+        raise MegatronArgsError(f"{flag} must be an integer >= {minimum}, got {value}", flag)
+    return value
+
+
+def _convert(name: str, values: list[str]) -> Any:
+    flag = f"--{name}"
+    if name in _SWITCHES:
+        if values:
+            raise MegatronArgsError(f"{flag} is a switch and takes no value, got {' '.join(values)!r}", flag)
+        return True
+    if name in _INT_LIST_FLAGS:
+        if not values:
+            raise MegatronArgsError(f"{flag} expects one or more integers, got none", flag)
+        return tuple(_int(flag, v, 1) for v in values)
+    if len(values) != 1:
+        got = "none" if not values else repr(" ".join(values))
+        raise MegatronArgsError(f"{flag} expects one value, got {got}", flag)
+    if name in _INT_FLAGS:
+        return _int(flag, values[0], _INT_FLAGS[name])
+    choices = _WORD_FLAGS[name]
+    if choices is not None and values[0] not in choices:
+        raise MegatronArgsError(f"{flag} must be one of {list(choices)}, got {values[0]!r}", flag)
+    return values[0]
+
+
+def _strip_launcher(tokens: list[str]) -> tuple[list[str], Optional[int]]:
+    """Drop ``NAME=value`` assignments and a launcher (``torchrun ... pretrain_gpt.py``) before the flags."""
+    world_size = None
+    while tokens and _ASSIGNMENT.match(tokens[0]):
+        name, _, value = tokens.pop(0).partition("=")
+        if name == "WORLD_SIZE":
+            world_size = _int("WORLD_SIZE", value, 1)
+    script = next((i for i, t in enumerate(tokens) if t.endswith(".py") and not t.startswith("-")), None)
+    return (tokens if script is None else tokens[script + 1:]), world_size
+
+
+def _read_flags(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
+    given: dict[str, Any] = {}
+    ignored: list[str] = []
+    i = 0
+    while i < len(tokens):
+        token = tokens[i]
+        if not token.startswith("--") or token == "--":
+            raise MegatronArgsError(
+                f"unexpected {token!r}: a Megatron-LM launch line is flags, --name or --name value", None
+            )
+        name, equals, inline = token[2:].partition("=")
+        values = [inline] if equals else []
+        i += 1
+        while not equals and i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])  # values never start with --; negative numbers do not either
+            i += 1
+        if name not in MEGATRON_LM_FLAGS:
+            raise _unknown(f"--{name}")
+        if name in _REFUSED:
+            raise MegatronArgsError(f"--{name} {_REFUSED[name]}", f"--{name}")
+        if name not in _INT_FLAGS and name not in _INT_LIST_FLAGS and name not in _SWITCHES and name not in _WORD_FLAGS:
+            ignored.append(name)
+            continue
+        value = _convert(name, values)
+        if name in given and given[name] != value:
+            raise MegatronArgsError(
+                f"--{name} is given twice with different values ({given[name]!r} and {value!r})", f"--{name}"
+            )
+        given[name] = value
+    return given, ignored
+
+
+def _layout_stages(layout: str) -> int:
+    """Stages (pipeline x virtual) of a ``--pipeline-model-parallel-layout``, e.g. ``Et|(tt|)*3,L`` has 5."""
+    flag = "--pipeline-model-parallel-layout"
+
+    def repeat(match: re.Match) -> str:
+        count = int(match.group(2))
+        if count > _MAX_LAYOUT_REPEAT:
+            raise MegatronArgsError(f"{flag} repeats {count} times, more than {_MAX_LAYOUT_REPEAT}", flag)
+        return match.group(1) * count
+
+    text = layout.replace(",", "")  # commas are cosmetic
+    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # ( ... )*n first, then x*n
+        text = re.sub(pattern, repeat, text)
+    unknown = sorted(set(text) - set("ELtm|"))
+    if unknown:
+        raise MegatronArgsError(f"{flag} {layout!r} has characters {unknown}; layers are E, L, t and m", flag)
+    return text.count("|") + 1
+
+
+def _virtual_pipeline_size(given: dict[str, Any]) -> Optional[int]:
+    """The interleaving Megatron-LM's ``validate_args`` derives, with its checks, naming the flag."""
+    chosen = [f for f in _VPP_FLAGS if f in given]
+    if len(chosen) > 1:
+        raise MegatronArgsError(
+            f"{' and '.join('--' + f for f in chosen)} are exclusive: Megatron-LM takes at most one of them",
+            f"--{chosen[1]}",
+        )
+    pp = given.get("pipeline-model-parallel-size", 1)
+    layers = given.get("num-layers", given.get("decoder-num-layers"))
+    if layers is not None:
+        layers += given.get("account-for-embedding-in-pipeline-split", False)
+        layers += given.get("account-for-loss-in-pipeline-split", False)
+    uneven = "decoder-first-pipeline-num-layers" in given or "decoder-last-pipeline-num-layers" in given
+    vpp: Optional[int] = None
+    if "pipeline-model-parallel-layout" in given:
+        stages = _layout_stages(given["pipeline-model-parallel-layout"])
+        if stages % pp:
+            raise MegatronArgsError(
+                f"--pipeline-model-parallel-layout has {stages} stages, not divisible by "
+                f"--pipeline-model-parallel-size ({pp})", "--pipeline-model-parallel-layout",
+            )
+        vpp = stages // pp
+    elif "num-virtual-stages-per-pipeline-rank" in given:
+        vpp = given["num-virtual-stages-per-pipeline-rank"]
+    elif "num-layers-per-virtual-pipeline-stage" in given:
+        flag, per_virtual = "--num-layers-per-virtual-pipeline-stage", given["num-layers-per-virtual-pipeline-stage"]
+        if uneven:
+            raise MegatronArgsError(
+                f"{flag} does not go with uneven pipeline stages (--decoder-first/last-pipeline-num-layers); "
+                f"give --num-virtual-stages-per-pipeline-rank instead", flag,
+            )
+        if layers is None:
+            raise MegatronArgsError(f"{flag} needs --num-layers to derive the virtual pipeline size", flag)
+        if layers % pp:
+            raise MegatronArgsError(
+                f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})", "--num-layers"
+            )
+        if (layers // pp) % per_virtual:
+            raise MegatronArgsError(
+                f"{flag} ({per_virtual}) does not divide the {layers // pp} layers of a pipeline stage "
+                f"(--num-layers {layers} / --pipeline-model-parallel-size {pp})", flag,
+            )
+        vpp = layers // pp // per_virtual
+    elif layers is not None and not uneven and layers % pp:
+        raise MegatronArgsError(
+            f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})", "--num-layers"
+        )
+    if vpp == 1:
+        return None
+    if vpp is not None:
+        minimum = 3 if given.get("no-overlap-p2p-communication") else 2
+        if pp < minimum:
+            why = " with --no-overlap-p2p-communication" if minimum == 3 else ""
+            raise MegatronArgsError(
+                f"--{chosen[0]} makes {vpp} virtual stages per pipeline rank, an interleaved schedule, which "
+                f"needs --pipeline-model-parallel-size >= {minimum}{why}; got {pp}", f"--{chosen[0]}",
+            )
+    return vpp
+
+
+def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaunch:
+    """The parallelism of a Megatron-LM launch line (a string, split as a shell would, or an argv list).
+
+    Flags are Megatron-LM's (``--name value`` or ``--name=value``); flags that do not change the
+    groups are accepted and listed in ``ignored``. A string may hold several lines with backslash
+    continuations and ``#`` comments; leading ``NAME=value`` assignments (``WORLD_SIZE`` is read)
+    and a launcher up to the script (``torchrun ... pretrain_gpt.py``) are skipped. Raises
+    :class:`MegatronArgsError` naming the flag: an unknown flag, a malformed value, a value given
+    twice differently, a virtual pipeline size Megatron-LM would refuse.
+
+    Example::
+
+        >>> launch = parse_megatron_args('''
+        ...     WORLD_SIZE=128 torchrun --nproc-per-node 8 pretrain_gpt.py \\\\
+        ...     --tensor-model-parallel-size 4 --context-parallel-size=2  # long sequences
+        ...     --lr 3e-4 --adam-eps -1e-8
+        ... ''')
+        >>> launch.world_size, launch.tensor_model_parallel_size, launch.context_parallel_size, launch.ignored
+        (128, 4, 2, ('lr', 'adam-eps'))
+        >>> parse_megatron_args("--tensor-parallel-size 8")
+        Traceback (most recent call last):
+        ...
+        hypergrid.planning.megatron_args.UnknownMegatronFlagError: --tensor-parallel-size is not a Megatron-LM flag (core_v0.16.1 to core_v0.19.0); did you mean --tensor-model-parallel-size?
+    """
+    if isinstance(text_or_argv, str):
+        tokens = _split(text_or_argv)
+    elif isinstance(text_or_argv, Sequence) and all(isinstance(t, str) for t in text_or_argv):
+        tokens = list(text_or_argv)
+    else:
+        raise TypeError(f"expected a launch line (str) or a list of str, got {type(text_or_argv).__name__}")
+    tokens, world_size = _strip_launcher(tokens)
+    given, ignored = _read_flags(tokens)
+    vpp = _virtual_pipeline_size(given)
+    return MegatronLaunch(
+        tensor_model_parallel_size=given.get("tensor-model-parallel-size", 1),
+        pipeline_model_parallel_size=given.get("pipeline-model-parallel-size", 1),
+        context_parallel_size=given.get("context-parallel-size", 1),
+        hierarchical_context_parallel_sizes=given.get("hierarchical-context-parallel-sizes"),
+        hybrid_context_parallel=given.get("hybrid-context-parallel", False),
+        expert_model_parallel_size=given.get("expert-model-parallel-size", 1),
+        expert_tensor_parallel_size=given.get("expert-tensor-parallel-size"),
+        virtual_pipeline_model_parallel_size=vpp,
+        num_distributed_optimizer_instances=given.get("num-distributed-optimizer-instances", 1),
+        use_sharp=given.get("use-sharp", False),
+        sharp_enabled_group=given.get("sharp-enabled-group"),
+        use_tp_pp_dp_mapping=given.get("use-tp-pp-dp-mapping", False),
+        world_size=world_size,
+        ignored=tuple(ignored),
+    )
+
+
+def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[str, Optional[str]]:
+    """Megatron-Core's keyword names in ``message`` replaced by Megatron-LM's flags, and the flag at fault.
+
+    The flag at fault is the first one named whose size does not divide the world, else the first
+    one the launch line set to more than the default (a size of 1 divides everything), else the
+    first one named.
+    """
+    found: list[tuple[int, str]] = []
+
+    def replace(match: re.Match) -> str:
+        found.append((match.start(), match.group(0)))
+        return _KEYWORD_FLAGS[match.group(0)]
+
+    pattern = r"\b(" + "|".join(sorted(_KEYWORD_FLAGS, key=len, reverse=True)) + r")\b"
+    text = re.sub(pattern, replace, message).replace("world_size", "world size")
+    named = [k for _, k in sorted(found) if _KEYWORD_FLAGS[k].startswith("--")]
+    defaults = MegatronLaunch()
+    culprits = [k for k in named if getattr(launch, k) != getattr(defaults, k) and getattr(launch, k) not in (1, None)]
+    misfits = [k for k in culprits if isinstance(getattr(launch, k), int) and world % getattr(launch, k)]
+    chosen = (misfits or culprits or named or [None])[0]
+    return text, None if chosen is None else _KEYWORD_FLAGS[chosen]
+
+
+def plan_from_megatron_args(
+    args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None, *,
+    features: Optional[MegatronFeatures] = None,
+) -> Any:
+    """The :class:`~hypergrid.planning.plan.Plan` of a Megatron-LM launch line for ``world_size`` ranks.
+
+    ``args`` is a :class:`MegatronLaunch` or what :func:`parse_megatron_args` takes. The plan is
+    the one :func:`hypergrid.planning.plan.plan_megatron` returns for the same sizes (and ``features``,
+    the megatron-core release planned for; default the groups every supported release makes). ``world_size``
+    (Megatron-LM reads it from ``WORLD_SIZE``) may be left out when the launch line sets
+    ``WORLD_SIZE=N``; both given and different is an error. Sizes that do not fit the world raise
+    :class:`MegatronArgsError` naming the flags, as Megatron-LM would name them.
+
+    Example::
+
+        >>> plan = plan_from_megatron_args(
+        ...     "--tensor-model-parallel-size 8 --pipeline-model-parallel-size 4 "
+        ...     "--expert-model-parallel-size 16 --expert-tensor-parallel-size 1", world_size=1024)
+        >>> plan.megatron
+        MegatronSizes(tp=8, pp=4, cp=1, ep=16, etp=1, dp=32, edp=16, order='tp-cp-ep-dp-pp')
+        >>> plan_from_megatron_args("--tensor-model-parallel-size 3", world_size=1024)
+        Traceback (most recent call last):
+        ...
+        hypergrid.planning.megatron_args.MegatronArgsError: world size (1024) is not divisible by --tensor-model-parallel-size (3) * --pipeline-model-parallel-size (1) * --context-parallel-size (1) = 3
+    """
+    from .plan import plan_megatron
+
+    launch = args if isinstance(args, MegatronLaunch) else parse_megatron_args(args)
+    if world_size is not None and launch.world_size is not None and world_size != launch.world_size:
+        raise MegatronArgsError(
+            f"world size {world_size} differs from WORLD_SIZE={launch.world_size} in the launch line", "WORLD_SIZE"
+        )
+    world = world_size if world_size is not None else launch.world_size
+    if world is None:
+        raise MegatronArgsError(
+            "a world size is needed: Megatron-LM reads it from the WORLD_SIZE environment variable; "
+            "pass world_size (hypergrid plan --world-size N)"
+        )
+    try:
+        return plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
+    except ValueError as exc:
+        message, flag = _with_flag_names(str(exc), launch, world)
+        raise MegatronArgsError(message, flag) from None
