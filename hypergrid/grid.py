@@ -10,133 +10,35 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
 from collections.abc import Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 
-from .runtime.agreement import Agreement, GridFacts, Position, RequestFacts, ViewFacts
-from .errors import GridDestroyedError, GridTooLargeError, ShapeTypeError
-from .runtime.options import GroupOptions
-from .runtime.registry import REGISTRY, GroupRequest, enumerate_before_init, require_initialized
+from .errors import GridDestroyedError, GridTooLargeError
+from .layout import KEY_SEPARATOR, Dims, GridLayout, Partition
+from .layout.views import BASE_VIEW, RankView
+from .runtime.environment import current_rank, resolve_world_size, world_size_if_started
 from .runtime.modes import Strategy, creation_mode, resolve_strategy
-from .layout import KEY_SEPARATOR, Dims, GridLayout, Partition, as_int
+from .runtime.options import GroupOptions
+from .runtime.registry import REGISTRY
+from .runtime.request import GroupRequest, Origin
+from .runtime.wire import GridFacts, Position, ViewFacts
 
-__all__ = ["HyperCommGrid", "RankView", "resolve_world_size"]
+__all__ = ["HyperCommGrid", "RankView"]
 
-logger = logging.getLogger("hypergrid.grid")
+logger = logging.getLogger(__name__)
 
 # Distinguishes grids in the registry's holder table; a counter, not id(), because ids are reused.
 _grid_ids = itertools.count()
 
 _CREATE_KWARGS = ("timeout", "pg_options", "group_desc", "backend")
 
-#: The name of the grid's own factorization among its views, as in Megatron-Core 0.17+.
-BASE_VIEW = "base"
-
 #: A key of ``grid._pgs``, as Megatron-Core 0.17+ stores it: ``"dp-tp"`` for a group of the grid
 #: (or of a view's shared dims), ``("expert", ("ep", "etp"))`` for a group private to a view.
 GroupKey = Union[str, tuple[str, tuple[str, ...]]]
-
-
-@dataclass(frozen=True)
-class RankView:
-    """One factorization of the grid's ranks: what ``grid._views[name]`` holds.
-
-    The fields Megatron-Core 0.17+'s ``_RankViewSpec`` has (``name``, ``shape``, ``dim_names``,
-    ``shared_dims``, as lists), and the :class:`~hypergrid.layout.GridLayout` they make.
-
-    Example::
-
-        >>> view = RankView.of("expert", [4, 2], ["ep", "dp"], ["dp"], rank_offset=0)
-        >>> view.shape, view.shared_dims, view.layout.strides
-        ([4, 2], ['dp'], (1, 4))
-    """
-
-    name: str
-    shape: list[int]
-    dim_names: list[str]
-    shared_dims: list[str]
-    layout: GridLayout
-
-    @classmethod
-    def of(cls, name: str, shape: Sequence[int], dim_names: Sequence[str], shared_dims: Sequence[str],
-           rank_offset: int) -> "RankView":
-        """A view from the caller's values, copied (the caller's lists are not kept)."""
-        layout = GridLayout(tuple(shape), tuple(dim_names), rank_offset)
-        return cls(name, list(layout.shape), list(layout.dim_names), list(shared_dims), layout)
-
-
-def resolve_world_size(world_size: Optional[int] = None) -> int:
-    """The world size a grid is planned in, resolved as Megatron-Core's ``HyperCommGrid`` does.
-
-    ``world_size`` if given; otherwise the ``WORLD_SIZE`` environment variable; otherwise
-    torch.distributed's world size when it is initialized. Megatron-Core (0.16 and 0.19 alike)
-    reads ``WORLD_SIZE`` *before* torch.distributed so that a grid larger than the running job
-    can be planned and enumerated (its own tests plan a 120-rank grid inside an 8-rank job);
-    hypergrid does the same. Whether the grid fits the real world is checked when a group is
-    created (:meth:`HyperCommGrid.create_pg` raises
-    :class:`~hypergrid.errors.GridTooLargeError` naming both sizes), not here.
-
-    Example::
-
-        >>> resolve_world_size(world_size=64)   # plan for 64 ranks, whatever the job
-        64
-        >>> import os; os.environ["WORLD_SIZE"] = "120"
-        >>> resolve_world_size()                # WORLD_SIZE before torch.distributed
-        120
-        >>> del os.environ["WORLD_SIZE"]
-
-    Raises:
-        TypeError / ValueError: ``world_size`` or ``WORLD_SIZE`` is not a positive integer.
-        RuntimeError: none of the three says how large the world is.
-    """
-    if world_size is not None:
-        size = as_int(world_size, "world_size")
-        if size <= 0:
-            raise ValueError(f"world_size must be positive, got {size}")
-        return size
-    value = int_from_environment("WORLD_SIZE", minimum=1)
-    if value is not None:
-        return value
-    if dist.is_initialized():
-        return dist.get_world_size()
-    raise RuntimeError(
-        "Cannot determine world size: no world_size= was given, the WORLD_SIZE environment "
-        "variable is not set and torch.distributed is not initialized. Set WORLD_SIZE, "
-        "initialize torch.distributed, or pass world_size= to plan without a process group."
-    )
-
-
-def int_from_environment(name: str, minimum: int) -> Optional[int]:
-    """The integer in environment variable ``name``, None when it is not set.
-
-    Set but malformed (not an integer, or below ``minimum``) is a ValueError naming the variable
-    and its value: a launcher's typo must not read as "not set".
-
-    Example::
-
-        >>> import os; os.environ["RANK"] = "x"
-        >>> int_from_environment("RANK", minimum=0)
-        Traceback (most recent call last):
-        ...
-        ValueError: environment variable RANK is set to 'x', which is not an integer >= 0
-        >>> del os.environ["RANK"]
-    """
-    text = os.environ.get(name)
-    if text is None:
-        return None
-    try:
-        value = int(text.strip())
-    except ValueError:
-        value = None
-    if value is None or value < minimum:
-        raise ValueError(f"environment variable {name} is set to {text!r}, which is not an integer >= {minimum}")
-    return value
 
 
 class HyperCommGrid:
@@ -227,13 +129,9 @@ class HyperCommGrid:
         self._destroyed = False
         # Megatron-Core 0.17+ keeps the grid itself as view "base": view="base" means the grid,
         # and no view may be registered under that name.
-        self._views: dict[str, RankView] = {BASE_VIEW: RankView.of(BASE_VIEW, layout.shape, layout.dim_names, [], layout.rank_offset)}
-        # Megatron-compatible attributes; lists, as Megatron-Core keeps them.
-        self.shape: list[int] = list(layout.shape)
-        self.dim_names: list[str] = list(layout.dim_names)
-        self.rank_offset: int = layout.rank_offset
+        self._views: dict[str, RankView] = {BASE_VIEW: RankView(BASE_VIEW, layout)}
+        self._facts = GridFacts.of(layout.shape, layout.dim_names, layout.rank_offset)
         self.backend: Optional[str] = backend
-        self.size: int = layout.size
         # Every group this grid created, under Megatron-Core's keys (see GroupKey).
         self._pgs: dict[GroupKey, Optional[dist.ProcessGroup]] = {}
         self._requests = 0  # requests that reached the registry: the position members compare
@@ -242,6 +140,26 @@ class HyperCommGrid:
         self._state_lock = threading.Lock()
 
     # ------------------------------------------------------------------ facts
+    @property
+    def shape(self) -> list[int]:
+        """The size of each dim, a list as Megatron-Core keeps it."""
+        return list(self._layout.shape)
+
+    @property
+    def dim_names(self) -> list[str]:
+        """The dim names, fastest-varying first (Megatron's ``order``), a list as Megatron-Core keeps it."""
+        return list(self._layout.dim_names)
+
+    @property
+    def rank_offset(self) -> int:
+        """The grid's first global rank."""
+        return self._layout.rank_offset
+
+    @property
+    def size(self) -> int:
+        """How many ranks the grid spans."""
+        return self._layout.size
+
     @property
     def layout(self) -> GridLayout:
         """The grid's rank algebra as a frozen :class:`~hypergrid.layout.GridLayout`."""
@@ -313,12 +231,7 @@ class HyperCommGrid:
             ValueError / TypeError: unknown or repeated dims, unknown keyword arguments.
         """
         self._check_alive()
-        unknown = sorted(set(kwargs) - set(_CREATE_KWARGS))
-        if unknown:
-            raise TypeError(
-                f"create_pg() got unexpected keyword argument(s) {unknown}; it accepts "
-                f"{list(_CREATE_KWARGS)} plus view= and private="
-            )
+        options = self._options("create_pg", kwargs)
         if not isinstance(private, bool):
             raise TypeError(f"private must be a bool, got {private!r}")
         layout, key, label = self._resolve(dims, view)
@@ -330,23 +243,7 @@ class HyperCommGrid:
                 f"first, we error out instead of returning the process group that has already been "
                 f"created before; use get_pg({dims!r}) or get_or_create_pg()."
             )
-        options = GroupOptions(
-            backend=kwargs.get("backend", self.backend),
-            timeout=kwargs.get("timeout", self._default_timeout),
-            pg_options=kwargs.get("pg_options"),
-            group_desc=kwargs.get("group_desc"),
-        )
-        if not dist.is_initialized():
-            # Decided here, before the registry: it would take a world that is not initialized
-            # for the end of the old one and forget the groups it holds.
-            if self._strategy is Strategy.ENUMERATE:
-                pg = enumerate_before_init(label, layout.enumerate(dims), options)
-                self._pgs[key] = pg
-                return pg
-            require_initialized(label)
-        self._check_fits_world(label)
-        request = GroupRequest.from_layout(layout, dims, self._current_rank(), label)
-        pg = self._acquire(self._id, request, view, options, private, key=key)
+        pg = self._acquire(self._id, label, view, options, private, layout.partition(dims), key=key)
         logger.debug("grid %d created %s: this rank's group is %s", self._id, label, pg)
         return pg
 
@@ -449,9 +346,7 @@ class HyperCommGrid:
             >>> dist.destroy_process_group()
         """
         self._check_alive()
-        unknown = sorted(set(kwargs) - set(_CREATE_KWARGS))
-        if unknown:
-            raise TypeError(f"create_derived_pg() got unexpected keyword argument(s) {unknown}; it accepts {list(_CREATE_KWARGS)}")
+        options = self._options("create_derived_pg", kwargs)
         if not isinstance(label, str) or not label:
             raise TypeError(f"label must be a non-empty str, got {label!r}")
         if partition is not None:
@@ -459,17 +354,9 @@ class HyperCommGrid:
                 raise TypeError("create_derived_pg() takes either members (and groups) or partition, not both")
             if not isinstance(partition, Partition):
                 raise TypeError(f"partition must be a hypergrid.layout.Partition, got {type(partition).__name__} {partition!r}")
-            request = GroupRequest.for_partition(label, partition, self._current_rank())
-        else:
-            mine = None if members is None else tuple(members)
-            request = GroupRequest(label, mine, ("derived", label), groups)
-        options = GroupOptions(
-            backend=kwargs.get("backend", self.backend),
-            timeout=kwargs.get("timeout", self._default_timeout),
-            pg_options=kwargs.get("pg_options"),
-            group_desc=kwargs.get("group_desc"),
-        )
-        return self._acquire(self._id if owner is None else owner, request, None, options, private)
+            return self._acquire(self._id if owner is None else owner, label, None, options, private, partition)
+        mine = None if members is None else tuple(members)
+        return self._acquire(self._id if owner is None else owner, label, None, options, private, (mine, groups))
 
     def get_rank_enum(self, dims: Dims, *, view: Optional[str] = None) -> list[list[int]]:
         r"""Every group over ``dims``: the enumeration create_pg uses, equal to Megatron-Core's.
@@ -548,7 +435,7 @@ class HyperCommGrid:
             >>> HyperCommGrid([2, 3, 4], ["tp", "cp", "dp"], world_size=24).ranks("dp", rank=7)
             [1, 7, 13, 19]
         """
-        return self._layout_of(view, dims).group_ranks(dims, self._current_rank() if rank is None else rank)
+        return self._layout_of(view, dims).group_ranks(dims, current_rank() if rank is None else rank)
 
     def coords(self, rank: Optional[int] = None, *, view: Optional[str] = None) -> dict[str, int]:
         """Coordinates of ``rank`` (default: this rank), by dim name in ``dim_names`` order.
@@ -559,12 +446,12 @@ class HyperCommGrid:
             {'tp': 1, 'cp': 0, 'dp': 1}
         """
         layout = self._layout_of(view)
-        values = layout.coords(self._current_rank() if rank is None else rank)
+        values = layout.coords(current_rank() if rank is None else rank)
         return dict(zip(layout.dim_names, values))
 
     def is_current_rank_in_grid(self) -> bool:
         """Whether this process's global rank lies in ``[rank_offset, rank_offset + size)``."""
-        return self._layout.contains(self._current_rank())
+        return self._layout.contains(current_rank())
 
     def register_view(
         self,
@@ -603,86 +490,12 @@ class HyperCommGrid:
                 :class:`~hypergrid.errors.ShapeTypeError`, also a ValueError as in Megatron-Core).
         """
         self._check_alive()
-        if not isinstance(name, str):
-            raise TypeError(f"view name must be a str, got {type(name).__name__} {name!r}")
-        if not name:
-            raise ValueError(f"view name must be a non-empty str, got {name!r}")
-        # Megatron-Core's checks, in its order and with its exception types and wording.
-        if name in self._views:
-            raise ValueError(f"View {name!r} is already registered (registered views: {sorted(self._views)})")
-        if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
-            raise TypeError(f"View {name!r} shape must be a list of ints, got {type(shape).__name__} {shape!r}")
-        if isinstance(dim_names, (str, bytes)) or not isinstance(dim_names, Sequence):
-            raise TypeError(
-                f"View {name!r} dim_names must be a list of str, got {type(dim_names).__name__} {dim_names!r}"
-            )
-        if len(shape) != len(dim_names):
-            raise ValueError(f"len(shape) {list(shape)} != len(dim_names) {list(dim_names)} in view {name!r}")
-        repeated = sorted({d for d in dim_names if isinstance(d, str) and list(dim_names).count(d) > 1})
-        if repeated:
-            raise ValueError(f"View {name!r} has duplicate dim_names: {list(dim_names)} repeats {repeated}")
-        for size in shape:
-            try:
-                size = as_int(size, "a view size")
-            except TypeError:
-                raise ShapeTypeError(
-                    f"View {name!r} shape must be positive ints, got {list(shape)}: "
-                    f"{type(size).__name__} {size!r} is not an int"
-                ) from None
-            if size <= 0:
-                raise ValueError(f"View {name!r} shape must be positive ints, got {list(shape)}")
-        view_size = 1
-        for size in shape:
-            view_size *= as_int(size, "a view size")
-        if view_size != self.size:
-            raise ValueError(
-                f"View {name!r} shape {list(shape)} has size {view_size}, but the grid size is {self.size}"
-            )
-        if shared_dims is not None and not isinstance(shared_dims, (str, list, tuple)):
-            raise TypeError(
-                f"shared_dims must be a dim name, a list of dim names or None, got "
-                f"{type(shared_dims).__name__} {shared_dims!r}"
-            )
-        shared = [] if shared_dims is None else ([shared_dims] if isinstance(shared_dims, str) else list(shared_dims))
-        for dim in shared:
-            if not isinstance(dim, str):
-                raise TypeError(f"a shared dim of view {name!r} must be a str, got {type(dim).__name__} {dim!r}")
-        if len(set(shared)) != len(shared):
-            raise ValueError(f"View {name!r} has duplicate shared_dims: {shared}")
-        view = RankView.of(name, shape, dim_names, shared, self.rank_offset)
-        for dim in shared:
-            if dim not in self.dim_names:
-                raise ValueError(f"Shared dim {dim!r} of view {name!r} is not in the base view {self.dim_names}")
-            if dim not in view.dim_names:
-                raise ValueError(
-                    f"Shared dim {dim!r} of view {name!r} is not in the view's dim_names {view.dim_names}"
-                )
-            if self._layout.partition([dim]) != view.layout.partition([dim]):
-                raise ValueError(
-                    f"Shared dim {dim!r} has different membership across views: base enumeration "
-                    f"{self._summary(self._layout, [dim])} != view {name!r} enumeration "
-                    f"{self._summary(view.layout, [dim])}"
-                )
-        if len(shared) > 1 and self._layout.partition(shared) != view.layout.partition(shared):
-            raise ValueError(
-                f"Shared dims {shared!r} have different membership across views: base enumeration "
-                f"{self._summary(self._layout, shared)} != view {name!r} enumeration "
-                f"{self._summary(view.layout, shared)}"
-            )
-        self._layout.check_view(view.layout, shared)  # the same rules, in the layout's terms
+        view = RankView.register(name, shape, dim_names, shared_dims, self._layout, taken=self._views)
         self._views[name] = view
-
-    @staticmethod
-    def _summary(layout: GridLayout, dims: list[str], shown: int = 4) -> str:
-        """The first groups of an enumeration, computed one by one: O(shown x group size)."""
-        groups = [layout.group_ranks(dims, layout.rank_offset)]
-        while len(groups) < min(shown, layout.num_groups(dims)):
-            # The next group starts at the smallest rank not yet in one (enumerations are sorted).
-            taken = {r for g in groups for r in g}
-            start = next(r for r in layout.ranks if r not in taken)
-            groups.append(layout.group_ranks(dims, start))
-        more = layout.num_groups(dims) - len(groups)
-        return f"{groups}{f' and {more} more' if more > 0 else ''}"
+        self._facts = GridFacts.of(self._layout.shape, self._layout.dim_names, self._layout.rank_offset, tuple(
+            ViewFacts(v.name, v.layout.shape, v.layout.dim_names, tuple(sorted(v.shared)))
+            for v in sorted(self._views.values(), key=lambda v: v.name) if v.name != BASE_VIEW
+        ))
 
     def destroy(self) -> None:
         """Destroy the groups this grid created that this rank is in, as Megatron-Core does.
@@ -726,26 +539,56 @@ class HyperCommGrid:
         REGISTRY.release(self._id)
 
     # ------------------------------------------------------------------ helpers
+    def _options(self, caller: str, kwargs: dict[str, Any]) -> GroupOptions:
+        """The options of a request: torch's keywords, the grid's defaults where none is given."""
+        unknown = sorted(set(kwargs) - set(_CREATE_KWARGS))
+        if unknown:
+            raise TypeError(
+                f"{caller}() got unexpected keyword argument(s) {unknown}; it accepts "
+                f"{list(_CREATE_KWARGS)}" + (" plus view= and private=" if caller == "create_pg" else "")
+            )
+        return GroupOptions(
+            backend=kwargs.get("backend", self.backend),
+            timeout=kwargs.get("timeout", self._default_timeout),
+            pg_options=kwargs.get("pg_options"),
+            group_desc=kwargs.get("group_desc"),
+        )
+
     def _acquire(
         self,
         owner: Any,
-        request: GroupRequest,
+        label: str,
         view: Optional[str],
         options: GroupOptions,
         private: bool,
+        groups: Union[Partition, tuple[Optional[tuple[int, ...]], Optional[Callable[[], list[list[int]]]]]],
         key: Optional[GroupKey] = None,
     ) -> Optional[dist.ProcessGroup]:
-        """Stamp ``request`` with the grid's next position and hand it to the registry.
+        """Build the one request for ``groups`` (a partition of ranks, or this rank's members and
+        every group), stamped with the grid's next position, and hand it to the registry.
 
         Raises :class:`~hypergrid.errors.GridDestroyedError`, holding nothing, when the grid was
         destroyed (by another thread) while the group was being made."""
+        world = world_size_if_started()
+        if world is not None and self.rank_offset + self.size > world:
+            raise GridTooLargeError(
+                f"cannot create process group {label!r}: grid shape {self.shape} needs "
+                f"{self.size} ranks from rank_offset {self.rank_offset} (ranks up to "
+                f"{self.rank_offset + self.size - 1}), but torch.distributed's world has {world} "
+                f"ranks; the grid was planned for a world of {self._world_size}"
+            )
         with self._state_lock:
             self._check_alive()
             index = self._requests
             self._requests += 1
-        if self._check_agreement:
-            request = request.with_agreement(self._agreement(request.label, view, index, options, private))
-        pg = REGISTRY.acquire_request(owner, request, strategy=self._strategy, options=options, private=private)
+        origin = Origin(Position(self._facts.family, self._facts.digest, index), self._facts, view) if self._check_agreement else None
+        decided = dict(options=options, mode=creation_mode(self._strategy, options.backend), private=private, origin=origin)
+        rank = None if world is None else dist.get_rank()  # before init: only Megatron-Core's enumeration can run
+        if isinstance(groups, Partition):
+            request = GroupRequest.for_partition(label, groups, rank, **decided)
+        else:
+            request = GroupRequest.derived(label, groups[0], groups[1], **decided)
+        pg = REGISTRY.acquire(owner, request)
         with self._state_lock:
             if not self._destroyed:
                 if key is not None:
@@ -756,31 +599,6 @@ class HyperCommGrid:
         REGISTRY.release(owner)
         self._check_alive()
         return pg  # not reached: _check_alive raised
-
-    def _facts(self) -> GridFacts:
-        views = tuple(
-            ViewFacts(name, tuple(view.shape), tuple(view.dim_names), tuple(sorted(view.shared_dims)))
-            for name, view in sorted(self._views.items())
-            if name != BASE_VIEW
-        )
-        return GridFacts.of(self.shape, self.dim_names, self.rank_offset, views)
-
-    def _agreement(self, label: str, view: Optional[str], index: int, options: GroupOptions, private: bool) -> Agreement:
-        """What every member of a group must have asked for alike (see hypergrid.runtime.agreement)."""
-        facts = self._facts()
-        return Agreement(
-            position=Position(facts.family, facts.digest, index),
-            grid=facts,
-            request=RequestFacts(
-                label=label,
-                view=view,
-                private=private,
-                backend=options.backend,
-                timeout_s=None if options.timeout is None else options.timeout.total_seconds(),
-                pg_options=None if options.pg_options is None else type(options.pg_options).__name__,
-                mode=creation_mode(self._strategy, options.backend).value,
-            ),
-        )
 
     def _check_alive(self) -> None:
         if self._destroyed:
@@ -825,26 +643,3 @@ class HyperCommGrid:
             base_key = self._layout.key(ordered)
             return self._layout, base_key, base_key
         return layout, (view, tuple(ordered)), f"{view}:{key}"
-
-    def _check_fits_world(self, label: str) -> None:
-        """A grid planned for a larger world (world_size=, WORLD_SIZE) cannot create groups."""
-        actual = dist.get_world_size()
-        if self.rank_offset + self.size > actual:
-            raise GridTooLargeError(
-                f"cannot create process group {label!r}: grid shape {self.shape} needs "
-                f"{self.size} ranks from rank_offset {self.rank_offset} (ranks up to "
-                f"{self.rank_offset + self.size - 1}), but torch.distributed's world has {actual} "
-                f"ranks; the grid was planned for a world of {self._world_size}"
-            )
-
-    @staticmethod
-    def _current_rank() -> int:
-        if dist.is_initialized():
-            return dist.get_rank()
-        env = int_from_environment("RANK", minimum=0)
-        if env is not None:
-            return env
-        raise RuntimeError(
-            "this rank is unknown: torch.distributed is not initialized and RANK is not set; "
-            "pass rank= explicitly"
-        )

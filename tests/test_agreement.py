@@ -37,7 +37,7 @@ def _job_agree(rank: int, world_size: int) -> tuple:
 def _job_store_keys_over_cycles(rank: int, world_size: int) -> list:
     """Create and destroy the same grid's groups several times; after each cycle, the agreement keys
     this rank has written that are still in the store."""
-    import hypergrid.runtime.agreement as agreement
+    import hypergrid.runtime.store as agreement
     from hypergrid import HyperCommGrid
 
     real = agreement.default_store()
@@ -210,7 +210,7 @@ if __name__ == "__main__":  # prints the failure timings quoted in the project n
 
 def test_what_members_publish_stays_short_for_large_groups():
     # The leader reads every member's entry: an entry must not hold the whole member list.
-    from hypergrid.runtime.agreement import members_fingerprint
+    from hypergrid.layout.describe import members_fingerprint
 
     big = members_fingerprint(range(0, 2_000_000, 2))
     assert len(big) < 120, big
@@ -230,7 +230,7 @@ class _LostStore(dist.Store):
 
 
 def _make_agreement():
-    from hypergrid.runtime.agreement import Agreement, GridFacts, Position, RequestFacts
+    from hypergrid.runtime.wire import Agreement, GridFacts, Position, RequestFacts
 
     facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
     request = RequestFacts("dp-cp", None, False, None, None, None, "local")
@@ -242,11 +242,12 @@ _AGREEMENT = _make_agreement()
 
 def test_a_store_that_stops_answering_is_named_with_the_group(monkeypatch):
     import hypergrid.runtime.agreement as agreement
+    import hypergrid.runtime.store as store
     from hypergrid.errors import GroupCreationError
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        monkeypatch.setattr(agreement, "default_store", lambda: _LostStore())
+        monkeypatch.setattr(store, "default_store", lambda: _LostStore())
         with pytest.raises(GroupCreationError) as info:
             agreement.check_agreement("dp-cp", [0, 4], _AGREEMENT, timeout=timedelta(seconds=5))
     finally:

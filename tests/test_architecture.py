@@ -56,8 +56,6 @@ GROUP_DESTROY = "destroy_process_group"
 #: modules allowed more, with the reason.
 MAX_CODE_LINES = 410
 LONGER = {
-    "grid": "moved as it stood; its environment and view checks leave it in the next commits",
-    "runtime.agreement": "moved as it stood; split into store, wire records, rounds and diagnosis next",
     "megatron.spec.config": "one value: Megatron-Core's 30-odd keywords, the sizes derived from them and their "
     "checks in Megatron-Core's order, each check a method of its own",
 }

@@ -21,7 +21,8 @@ from hypergrid.app import cli
 from hypergrid.app import console
 from hypergrid.planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.megatron import choose_megatron_core, plan_model_parallel
-from hypergrid.planning.plan import describe_members, plan_grid, plan_megatron
+from hypergrid.layout.describe import describe_members
+from hypergrid.planning.plan import plan_grid, plan_megatron
 
 MOE = ["--world-size", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "4", "--etp", "1"]
 
@@ -268,7 +269,7 @@ def test_demo_sizes_the_user_did_not_give_are_one(capsys):
 
 
 def test_whole_groups_that_skip_ranks_never_read_as_contiguous():
-    from hypergrid.planning.plan import describe_members
+    from hypergrid.layout.describe import describe_members
 
     dp_of_tp8 = [r for start in range(0, 128, 32) for r in range(start, start + 8)]
     assert describe_members(dp_of_tp8) == "0-7, 32-39, 64-71, 96-103 (32 ranks)"

@@ -308,7 +308,7 @@ def _frozen_store_host(rank: int, world: int) -> tuple:
     import signal
     import subprocess
 
-    import hypergrid.runtime.agreement as agreement
+    import hypergrid.runtime.store as agreement
     from hypergrid import HyperCommGrid
 
     job_store = agreement.default_store()

@@ -89,9 +89,9 @@ def members_by_reduce(pg: Any) -> list[int]:
 
 def grid_job(rank: int, world: int) -> dict:
     from hypergrid import HyperCommGrid
-    from hypergrid.runtime.modes import CreationMode, creation_mode, job_kind
+    from hypergrid.runtime.modes import CreationMode, creation_mode, job_setup
 
-    kind = job_kind()
+    kind = job_setup()
     with recorded_calls() as calls:
         grid = HyperCommGrid([2, 2], ["tp", "dp"])
         made = {}

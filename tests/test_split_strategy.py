@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, device_mesh
-from hypergrid.runtime.modes import CreationMode, JobKind, creation_mode, job_kind
+from hypergrid.runtime.modes import CreationMode, JobSetup, creation_mode, job_setup
 
 WORLD = 64
 RANKS = (0, 31, 63)
@@ -150,7 +150,7 @@ def assert_world_wide(played: dict[int, tuple[Recorder, Any]], requests: int) ->
 
 def test_the_simulated_job_is_seen_as_one_that_must_split(monkeypatch):
     with bound_splitting_world(5, monkeypatch):
-        kind = job_kind()
+        kind = job_setup()
         assert kind.splits and kind.backend == "fake" and kind.split_backend == "fake"
         assert kind.split_device in ("cpu", "cuda")
         assert creation_mode("auto") is CreationMode.SPLIT
@@ -275,12 +275,12 @@ def test_which_backends_split_is_what_torch_decides(backend, monkeypatch):
     source = dist.distributed_c10d._get_split_source
     if len(inspect.signature(source).parameters) < 2:
         pytest.skip(f"torch {torch.__version__}'s _get_split_source takes no requested backend; "
-                    f"its members split only for the bound backend, the rule's premise (see strategy.JobKind)")
+                    f"its members split only for the bound backend, the rule's premise (see strategy.JobSetup)")
     with bound_splitting_world(7, monkeypatch):
         assert dist.distributed_c10d._get_split_source is source, "torch's own decision, not a stand-in"
         world = dist.distributed_c10d._get_default_group()
         torch_splits = dist.distributed_c10d._get_split_source(world, backend or dist.get_backend()) is not None
-        assert job_kind().must_split(backend) is torch_splits
+        assert job_setup().must_split(backend) is torch_splits
 
 
 def test_torchcomms_subgroups_follow_what_torch_has(monkeypatch):
@@ -299,14 +299,14 @@ def test_torchcomms_subgroups_follow_what_torch_has(monkeypatch):
 def test_torchcomms_decides_the_mode_as_its_subgroups_are_made():
     from hypergrid.runtime.torch_compat import TorchCommsSubgroups
 
-    world_split = JobKind(backend="nccl", torchcomms=TorchCommsSubgroups.WORLD_SPLIT)
+    world_split = JobSetup(backend="nccl", torchcomms=TorchCommsSubgroups.WORLD_SPLIT)
     assert creation_mode("auto", job=world_split) is CreationMode.SPLIT
     assert creation_mode("auto", "gloo", job=world_split) is CreationMode.SPLIT  # every backend splits there
     assert creation_mode("auto", "fake", job=world_split) is CreationMode.LOCAL  # torch routes fake groups around it
     with pytest.raises(ValueError, match="refuses use_local_synchronization"):
         creation_mode("local", job=world_split)
     # torch 2.15: TorchComms builds subgroups among their members, even on a bound world.
-    members_only = JobKind(backend="nccl", split_device="cuda", split_backend="nccl",
+    members_only = JobSetup(backend="nccl", split_device="cuda", split_backend="nccl",
                            torchcomms=TorchCommsSubgroups.MEMBERS_ONLY)
     assert creation_mode("auto", job=members_only) is CreationMode.LOCAL
     assert creation_mode("local", job=members_only) is CreationMode.LOCAL

@@ -102,7 +102,7 @@ def test_a_world_too_large_to_enumerate_draws_the_same_window(monkeypatch, rank)
     # as the enumerating path does: the same panels, groups, outlines and titles.
     plan = plan_megatron(4096, tp=2, pp=4, cp=2, ep=8, etp=2)
     small = picture(plan, gpus_per_node=8, rank=rank, nvlink_domain=32)
-    monkeypatch.setattr(viz, "MAX_ENUMERATED_RANKS", 0)
+    monkeypatch.setattr(viz, "MAX_LISTED_WORLD", 0)
     large = picture(plan, gpus_per_node=8, rank=rank, nvlink_domain=32)
     assert (large.first_rank, large.end_rank, large.title, large.caption) == (
         small.first_rank, small.end_rank, small.title, small.caption)

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 from .console import OutputError, Progress, drop_stdout, out
 from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
-from ..planning.plan import MAX_ENUMERATED_RANKS
+from ..planning.plan import MAX_LISTED_WORLD
 
 __all__ = ["main", "build_parser", "UsageError"]
 
@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compare Megatron-Core's RankGenerator groups on a sample of groups (default for "
                           f"worlds over {FULL_COMPARISON_RANKS} ranks)")
     how.add_argument("--full", action="store_true",
-                     help=f"compare every group, however large the world (up to {MAX_ENUMERATED_RANKS} ranks)")
+                     help=f"compare every group, however large the world (up to {MAX_LISTED_WORLD} ranks)")
     c.add_argument("--seed", type=_non_negative, default=0, help="random seed of the sample (default 0)")
     c.add_argument("--groups", type=_positive, default=SAMPLED_GROUPS,
                    help=f"groups compared per kind when sampling, at most (default {SAMPLED_GROUPS})")
@@ -304,8 +304,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         out(f"sampled (seed {result.seed}): per kind, the groups of the first and last rank, of each "
               f"pipeline stage's first rank and of random ranks, up to {args.groups}, computed by "
               f"Megatron-Core's generate_masked_orthogonal_rank_groups for those groups only; "
-              + ("--full compares every group" if plan.world_size <= MAX_ENUMERATED_RANKS else
-                 f"worlds over {MAX_ENUMERATED_RANKS} ranks are too large to compare in full"))
+              + ("--full compares every group" if plan.world_size <= MAX_LISTED_WORLD else
+                 f"worlds over {MAX_LISTED_WORLD} ranks are too large to compare in full"))
     for skipped in result.not_compared:
         out(f"not compared: {skipped}")
     for line in result.differences:

@@ -42,7 +42,8 @@ from typing import Any, Callable, Optional
 from .launcher import (
     LaunchInterrupted, LaunchOutcome, LocalLimit, Machine, RankCost, launch, local_rank_limit, probe_machine,
 )
-from ..planning.plan import Plan, describe_members, plan_megatron
+from ..layout.describe import describe_members
+from ..planning.plan import Plan, plan_megatron
 
 __all__ = [
     "DEFAULT_WORLD_SIZE",

@@ -321,22 +321,24 @@ class GridLayout:
         return Partition(self.rank_offset, self.size, canonical_modes(modes))
 
     # ---------------------------------------------------------------- views
-    def check_view(self, view: "GridLayout", shared_dims: Sequence[str] = ()) -> None:
-        """Check that ``view`` is another factorization of the same span of ranks.
+    def check_view(self, view: "GridLayout", shared_dims: Sequence[str] = (), name: str = "view") -> None:
+        """Check that ``view`` (registered as ``name``) is another factorization of the same ranks.
 
         ``shared_dims`` are dims the view claims to have in common with this grid: each must
         exist in both and make the same groups in both, alone and all together (what
-        Megatron-Core's ``register_view`` compares, enumeration against enumeration). Compared
-        by :class:`Partition` in O(ndims), so a dim of size 1 is shared whatever its stride.
+        Megatron-Core's ``register_view`` compares, enumeration against enumeration, and with its
+        wording). Compared by :class:`Partition` in O(ndims), so a dim of size 1 is shared
+        whatever its stride; a difference names both enumerations' first groups and the dim's
+        (size, stride) on each side.
 
         Example::
 
             >>> dense = GridLayout((2, 2, 4), ("tp", "cp", "dp"))
             >>> dense.check_view(GridLayout((4, 4), ("ep", "dp")), shared_dims=["dp"])
-            >>> dense.check_view(GridLayout((4, 4), ("dp", "ep")), shared_dims=["dp"])
+            >>> dense.check_view(GridLayout((4, 4), ("dp", "ep")), shared_dims=["dp"], name="expert")
             Traceback (most recent call last):
             ...
-            ValueError: shared dim 'dp' has different membership across views: (size, stride) (4, 1) in the view but (4, 4) in the grid; a shared dim must make the same groups in both
+            ValueError: Shared dim 'dp' has different membership across views: base enumeration [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]] != view 'expert' enumeration [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]; (size, stride) (4, 1) in the view but (4, 4) in the grid
         """
         if not isinstance(view, GridLayout):
             raise TypeError(f"view must be a GridLayout, got {type(view).__name__} {view!r}")
@@ -346,25 +348,41 @@ class GridLayout:
                 f"{self.rank_offset + self.size}); shape {list(view.shape)} with rank_offset "
                 f"{view.rank_offset} spans [{view.rank_offset}, {view.rank_offset + view.size})"
             )
-        for name in shared_dims:
-            if not isinstance(name, str):
-                raise TypeError(f"a shared dim must be a str, got {type(name).__name__} {name!r}")
-            if name not in self._index or name not in view._index:
+        for dim in shared_dims:
+            if not isinstance(dim, str):
+                raise TypeError(f"a shared dim must be a str, got {type(dim).__name__} {dim!r}")
+            if dim not in self._index:
+                raise ValueError(f"Shared dim {dim!r} of view {name!r} is not in the base view {list(self.dim_names)}")
+            if dim not in view._index:
+                raise ValueError(f"Shared dim {dim!r} of view {name!r} is not in the view's dim_names {list(view.dim_names)}")
+            if self.partition([dim]) != view.partition([dim]):
+                mine = (self.dim_size(dim), self.strides[self._index[dim]])
+                theirs = (view.dim_size(dim), view.strides[view._index[dim]])
                 raise ValueError(
-                    f"shared dim {name!r} must be a dim of both the grid {list(self.dim_names)} "
-                    f"and the view {list(view.dim_names)}"
-                )
-            if self.partition([name]) != view.partition([name]):
-                mine = (self.dim_size(name), self.strides[self._index[name]])
-                theirs = (view.dim_size(name), view.strides[view._index[name]])
-                raise ValueError(
-                    f"shared dim {name!r} has different membership across views: (size, stride) "
-                    f"{theirs} in the view but {mine} in the grid; a shared dim must make the same "
-                    f"groups in both"
+                    f"Shared dim {dim!r} has different membership across views: base enumeration "
+                    f"{self.first_groups([dim])} != view {name!r} enumeration {view.first_groups([dim])}; "
+                    f"(size, stride) {theirs} in the view but {mine} in the grid"
                 )
         if len(shared_dims) > 1 and self.partition(shared_dims) != view.partition(shared_dims):
             raise ValueError(
-                f"shared dims {list(shared_dims)} have different membership across views: "
-                f"together they make groups {view.partition(shared_dims)} in the view but "
-                f"{self.partition(shared_dims)} in the grid"
+                f"Shared dims {list(shared_dims)!r} have different membership across views: base enumeration "
+                f"{self.first_groups(shared_dims)} != view {name!r} enumeration {view.first_groups(shared_dims)}"
             )
+
+    def first_groups(self, dims: Dims, shown: int = 4) -> str:
+        """The first ``shown`` groups of the ``dims`` enumeration, computed one by one, and how
+        many more there are: O(shown x group size), whatever the grid's size.
+
+        Example::
+
+            >>> GridLayout((2, 8), ("tp", "dp")).first_groups(["tp"], shown=2)
+            '[[0, 1], [2, 3]] and 6 more'
+        """
+        groups = [self.group_ranks(dims, self.rank_offset)]
+        while len(groups) < min(shown, self.num_groups(dims)):
+            # The next group starts at the smallest rank not yet in one (enumerations are sorted).
+            taken = {r for g in groups for r in g}
+            start = next(r for r in self.ranks if r not in taken)
+            groups.append(self.group_ranks(dims, start))
+        more = self.num_groups(dims) - len(groups)
+        return f"{groups}{f' and {more} more' if more > 0 else ''}"

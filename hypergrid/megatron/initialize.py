@@ -29,7 +29,7 @@ from megatron.core import parallel_state as ps
 
 from ..errors import UnsupportedTorchError
 from ..grid import HyperCommGrid
-from ..runtime.agreement import within_step, world_checkpoint, world_start
+from ..runtime.world_step import within_step, world_checkpoint, world_start
 from ..runtime.options import GroupOptions, effective_timeout, same_as_world
 from ..runtime.registry import REGISTRY
 from ..runtime.modes import resolve_strategy

@@ -15,7 +15,7 @@ every group in pure Python (about 2 s per kind at 1,048,576 ranks here), so for 
 Megatron-Core's own ``generate_masked_orthogonal_rank_groups`` is run for the sampled groups only
 (its loop over group indices is handed the sampled indices), and compared with the groups
 hypergrid computes for the same ranks in O(group size). ``HyperCommGrid.get_rank_enum`` is numpy
-and fast; it is compared in full up to :data:`~hypergrid.planning.plan.MAX_ENUMERATED_RANKS` ranks, and
+and fast; it is compared in full up to :data:`~hypergrid.planning.plan.MAX_LISTED_WORLD` ranks, and
 not at all beyond, as it lists every rank of the world.
 
 Example::
@@ -41,7 +41,8 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 from ..layout.kinds import GroupKind, PipelineSubset
 from ..layout import GridLayout
 from ..megatron.spec.plan import default_embedding_ranks, default_position_embedding_ranks
-from .plan import MAX_ENUMERATED_RANKS, Plan, describe_members
+from ..layout.describe import describe_members
+from .plan import MAX_LISTED_WORLD, Plan
 
 __all__ = [
     "FULL_COMPARISON_RANKS",
@@ -254,10 +255,10 @@ def compare_with_megatron(
     layouts: list[tuple[str, GridLayout]] = [("grid", plan.layout)] + list(plan.views.items())
     with _world_size_env(plan.world_size):
         for label, layout in layouts:
-            if layout.size > MAX_ENUMERATED_RANKS:
+            if layout.size > MAX_LISTED_WORLD:
                 result.not_compared.append(NotCompared(label, (
                     f"HyperCommGrid.get_rank_enum lists every one of the {layout.size} ranks; "
-                    f"it is compared up to {MAX_ENUMERATED_RANKS} ranks")))
+                    f"it is compared up to {MAX_LISTED_WORLD} ranks")))
                 continue
             theirs = MegatronGrid(list(layout.shape), list(layout.dim_names), rank_offset=layout.rank_offset)
             for dims in _subsets(layout.dim_names):

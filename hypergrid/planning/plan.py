@@ -30,78 +30,31 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
-from ..layout.kinds import GroupKind
 from ..layout import GridLayout
+from ..layout.kinds import GroupKind
 from ..releases import Followed
 
 __all__ = [
     "Anchor",
-    "describe_members",
     "GroupKind",
     "MegatronSizes",
     "KindSummary",
     "Plan",
     "plan_grid",
     "plan_megatron",
-    "MAX_ENUMERATED_RANKS",
+    "MAX_LISTED_WORLD",
     "SAMPLED_RANKS_BUDGET",
     "LISTED_MEMBERS",
     "HEAD_MEMBERS",
-    "member_runs",
 ]
 
 logger = logging.getLogger("hypergrid.planning.plan")
 
-#: Largest world whose groups a summary looks at one by one (about ten seconds of pure Python);
-#: larger worlds are summarised over a sample of groups. One rank's groups have no limit.
-MAX_ENUMERATED_RANKS = 1 << 22
+#: Largest world whose every group a summary lists one by one (about ten seconds of pure Python);
+#: larger worlds are summarised over a sample of groups. One rank's groups have no limit. (The
+#: layout's own limit, :data:`hypergrid.layout.MAX_ENUMERATED_RANKS`, bounds what fits in memory.)
+MAX_LISTED_WORLD = 1 << 22
 
-def member_runs(members: Sequence[int]) -> list[tuple[int, int]]:
-    """Runs of consecutive ranks, in order, as ``(first, last)``.
-
-    Example::
-
-        >>> member_runs([4, 5, 6, 9, 1])
-        [(4, 6), (9, 9), (1, 1)]
-    """
-    runs: list[tuple[int, int]] = []
-    for r in members:
-        if runs and r == runs[-1][1] + 1:
-            runs[-1] = (runs[-1][0], r)
-        else:
-            runs.append((r, r))
-    return runs
-
-
-def describe_members(members: Sequence[int], limit: int = 8) -> str:
-    """A group's members for people: runs of consecutive ranks as ranges, long lists cut.
-
-    Cutting keeps whole runs and says what was left out, so that a group that skips ranks never
-    reads as if it were contiguous.
-
-    Example::
-
-        >>> describe_members([0, 1, 2, 3])
-        '0-3'
-        >>> describe_members([1, 5, 9, 13])
-        '1, 5, 9, 13'
-        >>> describe_members([r for start in range(0, 128, 32) for r in range(start, start + 8)])
-        '0-7, 32-39, 64-71, 96-103 (32 ranks)'
-        >>> describe_members(list(range(0, 4096, 8)))
-        '0, 8, 16, 24, 32, 40, 48, ..., 4088 (512 ranks, step 8)'
-    """
-    members = list(members)
-    if not members:
-        return "none"
-    runs = member_runs(members)
-    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs]
-    if len(parts) > limit:
-        steps = {b - a for a, b in zip(members, members[1:])}
-        pattern = f", step {steps.pop()}" if len(steps) == 1 else ""
-        parts = parts[: limit - 1] + ["...", parts[-1]]
-        return f"{', '.join(parts)} ({len(members)} ranks{pattern})"
-    text = ", ".join(parts)
-    return text if len(runs) == 1 or len(members) == len(runs) else f"{text} ({len(members)} ranks)"
 
 #: How many members, in all, a sampled summary of one kind lists (groups of a sample of ranks).
 SAMPLED_RANKS_BUDGET = 1 << 16
@@ -152,7 +105,7 @@ class KindSummary:
     ``intra_node_groups`` how many groups stay inside a single node (None when sampled);
     ``placement`` is ``"node"`` (every group inside a node), ``"nvlink"`` (inside an NVLink
     domain) or ``"across"``. ``groups_examined`` is the number of groups looked at: every group
-    (``exact``), or for worlds over :data:`MAX_ENUMERATED_RANKS` ranks a sample of them.
+    (``exact``), or for worlds over :data:`MAX_LISTED_WORLD` ranks a sample of them.
 
     Example::
 
@@ -329,7 +282,7 @@ class Plan:
         return out
 
     def check_enumerable(self) -> None:
-        """ValueError if the world is too large to list every group (:data:`MAX_ENUMERATED_RANKS`).
+        """ValueError if the world is too large to list every group (:data:`MAX_LISTED_WORLD`).
 
         Example::
 
@@ -338,16 +291,16 @@ class Plan:
             ...
             ValueError: world size 2147483648 is too large to list every group: summaries and checks enumerate all groups, up to 4194304 ranks
         """
-        if self.world_size > MAX_ENUMERATED_RANKS:
+        if self.world_size > MAX_LISTED_WORLD:
             raise ValueError(
                 f"world size {self.world_size} is too large to list every group: summaries and checks "
-                f"enumerate all groups, up to {MAX_ENUMERATED_RANKS} ranks"
+                f"enumerate all groups, up to {MAX_LISTED_WORLD} ranks"
             )
 
     def summary(self, name: str, gpus_per_node: int, nvlink_domain: Optional[int] = None) -> KindSummary:
         """Count, size and node / NVLink-domain locality of the kind called ``name``.
 
-        ``nvlink_domain`` defaults to ``gpus_per_node``. Up to :data:`MAX_ENUMERATED_RANKS` ranks
+        ``nvlink_domain`` defaults to ``gpus_per_node``. Up to :data:`MAX_LISTED_WORLD` ranks
         every group is looked at (O(grid size)); beyond, the groups of a sample of ranks, each
         rank's in O(group size), within :data:`SAMPLED_RANKS_BUDGET` members in all: the summary
         says so (``exact`` False, ``intra_node_groups`` None). Counts and sizes are exact always.
@@ -363,7 +316,7 @@ class Plan:
         gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
         domain = gpus_per_node if nvlink_domain is None else positive_int("nvlink_domain", nvlink_domain)
         kind = self.kind(name)
-        exact = self.world_size <= MAX_ENUMERATED_RANKS
+        exact = self.world_size <= MAX_LISTED_WORLD
         groups = kind.enumerate() if exact else self._sample_groups(kind)
         max_nodes = max_domains = examined = intra = 0
         for group in groups:

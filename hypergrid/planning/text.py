@@ -10,7 +10,8 @@ import csv
 import io
 
 from .cost import cost_lines
-from .plan import MAX_ENUMERATED_RANKS, Plan, describe_members, member_runs, plan_grid  # noqa: F401 (plan_grid: examples)
+from ..layout.describe import describe_members, member_runs
+from .plan import MAX_LISTED_WORLD, Plan, plan_grid  # noqa: F401 (plan_grid: examples)
 
 __all__ = ["plan_table", "plan_csv"]
 
@@ -127,7 +128,7 @@ def plan_table(plan: "Plan", data: dict) -> str:
         out.append(f"cross NVLink domains ({data['nvlink_domain']} ranks each): {', '.join(across) or 'none'}")
     sampled = [k["name"] for k in data["kinds"] if not k["locality_exact"]]
     if sampled:
-        out.append(f"node locality over a sample of groups (world over {MAX_ENUMERATED_RANKS:,} ranks): "
+        out.append(f"node locality over a sample of groups (world over {MAX_LISTED_WORLD:,} ranks): "
                    f"{', '.join(sampled)}")
     out += cost_lines(data["cost"])
     if "rank" in data:

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
-from .plan import MAX_ENUMERATED_RANKS
+from .plan import MAX_LISTED_WORLD
 
 __all__ = ["Panel", "Picture", "assign_styles", "picture", "write_picture", "MAX_RANKS_DRAWN", "HATCHES"]
 
@@ -255,7 +255,7 @@ def _window_groups(plan: Any, kind: Any, lo: int, hi: int) -> tuple[dict[int, in
     rank, and two kinds count as the same when their counts, sizes, boxes at a sample of ranks
     and groups among the drawn ranks all agree.
     """
-    if plan.world_size <= MAX_ENUMERATED_RANKS:
+    if plan.world_size <= MAX_LISTED_WORLD:
         groups = kind.enumerate()
         return {r: g for g, members in enumerate(groups) for r in members if lo <= r < hi}, groups
     group_of: dict[int, int] = {}

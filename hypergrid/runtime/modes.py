@@ -57,8 +57,8 @@ __all__ = [
     "set_default_strategy",
     "default_strategy",
     "resolve_strategy",
-    "JobKind",
-    "job_kind",
+    "JobSetup",
+    "job_setup",
     "creation_mode",
 ]
 
@@ -159,7 +159,7 @@ def resolve_strategy(strategy: Union[str, Strategy, None]) -> Strategy:
 
 
 @dataclass(frozen=True)
-class JobKind:
+class JobSetup:
     """How the job was started, as far as group creation cares; alike on every rank.
 
     ``backend``: the default group's backend name (lower case), None when not initialized.
@@ -170,12 +170,12 @@ class JobKind:
 
     Example::
 
-        >>> nccl = JobKind(backend="nccl", split_device="cuda", split_backend="nccl")
+        >>> nccl = JobSetup(backend="nccl", split_device="cuda", split_backend="nccl")
         >>> nccl.must_split(None), nccl.must_split("nccl"), nccl.must_split("gloo")
         (True, True, False)
         >>> nccl.must_split("cpu:gloo,cuda:nccl")      # its CUDA half is split from the world's
         True
-        >>> JobKind(backend="gloo").must_split(None)   # not bound: communicators are made afresh
+        >>> JobSetup(backend="gloo").must_split(None)   # not bound: communicators are made afresh
         False
     """
 
@@ -221,18 +221,18 @@ def _backend_on(device_type: str, backend: str) -> Optional[str]:
     return None
 
 
-def job_kind() -> JobKind:
-    """The :class:`JobKind` of this process's default group (nothing splits when uninitialized).
+def job_setup() -> JobSetup:
+    """The :class:`JobSetup` of this process's default group (nothing splits when uninitialized).
 
     Example::
 
-        >>> job_kind()          # no process group
-        JobKind(backend=None, split_device=None, split_backend=None, torchcomms=<TorchCommsSubgroups.OFF: 'off'>)
+        >>> job_setup()          # no process group
+        JobSetup(backend=None, split_device=None, split_backend=None, torchcomms=<TorchCommsSubgroups.OFF: 'off'>)
     """
     if not dist.is_available() or not dist.is_initialized():
-        return JobKind()
+        return JobSetup()
     device = bound_split_device()
-    return JobKind(
+    return JobSetup(
         backend=str(dist.get_backend()).lower(),
         split_device=device,
         split_backend=None if device is None else world_backend_on(device),
@@ -240,17 +240,17 @@ def job_kind() -> JobKind:
     )
 
 
-def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None, job: Optional[JobKind] = None) -> CreationMode:
+def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None, job: Optional[JobSetup] = None) -> CreationMode:
     """The mode that creates a group of ``backend`` under ``strategy`` in this job.
 
     Example::
 
-        >>> bound_nccl = JobKind(backend="nccl", split_device="cuda", split_backend="nccl")
+        >>> bound_nccl = JobSetup(backend="nccl", split_device="cuda", split_backend="nccl")
         >>> creation_mode("auto", job=bound_nccl)
         <CreationMode.SPLIT: 'split'>
         >>> creation_mode("auto", "gloo", job=bound_nccl)
         <CreationMode.LOCAL: 'local'>
-        >>> creation_mode("split", job=JobKind(backend="gloo"))
+        >>> creation_mode("split", job=JobSetup(backend="gloo"))
         <CreationMode.LOCAL: 'local'>
         >>> creation_mode("local", job=bound_nccl)
         Traceback (most recent call last):
@@ -258,7 +258,7 @@ def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None,
         ValueError: strategy 'local' cannot create a 'nccl' group here: the default group is bound to a device ('cuda') whose 'nccl' backend splits (init_process_group(..., device_id=...), or a backend that binds itself such as torch 2.15's nccl2), so torch makes every new 'nccl' communicator by splitting the world's, which every rank of the world must join; a member-only new_group would wait for ranks that never come. Use strategy 'auto' or 'split'.
     """
     chosen = parse_strategy(strategy)
-    job = job_kind() if job is None else job
+    job = job_setup() if job is None else job
     if chosen is Strategy.ENUMERATE:
         return CreationMode.ENUMERATE
     must_split = job.must_split(backend)

@@ -1,35 +1,17 @@
 """The group registry: creates each distinct process group once, shares it, destroys it.
 
-Every grid, view and adapter asks this registry for groups; it is the only module that calls
-``torch.distributed``'s group constructors. A group is identified by what makes two
-communicators interchangeable: its member ranks, its backend, its timeout and its options.
-Whoever asks for an identical group gets the existing object (unless they ask for a private one),
-and a group is destroyed only when the last grid holding it lets go.
+Every grid, view and adapter asks this registry for groups, through one door,
+:meth:`GroupRegistry.acquire`, with one :class:`~hypergrid.runtime.request.GroupRequest`. A
+group is identified by what makes two communicators interchangeable: its member ranks (or, where
+every rank of the world takes part, the request's world-wide identity), its backend, its timeout
+and its options. Whoever asks for an identical group gets the existing object (unless the request
+is private), and a group is destroyed only when the last holder lets go.
 
-How a missing group gets made is decided per request by :func:`~hypergrid.runtime.modes.creation_mode`
-from the grid's strategy and how the job was started, alike on every rank:
-
-``local``
-    Only the members of a group call ``new_group(..., use_local_synchronization=True)``; the
-    other ranks do nothing. Sharing is decided by member ranks, which every member sees alike.
-``split``
-    Every rank of the world calls ``split_group`` once per request, passing only its own group
-    (a rank in none passes a group it is not in and gets None). Required on a default group bound
-    to a device whose backend splits (NCCL with ``device_id``): there torch builds every
-    communicator by splitting the world's, which all ranks must join.
-``enumerate``
-    Megatron-Core's call pattern: every rank of the world calls
-    ``new_subgroups_by_enumeration`` with every group of the request.
-
-Under ``split`` and ``enumerate`` every rank takes part, so whether a request reuses an existing
-group is decided by the request's world-wide identity, which every rank computes alike.
-
-Every group hypergrid makes, the Megatron adapter's derived and duplicate groups included, comes
-through :meth:`GroupRegistry.acquire_request` with one :class:`GroupRequest`: one strategy choice,
-one agreement check (:mod:`hypergrid.runtime.agreement`) and one error type naming the group. The
-registry's lock is taken only to look up, reserve and publish, never across a network wait;
-creations themselves run one at a time per process (:attr:`GroupRegistry.creation_lock`), because
-world-wide calls must be made in the same order on every rank.
+A missing group is made in the request's creation mode (:mod:`hypergrid.runtime.create`), after
+its members have agreed (:mod:`hypergrid.runtime.agreement`). The registry's lock is taken only to
+look up, reserve and publish, never across a network wait; creations themselves run one at a time
+per process (:attr:`GroupRegistry.creation_lock`), because world-wide calls must be made in the
+same order on every rank.
 
 Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no other process::
 
@@ -38,11 +20,11 @@ Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no othe
     >>> from hypergrid.layout import GridLayout
     >>> dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     >>> registry = GroupRegistry()
-    >>> dp = GroupRequest.from_layout(GridLayout((2, 4), ("tp", "dp")), ["dp"], rank=5)
-    >>> pg = registry.acquire_request("grid-a", dp, strategy="local")
+    >>> dp = GroupRequest.for_partition("dp", GridLayout((2, 4), ("tp", "dp")).partition(["dp"]), rank=5)
+    >>> pg = registry.acquire("grid-a", dp)
     >>> dist.get_process_group_ranks(pg)
     [1, 3, 5, 7]
-    >>> registry.acquire_request("grid-b", dp) is pg     # identical: shared
+    >>> registry.acquire("grid-b", dp) is pg     # identical: shared
     True
     >>> sorted(registry.holders_of(pg))
     [('grid-a', 'dp'), ('grid-b', 'dp')]
@@ -53,25 +35,26 @@ Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no othe
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import logging
 import threading
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Optional, Union
+from typing import Hashable, Optional
 
 import torch.distributed as dist
 
-from .torch_compat import default_group, forget_empty_tags, group_name_override
-from .agreement import Agreement, RoundId, check_agreement, describe_ranks, explain_creation_failure, publish_position
-from ..errors import GroupCreationError
+from ..layout import Partition
+from .agreement import check_agreement, publish_position
+from .create import create, enumerate_before_init, require_initialized
+from .modes import CreationMode
 from .options import GroupOptions, effective_timeout
-from ..layout import Dims, GridLayout, Partition
-from .modes import CreationMode, Strategy, creation_mode
+from .request import ByMembers, GroupRequest, SharingKey
+from .torch_compat import default_group, forget_empty_tags
+from .wire import RoundId
 
-__all__ = ["GroupRequest", "GroupRegistry", "REGISTRY"]
+__all__ = ["GroupRegistry", "REGISTRY"]
 
-logger = logging.getLogger("hypergrid.runtime.registry")
+logger = logging.getLogger(__name__)
 
 #: What a grid passes as the owner of the groups it holds; released together by ``release``.
 Owner = Hashable
@@ -83,7 +66,7 @@ class _Entry:
 
     pg: Optional[dist.ProcessGroup]
     #: The keys under which the registry finds this entry for sharing (none for private groups).
-    keys: tuple = ()
+    keys: tuple[SharingKey, ...] = ()
     holders: set = field(default_factory=set)
     #: Made outside hypergrid and adopted (see GroupRegistry.adopt): shared, never destroyed.
     adopted: bool = False
@@ -102,7 +85,7 @@ class GroupRegistry:
         self._lock = threading.RLock()
         #: Held while a group is being created (agreement and torch's call); never by readers.
         self.creation_lock = threading.RLock()
-        self._shared: dict[tuple, _Entry] = {}
+        self._shared: dict[SharingKey, _Entry] = {}
         # Insertion-ordered, keyed by identity: forgetting an entry costs O(its keys), not a scan.
         self._entries: dict[int, _Entry] = {}
         # The default group the entries were created under; a new one means a new world, in
@@ -148,77 +131,59 @@ class GroupRegistry:
             self._world = current
 
     # ------------------------------------------------------------------ acquire / release
-    def acquire_request(
-        self,
-        owner: Owner,
-        request: "GroupRequest",
-        *,
-        strategy: Union[str, Strategy] = Strategy.AUTO,
-        options: GroupOptions = GroupOptions(),
-        private: bool = False,
-    ) -> Optional[dist.ProcessGroup]:
+    def acquire(self, owner: Owner, request: GroupRequest) -> Optional[dist.ProcessGroup]:
         """This rank's group of ``request``: an identical existing one, or a new one. The one door.
 
         ``owner`` is recorded as a holder; :meth:`release` with the same owner lets go. Every rank
         of the world must call this for a request whose creation mode (see
         :mod:`hypergrid.runtime.modes`) is ``split`` or ``enumerate``; only members for ``local``.
+        Before ``init_process_group`` only an ``enumerate`` request is handed to torch (and
+        nothing is registered); any other is refused.
 
         Example, as rank 0 of an 8-rank job on torch's fake backend::
 
             >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
-            >>> req = GroupRequest("embd", (0, 7), ("derived", "embd"))   # this rank's group: [0, 7]
-            >>> pg = REGISTRY.acquire_request("owner", req, options=GroupOptions(group_desc="EMBD"))
+            >>> req = GroupRequest.derived("embd", (0, 7), options=GroupOptions(group_desc="EMBD"))
+            >>> pg = REGISTRY.acquire("owner", req)          # this rank's group: [0, 7]
             >>> dist.get_process_group_ranks(pg), pg.group_desc
             ([0, 7], 'EMBD')
             >>> REGISTRY.release("owner")
             1
             >>> dist.destroy_process_group()
         """
-        if not isinstance(options, GroupOptions):
-            raise TypeError(f"options must be a GroupOptions, got {type(options).__name__} {options!r}")
         if not isinstance(request, GroupRequest):
             raise TypeError(f"request must be a GroupRequest, got {type(request).__name__} {request!r}")
-        mode = creation_mode(strategy, options.backend)
-        if mode is CreationMode.ENUMERATE and request.enumeration is None:
-            raise ValueError(
-                f"group {request.label!r} was requested by its members alone, which strategy "
-                f"'enumerate' cannot create (it needs every group of the request); use "
-                f"GroupRequest.for_partition, or strategy 'auto', 'local' or 'split'"
-            )
-        if mode is CreationMode.ENUMERATE:
-            # Megatron-Core's call pattern is one torch call per created group, never a reused
-            # one: code that counts or mocks torch's constructor sees exactly that.
-            private = True
-        if mode is CreationMode.LOCAL:
-            if request.members is None:
-                if request.agreement is not None:
-                    publish_position(request.agreement)
-                return None
-            key: tuple = ("members", request.ordered_members, options.identity)
-        else:
-            key = ("request", request.identity, options.identity)
+        if not dist.is_initialized():
+            if request.mode is CreationMode.ENUMERATE:
+                return enumerate_before_init(request)
+            require_initialized(request.label)
+        if request.mode is CreationMode.LOCAL and request.members is None:
+            # Nothing to create here; others may wait on this rank, so say where it stands.
+            if request.agreement is not None:
+                publish_position(request.agreement)
+            return None
+        key = request.sharing_key()
         with self._lock:
             self._follow_world()  # a new world's first request forgets the old one before naming
-        held = None if private else self._hold_existing(owner, request.label, key)
+        held = None if key is None else self._hold_existing(owner, request.label, key)
         if held is not None:
             return held.pg
         with self.creation_lock:
             # Another thread may have made it while this one waited for the creation lock.
-            held = None if private else self._hold_existing(owner, request.label, key)
+            held = None if key is None else self._hold_existing(owner, request.label, key)
             if held is not None:
                 return held.pg
             require_initialized(request.label)
-            entry = self._create(mode, request, options)
+            entry = _Entry(self._create(request))
             with self._lock:
                 self._follow_world()
-                if not private:
-                    keys = [key]
-                    if entry.pg is not None and mode is not CreationMode.LOCAL:
-                        keys.append(("members", request.ordered_members, options.identity))
-                    entry.keys = tuple(keys)
-                    for k in keys:
+                if key is not None:
+                    members_key = request.members_key()
+                    keys = [key] + ([members_key] if entry.pg is not None and members_key not in (None, key) else [])
+                    entry.keys = tuple(k for k in keys if k is not None)
+                    for k in entry.keys:
                         self._shared[k] = entry
                 self._entries[id(entry)] = entry
                 # Held and released like a member's entry even when its pg is None: a rank that
@@ -226,7 +191,7 @@ class GroupRegistry:
                 entry.holders.add((owner, request.label))
         return entry.pg
 
-    def _hold_existing(self, owner: Owner, label: str, key: tuple) -> Optional[_Entry]:
+    def _hold_existing(self, owner: Owner, label: str, key: SharingKey) -> Optional[_Entry]:
         with self._lock:
             self._follow_world()
             entry = self._shared.get(key)
@@ -306,8 +271,9 @@ class GroupRegistry:
             >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
             >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
             >>> tp = REGISTRY.adopt("my-grid", mesh.get_group("tp"))
-            >>> same_members = GridLayout((4, 2), ("tp", "dp"))  # its tp group of rank 0: [0, 1, 2, 3]
-            >>> REGISTRY.acquire_request("other", GroupRequest.from_layout(same_members, "tp", rank=0)) is tp
+            >>> from hypergrid.layout import GridLayout
+            >>> same_members = GridLayout((4, 2), ("tp", "dp")).partition(["tp"])  # rank 0's: [0, 1, 2, 3]
+            >>> REGISTRY.acquire("other", GroupRequest.for_partition("tp", same_members, rank=0)) is tp
             True
             >>> REGISTRY.release("my-grid"), REGISTRY.release("other")   # never destroyed
             (0, 0)
@@ -322,7 +288,7 @@ class GroupRegistry:
             self._follow_world()
             entry = next((e for e in self._entries.values() if e.pg is pg), None)
             if entry is None:
-                key = ("members", tuple(sorted(members)), options.identity)
+                key = ByMembers(tuple(sorted(members)), options.identity)
                 entry = _Entry(pg, keys=(key,), adopted=True)
                 self._entries[id(entry)] = entry
                 self._shared[key] = entry
@@ -336,70 +302,19 @@ class GroupRegistry:
                 del self._shared[key]
 
     # ------------------------------------------------------------------ creation
-    def _create(self, mode: CreationMode, request: "GroupRequest", options: GroupOptions) -> _Entry:
-        members = request.members
-        timeout = effective_timeout(options)
+    def _create(self, request: GroupRequest) -> Optional[dist.ProcessGroup]:
+        """Check that the members agree (members only), then have torch make the group."""
+        timeout = effective_timeout(request.options)
         round_id: Optional[RoundId] = None
-        if members is not None and request.agreement is not None:
-            round_id = check_agreement(request.label, members, request.agreement, timeout=timeout)
-        elif members is None and request.agreement is not None:
-            publish_position(request.agreement)
-        name = self._group_name(request, round_id)
-        if mode is CreationMode.LOCAL:
-            assert members is not None
-            pg = self._call_torch(
-                round_id,
-                request,
-                options,
-                name,
-                list(members),
-                lambda: dist.new_group(
-                    ranks=list(members),
-                    timeout=timeout,
-                    backend=options.backend,
-                    pg_options=options.pg_options,
-                    use_local_synchronization=True,
-                    group_desc=options.group_desc,
-                ),
-            )
-        elif mode is CreationMode.ENUMERATE:
-            enumeration = request.enumerate()
-            pg, _ = self._call_torch(
-                round_id,
-                request,
-                options,
-                name,
-                list(members or ()),
-                lambda: dist.new_subgroups_by_enumeration(
-                    enumeration,
-                    timeout=timeout,
-                    backend=options.backend,
-                    pg_options=options.pg_options,
-                    group_desc=options.group_desc,
-                ),
-            )
-        else:
-            # split_group uses only the caller's own split; a rank in no group passes one it is
-            # not in and takes part in the world-wide split as a non-member (None back).
-            mine = list(members) if members is not None else [1 if dist.get_rank() == 0 else 0]
-            pg = self._call_torch(
-                round_id,
-                request,
-                options,
-                name,
-                mine,
-                lambda: dist.split_group(
-                    split_ranks=[mine],
-                    timeout=timeout,
-                    pg_options=options.pg_options,
-                    group_desc=options.group_desc,
-                ),
-            )
-        if members is None or pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
-            return _Entry(None)
-        return _Entry(pg)
+        agreement = request.agreement
+        if agreement is not None:
+            if request.members is not None:
+                round_id = check_agreement(request.label, request.members, agreement, timeout=timeout)
+            else:
+                publish_position(agreement)
+        return create(request, name=self._group_name(request, round_id), timeout=timeout, round_id=round_id)
 
-    def _group_name(self, request: "GroupRequest", round_id: Optional[RoundId]) -> Optional[str]:
+    def _group_name(self, request: GroupRequest, round_id: Optional[RoundId]) -> Optional[str]:
         """The torch name of this rank's new group: alike on every member, unlike any earlier one.
 
         From the round its members agreed in (their member set and its epoch in the store), which
@@ -421,157 +336,6 @@ class GroupRegistry:
         attempt = self._attempts.get(group, 0)
         self._attempts[group] = attempt + 1
         return "hypergrid-" + hashlib.sha1(f"{shown}#{attempt}".encode()).hexdigest()
-
-    @staticmethod
-    def _call_torch(
-        round_id: Optional[RoundId],
-        request: "GroupRequest",
-        options: GroupOptions,
-        name: Optional[str],
-        ranks: list[int],
-        create: Callable[[], Any],
-    ) -> Any:
-        """Run a torch group constructor under hypergrid's name, its failures named with the group."""
-        try:
-            if name is None:
-                return create()
-            with group_name_override(name, ranks):
-                return create()
-        except (TypeError, ValueError, AttributeError) as exc:
-            # pg_options reach torch's C++ backends untouched (a mock must pass, as on
-            # Megatron-Core), so what they refuse is known only here.
-            if options.pg_options is not None:
-                backend = f"backend {options.backend!r}" if options.backend else "the default group's backend"
-                raise TypeError(
-                    f"process group {request.label!r}: torch refused pg_options={options.pg_options!r} "
-                    f"({type(options.pg_options).__name__}; {backend} takes its own options type, "
-                    f"e.g. ProcessGroupNCCL.Options for 'nccl'): "
-                    f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                ) from exc
-            raise
-        except Exception as exc:
-            members = request.members
-            shown = describe_ranks(members) if members is not None else "none (not a member)"
-            who = explain_creation_failure(request.label, members or (), request.agreement, round_id)
-            raise GroupCreationError(
-                f"creating process group {request.label!r} with members {shown} failed: "
-                f"{type(exc).__name__}: {exc}" + (f"; {who}" if who else "")
-            ) from exc
-
-
-@dataclass(frozen=True)
-class GroupRequest:
-    """One request for groups, as the registry sees it: the one kind every creation goes through.
-
-    ``members``: this rank's group, in enumeration order (None: this rank is in none).
-    ``identity``: a hashable value equal on every rank for the same set of groups, world-wide;
-    the world-wide modes share by it. ``enumeration``: every group of the request, computed only
-    when the ``enumerate`` mode needs it (O(world)); None where only members are known.
-    ``agreement``: what the members check they asked for alike before waiting on each other
-    (None skips the check).
-
-    Example::
-
-        >>> req = GroupRequest.from_layout(GridLayout((4, 2), ("tp", "dp")), "dp", rank=3)
-        >>> req.members, req.enumerate()
-        ((3, 7), [[0, 4], [1, 5], [2, 6], [3, 7]])
-    """
-
-    label: str
-    members: Optional[tuple[int, ...]]
-    identity: Hashable
-    enumeration: Optional[Callable[[], list[list[int]]]] = field(default=None, compare=False)
-    agreement: Optional[Agreement] = field(default=None, compare=False)
-
-    @functools.cached_property
-    def ordered_members(self) -> tuple[int, ...]:
-        """This rank's group, ascending (a partition's already is): what sharing by members keys on."""
-        if self.members is None:
-            return ()
-        return self.members if isinstance(self.identity, Partition) else tuple(sorted(self.members))
-
-    def enumerate(self) -> list[list[int]]:
-        """Every group of the request (O(world)); a ValueError where only the members are known."""
-        if self.enumeration is None:
-            raise ValueError(
-                f"group {self.label!r} was requested by its members alone; its other groups are unknown"
-            )
-        return self.enumeration()
-
-    def with_agreement(self, agreement: Optional[Agreement]) -> "GroupRequest":
-        """The same request, checked with ``agreement``."""
-        return GroupRequest(self.label, self.members, self.identity, self.enumeration, agreement)
-
-    @classmethod
-    def from_layout(
-        cls,
-        layout: GridLayout,
-        dims: Dims,
-        rank: int,
-        label: Optional[str] = None,
-        agreement: Optional[Agreement] = None,
-    ) -> "GroupRequest":
-        """The ``dims`` groups of ``layout`` as seen by global ``rank``: O(group size)."""
-        return cls.for_partition(label or layout.key(dims), layout.partition(dims), rank, agreement)
-
-    @classmethod
-    def for_partition(
-        cls, label: str, partition: Partition, rank: int, agreement: Optional[Agreement] = None
-    ) -> "GroupRequest":
-        """The groups of ``partition`` as seen by global ``rank``: O(group size).
-
-        Every request for the same partition (a grid's dims, a view's, a DeviceMesh's flattened
-        or unflattened dims) has the same identity, so the world-wide modes share its group.
-
-        Example::
-
-            >>> req = GroupRequest.for_partition("dp_cp", Partition.of(0, 16, [(2, 2), (2, 8)]), rank=10)
-            >>> req.members, req.identity == GridLayout((2, 2, 2, 2), ("a", "cp", "b", "dp")).partition(["cp", "dp"])
-            ((0, 2, 8, 10), True)
-        """
-        members = tuple(partition.group_ranks(rank)) if partition.contains(rank) else None
-        return cls(label, members, partition, partition.enumerate, agreement)
-
-
-def enumerate_before_init(label: str, enumeration: list[list[int]], options: GroupOptions) -> Optional[dist.ProcessGroup]:
-    """Strategy ``enumerate`` before ``init_process_group``: hand the enumeration to torch, as Megatron-Core does.
-
-    Nothing is registered (there is no world to follow); torch's refusal comes back as
-    hypergrid's RuntimeError naming the group. Code that patches torch's constructor (Megatron-LM's
-    unit tests) gets its mock back, exactly as from Megatron-Core's ``create_pg``.
-
-    Example, in a process where torch.distributed is not initialized::
-
-        >>> enumerate_before_init("tp", [[0, 1], [2, 3]], GroupOptions())  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-            ...
-        RuntimeError: cannot create process group 'tp': torch.distributed is not initialized; ...
-    """
-    try:
-        pg, _ = dist.new_subgroups_by_enumeration(
-            enumeration,
-            timeout=options.timeout,
-            backend=options.backend,
-            pg_options=options.pg_options,
-            group_desc=options.group_desc,
-        )
-    except ValueError as exc:
-        raise RuntimeError(_not_initialized(label)) from exc
-    return pg
-
-
-def _not_initialized(label: str) -> str:
-    return (
-        f"cannot create process group {label!r}: torch.distributed is not initialized; call "
-        f"torch.distributed.init_process_group() first (a grid built with world_size= or "
-        f"WORLD_SIZE alone can plan and enumerate, but not create groups)"
-    )
-
-
-def require_initialized(label: str) -> None:
-    """Refuse to create ``label`` in a world that torch.distributed has not started."""
-    if not dist.is_initialized():
-        raise RuntimeError(_not_initialized(label))
 
 
 def _destroy_quietly(pg: dist.ProcessGroup) -> None:

@@ -1,0 +1,220 @@
+"""While members wait: why an absent member can never arrive, and what the others were doing.
+
+A member that waits looks at the absent members' last states and stops early only on evidence
+that cannot be stale (see :mod:`hypergrid.runtime.agreement`); the messages it raises and the
+timeout messages name the ranks, what they were last doing, and the fields on which their
+requests differ.
+
+Example::
+
+    >>> diffs = differences({0: {"grid.shape": [2, 2]}, 3: {"grid.shape": [4, 1]}})
+    >>> format_differences(diffs)
+    'grid.shape: ranks [0] have [2, 2]; ranks [3] have [4, 1]'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Any, Mapping, Optional
+
+import torch.distributed as dist
+
+from ..errors import GridMismatchError, StoreUnresponsiveError
+from ..layout.describe import describe_ranks, shorten
+from .round import Round
+from .store import StoreClient, member_set_key, read_last
+from .wire import Entry, LastState, RoundOutcome, State, Verdict, decode, encode
+from .world_step import failed_step
+
+__all__ = ["differences", "format_differences", "concurrency_hint", "judge_absent", "last_states", "entries_of"]
+
+#: How far and how wide a search for a wait-for cycle looks: bounded, because it runs while waiting.
+_CYCLE_DEPTH, _CYCLE_BREADTH = 4, 8
+
+
+def differences(payloads: Mapping[int, Mapping[str, Any]]) -> dict[str, dict[str, list[int]]]:
+    """field -> {value as JSON: ranks holding it}, for the fields on which not all ranks agree;
+    what was asked (``request.*``) first, then the grid's facts."""
+    names = sorted(set().union(*[set(p) for p in payloads.values()]), key=lambda n: (not n.startswith("request."), n))
+    out: dict[str, dict[str, list[int]]] = {}
+    for name in names:
+        by_value: dict[str, list[int]] = {}
+        for rank, payload in sorted(payloads.items()):
+            # sort_keys: a value read back from the store has its keys sorted, a live one not.
+            by_value.setdefault(json.dumps(payload.get(name), default=str, sort_keys=True), []).append(rank)
+        if len(by_value) > 1:
+            out[name] = by_value
+    return out
+
+
+def format_differences(diffs: Mapping[str, Mapping[str, list[int]]]) -> str:
+    parts = []
+    for name, by_value in diffs.items():
+        held = "; ".join(f"ranks {describe_ranks(r)} have {shorten(v)}" for v, r in by_value.items())
+        parts.append(f"{name}: {held}")
+    return "\n  ".join(parts) or "no field differs"
+
+
+def concurrency_hint(diffs: Mapping[str, Any]) -> str:
+    """A hint for differences in the grid's facts: two grids made at once, in threads."""
+    if {"grid.shape", "grid.dim_names", "grid.rank_offset", "grid.views"} & set(diffs):
+        return (
+            "\n  (if these are two grids created at the same time, in threads, create them in the "
+            "same order on every rank)"
+        )
+    return ""
+
+
+def entries_of(rnd: Round, ranks: list[int]) -> dict[int, Entry]:
+    """The entries of ``ranks`` in this round; a rank without one (or with an older one) is absent.
+
+    One ``check`` and one ``multi_get`` once every rank has published at least once; before that,
+    a ``check`` per rank, for at most 64 of them."""
+    keys = [rnd.entry_key(r) for r in ranks]
+    if rnd.store.check(keys):
+        raws = dict(zip(ranks, rnd.store.multi_get(keys)))
+    else:
+        present = [(r, key) for r, key in zip(ranks[:64], keys) if rnd.store.check([key])]
+        raws = dict(zip([r for r, _ in present], rnd.store.multi_get([k for _, k in present]))) if present else {}
+    entries = {r: decode(Entry, raw) for r, raw in raws.items()}
+    return {r: e for r, e in entries.items() if e.epoch == rnd.epoch}
+
+
+def judge_absent(rnd: Round, absent: list[int]) -> None:
+    """Raise now if an absent member can never arrive; otherwise it is late, and waited for."""
+    failed = failed_step(rnd.store) if absent else None
+    if failed is not None:
+        step, verdict = failed
+        raise GridMismatchError(
+            f"hypergrid: {rnd.where()} cannot be created: {step.label} has failed on rank {verdict.failed}, "
+            f"so ranks {describe_ranks(absent)} will not come: {verdict.error}",
+            root_cause=verdict.error,
+        )
+    for r in absent[:64]:  # a bounded look: diagnosing must not cost O(group size) each poll
+        if r == rnd.rank:
+            continue
+        last = read_last(rnd.store, r)
+        if last is None:
+            continue
+        reason, cycle = _cannot_arrive(rnd, last)
+        if reason is None:
+            continue
+        diffs = differences({rnd.rank: rnd.asked.fields(), r: last.asked.fields()})
+        message = (
+            f"hypergrid: {rnd.where()} cannot be created: rank {r} will not join, {reason}; its last "
+            f"request was {last.label!r} ({last.position.describe()}):\n  {format_differences(diffs)}"
+            + (f"\n  root cause on rank {r}: {last.error}" if last.error else "")
+        )
+        # A wait-for cycle is a deadlock none of its rounds can leave: every one of them fails now,
+        # with this one verdict, instead of each at its own timeout (or one of them only).
+        for state in cycle:
+            with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
+                rnd.store.compare_set(f"{member_set_key(state.members)}/verdict/{state.epoch}", "",
+                                      encode(Verdict(RoundOutcome.MISMATCH, message)))
+        raise GridMismatchError(message, root_cause=last.error or None)
+
+
+def _cannot_arrive(rnd: Round, last: LastState) -> tuple[Optional[str], list[LastState]]:
+    """Why a rank whose last state is ``last`` will never arrive in this round (None when it may be
+    late), and the other rounds of a wait-for cycle it found."""
+    mine = rnd.agreement.position
+    # The same request: the same place in the sequence of a grid with the same facts (what it asks
+    # for there, and over whom, is what may differ). Grids that differ are told apart by the
+    # rounds they wait in, not by their places, which another grid of the same dims may share.
+    same_request = last.position == mine
+    if last.members == rnd.round_id.members:
+        if last.epoch > rnd.epoch:
+            return f"it has gone past this round of these members (it is at round {last.epoch}, this is {rnd.epoch})", []
+        if last.epoch == rnd.epoch and last.state is State.FAILED:
+            return "its part in this very round failed", []
+        return None, []  # an earlier round of these members: late
+    if same_request:
+        # A rank asks for one thing at one place of one grid: this place of a grid with these facts
+        # it has already asked for, over other members or for something else, however long ago.
+        if last.state is State.PASSED:
+            return "at this same request it is in none of the groups", []
+        return f"at this same request it {'waits' if last.state is State.WAITING else 'was'} in a group of other members", []
+    if last.state is State.PASSED:
+        # Outside every group of its request, by its own grid of the same dims at the same place.
+        if (last.position.family, last.position.index) == (mine.family, mine.index):
+            return "at this same request it is in none of the groups, by its own grid", []
+        return None, []
+    if last.state is not State.WAITING or not _is_open(rnd.store, last):
+        return None, []  # it has left that round: busy elsewhere since, and may be late
+    chain, rounds = _wait_chain(rnd, last)
+    if chain and all(_is_open(rnd.store, state) for state in rounds):
+        return (f"it waits in a round of other members ({last.shown}, request {last.label!r}), and "
+                f"{chain}: these creations wait for each other"), rounds + [rnd.last_state(State.WAITING)]
+    return None, []
+
+
+def _is_open(store: StoreClient, state: LastState) -> bool:
+    """Whether ``state``'s round is still open: no verdict, and its epoch has not moved past it."""
+    base = member_set_key(state.members)
+    return int(store.add(f"{base}/epoch", 0)) == state.epoch and not store.check([f"{base}/verdict/{state.epoch}"])
+
+
+def _wait_chain(rnd: Round, state: LastState, depth: int = _CYCLE_DEPTH) -> tuple[str, list[LastState]]:
+    """How ``state``'s open round waits, through other open rounds, for this rank, which waits in
+    its own round: a cycle that no member can leave. Returns its description and its rounds
+    (``("", [])`` when none is found within the bounds).
+
+    A round waits for a member that is not in it (its entry is not of that round's epoch); that
+    member, if it waits in an open round of its own, passes the wait on. A rank is in one round
+    at a time (creations are serialised per process), so a chain of open rounds is current."""
+    members = _shown_members(state)
+    if rnd.rank in members and not _in_round(rnd.store, state, rnd.rank):
+        return f"that round needs rank {rnd.rank}", [state]
+    if depth <= 1:
+        return "", []
+    for other in [m for m in members if m != rnd.rank][:_CYCLE_BREADTH]:
+        if _in_round(rnd.store, state, other):
+            continue
+        nxt = read_last(rnd.store, other)
+        if nxt is None or nxt.state is not State.WAITING or (nxt.members, nxt.epoch) == (state.members, state.epoch):
+            continue
+        if not _is_open(rnd.store, nxt):
+            continue
+        rest, rounds = _wait_chain(rnd, nxt, depth - 1)
+        if rest:
+            return f"that round needs rank {other}, which waits in a round of members {nxt.shown}, and {rest}", [state] + rounds
+    return "", []
+
+
+def _shown_members(state: LastState) -> list[int]:
+    """The members of ``state``'s round, where its summary lists them whole (groups of up to 16)."""
+    text = state.shown
+    if not text.startswith("["):
+        return []  # a larger group is shown summarised: not followed
+    return [int(x) for x in text.strip("[]").split(",") if x.strip()]
+
+
+def _in_round(store: StoreClient, state: LastState, rank: int) -> bool:
+    """Whether ``rank`` has published its entry in ``state``'s round."""
+    key = f"{member_set_key(state.members)}/entry/{rank}"
+    return bool(store.check([key])) and decode(Entry, store.get(key)).epoch == state.epoch
+
+
+def last_states(rnd: Round, ranks: list[int]) -> str:
+    """What the given ranks were last doing, for a timeout message."""
+    notes = []
+    for r in ranks[:8]:
+        try:
+            last = read_last(rnd.store, r)
+        except (dist.DistError, StoreUnresponsiveError):
+            notes.append("the store did not answer when asked what they were last doing")
+            break
+        if last is None:
+            notes.append(f"rank {r} never reached a hypergrid group creation")
+            continue
+        diffs = differences({rnd.rank: rnd.asked.fields(), r: last.asked.fields()})
+        where = f"round {last.epoch} of members {last.shown}" if last.members else "in none of its groups"
+        notes.append(
+            f"rank {r} was last {last.state.value} on {last.label!r} ({last.position.describe()}, {where}; "
+            f"differs from this rank's request in: {', '.join(sorted(diffs)) or 'nothing'})"
+            + (f": {last.error}" if last.error else "")
+        )
+    if len(ranks) > 8:
+        notes.append(f"and {len(ranks) - 8} more")
+    return "; ".join(notes)

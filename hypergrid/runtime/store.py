@@ -1,0 +1,232 @@
+"""The job's store as the agreement uses it: a connection of its own, every call bounded.
+
+torch's store calls block until the store's host answers, for as long as the connection's own
+timeout, whatever the caller has left. Agreement makes its calls on a clone of the job's store,
+on a thread of its own, and waits for each only until the request's deadline: a host that stops
+answering (exited, frozen, overloaded) is reported within the timeout, as what it is
+(:class:`~hypergrid.errors.StoreUnresponsiveError`), never as a peer that did not come.
+
+The keys are named here too: per member set (a digest of its ranks) an epoch counter, one entry
+per member and a verdict per round; per rank one last state; per world step a few keys.
+
+Example, in a one-rank gloo world whose store is a ``HashStore``::
+
+    >>> import time
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> store = StoreClient(time.monotonic() + 5)
+    >>> store.add(member_set_key("abc") + "/epoch", 0), store.get_within(last_key(0), 0.05) is None
+    (0, True)
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from datetime import timedelta
+from typing import Any, Callable, Optional, TypeVar
+
+import torch.distributed as dist
+
+from ..errors import StoreUnresponsiveError
+from .torch_compat import default_store
+from .wire import LastState, decode
+
+__all__ = ["PREFIX", "StoreClient", "agreement_possible", "member_set_key", "last_key", "read_last"]
+
+R = TypeVar("R")
+
+#: Every key agreement writes starts with this.
+PREFIX = "hypergrid/agree"
+#: The least a store call is given, so that a call made at the deadline still gets an answer.
+MIN_CALL_S = 0.05
+
+
+def member_set_key(members_digest: str) -> str:
+    """Where a member set's epoch, entries and verdicts live."""
+    return f"{PREFIX}/{members_digest}"
+
+
+def last_key(rank: int) -> str:
+    """Where ``rank``'s last state lives."""
+    return f"{PREFIX}/last/{rank}"
+
+
+def agreement_possible() -> bool:
+    """Whether this job has a store the members can meet in (not on the fake backend).
+
+    Example::
+
+        >>> agreement_possible()     # no process group
+        False
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    if str(dist.get_backend()).lower() == "fake":
+        return False  # one simulated rank: there is nobody to agree with
+    return default_store() is not None
+
+
+class _Connection:
+    """A clone of the job's store and the thread that makes its calls.
+
+    A call made on this thread is waited for only until the caller's deadline. A connection whose
+    call ran out is dropped (the call finishes, or fails, on its own later), and the next use
+    opens a new one.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self._calls: "queue.SimpleQueue[tuple[Callable[[Any], Any], list, threading.Event]]" = queue.SimpleQueue()
+        threading.Thread(target=self._serve, name="hypergrid-store", daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            fn, box, done = self._calls.get()
+            try:
+                box.append((True, fn(self.store)))
+            except BaseException as exc:  # handed to the caller
+                box.append((False, exc))
+            done.set()
+
+    def call(self, fn: Callable[[Any], R], seconds: float) -> tuple[bool, Any]:
+        """``(finished, (ok, value or exception))``: not finished when ``seconds`` ran out first."""
+        box: list = []
+        done = threading.Event()
+        self._calls.put((fn, box, done))
+        if not done.wait(seconds):
+            return False, None
+        return True, box[0]
+
+
+_connections = threading.local()
+
+
+class StoreClient:
+    """The job's store over agreement's own connection, each call bounded by ``deadline``.
+
+    A call that does not come back in time is the store not answering (its host stopped, or
+    overloaded): :class:`~hypergrid.errors.StoreUnresponsiveError`, raised within the deadline. A
+    ``wait`` that runs out is not: the keys are simply not there yet (False).
+    """
+
+    def __init__(self, deadline: float) -> None:
+        base = default_store()
+        if base is None:
+            raise RuntimeError("the job has no store to meet in (see agreement_possible)")
+        self.deadline = deadline
+        self._base = base
+        self._connection = self._open(base)
+
+    def _open(self, base: Any) -> Optional[_Connection]:
+        cached = getattr(_connections, "by_store", None)
+        if cached is not None and cached[0] is base:
+            return cached[1]
+        connection = _Connection(base)  # cloning may block on a frozen host too: on its thread
+        finished, result = connection.call(lambda store: store.clone(), max(MIN_CALL_S, self.remaining()))
+        if not finished:
+            raise StoreUnresponsiveError(f"the job's store did not answer a new connection within {self.remaining():.1f} s")
+        ok, clone = result
+        if ok:
+            connection.store = clone  # its thread now calls the clone
+        _connections.by_store = (base, connection if ok else None)
+        # A store that cannot clone (a custom one): calls go to it directly.
+        return connection if ok else None
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def extend(self, seconds: float) -> None:
+        """Allow at least ``seconds`` more from now (one more answer, to name who is missing)."""
+        self.deadline = max(self.deadline, time.monotonic() + seconds)
+
+    def _call(self, what: str, fn: Callable[[Any], R], seconds: Optional[float] = None) -> R:
+        if self._connection is None:
+            return fn(self._base)
+        budget = max(MIN_CALL_S, self.remaining() if seconds is None else seconds)
+        finished, result = self._connection.call(fn, budget)
+        if not finished:
+            _connections.by_store = None  # this connection is stuck: the next use opens another
+            raise StoreUnresponsiveError(f"the job's store did not answer a {what} within {budget:.1f} s")
+        ok, value = result
+        if not ok:
+            raise value
+        return value
+
+    def get(self, key: str) -> bytes:
+        return self._call("get", lambda store: store.get(key))
+
+    def get_within(self, key: str, seconds: float) -> Optional[bytes]:
+        """``key``'s value once it is set, waiting at most ``seconds``; None if it is not set by then.
+        One store call (a wait and a get would be two)."""
+        seconds = min(seconds, self.remaining())
+        if seconds <= 0:
+            return None
+
+        def getting(store: Any) -> Optional[bytes]:
+            store.set_timeout(timedelta(seconds=seconds))  # how long the store waits for the key
+            try:
+                return store.get(key)
+            except dist.DistNetworkError:
+                raise
+            except RuntimeError:  # not set in time
+                return None
+
+        return self._call("get", getting, seconds + 1.0)
+
+    def set(self, key: str, value: str) -> None:
+        self._call("set", lambda store: store.set(key, value))
+
+    def multi_set(self, keys: list[str], values: list[str]) -> None:
+        self._call("multi_set", lambda store: store.multi_set(keys, values))
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return self._call("multi_get", lambda store: store.multi_get(keys))
+
+    def check(self, keys: list[str]) -> bool:
+        return self._call("check", lambda store: store.check(keys))
+
+    def add(self, key: str, amount: int) -> int:
+        return self._call("add", lambda store: store.add(key, amount))
+
+    def append(self, key: str, value: str) -> None:
+        self._call("append", lambda store: store.append(key, value))
+
+    def delete_key(self, key: str) -> None:
+        self._call("delete", lambda store: store.delete_key(key))
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        return self._call("compare_set", lambda store: store.compare_set(key, expected, desired))
+
+    def wait(self, keys: list[str], seconds: float) -> bool:
+        """Block until every key is set, for at most ``seconds``: one store call either way."""
+        seconds = min(seconds, self.remaining())
+        if seconds <= 0:
+            return False
+
+        def waiting(store: Any) -> bool:
+            try:
+                store.wait(keys, timedelta(seconds=seconds))
+            except dist.DistNetworkError:
+                raise
+            except RuntimeError:  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
+                return False
+            return True
+
+        # A wait that runs out is normal; one that does not come back at all is the store.
+        return self._call("wait", waiting, seconds + 1.0)
+
+
+def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
+    """``rank``'s last state (None: it never reached a hypergrid group creation)."""
+    key = last_key(rank)
+    if not store.check([key]):
+        return None
+    return decode(LastState, store.get(key))
+
+
+def end_round(store: StoreClient, epoch_key: str, epoch: int) -> None:
+    """Advance ``epoch_key`` from ``epoch`` to the next, once: idempotent, whoever calls first wins."""
+    store.compare_set(epoch_key, str(epoch), str(epoch + 1))

@@ -1,0 +1,327 @@
+"""What the members of a group write to the job's store, as frozen records with one serializer.
+
+Every value that crosses processes is one of the records below: what a member asks for
+(:class:`Agreement`: typed facts of its grid and request, and where the request stands in its
+grid's sequence), its entry in a round (:class:`Entry`), its latest state (:class:`LastState`),
+a round's verdict (:class:`Verdict`) and a world step's (:class:`CheckpointVerdict`). They are
+written by :func:`encode` and read back by :func:`decode`, which rebuilds nested records, enums
+and tuples from the records' own type hints; nothing is built or read by string keys elsewhere.
+
+Example::
+
+    >>> facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
+    >>> request = RequestFacts(label="dp", view=None, private=False, backend=None, timeout_s=None,
+    ...                        pg_options=None, mode="local")
+    >>> agreement = Agreement(Position(facts.family, facts.digest, 3), facts, request)
+    >>> sorted(agreement.fields())[:3]
+    ['grid.dim_names', 'grid.rank_offset', 'grid.shape']
+    >>> decode(Agreement, encode(agreement).encode()) == agreement
+    True
+    >>> RoundId.of([1, 3, 5, 7], epoch=2).name
+    '[1, 3, 5, 7]#2'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import functools
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Optional, Sequence, Type, TypeVar, Union, get_args, get_origin, get_type_hints
+
+from ..layout.describe import describe_ranks
+
+__all__ = [
+    "Position",
+    "ViewFacts",
+    "GridFacts",
+    "RequestFacts",
+    "Agreement",
+    "RoundId",
+    "RoundOutcome",
+    "State",
+    "Asked",
+    "Entry",
+    "LastState",
+    "Verdict",
+    "CheckpointVerdict",
+    "encode",
+    "decode",
+    "members_digest",
+]
+
+R = TypeVar("R")
+
+
+# ---------------------------------------------------------------------- what members compare
+@dataclass(frozen=True)
+class Position:
+    """Where a request stands: the ``index``-th request of a grid of ``family`` with facts ``grid``.
+
+    Compared between members (two ranks asking for the same group at different places of their
+    sequences have diverged) and used to tell a rank at this same request from one that is busy
+    elsewhere. Not a round's name: a round is named by its members and their epoch.
+
+    Example::
+
+        >>> Position("grid:tp,dp", "0f1e", 2).describe()
+        "request #2 of a grid with dims 'tp,dp'"
+    """
+
+    family: str
+    grid: str
+    index: int
+
+    def describe(self) -> str:
+        return f"request #{self.index} of a grid with dims {self.family.partition(':')[2]!r}"
+
+
+@dataclass(frozen=True)
+class ViewFacts:
+    """A registered view, as members compare it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    shared_dims: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class GridFacts:
+    """What makes two ranks' grids the same grid.
+
+    Example::
+
+        >>> GridFacts.of([2, 2], ["tp", "dp"], 4).family
+        'grid:tp,dp'
+    """
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    rank_offset: int
+    views: tuple[ViewFacts, ...] = ()
+
+    @classmethod
+    def of(cls, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int, views: Sequence[ViewFacts] = ()) -> "GridFacts":
+        return cls(tuple(shape), tuple(dim_names), rank_offset, tuple(views))
+
+    @property
+    def family(self) -> str:
+        """Grids with the same dim names: their requests are compared by name and position."""
+        return "grid:" + ",".join(self.dim_names)
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """A short name for these facts, alike on every rank that has them."""
+        return hashlib.sha1(_json(asdict(self)).encode()).hexdigest()[:12]
+
+
+@dataclass(frozen=True)
+class RequestFacts:
+    """What one request asks torch for. ``pg_options`` only by type: contents do not cross processes."""
+
+    label: str
+    view: Optional[str]
+    private: bool
+    backend: Optional[str]
+    timeout_s: Optional[float]
+    pg_options: Optional[str]
+    mode: str
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """Everything the members of one group must have asked for alike."""
+
+    position: Position
+    grid: GridFacts
+    request: RequestFacts
+
+    def fields(self) -> dict[str, Any]:
+        """Flat ``section.name`` -> JSON value, for comparing and for messages."""
+        out: dict[str, Any] = {}
+        for section, value in (("grid", asdict(self.grid)), ("request", asdict(self.request))):
+            for name, item in value.items():
+                out[f"{section}.{name}"] = json.loads(json.dumps(item, default=str))
+        out["request.position"] = self.position.index
+        return out
+
+
+@dataclass(frozen=True)
+class RoundId:
+    """One round of a member set: the members (a digest, and their list for messages) and the
+    epoch the store counts for them. Alike on every member of the round, unlike any other round.
+
+    Example::
+
+        >>> RoundId.of(range(100), epoch=0).name
+        '100 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 99]#0'
+    """
+
+    members: str
+    shown: str
+    epoch: int
+
+    @classmethod
+    def of(cls, members: Sequence[int], epoch: int) -> "RoundId":
+        return cls(members_digest(members), describe_ranks(sorted(members)), epoch)
+
+    @property
+    def name(self) -> str:
+        return f"{self.shown}#{self.epoch}"
+
+    @property
+    def seed(self) -> str:
+        """What names torch's group for this round (members' digest and epoch)."""
+        return f"{self.members}#{self.epoch}"
+
+
+def members_digest(members: Sequence[int]) -> str:
+    """A member set's name in the store, alike on every member whatever the order given.
+
+    Example::
+
+        >>> members_digest([3, 1]) == members_digest([1, 3])
+        True
+    """
+    return hashlib.sha1(",".join(map(str, sorted(members))).encode()).hexdigest()[:20]
+
+
+class RoundOutcome(str, enum.Enum):
+    """What a round ended in."""
+
+    OK = "ok"
+    MISMATCH = "mismatch"
+    TIMEOUT = "timeout"
+
+
+class State(str, enum.Enum):
+    """What a rank was last doing in hypergrid's group creation."""
+
+    WAITING = "waiting"  # published its entry for a round, waiting for the others
+    FAILED = "failed"  # its round failed (the error says why)
+    PASSED = "passed"  # issued a request without being a member of any of its groups
+
+
+# ---------------------------------------------------------------------- what goes through the store
+@dataclass(frozen=True)
+class Asked:
+    """What one rank asked for: its agreement and the member list it computed (None: it is in no
+    group of the request)."""
+
+    agreement: Agreement
+    members: Optional[str]
+
+    def fields(self) -> dict[str, Any]:
+        """Flat ``section.name`` -> value, the member list included, for comparing and messages."""
+        return dict(self.agreement.fields(), **{"request.members": self.members})
+
+    @property
+    def label(self) -> str:
+        return self.agreement.request.label
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A member's entry in a round: the epoch it read, what it asked for, and a digest of that
+    (equal digests: equal requests)."""
+
+    epoch: int
+    digest: str
+    asked: Asked
+
+
+@dataclass(frozen=True)
+class LastState:
+    """A rank's latest state. ``members``/``shown``/``epoch``: its round (empty and -1 for PASSED)."""
+
+    state: State
+    members: str
+    shown: str
+    epoch: int
+    asked: Asked
+    error: str = ""
+    # Failed because ranks went different ways (not a timeout or torch error, after which a rank
+    # may retry the same request): it will not come back to this round.
+    diverged: bool = False
+
+    @property
+    def position(self) -> Position:
+        return self.asked.agreement.position
+
+    @property
+    def label(self) -> str:
+        return self.asked.label
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """How a round ended, posted once and acted on by every member."""
+
+    outcome: RoundOutcome
+    message: str
+
+
+@dataclass(frozen=True)
+class CheckpointVerdict:
+    """How a world checkpoint ended: ``failed`` the rank that failed (None: every rank finished)."""
+
+    failed: Optional[int]
+    error: str = ""
+
+
+# ---------------------------------------------------------------------- the one serializer
+def _json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, default=str)
+
+
+def encode(record: Any) -> str:
+    """A record as the text the store holds (sorted keys: equal records, equal texts).
+
+    Example::
+
+        >>> encode(Verdict(RoundOutcome.OK, ""))
+        '{"message": "", "outcome": "ok"}'
+    """
+    return _json(asdict(record))
+
+
+def decode(cls: Type[R], raw: Union[bytes, str]) -> R:
+    """The record of type ``cls`` that :func:`encode` wrote as ``raw``.
+
+    Example::
+
+        >>> decode(Verdict, b'{"message": "", "outcome": "ok"}')
+        Verdict(outcome=<RoundOutcome.OK: 'ok'>, message='')
+    """
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    return _build(cls, json.loads(text))
+
+
+def _build(kind: Any, value: Any) -> Any:
+    """``value`` (decoded JSON) as an instance of the type ``kind``, recursively."""
+    if value is None or kind is Any:
+        return value
+    origin = get_origin(kind)
+    if origin is Union:
+        options = [arg for arg in get_args(kind) if arg is not type(None)]
+        return _build(options[0], value) if len(options) == 1 else value
+    if origin is tuple:
+        args = get_args(kind)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(_build(args[0], item) for item in value)
+        return tuple(_build(arg, item) for arg, item in zip(args, value))
+    if isinstance(kind, type) and dataclasses.is_dataclass(kind):
+        hints = _hints(kind)
+        return kind(**{f.name: _build(hints[f.name], value[f.name])
+                       for f in dataclasses.fields(kind) if f.init and f.name in value})
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind(value)
+    return value
+
+
+@functools.lru_cache(maxsize=None)
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)

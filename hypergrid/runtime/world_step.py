@@ -1,0 +1,192 @@
+"""Steps every rank of the world takes together, and where a failure on one rank reaches the rest.
+
+Megatron's ``initialize_model_parallel`` is one such step: every rank starts it together
+(:func:`world_start`, a barrier through the store, so its end is named alike on all ranks
+whatever any of them did before), creates its groups, and ends it at a checkpoint
+(:func:`world_checkpoint`) where a rank that failed posts its error and every other rank learns
+of it instead of using half-made state. While a step runs, the rounds a thread waits in watch it
+(:func:`within_step`): a round waiting for a member that failed the step ends with that failure.
+
+Example, with no process group (nothing to meet through)::
+
+    >>> world_start("initialize_model_parallel", timeout=timedelta(seconds=60)) is None
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Iterator, Optional
+
+import torch.distributed as dist
+
+from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
+from ..layout.describe import describe_ranks, one_line
+from .store import PREFIX, StoreClient, agreement_possible, end_round
+from .wire import CheckpointVerdict, decode, encode
+
+__all__ = ["WorldRound", "world_start", "world_checkpoint", "within_step", "failed_step"]
+
+
+@dataclass(frozen=True)
+class WorldRound:
+    """A step every rank of the world takes together, named by the world's epoch, which every
+    rank read at its start (:func:`world_start`).
+
+    Example::
+
+        >>> WorldRound("initialize_model_parallel", 3).key("go")
+        'hypergrid/agree/world/3/go'
+    """
+
+    label: str
+    epoch: int
+
+    def key(self, name: str) -> str:
+        return f"{PREFIX}/world/{self.epoch}/{name}"
+
+
+_WORLD_EPOCH = f"{PREFIX}/world/epoch"
+_steps = threading.local()
+
+
+@contextlib.contextmanager
+def within_step(step: Optional[WorldRound]) -> Iterator[None]:
+    """Make the rounds this thread waits in watch ``step``: once it has failed on some rank (its
+    checkpoint says so), a round waiting for a member that will never come ends with that failure
+    instead of its timeout.
+
+    Example::
+
+        >>> with within_step(None):      # no step: rounds wait as they would
+        ...     pass
+    """
+    previous = getattr(_steps, "current", None)
+    _steps.current = step
+    try:
+        yield
+    finally:
+        _steps.current = previous
+
+
+def failed_step(store: StoreClient) -> Optional[tuple[WorldRound, CheckpointVerdict]]:
+    """The step this thread waits within and its verdict, if it has failed on some rank."""
+    step = getattr(_steps, "current", None)
+    if step is None or not store.check([step.key("go")]):
+        return None
+    verdict = decode(CheckpointVerdict, store.get(step.key("go")))
+    return (step, verdict) if verdict.failed is not None else None
+
+
+def world_start(label: str, *, timeout: timedelta) -> Optional[WorldRound]:
+    """Every rank of the world starts ``label`` together; returns the step's round.
+
+    A barrier through the store (one ``add`` and one ``wait`` per rank): once it returns, every
+    rank has read the step's epoch, so the step's end (:func:`world_checkpoint`) is named alike on
+    all of them, whatever any rank did before. A rank that does not arrive within ``timeout``
+    fails the start on every rank that did, naming it.
+
+    Example::
+
+        >>> world_start("initialize_model_parallel", timeout=timedelta(seconds=60)) is None   # no process group
+        True
+    """
+    if not agreement_possible():
+        return None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = StoreClient(time.monotonic() + timeout.total_seconds())
+    try:
+        step = WorldRound(label, int(store.add(_WORLD_EPOCH, 0)))
+        store.append(step.key("started"), f"{rank},")
+        if store.add(step.key("start"), 1) == world:
+            store.set(step.key("ready"), "")
+        if store.wait([step.key("ready")], store.remaining()):
+            return step
+        missing = _not_in(store, step.key("started"), world)
+        end_round(store, _WORLD_EPOCH, step.epoch)
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        raise GroupCreationError(
+            f"hypergrid: {label}: the job's store stopped answering at the start ({type(exc).__name__}: "
+            f"{one_line(str(exc), 200)}); the process hosting it has likely exited or stopped"
+        ) from exc
+    raise GroupTimeoutError(
+        f"hypergrid: {label}: ranks {describe_ranks(missing)} did not start it within the timeout "
+        f"({timeout}): they are elsewhere, hang, or died"
+        if missing else f"hypergrid: {label}: not every rank started it within the timeout ({timeout})"
+    )
+
+
+def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException], *, timeout: timedelta) -> None:
+    """Every rank of the world reports how ``step`` ended for it; each learns if any failed.
+
+    A rank that failed posts its error and returns (the caller re-raises its own); the others block
+    until every rank arrived, or one posted a failure, which they raise as
+    :class:`~hypergrid.errors.GridMismatchError` naming that rank and its error; a step not ended
+    by every rank in time raises :class:`~hypergrid.errors.GroupTimeoutError` naming the ranks
+    that did not. The step's keys, and those of every earlier step, are deleted once every rank has
+    ended it: the store does not grow with steps.
+
+    Example::
+
+        >>> world_checkpoint(None, None, timeout=timedelta(seconds=60))   # no process group: nothing to do
+    """
+    if step is None or not agreement_possible():
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    store = StoreClient(time.monotonic() + timeout.total_seconds())
+    go = step.key("go")
+    try:
+        if error is not None:
+            failed = CheckpointVerdict(rank, one_line(f"{type(error).__name__}: {error}", 1200))
+            store.compare_set(go, "", encode(failed))  # the first failure stands
+            end_round(store, _WORLD_EPOCH, step.epoch)
+            return
+        store.append(step.key("who"), f"{rank},")
+        if store.add(step.key("arrived"), 1) == world:
+            end_round(store, _WORLD_EPOCH, step.epoch)
+            store.compare_set(go, "", encode(CheckpointVerdict(None)))
+            _drop_old_steps(store, step.epoch)
+        if not store.wait([go], store.remaining()):
+            missing = _not_in(store, step.key("who"), world)
+            end_round(store, _WORLD_EPOCH, step.epoch)
+            raise GroupTimeoutError(
+                f"hypergrid: {step.label}: only {world - len(missing)} of {world} ranks finished it within "
+                f"the timeout ({timeout}); ranks {describe_ranks(missing)} did not: they are still at it, "
+                f"hang, or died"
+            )
+        verdict = decode(CheckpointVerdict, store.get(go))
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        if error is not None:
+            return  # the caller's own error says more
+        raise GroupCreationError(
+            f"hypergrid: {step.label}: the job's store stopped answering at the end ({type(exc).__name__}: "
+            f"{one_line(str(exc), 200)}); the process hosting it has likely exited or stopped"
+        ) from exc
+    if verdict.failed is not None:
+        raise GridMismatchError(
+            f"hypergrid: {step.label} failed on rank {verdict.failed}, so it cannot be used on this rank "
+            f"either: {verdict.error}",
+            root_cause=verdict.error,
+        )
+
+
+def _not_in(store: StoreClient, key: str, world: int) -> list[int]:
+    """The ranks of the world missing from the comma-separated list at ``key``."""
+    store.extend(1.0)  # one more answer, to name them
+    seen = {int(r) for r in store.get(key).decode().split(",") if r} if store.check([key]) else set()
+    return [r for r in range(world) if r not in seen]
+
+
+def _drop_old_steps(store: StoreClient, epoch: int) -> None:
+    """Delete the keys of every earlier step: all ranks have ended this one."""
+    cleaned_key = f"{PREFIX}/world/cleaned"
+    first = int(store.add(cleaned_key, 0))
+    for old in range(first, epoch):
+        for name in ("start", "started", "ready", "arrived", "who", "go"):
+            store.delete_key(f"{PREFIX}/world/{old}/{name}")
+    if epoch > first:
+        store.add(cleaned_key, epoch - first)
