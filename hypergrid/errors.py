@@ -28,6 +28,14 @@ __all__ = [
     "GridMismatchError",
     "UnsupportedTorchError",
     "StoreUnresponsiveError",
+    "ParallelConfigError",
+    "ParallelStateError",
+    "UnknownOrderNameError",
+    "MegatronArgsError",
+    "UnknownMegatronFlagError",
+    "LayoutArgumentError",
+    "UsageError",
+    "OutputError",
 ]
 
 
@@ -88,3 +96,64 @@ class UnsupportedTorchError(HypergridError):
 class StoreUnresponsiveError(HypergridError):
     """The job's store did not answer a call within the time it was given (its host stopped,
     hangs or is overloaded), as opposed to a store whose host has gone (torch's ``DistNetworkError``)."""
+
+
+# ---------------------------------------------------------------------- Megatron-Core's configuration
+class ParallelConfigError(ValueError, RuntimeError, AssertionError):
+    """A Megatron parallel configuration that cannot be built; the message names the sizes.
+
+    A ``ValueError`` (hypergrid's convention for bad values), and also a ``RuntimeError`` and an
+    ``AssertionError``, the types Megatron-Core raises for the same mistakes, so ``except``
+    clauses written against Megatron-Core keep catching it.
+    """
+
+
+class ParallelStateError(RuntimeError, AssertionError):
+    """``parallel_state`` is in the wrong state for the call: already initialized, or not yet.
+
+    A ``RuntimeError`` and an ``AssertionError`` (what Megatron-Core's ``assert`` raises there).
+    """
+
+
+class UnknownOrderNameError(ParallelConfigError, KeyError):
+    """``order`` names a parallelism Megatron-Core does not know (it raises ``KeyError`` there)."""
+
+    def __str__(self) -> str:
+        # KeyError quotes its message; this one is a sentence.
+        return str(self.args[0]) if self.args else ""
+
+
+# ---------------------------------------------------------------------- planning and the command line
+class MegatronArgsError(ValueError):
+    """A Megatron-LM launch line that cannot be planned; ``flag`` is the flag at fault (or None).
+
+    Example::
+
+        >>> from hypergrid.planning.megatron_args import parse_megatron_args
+        >>> try:
+        ...     parse_megatron_args("--context-parallel-size two")
+        ... except MegatronArgsError as exc:
+        ...     print(exc.flag, "|", exc)
+        --context-parallel-size | --context-parallel-size expects an integer, got 'two'
+    """
+
+    def __init__(self, message: str, flag: Optional[str] = None) -> None:
+        super().__init__(message)
+        self.flag = flag
+
+
+class UnknownMegatronFlagError(MegatronArgsError):
+    """A flag Megatron-LM does not have (in :data:`~hypergrid.planning.megatron_flags.MEGATRON_LM_RELEASES`)."""
+
+
+class LayoutArgumentError(ValueError):
+    """A layout given wrongly on the command line: two ways at once, a size or a file missing.
+    The command line prints it as one ``hypergrid: error:`` line, exit status 2."""
+
+
+class UsageError(Exception):
+    """Bad command-line input: printed as one line, exit status 2."""
+
+
+class OutputError(Exception):
+    """stdout cannot be written (a full disk): printed as one line, exit status 1."""

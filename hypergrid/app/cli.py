@@ -29,6 +29,7 @@ import traceback
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..errors import UsageError
 from .console import OutputError, Progress, drop_stdout, out
 from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
 from ..planning.plan import MAX_LISTED_WORLD
@@ -45,10 +46,6 @@ BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py", "plan
 
 # The largest world a plan answers for: what a rank number in an int64 can reach.
 _MAX_WORLD = (1 << 63) - 1
-
-
-class UsageError(Exception):
-    """Bad command-line input: printed as one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):

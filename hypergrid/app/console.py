@@ -19,11 +19,9 @@ import sys
 import time
 from typing import Optional
 
+from ..errors import OutputError
+
 __all__ = ["OutputError", "out", "drop_stdout", "Progress", "PROGRESS_EVERY_S"]
-
-
-class OutputError(Exception):
-    """stdout cannot be written (a full disk): printed as one line, exit status 1."""
 
 
 def out(text: Optional[str] = None, end: str = "\n") -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Sequence
 from datetime import timedelta
+from typing import Callable, Optional
 
 __all__ = [
     "MIN_TIMEOUT",
@@ -41,8 +42,12 @@ __all__ = [
     "MAX_TIMEOUT_MS",
     "RESERVED_NAME_CHARACTERS",
     "as_int",
+    "positive_int",
+    "int_at_least",
     "check_timeout",
     "backend_names",
+    "backend_parts",
+    "backend_on",
     "validate_shape_and_names",
 ]
 
@@ -194,3 +199,74 @@ def validate_shape_and_names(shape: object, dim_names: object) -> tuple[tuple[in
         if size <= 0:
             raise ValueError(f"shape[{i}] (dim {dim_names[i]!r}) must be a positive integer, got {size}")
     return sizes, tuple(dim_names)
+
+
+def positive_int(what: str, value: object) -> int:
+    """``value`` if it is a positive int (a bool is not); ValueError naming ``what`` otherwise.
+
+    For values read from a config or given as sizes, where anything but a positive int is a
+    mistake of value (the shape's own sizes go through :func:`as_int`, which takes numpy scalars).
+
+    Example::
+
+        >>> positive_int("gpus_per_node", 8)
+        8
+        >>> positive_int("nvlink_domain", 0)
+        Traceback (most recent call last):
+        ...
+        ValueError: nvlink_domain must be a positive integer, got 0
+    """
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{what} must be a positive integer, got {value!r}")
+    return value
+
+
+def int_at_least(value: object, what: str, minimum: int, error: Callable[[str], Exception] = ValueError) -> int:
+    """``value`` as an int (:func:`as_int`) of at least ``minimum``; ``error`` naming ``what`` otherwise.
+
+    Example::
+
+        >>> int_at_least(0, "tensor_model_parallel_size", 1)
+        Traceback (most recent call last):
+        ...
+        ValueError: tensor_model_parallel_size must be an integer >= 1, got 0
+    """
+    number = as_int(value, what)
+    if number < minimum:
+        raise error(f"{what} must be an integer >= {minimum}, got {number}")
+    return number
+
+
+def backend_parts(backend: str) -> list[tuple[str, str]]:
+    """The (device, backend name) pairs of ``backend``, lowercased; device ``""`` for the one-name
+    form. Lenient (whitespace around parts is dropped): for reading a backend torch has accepted;
+    :func:`backend_names` checks one a user gives.
+
+    Example::
+
+        >>> backend_parts("cpu:gloo, cuda:NCCL"), backend_parts("nccl")
+        ([('cpu', 'gloo'), ('cuda', 'nccl')], [('', 'nccl')])
+    """
+    text = str(backend).strip().lower()
+    if ":" not in text:
+        return [("", text)] if text else []
+    parts = []
+    for pair in text.split(","):
+        device, _, name = pair.strip().partition(":")
+        parts.append((device.strip(), name.strip()))
+    return parts
+
+
+def backend_on(device_type: str, backend: str) -> Optional[str]:
+    """The backend name ``backend`` gives ``device_type``: ``"nccl"`` for ``"cpu:gloo,cuda:nccl"`` on
+    ``"cuda"``; the name itself for the one-name form; None where it names none for that device.
+
+    Example::
+
+        >>> backend_on("cuda", "cpu:gloo,cuda:nccl"), backend_on("cuda", "gloo"), backend_on("xpu", "cpu:gloo")
+        ('nccl', 'gloo', None)
+    """
+    for device, name in backend_parts(backend):
+        if device in ("", device_type):
+            return name or None
+    return None

@@ -164,7 +164,7 @@ def initialize_model_parallel(
     Takes exactly the arguments of the installed megatron-core's function, positionally (in its
     signature's order) or by keyword, with the same meaning, defaults and validation (errors are
     raised before any group is made and name the sizes; see
-    :class:`~hypergrid.megatron.spec.config.ParallelConfigError`). A keyword the installed version
+    :class:`~hypergrid.errors.ParallelConfigError`). A keyword the installed version
     does not have is a ``TypeError`` naming it and the version. Afterwards every
     ``megatron.core.parallel_state`` getter answers as after that version's own call. Returns
     None, as Megatron-Core does; :func:`active_grids` gives the :class:`MegatronGrids` built.
@@ -252,8 +252,7 @@ def initialize_model_parallel(
     )
     grid.register_view("expert", list(plan.expert.shape), list(plan.expert.dim_names),
                        shared_dims=plan.expert_shared_dims)
-    grids = MegatronGrids(plan, grid, rank, share_groups, strategy)
-    grids._members.update(members)
+    grids = MegatronGrids(plan, grid, rank, share_groups, strategy, members)
     # NCCL applies SHARP to the first communicator made with NCCL_COLLNET_ENABLE=1 only.
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
     checkpoint_timeout = effective_timeout(GroupOptions(timeout=timeout))
@@ -361,7 +360,7 @@ def create_all_gather_groups(
         raise TypeError(f"timeout must be a datetime.timedelta or None, got {type(timeout).__name__} {timeout!r}")
     if nccl_comm_cfgs is not None and not isinstance(nccl_comm_cfgs, dict):
         raise TypeError(f"nccl_comm_cfgs must be a dict or None, got {type(nccl_comm_cfgs).__name__} {nccl_comm_cfgs!r}")
-    grids._check_alive()
+    grids.check_alive()
     cfgs = nccl_comm_cfgs or {}
     index = len(grids.all_gather_groups)
     wanted = [("dp_cp", "dense", ("dp", "cp"), "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP_AG")]
@@ -378,7 +377,7 @@ def create_all_gather_groups(
         members = grid_layout.group_ranks(list(dims), grids.rank) if grid_layout.contains(grids.rank) else None
         pg = grids.grid.create_derived_pg(
             f"{kind}_ag#{index}", members, groups=lambda g=grid_layout, d=list(dims): g.enumerate(d),
-            owner=grids._owner, private=True, timeout=options.timeout, pg_options=options.pg_options,
+            owner=grids.owner, private=True, timeout=options.timeout, pg_options=options.pg_options,
             group_desc=options.group_desc,
         )
         made.append(pg)
@@ -481,9 +480,10 @@ def _create_all(grids: MegatronGrids, options: dict[str, GroupOptions], to_world
     for kind in plan.kinds:
         if sharp is not None and kind.name == sharp.enable_before:
             os.environ["NCCL_COLLNET_ENABLE"] = "1"
-        grids._groups[kind.name] = _create_kind(grids, kind, options[kind.name], to_world, created)
+        grids.record(kind.name, _create_kind(grids, kind, options[kind.name], to_world, created),
+                     world_shared=kind.name in to_world)
         if sharp is not None and kind.name == sharp.barrier_after:
-            _sharp_barrier(grids._groups[sharp.barrier_on], grids.rank)
+            _sharp_barrier(grids.groups()[sharp.barrier_on], grids.rank)
 
 
 def _create_kind(
@@ -495,7 +495,6 @@ def _create_kind(
 ) -> Optional[dist.ProcessGroup]:
     """This rank's group of ``kind``: the default group, a grid group, or a derived one."""
     if kind.name in to_world:
-        grids._world_shared.add(kind.name)
         return dist.group.WORLD
     private = not grids.share_groups or kind.creation.private
     made = (kind.view, kind.key)
@@ -509,7 +508,7 @@ def _create_kind(
     # communicator over dims already made (gloo, all-gather): the same door as the grid's groups,
     # so members check they agree and the strategy holds.
     return grids.grid.create_derived_pg(
-        kind.name, grids._members[kind.name], groups=kind.enumerate, owner=grids._owner, private=private,
+        kind.name, grids.ranks(kind.name), groups=kind.enumerate, owner=grids.owner, private=private,
         backend=opts.backend, timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
     )
 
@@ -527,7 +526,7 @@ def _sharp_barrier(group: Optional[dist.ProcessGroup], rank: int) -> None:
 
 def _fill_parallel_state(grids: MegatronGrids) -> None:
     plan, config = grids.plan, grids.config
-    g = grids._groups
+    g = grids.groups()
     # Megatron-Core assigns a global only `if rank in ranks`: a rank outside the grids' span
     # (rank_offset / local_world_size) keeps None everywhere, and empty hierarchical/hybrid sets.
     inside = plan.dense.contains(grids.rank)

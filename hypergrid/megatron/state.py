@@ -56,27 +56,25 @@ class MegatronGrids:
         >>> dist.destroy_process_group()
     """
 
-    def __init__(self, plan: MegatronPlan, grid: HyperCommGrid, rank: int, share_groups: bool, strategy: str) -> None:
+    def __init__(self, plan: MegatronPlan, grid: HyperCommGrid, rank: int, share_groups: bool, strategy: str,
+                 members: Optional[dict[str, Optional[list[int]]]] = None) -> None:
         self.plan = plan
         self.config: MegatronConfig = plan.config
         self.grid = grid
         self.rank = rank
         self.share_groups = share_groups
         self.strategy = strategy
-        self._owner = ("hypergrid.megatron", next(_owner_ids))
+        #: Who holds the derived groups (every kind that is not one of the grid's) in the registry.
+        self.owner = ("hypergrid.megatron", next(_owner_ids))
         self._groups: dict[str, Optional[dist.ProcessGroup]] = {}
-        self._members: dict[str, Optional[list[int]]] = {}
+        # This rank's members per kind, as listed at start-up (others are computed when asked).
+        self._members: dict[str, Optional[list[int]]] = dict(members or {})
         self._world_shared: set[str] = set()
         self.all_gather_groups: list[tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]] = []
         self._destroyed = False
 
     def __repr__(self) -> str:
         return f"MegatronGrids(rank={self.rank}, {self.plan!r}, share_groups={self.share_groups}, strategy={self.strategy!r})"
-
-    @property
-    def expert_view(self) -> str:
-        """Name of the expert layout's view on :attr:`grid`, ``"expert"``."""
-        return "expert"
 
     def group(self, name: str) -> Optional[dist.ProcessGroup]:
         """This rank's process group of kind ``name`` (aliases resolved); None where it is in none.
@@ -95,7 +93,7 @@ class MegatronGrids:
             >>> destroy_model_parallel()
             >>> dist.destroy_process_group()
         """
-        self._check_alive()
+        self.check_alive()
         resolved = self.plan.kind(name).name
         return self._groups[resolved]
 
@@ -121,9 +119,17 @@ class MegatronGrids:
             self._members[resolved] = self.plan.rank_group(resolved, self.rank)
         return self._members[resolved]
 
+    def record(self, name: str, pg: Optional[dist.ProcessGroup], *, world_shared: bool = False) -> None:
+        """Keep ``pg`` as this rank's group of kind ``name`` (``world_shared``: it is the default
+        group itself, handed out for a kind that spans the world)."""
+        self.check_alive()
+        self._groups[name] = pg
+        if world_shared:
+            self._world_shared.add(name)
+
     def groups(self) -> dict[str, Optional[dist.ProcessGroup]]:
         """Every kind's group for this rank, in creation order."""
-        self._check_alive()
+        self.check_alive()
         return dict(self._groups)
 
     def distinct_groups(self) -> list[dist.ProcessGroup]:
@@ -152,10 +158,11 @@ class MegatronGrids:
             return
         self._destroyed = True
         self.grid.destroy()
-        REGISTRY.release(self._owner)
+        REGISTRY.release(self.owner)
         self._groups.clear()
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
+        """Raise :class:`~hypergrid.errors.GridDestroyedError` once :meth:`release` has run."""
         if self._destroyed:
             from ..errors import GridDestroyedError
 

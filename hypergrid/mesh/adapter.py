@@ -52,6 +52,7 @@ from ..errors import HypergridError
 from ..runtime.options import GroupOptions
 from ..runtime.registry import REGISTRY
 from ..layout import Dims, GridLayout
+from ..layout.checks import backend_parts
 from .routing import register_mesh_root
 
 if TYPE_CHECKING:
@@ -134,7 +135,7 @@ def _check_device_type(device_type: Optional[str], backend: Optional[str]) -> st
     except RuntimeError:
         raise ValueError(f"device_type {device_type!r} is not a device type torch knows (e.g. 'cuda', 'cpu', 'xpu')") from None
     if backend is not None:
-        names = [part.split(":", 1)[-1].strip().lower() for part in backend.split(",")]
+        names = [name for _, name in backend_parts(backend)]
         capability = dist.Backend.backend_capability
         known = [name for name in names if name in capability]
         if known and not any(device_type in capability[name] for name in known):

@@ -20,14 +20,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from ..errors import LayoutArgumentError
 from .plan import Plan, plan_grid, plan_megatron
 
 __all__ = ["LayoutArgumentError", "add_release_args", "plan_from_args"]
-
-
-class LayoutArgumentError(ValueError):
-    """A layout given wrongly on the command line: two ways at once, a size or a file missing.
-    The command line prints it as one ``hypergrid: error:`` line, exit status 2."""
 
 
 def add_release_args(parser: argparse.ArgumentParser) -> None:
@@ -63,7 +59,7 @@ def plan_from_args(args: argparse.Namespace, follow_release: bool = False) -> Pl
         >>> plan_from_args(argparse.Namespace(**{**vars(args), "shape": [16], "dims": ["dp"]}))
         Traceback (most recent call last):
         ...
-        hypergrid.planning.arguments.LayoutArgumentError: --megatron-core-version goes with Megatron sizes or --megatron-args, not another layout
+        hypergrid.errors.LayoutArgumentError: --megatron-core-version goes with Megatron sizes or --megatron-args, not another layout
     """
     megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "dp", "order") if getattr(args, n) is not None]
     titan_release, megatron_release = (getattr(args, n, None) for n in ("torchtitan_version", "megatron_core_version"))

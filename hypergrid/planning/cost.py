@@ -44,7 +44,8 @@ from dataclasses import dataclass
 from typing import Hashable, Optional, Sequence
 
 from ..layout.kinds import BackendChoice, GroupKind, box_modes
-from .plan import Anchor, Plan, positive_int
+from ..layout.checks import positive_int
+from .plan import Anchor, Plan
 
 __all__ = ["DEFAULT_COMM_MEMORY_MB", "EXACT_MAX_RANKS", "RankCost", "MaxCost", "rank_cost", "max_cost", "cost_lines"]
 

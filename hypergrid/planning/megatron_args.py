@@ -34,6 +34,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional, Union
 
+from ..errors import MegatronArgsError, UnknownMegatronFlagError
+from ..layout.checks import int_at_least
 from ..megatron.spec.features import MegatronFeatures
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_RELEASES
 
@@ -103,27 +105,6 @@ _KEYWORD_FLAGS = {
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 # Most copies ``*n`` a pipeline layout may ask for: a bigger one is a typo, not a model.
 _MAX_LAYOUT_REPEAT = 1 << 16
-
-
-class MegatronArgsError(ValueError):
-    """A Megatron-LM launch line that cannot be planned; ``flag`` is the flag at fault (or None).
-
-    Example::
-
-        >>> try:
-        ...     parse_megatron_args("--context-parallel-size two")
-        ... except MegatronArgsError as exc:
-        ...     print(exc.flag, "|", exc)
-        --context-parallel-size | --context-parallel-size expects an integer, got 'two'
-    """
-
-    def __init__(self, message: str, flag: Optional[str] = None) -> None:
-        super().__init__(message)
-        self.flag = flag
-
-
-class UnknownMegatronFlagError(MegatronArgsError):
-    """A flag Megatron-LM does not have (in :data:`~hypergrid.planning.megatron_flags.MEGATRON_LM_RELEASES`)."""
 
 
 @dataclass(frozen=True)
@@ -220,9 +201,7 @@ def _int(flag: str, text: str, minimum: int) -> int:
         value = int(text)
     except ValueError:
         raise MegatronArgsError(f"{flag} expects an integer, got {text!r}", flag) from None
-    if value < minimum:
-        raise MegatronArgsError(f"{flag} must be an integer >= {minimum}, got {value}", flag)
-    return value
+    return int_at_least(value, flag, minimum, lambda message: MegatronArgsError(message, flag))
 
 
 def _convert(name: str, values: list[str]) -> Any:
@@ -391,7 +370,7 @@ def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaun
         >>> parse_megatron_args("--tensor-parallel-size 8")
         Traceback (most recent call last):
         ...
-        hypergrid.planning.megatron_args.UnknownMegatronFlagError: --tensor-parallel-size is not a Megatron-LM flag (core_v0.16.1 to core_v0.19.0); did you mean --tensor-model-parallel-size?
+        hypergrid.errors.UnknownMegatronFlagError: --tensor-parallel-size is not a Megatron-LM flag (core_v0.16.1 to core_v0.19.0); did you mean --tensor-model-parallel-size?
     """
     if isinstance(text_or_argv, str):
         tokens = _split(text_or_argv)
@@ -466,7 +445,7 @@ def plan_from_megatron_args(
         >>> plan_from_megatron_args("--tensor-model-parallel-size 3", world_size=1024)
         Traceback (most recent call last):
         ...
-        hypergrid.planning.megatron_args.MegatronArgsError: world size (1024) is not divisible by --tensor-model-parallel-size (3) * --pipeline-model-parallel-size (1) * --context-parallel-size (1) = 3
+        hypergrid.errors.MegatronArgsError: world size (1024) is not divisible by --tensor-model-parallel-size (3) * --pipeline-model-parallel-size (1) * --context-parallel-size (1) = 3
     """
     from .plan import plan_megatron
 

@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
 from ..layout import GridLayout
+from ..layout.checks import positive_int
 from ..layout.kinds import GroupKind
 from ..releases import Followed
 
@@ -409,19 +410,6 @@ class Plan:
                 "groups": self.rank_groups(rank) if heads is None else self.group_heads(rank, heads),
             }
         return out
-
-
-def positive_int(name: str, value: object) -> int:
-    """``value`` if it is a positive int (not a bool); ValueError naming ``name`` otherwise.
-
-    Example::
-
-        >>> positive_int("gpus_per_node", 8)
-        8
-    """
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return value
 
 
 def plan_grid(

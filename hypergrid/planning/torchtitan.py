@@ -62,6 +62,7 @@ from typing import Optional, Union
 
 from ..layout.kinds import BackendChoice, Creation, GroupKind
 from ..layout import GridLayout
+from ..layout.checks import positive_int
 from ..releases import Followed, ReleaseChoice, installed_version
 from .plan import Anchor, Plan
 
@@ -218,10 +219,8 @@ class TorchtitanParallelism:
                     raise ValueError(f"parallelism.{name} must be -1 (fill the world) or >= 1, got {value}")
             elif value < 1:
                 raise ValueError(f"parallelism.{name} must be an integer >= 1, got {value}")
-        if self.world_size is not None and (
-            isinstance(self.world_size, bool) or not isinstance(self.world_size, int) or self.world_size < 1
-        ):
-            raise ValueError(f"world_size must be a positive integer, got {self.world_size!r}")
+        if self.world_size is not None:
+            positive_int("world_size", self.world_size)
         # Frozen: normalise strings into the enums the fields promise.
         if self.release is not None:
             object.__setattr__(self, "release", _enum(TorchtitanRelease, self.release, "release"))
@@ -264,8 +263,7 @@ class TorchtitanParallelism:
             ...
             ValueError: parallelism.expert_parallel_degree (3) must divide data_parallel_shard_degree x context_parallel_degree x tensor_parallel_degree (8): torchtitan 0.3 lays efsdp x ep over those ranks
         """
-        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-            raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
+        positive_int("world_size", world_size)
         release = self.release or TorchtitanRelease(choose_release().release)
         d = self.degrees()
         others = d["dp_replicate"] * d["cp"] * d["tp"] * d["pp"]

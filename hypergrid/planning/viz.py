@@ -32,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from ..layout.checks import positive_int
 from .plan import MAX_LISTED_WORLD
 
 __all__ = ["Panel", "Picture", "assign_styles", "picture", "write_picture", "MAX_RANKS_DRAWN", "HATCHES"]
@@ -169,8 +170,8 @@ def picture(
         [('tp', 'tp: 512 groups of 8'), ('dp', 'dp: 32 groups of 128'), ('pp', 'pp: 1024 groups of 4')]
     """
     for label, value in (("gpus_per_node", gpus_per_node), ("nvlink_domain", nvlink_domain), ("max_ranks", max_ranks)):
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-            raise ValueError(f"{label} must be a positive integer, got {value!r}")
+        if value is not None:
+            positive_int(label, value)
     domain = nvlink_domain or gpus_per_node
     world = plan.world_size
     if rank is not None:

@@ -47,6 +47,7 @@ from typing import Optional, Union
 
 import torch.distributed as dist
 
+from ..layout.checks import backend_on
 from .torch_compat import TorchCommsSubgroups, bound_split_device, torchcomms_subgroups, world_backend_on
 
 __all__ = [
@@ -206,19 +207,11 @@ class JobSetup:
 
 
 def _backend_on(device_type: str, backend: str) -> Optional[str]:
-    """The backend name ``backend`` gives ``device_type``: ``"nccl"`` for ``"cpu:gloo,cuda:nccl"``
-    on ``"cuda"``, the name itself for one name. (For ``"fake"`` as ``device_type`` alone: whether
-    the request is a fake-backend one, for the TorchComms rule.)"""
-    text = str(backend).strip().lower()
+    """The backend ``backend`` gives ``device_type`` (for ``"fake"``: whether the request is a
+    fake-backend one, for the TorchComms rule)."""
     if device_type == "fake":
-        return "fake" if text == "fake" else None
-    if ":" not in text:
-        return text or None
-    for pair in text.split(","):
-        device, _, name = pair.strip().partition(":")
-        if device == device_type:
-            return name or None
-    return None
+        return "fake" if str(backend).strip().lower() == "fake" else None
+    return backend_on(device_type, backend)
 
 
 def job_setup() -> JobSetup:

@@ -16,7 +16,7 @@ Example::
     >>> MegatronConfig(world_size=12, tensor_model_parallel_size=8)
     Traceback (most recent call last):
     ...
-    hypergrid.megatron.spec.config.ParallelConfigError: world_size (12) is not divisible by tensor_model_parallel_size (8) * pipeline_model_parallel_size (1) * context_parallel_size (1) = 8
+    hypergrid.errors.ParallelConfigError: world_size (12) is not divisible by tensor_model_parallel_size (8) * pipeline_model_parallel_size (1) * context_parallel_size (1) = 8
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any, Callable, Optional
 
-from ...layout import as_int
-from ...layout.checks import MAX_TIMEOUT_MS
+from ...errors import ParallelConfigError, ParallelStateError, UnknownOrderNameError
+from ...layout.checks import MAX_TIMEOUT_MS, int_at_least
 from .features import COMMON_FEATURES, MegatronFeatures
 
 __all__ = [
@@ -50,36 +50,9 @@ GTP_REMAT_TOKEN = "gtp_remat"
 RanksCallback = Callable[[list], list]
 
 
-class ParallelConfigError(ValueError, RuntimeError, AssertionError):
-    """A Megatron parallel configuration that cannot be built; the message names the sizes.
-
-    A ``ValueError`` (hypergrid's convention for bad values), and also a ``RuntimeError`` and an
-    ``AssertionError``, the types Megatron-Core raises for the same mistakes, so ``except``
-    clauses written against Megatron-Core keep catching it.
-    """
-
-
-class ParallelStateError(RuntimeError, AssertionError):
-    """``parallel_state`` is in the wrong state for the call: already initialized, or not yet.
-
-    A ``RuntimeError`` and an ``AssertionError`` (what Megatron-Core's ``assert`` raises there).
-    """
-
-
-class UnknownOrderNameError(ParallelConfigError, KeyError):
-    """``order`` names a parallelism Megatron-Core does not know (it raises ``KeyError`` there)."""
-
-    def __str__(self) -> str:
-        # KeyError quotes its message; this one is a sentence.
-        return str(self.args[0]) if self.args else ""
-
-
 def _check_int(name: str, value: object, minimum: int = 1) -> int:
     # By operator.index, as Megatron-Core's own arithmetic takes numpy and torch integers too.
-    number = as_int(value, name)
-    if number < minimum:
-        raise ParallelConfigError(f"{name} must be an integer >= {minimum}, got {number}")
-    return number
+    return int_at_least(value, name, minimum, ParallelConfigError)
 
 
 def _check_bool(name: str, value: object) -> None:
