@@ -34,9 +34,9 @@ from .console import OutputError, Progress, drop_stdout, out
 from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
 from ..planning.plan import MAX_LISTED_WORLD
 
-__all__ = ["main", "build_parser", "UsageError"]
+__all__ = ["main", "build_parser"]
 
-logger = logging.getLogger("hypergrid.app.cli")
+logger = logging.getLogger(__name__)
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

@@ -21,7 +21,7 @@ from typing import Optional
 
 from ..errors import OutputError
 
-__all__ = ["OutputError", "out", "drop_stdout", "Progress", "PROGRESS_EVERY_S"]
+__all__ = ["out", "drop_stdout", "Progress", "PROGRESS_EVERY_S"]
 
 
 def out(text: Optional[str] = None, end: str = "\n") -> None:

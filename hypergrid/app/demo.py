@@ -61,7 +61,7 @@ __all__ = [
     "format_report",
 ]
 
-logger = logging.getLogger("hypergrid.app.demo")
+logger = logging.getLogger(__name__)
 
 DEFAULT_WORLD_SIZE = 8
 

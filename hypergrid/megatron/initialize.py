@@ -53,7 +53,7 @@ __all__ = [
     "installed_features",
 ]
 
-logger = logging.getLogger("hypergrid.megatron")
+logger = logging.getLogger(__name__)
 
 
 # Globals whose groups Megatron-Core's destroy_model_parallel destroys itself (its gloo groups).

@@ -68,7 +68,7 @@ __all__ = [
     "flattened_name",
 ]
 
-logger = logging.getLogger("hypergrid.mesh")
+logger = logging.getLogger(__name__)
 
 #: What ``flatten=`` accepts: dims lists (named as torch's ``_flatten`` would) or name -> dims.
 Flatten = Union[Sequence[Dims], Mapping[str, Dims], None]

@@ -55,7 +55,7 @@ if TYPE_CHECKING:
 
 __all__ = ["MeshRouting", "route_device_meshes", "register_mesh_root", "grid_of"]
 
-logger = logging.getLogger("hypergrid.mesh")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)

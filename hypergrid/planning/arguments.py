@@ -23,7 +23,7 @@ from pathlib import Path
 from ..errors import LayoutArgumentError
 from .plan import Plan, plan_grid, plan_megatron
 
-__all__ = ["LayoutArgumentError", "add_release_args", "plan_from_args"]
+__all__ = ["add_release_args", "plan_from_args"]
 
 
 def add_release_args(parser: argparse.ArgumentParser) -> None:

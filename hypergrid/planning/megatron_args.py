@@ -40,8 +40,6 @@ from ..megatron.spec.features import MegatronFeatures
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_RELEASES
 
 __all__ = [
-    "MegatronArgsError",
-    "UnknownMegatronFlagError",
     "MegatronLaunch",
     "parse_megatron_args",
     "plan_from_megatron_args",

@@ -52,7 +52,7 @@ __all__ = [
     "compare_with_megatron",
 ]
 
-logger = logging.getLogger("hypergrid.planning.parity")
+logger = logging.getLogger(__name__)
 
 #: Worlds up to this many ranks are compared in full unless a sample is asked for (RankGenerator
 #: takes about half a second per kind at this size here).

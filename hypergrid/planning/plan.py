@@ -49,7 +49,7 @@ __all__ = [
     "HEAD_MEMBERS",
 ]
 
-logger = logging.getLogger("hypergrid.planning.plan")
+logger = logging.getLogger(__name__)
 
 #: Largest world whose every group a summary lists one by one (about ten seconds of pure Python);
 #: larger worlds are summarised over a sample of groups. One rank's groups have no limit. (The

@@ -80,7 +80,7 @@ __all__ = [
     "shared_groups_per_rank",
 ]
 
-logger = logging.getLogger("hypergrid.planning.torchtitan")
+logger = logging.getLogger(__name__)
 
 
 class TorchtitanRelease(str, enum.Enum):

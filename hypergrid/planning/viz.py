@@ -37,7 +37,7 @@ from .plan import MAX_LISTED_WORLD
 
 __all__ = ["Panel", "Picture", "assign_styles", "picture", "write_picture", "MAX_RANKS_DRAWN", "HATCHES"]
 
-logger = logging.getLogger("hypergrid.planning.viz")
+logger = logging.getLogger(__name__)
 
 #: Worlds up to this many ranks are drawn in full; larger ones draw a window of whole nodes.
 MAX_RANKS_DRAWN = 256

@@ -63,7 +63,7 @@ __all__ = [
     "install_mesh_router",
 ]
 
-logger = logging.getLogger("hypergrid.mesh")
+logger = logging.getLogger(__name__)
 
 # DeviceMesh.__init__ keywords hypergrid passes (all private in torch).
 _INIT_KEYWORDS = ("_init_backend", "_layout", "_rank_map", "_root_mesh")

@@ -63,7 +63,7 @@ __all__ = [
     "creation_mode",
 ]
 
-logger = logging.getLogger("hypergrid.runtime.modes")
+logger = logging.getLogger(__name__)
 
 #: The environment variable naming the process-wide default strategy.
 STRATEGY_ENV = "HYPERGRID_STRATEGY"

@@ -54,7 +54,7 @@ __all__ = [
     "forget_empty_tags",
 ]
 
-logger = logging.getLogger("hypergrid.mesh")
+logger = logging.getLogger(__name__)
 
 #: The torch releases the project's CI runs on (information only: behaviour follows features).
 TESTED_TORCH = "2.13.0 to 2.15.0"

@@ -30,9 +30,6 @@ from ...layout.checks import MAX_TIMEOUT_MS, int_at_least
 from .features import COMMON_FEATURES, MegatronFeatures
 
 __all__ = [
-    "ParallelConfigError",
-    "UnknownOrderNameError",
-    "ParallelStateError",
     "MegatronConfig",
     "MEGATRON_KEYWORDS",
     "PARALLEL_TOKENS",

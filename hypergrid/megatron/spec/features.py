@@ -46,7 +46,7 @@ __all__ = [
     "choose_megatron_core",
 ]
 
-logger = logging.getLogger("hypergrid.megatron.spec.features")
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
