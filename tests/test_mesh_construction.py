@@ -81,6 +81,7 @@ CASES = [  # (world, grid shape, rank_offset, ranks)
     (64, [4, 2, 8], 0, [0, 21, 63]),
     (96, [4, 2, 4], 32, [3, 32, 77, 95]),
     (48, [2, 4], 40, [0, 41, 47]),
+    (16, [2, 1, 8], 0, [5, 14]),  # a dim of size 1, as torchtitan's unused dims
 ]
 
 
