@@ -298,7 +298,8 @@ def _root_for(
                 f"rank {dist.get_rank()} is in some but not all dim groups of {grid!r} "
                 f"(view {view!r}): {dict(zip(names, groups))}; a grid's ranks are in all or none"
             )
-        root = compat.mesh_from_groups(device, mesh_tensor(layout), names, groups if member else None)
+        root = compat.mesh_from_groups(device, tuple(reversed(layout.shape)), names, groups if member else None,
+                                       first_rank=layout.rank_offset)
         register_mesh_root(root, grid)
         _roots[grid][key] = (tuple(groups), root)
         logger.debug("built DeviceMesh %s over the groups of %r (view %r)", root, grid, view)

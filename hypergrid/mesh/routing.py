@@ -45,10 +45,10 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.distributed as dist
 
-from ..runtime.mesh_compat import MeshDimRequest, install_mesh_router, rank_map_of
-from ..runtime.options import GroupOptions, same_as_world
 from ..layout import Partition
+from ..runtime.mesh_compat import MeshDimRequest, consecutive_first_rank, install_mesh_router, rank_map_of
 from ..runtime.modes import resolve_strategy
+from ..runtime.options import GroupOptions, same_as_world
 
 if TYPE_CHECKING:
     from ..grid import HyperCommGrid
@@ -97,14 +97,13 @@ def register_mesh_root(mesh: Any, grid: "HyperCommGrid") -> None:
     Example, as rank 1 of a 4-rank job on torch's fake backend: a root built over the grid's own
     groups, then flattened by torch::
 
-        >>> import torch
         >>> import torch.distributed as dist
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> from hypergrid import HyperCommGrid
         >>> from hypergrid.runtime.mesh_compat import mesh_from_groups
         >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
         >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
-        >>> root = mesh_from_groups("cpu", torch.arange(4).reshape(2, 2), ("dp", "tp"),
+        >>> root = mesh_from_groups("cpu", (2, 2), ("dp", "tp"),
         ...                         [grid.create_pg("dp"), grid.create_pg("tp")])
         >>> register_mesh_root(root, grid)
         >>> grid_of(root) is grid, dist.get_process_group_ranks(root._flatten().get_group())
@@ -114,6 +113,9 @@ def register_mesh_root(mesh: Any, grid: "HyperCommGrid") -> None:
     """
     install_mesh_router(_route)
     rank_map = rank_map_of(mesh)
+    # The meshes torch derives from a root over consecutive ranks (any grid's) are then built in
+    # O(ndims); O(1) for a root from hypergrid.device_mesh, which is known to be one.
+    consecutive_first_rank(rank_map)
     key = id(rank_map)
     with _lock:
         known = _roots.get(key)
@@ -214,13 +216,13 @@ def _grid_for(rank_map: torch.Tensor) -> Optional["HyperCommGrid"]:
         settings = _routing
     if settings is None:
         return None
-    span = _consecutive_span(rank_map)
-    if span is None:
+    start = consecutive_first_rank(rank_map)
+    if start is None:
         logger.info("a DeviceMesh over ranks that are not consecutive is left to torch")
         return None
     from ..grid import HyperCommGrid
 
-    start, size = span
+    size = rank_map.numel()
     grid = HyperCommGrid([size], ["mesh"], rank_offset=start, world_size=dist.get_world_size(),
                          strategy=settings.strategy, timeout=settings.timeout,
                          check_agreement=settings.check_agreement)
@@ -229,17 +231,6 @@ def _grid_for(rank_map: torch.Tensor) -> Optional["HyperCommGrid"]:
         _roots[key] = _Root(grid, weakref.ref(rank_map, lambda _, key=key: _forget(key)))
     logger.debug("DeviceMesh over ranks [%d, %d) routed through %r", start, start + size, grid)
     return grid
-
-
-def _consecutive_span(rank_map: torch.Tensor) -> Optional[tuple[int, int]]:
-    """(first rank, size) when ``rank_map`` holds consecutive ascending ranks, else None."""
-    flat = rank_map.reshape(-1)
-    if flat.numel() == 0:
-        return None
-    start = int(flat[0])
-    if not torch.equal(flat.cpu(), torch.arange(start, start + flat.numel(), dtype=flat.dtype)):
-        return None
-    return start, flat.numel()
 
 
 def _group_name(grid: "HyperCommGrid", request: MeshDimRequest) -> Optional[str]:

@@ -15,7 +15,13 @@ dims. The rest has no public door and needs torch's private names:
   slice, ``_concatenate`` and ``from_group`` make none). :func:`install_mesh_router` wraps that
   one function so that a router sees each request as typed :class:`MeshDimRequest` values and
   may serve it; the router declines (returns None) for meshes it does not own, and torch goes on
-  as it would have.
+  as it would have;
+* the cost of a mesh: torch's constructor is O(world) for every mesh (a tuple of the whole rank
+  map, and the coordinate found by searching it), a slice or a flattened dim included. A root
+  hypergrid builds holds consecutive ranks, so it is built with the very state torch computes
+  but arithmetically, and ``DeviceMesh.__init__`` is wrapped once so that every mesh derived from
+  such a root (or from a root :func:`consecutive_first_rank` has seen) shares the root's rank map
+  tuple and computes its coordinate in O(ndims). Every other mesh is torch's constructor's.
 
 Every attribute is checked once, before first use (:func:`require_mesh_support`), and a missing
 one raises :class:`~hypergrid.errors.UnsupportedTorchError` naming it and the installed torch,
@@ -29,7 +35,7 @@ Example, as rank 0 of an 8-rank job on torch's fake backend::
     >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
     >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
-    >>> root = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+    >>> root = mesh_from_groups("cpu", (2, 4), ("dp", "tp"), [dp, tp])
     >>> root.get_group("tp") is tp
     True
     >>> dist.destroy_process_group()
@@ -40,7 +46,9 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import math
 import threading
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Sequence
@@ -57,6 +65,7 @@ __all__ = [
     "require_mesh_support",
     "mesh_from_groups",
     "flatten_onto",
+    "consecutive_first_rank",
     "flattened_meshes",
     "root_mesh",
     "rank_map_of",
@@ -71,12 +80,12 @@ _INIT_KEYWORDS = ("_init_backend", "_layout", "_rank_map", "_root_mesh")
 _INSTANCE_ATTRIBUTES = ("_dim_group_names", "_flatten_mapping", "_pg_registry", "_layout", "_rank_map")
 # The parameters of DeviceMesh._init_process_groups the router reads (torch 2.15 adds more).
 _ROUTED_PARAMETERS = ("layout", "rank_map", "mesh_dim_names", "backend_override")
-# A DeviceMesh's state that does not depend on its layout (shared by a root and its flattened
-# dims), and the state that does; a mesh with any other attribute is built by torch's constructor.
-_SHARED_STATE = frozenset({"_device_type", "_rank_map", "_flatten_rank_map", "_rank", "_thread_id",
-                           "_preserve_rank_order"})
-_LAYOUT_STATE = frozenset({"_layout", "_mesh_dim_names", "_root_mesh", "_flatten_mapping", "_pg_registry",
-                           "_dim_group_names", "_coordinate_on_dim", "_hash"})
+# The instance attributes torch's constructor sets on a mesh built without groups (torch 2.15
+# adds "_preserve_rank_order"); a torch that sets any other set gets its own constructor.
+_TORCH_STATE = frozenset({"_device_type", "_layout", "_rank_map", "_mesh_dim_names", "_root_mesh",
+                          "_flatten_rank_map", "_thread_id", "_flatten_mapping", "_pg_registry", "_rank",
+                          "_coordinate_on_dim", "_hash"})
+_OPTIONAL_STATE = "_preserve_rank_order"
 
 
 def _unsupported(missing: Sequence[str]) -> UnsupportedTorchError:
@@ -150,40 +159,67 @@ def _check_instance(mesh: Any) -> None:
 # ---------------------------------------------------------------------------- meshes over groups
 def mesh_from_groups(
     device_type: str,
-    mesh: torch.Tensor,
+    shape: Sequence[int],
     mesh_dim_names: tuple[str, ...],
     groups: Optional[Sequence[dist.ProcessGroup]],
+    *,
+    first_rank: int = 0,
 ) -> Any:
-    """A root DeviceMesh over ``mesh`` whose dim ``i`` uses ``groups[i]``; creates no group.
+    """A root DeviceMesh over consecutive ranks from ``first_rank`` in row-major order, of
+    ``shape``, whose dim ``i`` uses ``groups[i]``; creates no group.
 
-    ``groups`` None: this rank is outside ``mesh``; it gets the mesh torch gives such a rank
-    (no groups, ``get_coordinate()`` None).
+    The mesh is the one ``DeviceMesh.from_group(groups, device_type, mesh, mesh_dim_names=...)``
+    gives for that mesh tensor, built in O(ndims) but for the tuple of its ranks torch keeps;
+    meshes sliced, flattened or unflattened from it are built in O(ndims) too. ``groups`` None:
+    this rank is outside the mesh; it gets the mesh torch gives such a rank (no groups,
+    ``get_coordinate()`` None).
 
     Example, as rank 0 of an 8-rank job on torch's fake backend::
 
         >>> import torch.distributed as dist
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from torch.distributed.device_mesh import DeviceMesh
         >>> from hypergrid.runtime.torch_compat import process_group_count
         >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
         >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
         >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
         >>> before = process_group_count()
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+        >>> dm = mesh_from_groups("cpu", (2, 4), ("dp", "tp"), [dp, tp])
         >>> dm.mesh_dim_names, dm.get_group("tp") is tp, process_group_count() == before
         (('dp', 'tp'), True, True)
+        >>> dm == DeviceMesh.from_group([dp, tp], "cpu", torch.arange(8).reshape(2, 4), mesh_dim_names=("dp", "tp"))
+        True
         >>> dist.destroy_process_group()
     """
     require_mesh_support()
+    from torch.distributed._mesh_layout import _MeshLayout
     from torch.distributed.device_mesh import DeviceMesh
 
+    shape = tuple(int(size) for size in shape)
+    size = math.prod(shape)
+    rank_map = torch.arange(first_rank, first_rank + size, dtype=torch.int)
+    result = DeviceMesh.__new__(DeviceMesh)
+    layout = _MeshLayout.from_sizes_strides(shape)  # a contiguous tensor's strides
+    # Anything else from_group refuses, with its own error.
+    fits = groups is None or (0 < len(groups) == len(shape) and mesh_dim_names is not None)
+    built = fits and _build(result, device_type, layout, rank_map, first_rank, mesh_dim_names)
+    if not built:
+        tensor = rank_map.reshape(shape)
+        if groups is None:
+            result = DeviceMesh(device_type, tensor, mesh_dim_names=mesh_dim_names, _init_backend=False)
+        else:
+            # from_group is public; its list form takes any number of dims, one group each.
+            result = DeviceMesh.from_group(list(groups), device_type, tensor, mesh_dim_names=mesh_dim_names)
+        rank_map = result._rank_map
+    _record(rank_map, first_rank)
     if groups is None:
-        result = DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names, _init_backend=False)
         # torch's own meshes leave this empty on ranks outside them; it is set, not read, here.
         result._dim_group_names = []
-        _check_instance(result)
-        return result
-    # from_group is public; its list form takes any number of dims, one group each.
-    result = DeviceMesh.from_group(list(groups), device_type, mesh, mesh_dim_names=mesh_dim_names)
+    elif built:
+        # What from_group adds to the mesh it builds.
+        result._dim_group_names = [pg.group_name for pg in groups]
+        for pg in groups:
+            result._pg_registry[pg.group_name] = pg
     _check_instance(result)
     return result
 
@@ -199,27 +235,13 @@ def _flat_coordinate(axis: Any, position: int) -> int:
     return index
 
 
-def _flat_position(axis: Any, coordinate: int) -> int:
-    """The position (index into the rank map) that ``coordinate`` along ``axis`` adds. O(modes)."""
-    position = 0
-    for size, stride in reversed(list(axis.sizes_and_strides)):
-        position += (coordinate % size) * stride
-        coordinate //= size
-    return position
-
-
 def flatten_onto(root: Any, name: str, dims: Sequence[str], pg: Optional[dist.ProcessGroup]) -> Any:
     """Make ``pg`` the group of the flattened dim ``name`` (over ``dims``) of the root mesh.
 
     Afterwards ``root[name]``, ``root[dims]._flatten(name)`` and DTensor's search for a flattened
     mesh by layout all find this mesh, exactly as if torch's ``_flatten`` had made it, but over
     ``pg`` instead of a new group. Returns the flattened mesh. Idempotent for the same ``name``
-    and ``dims``.
-
-    The mesh shares the root's layout-independent state (its rank map and the tuple torch keeps
-    of it, which costs O(world) to build anew) and computes its own coordinate in O(dims), so a
-    flattened dim of a million-rank mesh costs microseconds; a torch whose meshes hold state this
-    module does not know is served by torch's own constructor instead.
+    and ``dims``. On a root from :func:`mesh_from_groups` it costs O(dims), as every derived mesh.
 
     Example, as rank 0 of an 8-rank job on torch's fake backend: the flattened ``dp_tp`` dim of
     a 2 x 4 mesh, over a group made beforehand (in hypergrid, the grid's ``["tp", "dp"]`` group)::
@@ -230,7 +252,7 @@ def flatten_onto(root: Any, name: str, dims: Sequence[str], pg: Optional[dist.Pr
         >>> dp = dist.new_group([0, 4], use_local_synchronization=True)
         >>> tp = dist.new_group([0, 1, 2, 3], use_local_synchronization=True)
         >>> dp_tp = dist.new_group(list(range(8)), use_local_synchronization=True)
-        >>> root = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), [dp, tp])
+        >>> root = mesh_from_groups("cpu", (2, 4), ("dp", "tp"), [dp, tp])
         >>> flat = flatten_onto(root, "dp_tp", ("dp", "tp"), dp_tp)
         >>> flat.mesh_dim_names, root["dp_tp"].get_group() is dp_tp, flat.get_coordinate()
         (('dp_tp',), True, (0,))
@@ -241,7 +263,7 @@ def flatten_onto(root: Any, name: str, dims: Sequence[str], pg: Optional[dist.Pr
     from torch.distributed.device_mesh import DeviceMesh
 
     names = list(root.mesh_dim_names)
-    # Slicing would build a mesh (O(world) in torch); the flattened layout needs only the axes.
+    # Slicing would build a mesh; the flattened layout needs only the axes.
     axes = [root._layout[names.index(dim)] for dim in dims]
     layout = _MeshLayout([_MeshLayout(axes).collapse()])
     existing = root._flatten_mapping.get(name)
@@ -252,27 +274,10 @@ def flatten_onto(root: Any, name: str, dims: Sequence[str], pg: Optional[dist.Pr
                 f"choose another name for the flattening of {list(dims)}"
             )
         return existing
-    state = vars(root)
-    if set(state) <= _SHARED_STATE | _LAYOUT_STATE:
-        flat = DeviceMesh.__new__(DeviceMesh)
-        vars(flat).update({key: value for key, value in state.items() if key in _SHARED_STATE})
-        flat._layout = layout
-        flat._mesh_dim_names = (name,)
-        flat._root_mesh = root
-        flat._flatten_mapping = {}
-        flat._pg_registry = {}
-        flat._hash = None
-        coordinate = root.get_coordinate()
-        if coordinate is None:
-            flat._coordinate_on_dim = None
-        else:
-            position = sum(_flat_position(axis, c) for axis, c in zip(root._layout, coordinate))
-            flat._coordinate_on_dim = (_flat_coordinate(layout[0], position),)
-    else:
-        logger.debug("DeviceMesh holds state %s unknown here; building the flattened mesh with torch",
-                     sorted(set(state) - _SHARED_STATE - _LAYOUT_STATE))
-        flat = DeviceMesh(root.device_type, _layout=layout, _rank_map=root._rank_map, mesh_dim_names=(name,),
-                          _root_mesh=root, _init_backend=False)
+    # torch's own _create_flatten_mesh call, but without groups (they exist).
+    extra = {"preserve_rank_order": root._preserve_rank_order} if _OPTIONAL_STATE in vars(root) else {}
+    flat = DeviceMesh(root.device_type, _layout=layout, _rank_map=root._rank_map, mesh_dim_names=(name,),
+                      _root_mesh=root, _init_backend=False, **extra)
     if pg is None:
         flat._dim_group_names = []
     else:
@@ -291,7 +296,7 @@ def flattened_meshes(mesh: Any) -> dict[str, Any]:
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
         >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
+        >>> dm = mesh_from_groups("cpu", (2, 4), ("dp", "tp"), groups)
         >>> flattened_meshes(dm)
         {}
         >>> flat = flatten_onto(dm, "dp_tp", ("dp", "tp"), dist.new_group(list(range(8))))
@@ -312,7 +317,7 @@ def root_mesh(mesh: Any) -> Any:
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
         >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
+        >>> dm = mesh_from_groups("cpu", (2, 4), ("dp", "tp"), groups)
         >>> root_mesh(dm["tp"]) is dm, root_mesh(dm) is dm
         (True, True)
         >>> dist.destroy_process_group()
@@ -333,7 +338,7 @@ def rank_map_of(mesh: Any) -> torch.Tensor:
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
         >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 4], [0, 1, 2, 3])]
-        >>> dm = mesh_from_groups("cpu", torch.arange(8).reshape(2, 4), ("dp", "tp"), groups)
+        >>> dm = mesh_from_groups("cpu", (2, 4), ("dp", "tp"), groups)
         >>> rank_map_of(dm["tp"]) is rank_map_of(dm), rank_map_of(dm).tolist()
         (True, [0, 1, 2, 3, 4, 5, 6, 7])
         >>> dist.destroy_process_group()
@@ -442,3 +447,211 @@ def _requests(layout: Any, names: Optional[Sequence[str]], overrides: Sequence[A
             timeout=getattr(pg_options, "_timeout", None) if pg_options is not None else None,
         ))
     return tuple(requests)
+
+
+# ---------------------------------------------------------------------------- meshes in O(ndims)
+# Rank maps known to hold consecutive ascending ranks: id -> (the tensor, its first rank).
+_spans: dict[int, tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
+_torch_init: Optional[Callable[..., Any]] = None
+# Set by torch's constructor after its process groups, in this order.
+_LATE_STATE = ("_rank", "_coordinate_on_dim", "_hash")
+
+
+def consecutive_first_rank(rank_map: torch.Tensor) -> Optional[int]:
+    """The first rank of ``rank_map`` when it holds consecutive ascending ranks, else None.
+
+    A rank map found so (or built so by :func:`mesh_from_groups`) is remembered, and every mesh
+    torch derives from a root over it (slices, ``_flatten``, ``_unflatten``, ``_concatenate``) is
+    then built in O(ndims) with the state torch's constructor would give it. O(1) for a rank map
+    seen before, else one comparison in torch's kernels.
+
+    Example::
+
+        >>> consecutive_first_rank(torch.arange(4, 8, dtype=torch.int)), consecutive_first_rank(torch.tensor([0, 2]))
+        (4, None)
+    """
+    require_mesh_support()
+    known = _first_rank(rank_map)
+    if known is not None:
+        return known
+    flat = rank_map.reshape(-1)
+    if flat.numel() == 0:
+        return None
+    first = int(flat[0])
+    if not torch.equal(flat.cpu(), torch.arange(first, first + flat.numel(), dtype=flat.dtype)):
+        return None
+    _record(rank_map, first)
+    return first
+
+
+def _first_rank(rank_map: Any) -> Optional[int]:
+    entry = _spans.get(id(rank_map))
+    return entry[1] if entry is not None and entry[0]() is rank_map else None
+
+
+def _forget_span(key: int) -> None:
+    _spans.pop(key, None)
+
+
+def _record(rank_map: torch.Tensor, first: int) -> None:
+    _install_fast_init()
+    key = id(rank_map)
+    _spans[key] = (weakref.ref(rank_map, lambda _, key=key: _forget_span(key)), first)
+
+
+@functools.lru_cache(maxsize=1)
+def _torch_attributes() -> Optional[frozenset[str]]:
+    """The attributes torch's constructor sets on a mesh without groups, found on a one-rank mesh
+    it builds, where they are those :func:`_build` sets; else None (torch builds every mesh)."""
+    from torch.distributed import device_mesh as module
+    from torch.distributed._mesh_layout import _FlatLayout, _MeshLayout
+
+    DeviceMesh = module.DeviceMesh
+    needed = [callable(getattr(torch._C, "_log_api_usage_once", None)),
+              callable(getattr(module, "_resolve_process_group", None)),
+              callable(getattr(DeviceMesh, "_setup_world_group_and_device", None)),
+              callable(getattr(_FlatLayout, "complement", None)), callable(getattr(_MeshLayout, "cosize", None))]
+    probe = DeviceMesh.__new__(DeviceMesh)
+    try:
+        # _rank given and one rank: no process group is needed, none is made.
+        (_torch_init or DeviceMesh.__init__)(probe, "cpu", _layout=_MeshLayout.from_sizes_strides((1,)),
+                                             _rank_map=torch.zeros(1, dtype=torch.int), _init_backend=False, _rank=0)
+    except Exception as exc:  # any failure: torch keeps building meshes itself
+        logger.debug("DeviceMesh's constructor could not be probed (%s); torch builds every mesh", exc)
+        return None
+    found = frozenset(vars(probe))
+    optional = _OPTIONAL_STATE in found
+    # torch passes the rank order to its group creation where its meshes have one.
+    creates = "preserve_rank_order" in inspect.signature(DeviceMesh._init_process_groups).parameters
+    if not all(needed) or found != _TORCH_STATE | ({_OPTIONAL_STATE} if optional else set()) or creates != optional:
+        logger.debug("DeviceMesh holds %s here; torch builds every mesh", sorted(found))
+        return None
+    return found
+
+
+def _placement(layout: Any, size: int, position: Optional[int]) -> Optional[tuple[Optional[tuple[int, ...]]]]:
+    """``(coordinate,)`` of rank map index ``position`` (None: not in the map) on a mesh of
+    ``layout`` over a rank map of ``size``, as torch's search of the mesh tensor finds it. None
+    where that is not plain arithmetic: torch's rows of the rank map would not tile it exactly,
+    or torch raises (a rank outside a mesh that is one of several rows).
+    """
+    flat = layout.collapse()
+    rows = flat.complement(size)
+    # Mesh and rows together must be a mixed radix over [0, size): each position once.
+    modes = sorted((stride, extent) for extent, stride in [*flat.sizes_and_strides, *rows.sizes_and_strides]
+                   if extent != 1)
+    covered = 1
+    for stride, extent in modes:
+        if stride != covered:
+            return None
+        covered *= extent
+    if covered != size:
+        return None
+    if position is None:
+        return (None,) if rows.numel() == 1 else None
+    return (tuple(_flat_coordinate(axis, position) for axis in layout),)
+
+
+def _build(mesh: Any, device_type: str, layout: Any, rank_map: torch.Tensor, first: int,
+           names: Optional[Sequence[str]], root: Any = None, preserve: bool = False,
+           ranks: Optional[tuple[int, ...]] = None, init_backend: bool = False, overrides: Any = None) -> bool:
+    """Give ``mesh`` the state torch's constructor gives it for these arguments, in O(ndims) but
+    for ``ranks`` (the rank map as a tuple; None: a root's, from its first rank). False, with
+    nothing done, where this module cannot vouch for torch's outcome: torch builds it then."""
+    attributes = _torch_attributes()
+    if attributes is None or device_type == "xla" or not dist.is_initialized():
+        return False
+    if overrides is None:
+        overrides = ((None, None),) * len(layout)
+    elif len(overrides) != len(layout):
+        return False
+    size = rank_map.numel()
+    rank = dist.get_rank()
+    try:
+        # torch's own checks, but for the O(world) one that holds here by construction.
+        valid = (rank_map.ndim == 1 and rank_map.is_contiguous() and layout.collapse().check_orthogonal()
+                 and size >= layout.cosize())
+        placed = _placement(layout, size, rank - first if first <= rank < first + size else None) if valid else None
+    except Exception:  # torch raises its own error
+        placed = None
+    state = {"_device_type": device_type, "_layout": layout, "_rank_map": rank_map,
+             "_mesh_dim_names": tuple(names) if names else None, "_root_mesh": root}
+    if _OPTIONAL_STATE in attributes:
+        state[_OPTIONAL_STATE] = preserve
+    state.update(_flatten_rank_map=ranks, _thread_id=None, _flatten_mapping={}, _pg_registry={})
+    if placed is None or set(state).union(_LATE_STATE) != attributes:
+        return False
+    if ranks is None:
+        state["_flatten_rank_map"] = tuple(range(first, first + size))
+    torch._C._log_api_usage_once("torch.distributed.device_mesh.DeviceMesh.__init__")
+    vars(mesh).update(state)
+    if init_backend:
+        from torch.distributed import device_mesh as module
+
+        mesh._setup_world_group_and_device()
+        order = (preserve,) if _OPTIONAL_STATE in attributes else ()
+        mesh._dim_group_names = mesh._init_process_groups(layout, rank_map, mesh._mesh_dim_names, overrides, *order)
+        registry = (root if root is not None else mesh)._pg_registry
+        for name in mesh._dim_group_names:
+            pg = module._resolve_process_group(name)
+            if pg is not None:
+                registry[name] = pg
+    if dist.get_backend() == "threaded":
+        mesh._thread_id = threading.get_ident()
+    mesh._rank = rank
+    mesh._coordinate_on_dim = placed[0]
+    mesh._hash = None
+    return True
+
+
+def _derive(mesh: Any, arguments: dict[str, Any]) -> bool:
+    """Build, as :func:`_build`, a mesh torch derives from a root over a consecutive rank map."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    root, rank_map, layout = arguments.get("_root_mesh"), arguments.get("_rank_map"), arguments.get("_layout")
+    if not isinstance(root, DeviceMesh) or layout is None or arguments.get("mesh") is not None:
+        return False
+    state = vars(root)
+    first = _first_rank(rank_map) if rank_map is not None and state.get("_rank_map") is rank_map else None
+    ranks = state.get("_flatten_rank_map")
+    if first is None or ranks is None or arguments.get("_rank") is not None:
+        return False
+    return _build(mesh, arguments["device_type"], layout, rank_map, first, arguments.get("mesh_dim_names"), root,
+                  arguments.get("preserve_rank_order", False), ranks, arguments.get("_init_backend", True),
+                  arguments.get("backend_override"))
+
+
+def _compiling() -> bool:
+    # Under torch.compile torch traces its own constructor; this module stays out of the way.
+    check = getattr(torch.compiler, "is_compiling", None)
+    return bool(check()) if check is not None else False
+
+
+def _install_fast_init() -> None:
+    """Wrap ``DeviceMesh.__init__`` once, process-wide: a mesh derived from a recorded root is
+    built by :func:`_derive`; every other call, and any the wrapper declines, goes to torch."""
+    global _torch_init
+    from torch.distributed.device_mesh import DeviceMesh
+
+    with _install_lock:
+        if _torch_init is not None:
+            return
+        original = DeviceMesh.__dict__["__init__"]
+        signature = inspect.signature(original)
+
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+            # torch passes _root_mesh only when it derives a mesh; a subclass keeps torch's path.
+            if kwargs.get("_root_mesh") is not None and type(self) is DeviceMesh and not _compiling():
+                try:
+                    call = signature.bind(self, *args, **kwargs)
+                except TypeError:  # torch raises its own error
+                    call = None
+                if call is not None:
+                    call.apply_defaults()
+                    if _derive(self, call.arguments):
+                        return
+            original(self, *args, **kwargs)
+
+        DeviceMesh.__init__ = __init__
+        _torch_init = original
