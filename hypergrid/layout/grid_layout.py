@@ -30,10 +30,11 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 from .checks import as_int, validate_shape_and_names
 from .partition import MAX_ENUMERATED_RANKS, Partition, canonical_modes
+from .rank_map import RankMap
 
 __all__ = ["Dims", "GridLayout", "KEY_SEPARATOR"]
 
@@ -48,10 +49,14 @@ KEY_SEPARATOR = "-"
 
 @dataclass(frozen=True)
 class GridLayout:
-    """An N-dimensional grid of named dims over ``size`` consecutive ranks from ``rank_offset``.
+    """An N-dimensional grid of named dims over ``size`` consecutive ranks from ``rank_offset``,
+    or over any ranks: ``rank_map`` puts each position (the rank a coordinate has in the default
+    placement, less ``rank_offset``) on a global rank of its own.
 
     A frozen value: comparing, hashing and sharing it across threads is safe. All methods are
-    pure integer arithmetic; the cost of each is stated in its docstring.
+    pure integer arithmetic; the cost of each is stated in its docstring. A rank map that is
+    contiguous is the default placement, and is stored as ``rank_offset`` alone; otherwise
+    ``rank_offset`` is the rank of position 0.
 
     Example::
 
@@ -65,7 +70,8 @@ class GridLayout:
     shape: tuple[int, ...]
     dim_names: tuple[str, ...]
     rank_offset: int = 0
-    # Derived in __post_init__, not part of the value (equality and hashing use the three above).
+    rank_map: Optional[RankMap] = None
+    # Derived in __post_init__, not part of the value (equality and hashing use the four above).
     _strides: tuple[int, ...] = field(init=False, repr=False, compare=False)
     _index: dict[str, int] = field(init=False, repr=False, compare=False)
 
@@ -74,6 +80,18 @@ class GridLayout:
         offset = as_int(self.rank_offset, "rank_offset")
         if offset < 0:
             raise ValueError(f"rank_offset must be non-negative, got {offset}")
+        if self.rank_map is not None:
+            if not isinstance(self.rank_map, RankMap):
+                raise TypeError(f"rank_map must be a RankMap or None, got {type(self.rank_map).__name__} {self.rank_map!r}")
+            if self.rank_map.size != math.prod(shape):
+                raise ValueError(f"rank_map places {self.rank_map.size} positions, but shape {list(shape)} has "
+                                 f"{math.prod(shape)}")
+            if offset not in (0, self.rank_map.first_rank):
+                raise ValueError(f"rank_offset {offset} contradicts rank_map, whose position 0 is rank "
+                                 f"{self.rank_map.first_rank}; give one or the other")
+            offset = self.rank_map.first_rank
+            if self.rank_map.is_contiguous:
+                object.__setattr__(self, "rank_map", None)
         # Normalise lists to tuples and numpy ints to ints so that equal grids hash equal.
         object.__setattr__(self, "rank_offset", offset)
         object.__setattr__(self, "shape", shape)
@@ -85,6 +103,10 @@ class GridLayout:
             stride *= size
         object.__setattr__(self, "_strides", tuple(strides))
         object.__setattr__(self, "_index", {name: i for i, name in enumerate(names)})
+
+    def __repr__(self) -> str:
+        placed = "" if self.rank_map is None else f", rank_map={self.rank_map!r}"
+        return f"GridLayout(shape={self.shape}, dim_names={self.dim_names}, rank_offset={self.rank_offset}{placed})"
 
     # ---------------------------------------------------------------- basic facts
     @property
@@ -98,18 +120,35 @@ class GridLayout:
         return self._strides
 
     @property
-    def ranks(self) -> range:
-        """The global ranks the grid spans."""
-        return range(self.rank_offset, self.rank_offset + self.size)
+    def ranks(self) -> Sequence[int]:
+        """The global ranks the grid spans, in position order (a range for the default placement)."""
+        if self.rank_map is None:
+            return range(self.rank_offset, self.rank_offset + self.size)
+        return list(self.rank_map)
+
+    def rank_at(self, position: int) -> int:
+        """The global rank at ``position`` (``rank_offset + position`` unless a rank map says otherwise)."""
+        return self.rank_offset + position if self.rank_map is None else self.rank_map.rank(position)
+
+    def _ranks_at(self, positions: Sequence[int]) -> list[int]:
+        if self.rank_map is None:
+            base = self.rank_offset
+            return [base + p for p in positions]
+        return self.rank_map.ranks_of(positions)
 
     def dim_size(self, name: str) -> int:
         """Size of one dim, by name. ``GridLayout((2, 4), ("tp", "dp")).dim_size("dp") == 4``."""
         return self.shape[self._dim_index(name)]
 
     def contains(self, rank: int) -> bool:
-        """Whether global ``rank`` lies inside the grid's span."""
-        rank = as_int(rank, "rank")
-        return self.rank_offset <= rank < self.rank_offset + self.size
+        """Whether global ``rank`` is one of the grid's."""
+        return self._position(as_int(rank, "rank")) is not None
+
+    def _position(self, rank: int) -> Optional[int]:
+        if self.rank_map is not None:
+            return self.rank_map.position(rank)
+        local = rank - self.rank_offset
+        return local if 0 <= local < self.size else None
 
     def _dim_index(self, name: object) -> int:
         if not isinstance(name, str):
@@ -196,22 +235,25 @@ class GridLayout:
                 )
         else:
             raise TypeError(f"coords must be a list, tuple or dict, got {type(coords).__name__} {coords!r}")
-        rank = self.rank_offset
+        position = 0
         for name, size, stride, value in zip(self.dim_names, self.shape, self.strides, values):
             value = as_int(value, f"coordinate of dim {name!r}")
             if not 0 <= value < size:
                 raise ValueError(f"coordinate of dim {name!r} must be in [0, {size}), got {value}")
-            rank += value * stride
-        return rank
+            position += value * stride
+        return self.rank_at(position)
 
     def _local(self, rank: object) -> int:
+        """The position of global ``rank``; a ValueError naming the grid's ranks if it has none."""
         rank = as_int(rank, "rank")
-        if not self.contains(rank):
+        position = self._position(rank)
+        if position is None:
             raise ValueError(
                 f"rank {rank} is outside the grid, which spans ranks "
-                f"[{self.rank_offset}, {self.rank_offset + self.size})"
+                f"[{self.rank_offset}, {self.rank_offset + self.size})" if self.rank_map is None else
+                f"rank {rank} is not one of the grid's ranks (placed by {self.rank_map!r})"
             )
-        return rank - self.rank_offset
+        return position
 
     def _check_enumerable(self) -> None:
         if self.size > MAX_ENUMERATED_RANKS:
@@ -246,11 +288,11 @@ class GridLayout:
         """
         ordered, _ = self.order_dims(dims)
         local = self._local(rank)
-        base = self.rank_offset + local
+        base = local
         for name in ordered:
             i = self._index[name]
             base -= ((local // self.strides[i]) % self.shape[i]) * self.strides[i]
-        return [base + offset for offset in self._offsets(ordered)]
+        return self._ranks_at([base + offset for offset in self._offsets(ordered)])
 
     def group_index(self, dims: Dims, rank: int) -> int:
         """Index of ``rank``'s group in ``enumerate(dims)``. O(ndims).
@@ -296,8 +338,10 @@ class GridLayout:
         rest = [n for n in reversed(self.dim_names) if n not in names]
         inner = self._offsets(names)
         outer = self._offsets(rest)
-        start = self.rank_offset
-        return [[start + o + i for i in inner] for o in outer]
+        if self.rank_map is None:
+            start = self.rank_offset
+            return [[start + o + i for i in inner] for o in outer]
+        return [self.rank_map.ranks_of([o + i for i in inner]) for o in outer]
 
     def enumerate(self, dims: Dims) -> list[list[int]]:
         """Every group of ``dims`` in Megatron order: ``get_rank_enum`` / ``RankGenerator``. O(size).
@@ -318,7 +362,7 @@ class GridLayout:
         """
         names = set(self._dim_list(dims))
         modes = [(self.shape[i], self.strides[i]) for i, name in enumerate(self.dim_names) if name in names]
-        return Partition(self.rank_offset, self.size, canonical_modes(modes))
+        return Partition(self.rank_offset, self.size, canonical_modes(modes), self.rank_map)
 
     # ---------------------------------------------------------------- views
     def check_view(self, view: "GridLayout", shared_dims: Sequence[str] = (), name: str = "view") -> None:
@@ -342,7 +386,7 @@ class GridLayout:
         """
         if not isinstance(view, GridLayout):
             raise TypeError(f"view must be a GridLayout, got {type(view).__name__} {view!r}")
-        if view.rank_offset != self.rank_offset or view.size != self.size:
+        if view.rank_offset != self.rank_offset or view.size != self.size or view.rank_map != self.rank_map:
             raise ValueError(
                 f"a view must span the grid's ranks [{self.rank_offset}, "
                 f"{self.rank_offset + self.size}); shape {list(view.shape)} with rank_offset "

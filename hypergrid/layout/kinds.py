@@ -516,7 +516,9 @@ class GroupKind:
             >>> GroupKind("dp", GridLayout((2, 4), ("tp", "dp")), ("dp",)).box(3)
             (1, ((4, 2),))
         """
-        return self.derivation.box(self.layout, self.dims, rank) if self.layout.contains(rank) else None
+        if not self.layout.contains(rank) or self.layout.rank_map is not None:
+            return None  # a grid placed on other ranks makes groups that are boxes of positions only
+        return self.derivation.box(self.layout, self.dims, rank)
 
     def enumerate(self) -> list[list[int]]:
         """Every group of this kind, in Megatron-Core's order; O(world size)."""

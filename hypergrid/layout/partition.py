@@ -16,7 +16,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from typing import Optional
+
 from .checks import as_int
+from .rank_map import RankMap
 
 __all__ = ["MAX_ENUMERATED_RANKS", "Partition", "canonical_modes"]
 
@@ -51,11 +54,32 @@ class Partition:
     rank_offset: int
     span: int
     modes: tuple[tuple[int, int], ...]
+    #: Where the positions sit among global ranks (see :class:`~hypergrid.layout.rank_map.RankMap`);
+    #: None: position ``p`` is rank ``rank_offset + p``. The modes step over positions.
+    rank_map: Optional[RankMap] = None
+
+    def __post_init__(self) -> None:
+        if self.rank_map is not None:
+            if not isinstance(self.rank_map, RankMap):
+                raise TypeError(f"rank_map must be a RankMap or None, got {type(self.rank_map).__name__}")
+            if self.rank_map.size != self.span:
+                raise ValueError(f"rank_map covers {self.rank_map.size} positions, the span has {self.span}")
+            if self.rank_map.is_contiguous:  # the default placement: one value, one form
+                object.__setattr__(self, "rank_offset", self.rank_map.first_rank)
+                object.__setattr__(self, "rank_map", None)
+            else:
+                object.__setattr__(self, "rank_offset", self.rank_map.first_rank)
+
+    def __repr__(self) -> str:
+        placed = "" if self.rank_map is None else f", rank_map={self.rank_map!r}"
+        return f"Partition(rank_offset={self.rank_offset}, span={self.span}, modes={self.modes}{placed})"
 
     @classmethod
-    def of(cls, rank_offset: int, span: int, modes: Sequence[tuple[int, int]]) -> "Partition":
+    def of(cls, rank_offset: int, span: int, modes: Sequence[tuple[int, int]],
+           rank_map: Optional[RankMap] = None) -> "Partition":
         """The partition of ``span`` ranks from ``rank_offset`` made by ``modes`` (any order, any
         size-1 modes), checked to split the span into equal, disjoint groups. O(number of modes).
+        With ``rank_map``, the modes step over positions and the groups are their ranks.
 
         Example::
 
@@ -93,7 +117,7 @@ class Partition:
                 f"modes {canonical} (size, stride) do not split a span of {total} ranks into equal "
                 f"groups: the span is not a multiple of {reach}"
             )
-        return cls(offset, total, canonical)
+        return cls(offset, total, canonical, rank_map)
 
     @property
     def group_size(self) -> int:
@@ -105,11 +129,18 @@ class Partition:
         return self.span // self.group_size
 
     def contains(self, rank: int) -> bool:
-        """Whether global ``rank`` lies in the span."""
-        return self.rank_offset <= as_int(rank, "rank") < self.rank_offset + self.span
+        """Whether global ``rank`` is one of the span's."""
+        return self._position(as_int(rank, "rank")) is not None
+
+    def _position(self, rank: int) -> Optional[int]:
+        if self.rank_map is not None:
+            return self.rank_map.position(rank)
+        local = rank - self.rank_offset
+        return local if 0 <= local < self.span else None
 
     def group_ranks(self, rank: int) -> list[int]:
-        """The group holding global ``rank``, ascending. O(group size).
+        """The group holding global ``rank``, in position order (ascending for the default
+        placement). O(group size).
 
         Example::
 
@@ -117,15 +148,22 @@ class Partition:
             >>> GridLayout((2, 3, 4), ("tp", "cp", "dp")).partition(["dp"]).group_ranks(7)
             [1, 7, 13, 19]
         """
-        if not self.contains(rank):
+        position = self._position(as_int(rank, "rank"))
+        if position is None:
             raise ValueError(
                 f"rank {rank} is outside the span [{self.rank_offset}, {self.rank_offset + self.span}) "
-                f"of this partition"
+                f"of this partition" if self.rank_map is None else
+                f"rank {rank} is not one of this partition's ranks (placed by {self.rank_map!r})"
             )
-        local = rank - self.rank_offset
-        base = self.rank_offset + local
+        positions = self._group_positions(position)
+        if self.rank_map is None:
+            return [self.rank_offset + p for p in positions]
+        return self.rank_map.ranks_of(positions)
+
+    def _group_positions(self, position: int) -> list[int]:
+        base = position
         for size, stride in self.modes:
-            base -= ((local // stride) % size) * stride
+            base -= ((position // stride) % size) * stride
         if len(self.modes) == 1:
             size, stride = self.modes[0]
             return list(range(base, base + size * stride, stride))
@@ -137,7 +175,7 @@ class Partition:
         return members
 
     def enumerate(self) -> list[list[int]]:
-        """Every group, by its lowest rank, each ascending. O(span).
+        """Every group, by its first position, each in position order. O(span).
 
         Example::
 
@@ -152,12 +190,14 @@ class Partition:
             )
         seen: set[int] = set()
         groups = []
-        for rank in range(self.rank_offset, self.rank_offset + self.span):
-            if rank not in seen:
-                group = self.group_ranks(rank)
+        for position in range(self.span):
+            if position not in seen:
+                group = self._group_positions(position)
                 seen.update(group)
                 groups.append(group)
-        return groups
+        if self.rank_map is None:
+            return [[self.rank_offset + p for p in group] for group in groups]
+        return [self.rank_map.ranks_of(group) for group in groups]
 
 
 def canonical_modes(modes: Sequence[tuple[int, int]]) -> tuple[tuple[int, int], ...]:

@@ -94,7 +94,7 @@ class RankView:
         if math.prod(sizes) != base.size:
             raise ValueError(f"View {name!r} shape {list(shape)} has size {math.prod(sizes)}, but the grid size is {base.size}")
         shared = _shared_dims(name, shared_dims)
-        view = GridLayout(tuple(sizes), tuple(dim_names), base.rank_offset)
+        view = GridLayout(tuple(sizes), tuple(dim_names), base.rank_offset, base.rank_map)
         base.check_view(view, shared, name=name)
         return cls(name, view, tuple(shared))
 
