@@ -28,6 +28,9 @@ __all__ = [
     "GridMismatchError",
     "UnsupportedTorchError",
     "StoreUnresponsiveError",
+    "RecoveryRefused",
+    "RecoveryError",
+    "ExcludedByRecovery",
     "ParallelConfigError",
     "ParallelStateError",
     "UnknownOrderNameError",
@@ -96,6 +99,23 @@ class UnsupportedTorchError(HypergridError):
 class StoreUnresponsiveError(HypergridError):
     """The job's store did not answer a call within the time it was given (its host stopped,
     hangs or is overloaded), as opposed to a store whose host has gone (torch's ``DistNetworkError``)."""
+
+
+
+# ---------------------------------------------------------------------- recovery
+class RecoveryRefused(ValueError):
+    """No recovery fits the failure: too few spares and no replica that can be dropped. The message
+    says which ranks failed and why neither replacement nor a shrink works."""
+
+
+class RecoveryError(HypergridError):
+    """An in-process recovery did not complete (another rank failed during it, the survivors did
+    not all arrive in time, or a refused plan): the same error on every survivor that took part."""
+
+
+class ExcludedByRecovery(HypergridError):
+    """This rank is not in the grid after a recovery: the survivors found it failed (it did not
+    report in time), or its replica was dropped. It should leave the job, or wait as a spare."""
 
 
 # ---------------------------------------------------------------------- Megatron-Core's configuration

@@ -148,12 +148,68 @@ class RankMap:
             >>> RankMap.contiguous(0, 8).replaced({4: 8, 5: 9}).runs
             ((0, 0, 4), (4, 8, 2), (6, 6, 2))
         """
-        for old in substitutes:
-            if self.position(old) is None:
+        moved: dict[int, int] = {}
+        for old, new in substitutes.items():
+            position = self.position(old)
+            if position is None:
                 raise ValueError(f"rank {old} is not in the map, so it cannot be replaced")
-        return RankMap.of(substitutes.get(rank, rank) for rank in self)
+            moved[position] = as_int(new, "a substitute rank")
+        # Cut the runs around the moved positions: O(runs + moved), never a list of every position.
+        pieces: list[tuple[int, int, int]] = []
+        cuts = sorted(moved)
+        c = 0
+        for first, rank, length in self.runs:
+            start, end = first, first + length
+            while c < len(cuts) and cuts[c] < end:
+                cut = cuts[c]
+                if cut > start:
+                    pieces.append((start, rank + start - first, cut - start))
+                pieces.append((cut, moved[cut], 1))
+                start = cut + 1
+                c += 1
+            if start < end:
+                pieces.append((start, rank + start - first, end - start))
+        return RankMap(_merged(pieces))
+
+    def restricted(self, intervals: Iterable[tuple[int, int]]) -> "RankMap":
+        """The map of new positions ``0, 1, ...`` onto the ranks of these ``(first position,
+        length)`` intervals of this map, taken in order. O(intervals + runs they touch).
+
+        Example: keep positions 0-1 and 4-7 of a map that moved 4-5 onto 8-9::
+
+            >>> RankMap.of([0, 1, 2, 3, 8, 9, 6, 7]).restricted([(0, 2), (4, 4)]).runs
+            ((0, 0, 2), (2, 8, 2), (4, 6, 2))
+        """
+        runs: list[list[int]] = []
+        position = 0
+        for start, length in intervals:
+            end = start + length
+            i = bisect.bisect_right(self._positions, start) - 1
+            while start < end:
+                first, rank, size = self.runs[i]
+                take = min(end, first + size) - start
+                piece_rank = rank + start - first
+                if runs and runs[-1][1] + runs[-1][2] == piece_rank:
+                    runs[-1][2] += take
+                else:
+                    runs.append([position, piece_rank, take])
+                position += take
+                start += take
+                i += 1
+        return RankMap(tuple((a, b, c) for a, b, c in runs))
 
     @functools.cached_property
     def digest(self) -> str:
         """A short name for this placement, alike on every rank that has it."""
         return hashlib.sha1(repr(self.runs).encode()).hexdigest()[:12]
+
+
+def _merged(pieces: Iterable[tuple[int, int, int]]) -> tuple[tuple[int, int, int], ...]:
+    """Runs in position order, neighbours that continue each other joined."""
+    runs: list[list[int]] = []
+    for first, rank, length in pieces:
+        if runs and runs[-1][1] + runs[-1][2] == rank:
+            runs[-1][2] += length
+        else:
+            runs.append([first, rank, length])
+    return tuple((a, b, c) for a, b, c in runs)

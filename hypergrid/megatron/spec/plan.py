@@ -51,6 +51,7 @@ from ...layout.kinds import (
     Span,
 )
 from ...layout import GridLayout
+from ...layout.rank_map import RankMap
 from .config import GTP_REMAT_TOKEN, MegatronConfig
 from .features import COMMON_FEATURES, MegatronFeatures
 
@@ -138,13 +139,17 @@ class MegatronPlan:
         ([4, 5, 6, 7], [2, 6, 10, 14])
     """
 
-    def __init__(self, config: MegatronConfig) -> None:
+    def __init__(self, config: MegatronConfig, placement: Optional[RankMap] = None) -> None:
         if not isinstance(config, MegatronConfig):
             raise TypeError(f"config must be a MegatronConfig, got {type(config).__name__}")
+        if placement is not None and (config.rank_offset or config.local_world_size not in (None, config.world_size)):
+            raise ValueError("a placement replaces rank_offset and local_world_size; give one or the others")
         self.config = config
         self.features: MegatronFeatures = config.features
-        self.dense = GridLayout(config.dense_shape, config.dense_dims, config.rank_offset)
-        self.expert = GridLayout(config.expert_shape, config.expert_dims, config.rank_offset)
+        #: Where the plan's positions sit among global ranks (None: ``rank_offset + position``).
+        self.placement = placement
+        self.dense = GridLayout(config.dense_shape, config.dense_dims, config.rank_offset, placement)
+        self.expert = GridLayout(config.expert_shape, config.expert_dims, config.rank_offset, placement)
         self.kinds: tuple[GroupKind, ...] = tuple(self._build_kinds())
         self._by_name = {kind.name: kind for kind in self.kinds}
         self.sharp: Optional[SharpStep] = self._sharp_step()
@@ -441,7 +446,9 @@ class MegatronPlan:
             ([0, 6], None)
         """
         kind = self.kind(name)
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.config.world_size:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0 or (
+            self.placement is None and rank >= self.config.world_size
+        ):
             raise ValueError(f"rank {rank!r} is outside the world of {self.config.world_size} ranks")
         return kind.members(rank)
 
@@ -515,14 +522,17 @@ def _kind_dict(kind: GroupKind) -> dict[str, Any]:
 
 
 def plan_model_parallel(
-    world_size: int, *, features: MegatronFeatures = COMMON_FEATURES, **megatron_kwargs: Any
+    world_size: int, *, features: MegatronFeatures = COMMON_FEATURES, placement: Optional[RankMap] = None,
+    **megatron_kwargs: Any
 ) -> MegatronPlan:
     """Plan Megatron-Core's groups for ``world_size`` ranks from its ``initialize_model_parallel`` keywords.
 
     ``features`` is the megatron-core version planned for
     (:data:`~hypergrid.megatron.spec.features.MEGATRON_CORE_0_16`, ``..._0_19``, or
     :func:`hypergrid.megatron.installed_features` for the installed one); by default the keywords
-    and groups every supported version has. Accepts every keyword of that version's function
+    and groups every supported version has. ``placement`` lays the ``world_size`` positions over
+    other ranks (a :class:`~hypergrid.layout.rank_map.RankMap`, as after a recovery); by default
+    position ``p`` is rank ``p``. Accepts every keyword of that version's function
     (others raise ``TypeError`` naming them and the version) and validates them as
     :class:`~hypergrid.megatron.spec.config.MegatronConfig` does. Needs no process group and no
     megatron-core.
@@ -540,4 +550,4 @@ def plan_model_parallel(
         >>> gtp.rank_group("gtp_remat", 5), gtp.rank_group("dp", 5), gtp.rank_group("dp_gtp", 5)
         ([5, 7], [1, 5, 9, 13], [1, 3, 5, 7, 9, 11, 13, 15])
     """
-    return MegatronPlan(MegatronConfig.from_megatron_kwargs(world_size, megatron_kwargs, features))
+    return MegatronPlan(MegatronConfig.from_megatron_kwargs(world_size, megatron_kwargs, features), placement)

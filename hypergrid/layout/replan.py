@@ -1,0 +1,226 @@
+"""Re-planning a grid after ranks failed: spares take their places, or whole replicas are dropped.
+
+Pure integer arithmetic on a :class:`~hypergrid.layout.GridLayout` and its rank map: no process
+group, so a recovery can be planned (and shown by ``hypergrid plan --fail``) before it happens,
+and every survivor computes the same plan from the same failed set.
+
+* **Replace.** With enough spares (ranks outside the grid), each failed rank's position is given
+  to a spare, and nothing else moves. A whole failed node is replaced by a whole spare node, local
+  rank for local rank, so that dims kept inside a node (``tp``, ``ep``) stay inside one.
+* **Shrink.** Without enough spares, the fewest whole replicas (coordinates of ``replica_dim``,
+  the data-parallel dim) that hold a failed rank are dropped: the replica dim shrinks (``dp`` 64
+  to 63) and every surviving rank keeps its global rank, so groups inside a surviving replica
+  keep their members.
+* **Refused**, with the reason (:class:`~hypergrid.errors.RecoveryRefused`), when neither fits:
+  too few spares and no replica left to drop (a pipeline stage lost with ``dp`` 1, or a failed
+  rank in every replica).
+
+Example: dp 2 x pp 2 x tp 2 on ranks 0-7 (Megatron's order, tp fastest), rank 5 lost::
+
+    >>> layout = GridLayout((2, 2, 2), ("tp", "dp", "pp"))
+    >>> plan = plan_recovery(layout, failed=[5], spares=[8, 9], gpus_per_node=2)
+    >>> plan.kind.value, plan.replaced, plan.new.group_ranks("tp", 8), plan.spares_left
+    ('replace', ((5, 8),), [4, 8], (9,))
+    >>> shrunk = plan_recovery(layout, failed=[5], gpus_per_node=2)
+    >>> shrunk.kind.value, shrunk.new.shape, list(shrunk.new.ranks), shrunk.dropped
+    ('shrink', (2, 1, 2), [2, 3, 6, 7], (0, 1, 4))
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from ..errors import RecoveryRefused
+from .checks import as_int, positive_int
+from .grid_layout import GridLayout
+from .rank_map import RankMap
+
+__all__ = ["RecoveryKind", "RecoveryPlan", "plan_recovery", "replica_of"]
+
+
+class RecoveryKind(str, enum.Enum):
+    """How a recovery re-places the grid."""
+
+    REPLACE = "replace"  # spares take the failed ranks' positions
+    SHRINK = "shrink"  # the replicas holding failed ranks are dropped
+
+
+@dataclass(frozen=True)
+class RecoveryPlan:
+    """A grid before and after a recovery, and what happened to each rank.
+
+    ``replaced``: (failed rank, spare) pairs; ``dropped``: surviving ranks whose replica was
+    dropped (they leave the grid); ``spares_left``: spares not used, still outside the grid.
+
+    Example::
+
+        >>> plan = plan_recovery(GridLayout((2, 4), ("tp", "dp")), failed=[3], spares=[8])
+        >>> plan.describe()
+        'replace: rank 3 -> 8; 0 spares left'
+    """
+
+    kind: RecoveryKind
+    old: GridLayout
+    new: GridLayout
+    failed: tuple[int, ...]
+    replaced: tuple[tuple[int, int], ...] = ()
+    dropped: tuple[int, ...] = ()
+    spares_left: tuple[int, ...] = ()
+
+    @property
+    def members(self) -> frozenset[int]:
+        """The ranks of the grid after the recovery."""
+        return frozenset(self.new.ranks)
+
+    def describe(self) -> str:
+        if self.kind is RecoveryKind.REPLACE:
+            moves = ", ".join(f"rank {old} -> {new}" for old, new in self.replaced)
+            return f"replace: {moves}; {len(self.spares_left)} spares left"
+        return (f"shrink: replicas holding ranks {list(self.failed)} dropped, shape {list(self.old.shape)} -> "
+                f"{list(self.new.shape)}; {len(self.dropped)} surviving ranks leave the grid")
+
+
+def replica_of(layout: GridLayout, rank: int, replica_dim: str) -> int:
+    """The coordinate of ``rank`` along ``replica_dim``: which replica it belongs to.
+
+    Example::
+
+        >>> replica_of(GridLayout((2, 2, 2), ("tp", "dp", "pp")), 5, "dp")
+        0
+    """
+    return layout.coords(rank)[layout.dim_names.index(replica_dim)]
+
+
+def plan_recovery(
+    layout: GridLayout,
+    failed: Iterable[int],
+    spares: Sequence[int] = (),
+    *,
+    replica_dim: str = "dp",
+    gpus_per_node: int = 8,
+) -> RecoveryPlan:
+    """The grid ``layout`` re-planned without the ``failed`` ranks: spares first, else a shrink.
+
+    ``spares`` are ranks outside the grid, in the order they may be used; a rank's node is
+    ``rank // gpus_per_node``. Cost: O(failed x log runs) for a replacement; for a shrink,
+    O(runs of the new placement) plus the dropped replicas' ranks, never a list of the world.
+
+    Example: a whole node (ranks 4-7 of 4 per node) lost, and a spare node 8-11::
+
+        >>> layout = GridLayout((4, 2), ("tp", "dp"))
+        >>> plan_recovery(layout, failed=[5, 6, 4, 7], spares=[8, 9, 10, 11], gpus_per_node=4).replaced
+        ((4, 8), (5, 9), (6, 10), (7, 11))
+        >>> plan_recovery(GridLayout((2, 1, 2), ("tp", "dp", "pp")), failed=[1])
+        Traceback (most recent call last):
+        ...
+        hypergrid.errors.RecoveryRefused: cannot recover from the loss of ranks [1]: no spare is left (0 given, 1 needed), and every one of the 1 replicas of 'dp' holds a failed rank, so none can be dropped
+
+    Raises:
+        RecoveryRefused: neither replacement nor a shrink fits; the message says why.
+        ValueError: a failed rank is not in the grid, or a spare is.
+    """
+    if not isinstance(layout, GridLayout):
+        raise TypeError(f"layout must be a GridLayout, got {type(layout).__name__} {layout!r}")
+    gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
+    lost = sorted({as_int(r, "a failed rank") for r in failed})
+    if not lost:
+        raise ValueError("failed must name at least one rank of the grid")
+    outside = [r for r in lost if not layout.contains(r)]
+    if outside:
+        raise ValueError(f"failed ranks {outside} are not in the grid, which spans ranks {_span(layout)}")
+    pool = [as_int(r, "a spare") for r in spares]
+    inside = [r for r in pool if layout.contains(r)]
+    if inside or len(set(pool)) != len(pool):
+        raise ValueError(f"spares must be distinct ranks outside the grid, got {list(spares)}")
+    pool = [r for r in pool if r not in lost]
+    if len(pool) >= len(lost):
+        return _replace(layout, lost, pool, gpus_per_node)
+    return _shrink(layout, lost, pool, replica_dim)
+
+
+def _replace(layout: GridLayout, lost: list[int], pool: list[int], gpus_per_node: int) -> RecoveryPlan:
+    substitutes: dict[int, int] = {}
+    free = list(pool)
+    # Whole failed nodes first, onto whole spare nodes: local rank i of the one on local rank i of
+    # the other, so that groups inside a node stay inside one.
+    nodes = _by_node(lost, gpus_per_node)
+    spare_nodes = _by_node(free, gpus_per_node)
+    for node, ranks in sorted(nodes.items()):
+        in_grid = [r for r in range(node * gpus_per_node, (node + 1) * gpus_per_node) if layout.contains(r)]
+        if ranks != in_grid:
+            continue  # only part of the node failed
+        fitting = next((n for n, s in sorted(spare_nodes.items()) if len(s) >= len(ranks)), None)
+        if fitting is None:
+            continue
+        for old, new in zip(ranks, spare_nodes.pop(fitting)):
+            substitutes[old] = new
+            free.remove(new)
+    # The rest one by one: a spare on the failed rank's own node if there is one, else the first.
+    for old in lost:
+        if old in substitutes:
+            continue
+        same_node = [r for r in free if r // gpus_per_node == old // gpus_per_node]
+        new = same_node[0] if same_node else free[0]
+        substitutes[old] = new
+        free.remove(new)
+    placement = (layout.rank_map or RankMap.contiguous(layout.rank_offset, layout.size)).replaced(substitutes)
+    new = GridLayout(layout.shape, layout.dim_names, rank_map=placement)
+    return RecoveryPlan(RecoveryKind.REPLACE, layout, new, tuple(lost), tuple(sorted(substitutes.items())),
+                        spares_left=tuple(free))
+
+
+def _shrink(layout: GridLayout, lost: list[int], pool: list[int], replica_dim: str) -> RecoveryPlan:
+    if replica_dim not in layout.dim_names:
+        raise RecoveryRefused(
+            f"cannot recover from the loss of ranks {lost}: {len(pool)} spares for {len(lost)} failed ranks, "
+            f"and the grid has no replica dim {replica_dim!r} to drop replicas of (dims {list(layout.dim_names)})"
+        )
+    axis = layout.dim_names.index(replica_dim)
+    replicas = layout.shape[axis]
+    gone = sorted({layout.coords(r)[axis] for r in lost})
+    if len(gone) == replicas:
+        raise RecoveryRefused(
+            f"cannot recover from the loss of ranks {lost}: no spare is left ({len(pool)} given, "
+            f"{len(lost)} needed), and every one of the {replicas} replicas of {replica_dim!r} holds a failed "
+            f"rank, so none can be dropped"
+        )
+    stride = layout.strides[axis]
+    block = stride * replicas
+    placement = layout.rank_map or RankMap.contiguous(layout.rank_offset, layout.size)
+    # Positions come in blocks of every replica's slice (``stride`` positions each); within a
+    # block, the kept replicas' slices, merged where consecutive, are the intervals kept.
+    kept_runs = _index_runs([j for j in range(replicas) if j not in gone])
+    kept = [(b + j * stride, n * stride) for b in range(0, layout.size, block) for j, n in kept_runs]
+    lost_set = set(lost)
+    dropped = [r for b in range(0, layout.size, block) for j in gone
+               for r in placement.ranks_of(range(b + j * stride, b + (j + 1) * stride)) if r not in lost_set]
+    shape = list(layout.shape)
+    shape[axis] = replicas - len(gone)
+    new = GridLayout(tuple(shape), layout.dim_names, rank_map=placement.restricted(kept))
+    return RecoveryPlan(RecoveryKind.SHRINK, layout, new, tuple(lost), dropped=tuple(dropped), spares_left=tuple(pool))
+
+
+def _index_runs(indices: list[int]) -> list[tuple[int, int]]:
+    """Sorted indices as (first, count) runs of consecutive ones."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and runs[-1][0] + runs[-1][1] == i:
+            runs[-1][1] += 1
+        else:
+            runs.append([i, 1])
+    return [(a, b) for a, b in runs]
+
+
+def _by_node(ranks: Iterable[int], gpus_per_node: int) -> dict[int, list[int]]:
+    nodes: dict[int, list[int]] = {}
+    for r in sorted(ranks):
+        nodes.setdefault(r // gpus_per_node, []).append(r)
+    return nodes
+
+
+def _span(layout: GridLayout) -> str:
+    if layout.rank_map is None:
+        return f"[{layout.rank_offset}, {layout.rank_offset + layout.size})"
+    return f"placed by {layout.rank_map!r}"
