@@ -19,9 +19,10 @@ import torch.distributed as dist
 
 from .errors import GridDestroyedError, GridTooLargeError
 from .layout import KEY_SEPARATOR, Dims, GridLayout, Partition
+from .layout.rank_map import RankMap
 from .layout.views import BASE_VIEW, RankView
 from .runtime.environment import current_rank, resolve_world_size, world_size_if_started
-from .runtime.modes import Strategy, creation_mode, resolve_strategy
+from .runtime.modes import creation_mode, resolve_strategy
 from .runtime.options import GroupOptions
 from .runtime.registry import REGISTRY
 from .runtime.request import GroupRequest, Origin
@@ -108,18 +109,22 @@ class HyperCommGrid:
         strategy: Optional[str] = None,
         timeout: Optional[timedelta] = None,
         check_agreement: bool = True,
+        rank_map: Union[RankMap, Sequence[int], None] = None,
     ) -> None:
-        layout = GridLayout(shape, dim_names, rank_offset)  # type: ignore[arg-type]
+        placement = RankMap.of(rank_map) if rank_map is not None and not isinstance(rank_map, RankMap) else rank_map
+        layout = GridLayout(shape, dim_names, rank_offset, placement)  # type: ignore[arg-type]
         resolved_strategy = resolve_strategy(strategy)
         if not isinstance(check_agreement, bool):
             raise TypeError(f"check_agreement must be a bool, got {check_agreement!r}")
         # Checked as every group's options are, before anything else is set up.
         self._default_timeout = GroupOptions(backend=backend, timeout=timeout).timeout
         world = resolve_world_size(world_size)
-        if layout.size > world - layout.rank_offset:
+        if layout.last_rank >= world:
             raise GridTooLargeError(
                 f"Grid shape {list(layout.shape)} is over sized: it needs {layout.size} ranks from "
-                f"rank_offset {layout.rank_offset}, but the world size is {world}"
+                f"rank_offset {layout.rank_offset}, but the world size is {world}" if layout.rank_map is None else
+                f"Grid shape {list(layout.shape)} is placed on ranks up to {layout.last_rank}, but the world "
+                f"size is {world}"
             )
         self._layout = layout
         self._world_size = world
@@ -130,7 +135,7 @@ class HyperCommGrid:
         # Megatron-Core 0.17+ keeps the grid itself as view "base": view="base" means the grid,
         # and no view may be registered under that name.
         self._views: dict[str, RankView] = {BASE_VIEW: RankView(BASE_VIEW, layout)}
-        self._facts = GridFacts.of(layout.shape, layout.dim_names, layout.rank_offset)
+        self._facts = self._grid_facts()
         self.backend: Optional[str] = backend
         # Every group this grid created, under Megatron-Core's keys (see GroupKey).
         self._pgs: dict[GroupKey, Optional[dist.ProcessGroup]] = {}
@@ -159,6 +164,11 @@ class HyperCommGrid:
     def size(self) -> int:
         """How many ranks the grid spans."""
         return self._layout.size
+
+    @property
+    def rank_map(self) -> Optional[RankMap]:
+        """Where the grid's positions sit among global ranks; None: ``rank_offset + position``."""
+        return self._layout.rank_map
 
     @property
     def layout(self) -> GridLayout:
@@ -422,7 +432,7 @@ class HyperCommGrid:
             >>> grid._gen_rank_enum_for([4, 2], ["ep", "pp"], ["ep"])
             [[0, 1, 2, 3], [4, 5, 6, 7]]
         """
-        return GridLayout(tuple(shape), tuple(dim_names), self.rank_offset).gen_rank_enum(dims)
+        return GridLayout(tuple(shape), tuple(dim_names), self.rank_offset, self._layout.rank_map).gen_rank_enum(dims)
 
     # ------------------------------------------------------------------ beyond Megatron
     def ranks(self, dims: Dims, rank: Optional[int] = None, *, view: Optional[str] = None) -> list[int]:
@@ -492,10 +502,7 @@ class HyperCommGrid:
         self._check_alive()
         view = RankView.register(name, shape, dim_names, shared_dims, self._layout, taken=self._views)
         self._views[name] = view
-        self._facts = GridFacts.of(self._layout.shape, self._layout.dim_names, self._layout.rank_offset, tuple(
-            ViewFacts(v.name, v.layout.shape, v.layout.dim_names, tuple(sorted(v.shared)))
-            for v in sorted(self._views.values(), key=lambda v: v.name) if v.name != BASE_VIEW
-        ))
+        self._facts = self._grid_facts()
 
     def destroy(self) -> None:
         """Destroy the groups this grid created that this rank is in, as Megatron-Core does.
@@ -539,6 +546,14 @@ class HyperCommGrid:
         REGISTRY.release(self._id)
 
     # ------------------------------------------------------------------ helpers
+    def _grid_facts(self) -> GridFacts:
+        """What members compare of this grid: shape, names, placement and views."""
+        layout = self._layout
+        views = tuple(ViewFacts(v.name, v.layout.shape, v.layout.dim_names, tuple(sorted(v.shared)))
+                      for v in sorted(self._views.values(), key=lambda v: v.name) if v.name != BASE_VIEW)
+        placement = "" if layout.rank_map is None else layout.rank_map.digest
+        return GridFacts.of(layout.shape, layout.dim_names, layout.rank_offset, views, placement)
+
     def _options(self, caller: str, kwargs: dict[str, Any]) -> GroupOptions:
         """The options of a request: torch's keywords, the grid's defaults where none is given."""
         unknown = sorted(set(kwargs) - set(_CREATE_KWARGS))
@@ -570,7 +585,7 @@ class HyperCommGrid:
         Raises :class:`~hypergrid.errors.GridDestroyedError`, holding nothing, when the grid was
         destroyed (by another thread) while the group was being made."""
         world = world_size_if_started()
-        if world is not None and self.rank_offset + self.size > world:
+        if world is not None and self._layout.last_rank >= world:
             raise GridTooLargeError(
                 f"cannot create process group {label!r}: grid shape {self.shape} needs "
                 f"{self.size} ranks from rank_offset {self.rank_offset} (ranks up to "
@@ -586,8 +601,13 @@ class HyperCommGrid:
         rank = None if world is None else dist.get_rank()  # before init: only Megatron-Core's enumeration can run
         if isinstance(groups, Partition):
             request = GroupRequest.for_partition(label, groups, rank, **decided)
-        else:
+        elif self._layout.rank_map is None:
             request = GroupRequest.derived(label, groups[0], groups[1], **decided)
+        else:
+            # Placed over other ranks: a group's ranks in their positions' order, as torch would
+            # order them if the positions were the ranks.
+            members = None if groups[0] is None else tuple(sorted(groups[0], key=self._layout.position_key))
+            request = GroupRequest.derived(label, members, groups[1], keep_order=True, **decided)
         pg = REGISTRY.acquire(owner, request)
         with self._state_lock:
             if not self._destroyed:

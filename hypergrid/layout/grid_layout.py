@@ -126,6 +126,11 @@ class GridLayout:
             return range(self.rank_offset, self.rank_offset + self.size)
         return list(self.rank_map)
 
+    @property
+    def last_rank(self) -> int:
+        """The highest global rank the grid uses."""
+        return self.rank_offset + self.size - 1 if self.rank_map is None else self.rank_map.last_rank
+
     def rank_at(self, position: int) -> int:
         """The global rank at ``position`` (``rank_offset + position`` unless a rank map says otherwise)."""
         return self.rank_offset + position if self.rank_map is None else self.rank_map.rank(position)
@@ -143,6 +148,19 @@ class GridLayout:
     def contains(self, rank: int) -> bool:
         """Whether global ``rank`` is one of the grid's."""
         return self._position(as_int(rank, "rank")) is not None
+
+    def position_key(self, rank: int) -> tuple[int, int]:
+        """A sort key that lists the grid's ranks in position order (ranks outside it last).
+
+        Example::
+
+            >>> from hypergrid.layout.rank_map import RankMap
+            >>> placed = GridLayout((4,), ("dp",), rank_map=RankMap.of([9, 1, 2, 3]))
+            >>> sorted([1, 9, 3], key=placed.position_key)
+            [9, 1, 3]
+        """
+        position = self._position(as_int(rank, "rank"))
+        return (0, position) if position is not None else (1, rank)
 
     def _position(self, rank: int) -> Optional[int]:
         if self.rank_map is not None:

@@ -94,6 +94,11 @@ class RankMap:
         return len(self.runs) == 1
 
     @property
+    def last_rank(self) -> int:
+        """The highest rank the map uses."""
+        return max(rank + length - 1 for _, rank, length in self.runs)
+
+    @property
     def first_rank(self) -> int:
         """The rank of position 0."""
         return self.runs[0][1]

@@ -19,25 +19,19 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 from datetime import timedelta
 from typing import Any, Optional
 
-import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ..errors import UnsupportedTorchError
-from ..grid import HyperCommGrid
-from ..runtime.world_step import within_step, world_checkpoint, world_start
-from ..runtime.options import GroupOptions, effective_timeout, same_as_world
-from ..runtime.registry import REGISTRY
 from ..runtime.modes import resolve_strategy
+from ..runtime.options import GroupOptions
+from .build import build_state
 from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
 from .spec.features import MegatronFeatures
-from ..layout.kinds import BackendChoice, GroupKind
+from .spec.plan import MegatronPlan
 from .state import MegatronGrids, active_grids, set_active
-from .spec.plan import ALIAS_GLOBALS, MegatronPlan
 
 # megatron-core's own function, kept from import time: the drop-in use of hypergrid is
 # `parallel_state.initialize_model_parallel = hypergrid.megatron.initialize_model_parallel`, after
@@ -64,23 +58,6 @@ _DESTROYED_BY_MEGATRON = (
     "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
 )
 
-# Globals of groups that only some configurations (or versions) create; None otherwise, as in
-# Megatron-Core. Set only where the installed parallel_state has them.
-_OPTIONAL_GLOBALS = (
-    "_DATA_PARALLEL_GROUP_WITH_CP_AG",
-    "_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-    "_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_WITH_GTP_REMAT",
-    "_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_WITH_GTP_REMAT",
-    "_DATA_PARALLEL_GROUP_GLOO",
-    "_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-    "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO",
-    "_INTRA_PARTIAL_EXPERT_DATA_PARALLEL_GROUP_GLOO",
-    "_INTER_PARTIAL_EXPERT_DATA_PARALLEL_GROUP",
-)
-
 # Set before initialization means a previous one was not destroyed.
 _INITIALIZED_MARKERS = (
     "_DATA_PARALLEL_GROUP",
@@ -92,19 +69,6 @@ _INITIALIZED_MARKERS = (
     "_GTP_WEIGHT_REMAT_GROUP",
     "_GLOBAL_MEMORY_BUFFER",
 )
-
-_UCC_ENV_DEFAULTS = {
-    "TORCH_UCC_BLOCKING_WAIT": "none",
-    "UCC_EC_CUDA_STREAM_TASK_MODE": "driver",
-    "UCX_TLS": "ib,cuda_copy",
-}
-_UCC_ENV_FORCED = {
-    "NSYS_UCP_COMM_PARAMS": "1",
-    "UCX_RNDV_THRESH": "0",
-    "UCX_NET_DEVICES": "all",
-    "UCC_CL_BASIC_TLS": "^sharp,nccl",
-}
-
 
 def installed_features() -> MegatronFeatures:
     """The installed megatron-core's ``initialize_model_parallel`` keywords, read with :mod:`inspect`.
@@ -224,7 +188,6 @@ def initialize_model_parallel(
     _check_not_initialized()
     plan = MegatronPlan(config)
     rank = dist.get_rank()
-    world = dist.get_world_size()
     try:
         timeout = timedelta(minutes=config.distributed_timeout_minutes)
     except OverflowError:
@@ -233,47 +196,8 @@ def initialize_model_parallel(
             f"datetime.timedelta can hold ({timedelta.max.days * 24 * 60} minutes at most)"
         ) from None
 
-    # Everything that can fail on the arguments happens here, before the first group: options,
-    # the (user) embedding callbacks, and the ranks of this rank's groups.
-    nccl_cfgs = _load_nccl_cfgs(config)
-    options = {kind.name: _options(kind, config, nccl_cfgs, timeout) for kind in plan.kinds}
-    to_world = {
-        kind.name
-        for kind in plan.kinds
-        if share_groups and not kind.creation.private and kind.size == world and same_as_world(options[kind.name])
-    }
-    members = {kind.name: plan.rank_group(kind.name, rank) for kind in plan.kinds if kind.name not in to_world}
-    if config.pipeline_model_parallel_comm_backend == "ucc":
-        _prepare_ucc()
-
-    grid = HyperCommGrid(
-        list(plan.dense.shape), list(plan.dense.dim_names), rank_offset=config.rank_offset, world_size=world,
-        strategy=strategy, check_agreement=check_agreement,
-    )
-    grid.register_view("expert", list(plan.expert.shape), list(plan.expert.dim_names),
-                       shared_dims=plan.expert_shared_dims)
-    grids = MegatronGrids(plan, grid, rank, share_groups, strategy, members)
-    # NCCL applies SHARP to the first communicator made with NCCL_COLLNET_ENABLE=1 only.
-    os.environ.pop("NCCL_COLLNET_ENABLE", None)
-    checkpoint_timeout = effective_timeout(GroupOptions(timeout=timeout))
-    # Every rank starts together, so the end's checkpoint is named alike on all of them whatever
-    # any rank did before (an earlier attempt that failed on some ranks only, say).
-    step = world_start("initialize_model_parallel", timeout=checkpoint_timeout)
-    try:
-        with within_step(step):  # a failure elsewhere ends this rank's waits too
-            _create_all(grids, options, to_world)
-        _fill_parallel_state(grids)
-    except Exception as exc:
-        grids.release()
-        # Ranks that got through every group of their own would otherwise go on and hang in their
-        # first collective with this rank: they learn of the failure here.
-        world_checkpoint(step, exc, timeout=checkpoint_timeout)
-        raise
-    try:
-        world_checkpoint(step, None, timeout=checkpoint_timeout)
-    except Exception:
-        grids.release()
-        raise
+    grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
+                        check_agreement=check_agreement, timeout=timeout)
     ps._set_global_memory_buffer()
     set_active(grids)
     logger.info(
@@ -422,167 +346,3 @@ def _check_not_initialized() -> None:
         )
 
 
-def _load_nccl_cfgs(config: MegatronConfig) -> dict[str, dict]:
-    cfgs: dict[str, dict] = {}
-    if config.nccl_communicator_config_path is not None:
-        try:
-            import yaml
-        except ImportError:
-            raise RuntimeError(
-                "nccl_communicator_config_path needs the yaml package (pip install pyyaml), which "
-                "is not installed"
-            ) from None
-        with open(config.nccl_communicator_config_path, "r") as stream:
-            cfgs = yaml.safe_load(stream) or {}
-    for name in config.high_priority_stream_groups or []:
-        cfgs.setdefault(name, {})["is_high_priority_stream"] = True
-    if cfgs and not dist.is_nccl_available():
-        # Megatron-Core builds ProcessGroupNCCL.Options from these, which a torch without NCCL
-        # does not have (it fails there with an AttributeError deep inside).
-        given = "nccl_communicator_config_path" if config.nccl_communicator_config_path else "high_priority_stream_groups"
-        raise UnsupportedTorchError(
-            f"{given} configures NCCL communicators, but this torch ({torch.__version__}) was built "
-            f"without NCCL; drop {given} or use a CUDA build of torch"
-        )
-    return cfgs
-
-
-def _options(kind: GroupKind, config: MegatronConfig, nccl_cfgs: dict, timeout: timedelta) -> GroupOptions:
-    creation = kind.creation
-    pg_options = ps.get_nccl_options(creation.nccl_name, nccl_cfgs) if creation.nccl_name and nccl_cfgs else None
-    backend = {
-        BackendChoice.DEFAULT: None,
-        BackendChoice.GLOO: "gloo",
-        BackendChoice.PIPELINE: config.pipeline_model_parallel_comm_backend,
-    }[creation.backend]
-    return GroupOptions(
-        backend=backend,
-        timeout=timeout if creation.timeout else None,
-        pg_options=pg_options,
-        group_desc=creation.group_desc,
-    )
-
-
-def _prepare_ucc() -> None:
-    if os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS") == "1":
-        raise ValueError(
-            "pipeline_model_parallel_comm_backend='ucc' needs CUDA_DEVICE_MAX_CONNECTIONS > 1 to "
-            "overlap UCC communication, got CUDA_DEVICE_MAX_CONNECTIONS=1"
-        )
-    for key, value in _UCC_ENV_DEFAULTS.items():
-        os.environ.setdefault(key, value)
-    os.environ.update(_UCC_ENV_FORCED)
-
-
-def _create_all(grids: MegatronGrids, options: dict[str, GroupOptions], to_world: set[str]) -> None:
-    plan, sharp = grids.plan, grids.plan.sharp
-    created: set[tuple[Optional[str], str]] = set()  # (view, grid key) made by create_pg already
-    for kind in plan.kinds:
-        if sharp is not None and kind.name == sharp.enable_before:
-            os.environ["NCCL_COLLNET_ENABLE"] = "1"
-        grids.record(kind.name, _create_kind(grids, kind, options[kind.name], to_world, created),
-                     world_shared=kind.name in to_world)
-        if sharp is not None and kind.name == sharp.barrier_after:
-            _sharp_barrier(grids.groups()[sharp.barrier_on], grids.rank)
-
-
-def _create_kind(
-    grids: MegatronGrids,
-    kind: GroupKind,
-    opts: GroupOptions,
-    to_world: set[str],
-    created: set[tuple[Optional[str], str]],
-) -> Optional[dist.ProcessGroup]:
-    """This rank's group of ``kind``: the default group, a grid group, or a derived one."""
-    if kind.name in to_world:
-        return dist.group.WORLD
-    private = not grids.share_groups or kind.creation.private
-    made = (kind.view, kind.key)
-    if kind.is_grid_groups and made not in created:
-        created.add(made)
-        return grids.grid.create_pg(
-            list(kind.dims), view=kind.view, private=private, backend=opts.backend,
-            timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
-        )
-    # Derived by a rule of its own (embedding, optimizer instances, hierarchical CP) or a second
-    # communicator over dims already made (gloo, all-gather): the same door as the grid's groups,
-    # so members check they agree and the strategy holds.
-    return grids.grid.create_derived_pg(
-        kind.name, grids.ranks(kind.name), groups=kind.enumerate, owner=grids.owner, private=private,
-        backend=opts.backend, timeout=opts.timeout, pg_options=opts.pg_options, group_desc=opts.group_desc,
-    )
-
-
-def _sharp_barrier(group: Optional[dist.ProcessGroup], rank: int) -> None:
-    # Communicators are created lazily: a collective makes NCCL build this one now, while
-    # NCCL_COLLNET_ENABLE=1 is set, and no other afterwards.
-    if group is not None:
-        if rank == 0:
-            logger.info("enabling SHARP on %s; the network switch limits how many groups can use it", group)
-        dist.barrier(group=group, device_ids=[torch.cuda.current_device()])
-        torch.cuda.synchronize()
-    os.environ.pop("NCCL_COLLNET_ENABLE", None)
-
-
-def _fill_parallel_state(grids: MegatronGrids) -> None:
-    plan, config = grids.plan, grids.config
-    g = grids.groups()
-    # Megatron-Core assigns a global only `if rank in ranks`: a rank outside the grids' span
-    # (rank_offset / local_world_size) keeps None everywhere, and empty hierarchical/hybrid sets.
-    inside = plan.dense.contains(grids.rank)
-
-    # Hierarchical levels fill a list, hybrid sizes a dict: empty unless this rank has them.
-    values: dict[str, Any] = {"_HIERARCHICAL_CONTEXT_PARALLEL_GROUPS": None, "_HYBRID_DP_CP_GROUPS": {}}
-    entries: dict[str, dict[int, Optional[dist.ProcessGroup]]] = {}
-    for kind in plan.kinds:
-        glob = kind.megatron_global
-        if glob is None:
-            continue  # made, but no getter returns it (the inter-level expert gloo group)
-        if glob.entry is None:
-            values[glob.name] = g[kind.name]
-        elif inside:
-            entries.setdefault(glob.name, {})[glob.entry] = g[kind.name]
-            values[glob.name] = (
-                dict(entries[glob.name]) if glob.in_dict else [entries[glob.name][i] for i in sorted(entries[glob.name])]
-            )
-    # Kinds that are the same group as another (one optimizer instance, gtp_remat of size 1).
-    for alias, target in plan.aliases.items():
-        values[ALIAS_GLOBALS[alias]] = g[target]
-    # Rank lists the getters read.
-    rank_lists = {
-        "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP": "dp_cp",
-        "_DATA_PARALLEL_GLOBAL_RANKS": "dp",
-        "_CONTEXT_PARALLEL_GLOBAL_RANKS": "cp",
-        "_MODEL_PARALLEL_GLOBAL_RANKS": "mp",
-        "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS": "tp",
-        "_PIPELINE_GLOBAL_RANKS": "pp",
-        "_EMBEDDING_GLOBAL_RANKS": "embd",
-        "_POSITION_EMBEDDING_GLOBAL_RANKS": "pos_embd",
-        "_EXPERT_MODEL_PARALLEL_RANKS": "ep",
-    }
-    if plan.features.gtp_remat:
-        rank_lists["_GTP_WEIGHT_REMAT_GLOBAL_RANKS"] = "gtp_remat"
-    if plan.features.expert_gtp_remat:
-        rank_lists["_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS"] = "expt_gtp_remat"
-    for glob, kind in rank_lists.items():
-        values[glob] = grids.ranks(kind)
-    if config.virtual_pipeline_model_parallel_size is not None:
-        values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK"] = 0
-        values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = config.virtual_pipeline_model_parallel_size
-    # update_pg_timeout walks this list; None stands for the default group.
-    values["_global_process_group_list"] = [None] + grids.distinct_groups()
-    missing = sorted(name for name in values if not hasattr(ps, name))
-    if missing:
-        # The plan follows the installed signature; globals it lacks mean a version whose
-        # keywords and state disagree with every version hypergrid was built against.
-        raise RuntimeError(
-            f"megatron.core.parallel_state of megatron-core {plan.features.version} has no {missing}, "
-            f"which its initialize_model_parallel keywords imply; hypergrid.megatron supports "
-            f"megatron-core 0.16.1 to 0.19.2"
-        )
-    # Groups this configuration (or version) does not make: None, where the version has them.
-    for glob in _OPTIONAL_GLOBALS:
-        if hasattr(ps, glob):
-            values.setdefault(glob, None)
-    for name, value in values.items():
-        setattr(ps, name, value)

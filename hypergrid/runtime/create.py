@@ -36,12 +36,12 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from ..errors import GroupCreationError
+from ..errors import GroupCreationError, UnsupportedTorchError
 from ..layout.describe import describe_ranks
 from .agreement import explain_creation_failure
 from .modes import CreationMode
 from .request import GroupRequest
-from .torch_compat import group_name_override
+from .torch_compat import group_name_override, new_group_keeps_order
 from .wire import RoundId
 
 __all__ = ["create", "enumerate_before_init", "require_initialized"]
@@ -50,6 +50,16 @@ __all__ = ["create", "enumerate_before_init", "require_initialized"]
 def _local(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callable[[], Any]]:
     members = list(request.members or ())
     options = request.options
+    # A grid placed over other ranks lists a group in its members' positions, which need not
+    # ascend; torch sorts unless told not to, and the group's rank order is its members' roles.
+    in_order: dict[str, Any] = {}
+    if request.keep_order and any(a > b for a, b in zip(members, members[1:])):
+        if not new_group_keeps_order():
+            raise UnsupportedTorchError(
+                f"process group {request.label!r}: its members {describe_ranks(members)} are listed in their "
+                f"positions' order, and this torch's new_group has no sort_ranks=False to keep it"
+            )
+        in_order["sort_ranks"] = False
     return members, lambda: dist.new_group(
         ranks=members,
         timeout=timeout,
@@ -57,6 +67,7 @@ def _local(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callab
         pg_options=options.pg_options,
         use_local_synchronization=True,
         group_desc=options.group_desc,
+        **in_order,
     )
 
 

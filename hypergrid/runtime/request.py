@@ -113,6 +113,9 @@ class GroupRequest:
     private: bool = False
     origin: Optional[Origin] = None
     enumeration: Optional[Callable[[], list[list[int]]]] = field(default=None, compare=False)
+    #: The group's ranks are in the order listed (their positions in a grid placed over other
+    #: ranks), not ascending as torch makes groups by default.
+    keep_order: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.options, GroupOptions):
@@ -143,7 +146,8 @@ class GroupRequest:
             ((0, 2, 8, 10), True)
         """
         members = tuple(partition.group_ranks(rank)) if rank is not None and partition.contains(rank) else None
-        return cls(label, members, partition, enumeration=partition.enumerate, **decided)  # type: ignore[arg-type]
+        return cls(label, members, partition, enumeration=partition.enumerate,  # type: ignore[arg-type]
+                   keep_order=partition.rank_map is not None, **decided)
 
     @classmethod
     def derived(cls, label: str, members: Optional[tuple[int, ...]],
@@ -160,10 +164,15 @@ class GroupRequest:
 
     @functools.cached_property
     def ordered_members(self) -> tuple[int, ...]:
-        """This rank's group, ascending (a partition's already is): what sharing by members keys on."""
+        """This rank's group in the order of its group ranks: what sharing by members keys on.
+
+        Ascending, as torch makes groups (a default partition's already is), unless the order is
+        kept (a grid placed over other ranks lists its groups in their positions' order)."""
         if self.members is None:
             return ()
-        return self.members if isinstance(self.identity, Partition) else tuple(sorted(self.members))
+        if self.keep_order or isinstance(self.identity, Partition):
+            return self.members
+        return tuple(sorted(self.members))
 
     @functools.cached_property
     def agreement(self) -> Optional[Agreement]:

@@ -52,6 +52,7 @@ __all__ = [
     "torchcomms_subgroups",
     "default_group",
     "forget_empty_tags",
+    "new_group_keeps_order",
 ]
 
 logger = logging.getLogger(__name__)
@@ -343,3 +344,22 @@ def forget_empty_tags() -> None:
     if isinstance(tags, dict):
         for tag in [t for t, pgs in tags.items() if not pgs]:
             del tags[tag]
+
+
+def new_group_keeps_order() -> bool:
+    """Whether ``new_group`` takes ``sort_ranks=False``, making a group whose ranks keep the order
+    given (group rank ``i`` is the ``i``-th rank listed) instead of ascending global ranks.
+
+    A grid placed over other ranks (after a recovery) needs it: a group's order is its members'
+    positions, and Megatron-Core reads a rank's place in its group (its tensor-parallel rank, say)
+    from the group. Public in torch 2.13 and 2.15; looked up, not assumed.
+
+    Example::
+
+        >>> new_group_keeps_order()
+        True
+    """
+    try:
+        return "sort_ranks" in inspect.signature(dist.new_group).parameters
+    except (TypeError, ValueError):
+        return False

@@ -14,7 +14,7 @@ Example::
     ...                        pg_options=None, mode="local")
     >>> agreement = Agreement(Position(facts.family, facts.digest, 3), facts, request)
     >>> sorted(agreement.fields())[:3]
-    ['grid.dim_names', 'grid.rank_offset', 'grid.shape']
+    ['grid.dim_names', 'grid.placement', 'grid.rank_offset']
     >>> decode(Agreement, encode(agreement).encode()) == agreement
     True
     >>> RoundId.of([1, 3, 5, 7], epoch=2).name
@@ -47,6 +47,7 @@ __all__ = [
     "LastState",
     "Verdict",
     "CheckpointVerdict",
+    "FailureVerdict",
     "encode",
     "decode",
     "members_digest",
@@ -102,10 +103,13 @@ class GridFacts:
     dim_names: tuple[str, ...]
     rank_offset: int
     views: tuple[ViewFacts, ...] = ()
+    #: The digest of the grid's rank map ("": the default placement from ``rank_offset``).
+    placement: str = ""
 
     @classmethod
-    def of(cls, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int, views: Sequence[ViewFacts] = ()) -> "GridFacts":
-        return cls(tuple(shape), tuple(dim_names), rank_offset, tuple(views))
+    def of(cls, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int, views: Sequence[ViewFacts] = (),
+           placement: str = "") -> "GridFacts":
+        return cls(tuple(shape), tuple(dim_names), rank_offset, tuple(views), placement)
 
     @property
     def family(self) -> str:
@@ -270,6 +274,20 @@ class CheckpointVerdict:
 
     failed: Optional[int]
     error: str = ""
+
+
+@dataclass(frozen=True)
+class FailureVerdict:
+    """Which ranks of a recovery domain failed, as the survivors agreed in round ``epoch``.
+
+    Example::
+
+        >>> decode(FailureVerdict, encode(FailureVerdict((3, 5), 0)))
+        FailureVerdict(failed=(3, 5), epoch=0)
+    """
+
+    failed: tuple[int, ...]
+    epoch: int
 
 
 # ---------------------------------------------------------------------- the one serializer

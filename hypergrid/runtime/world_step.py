@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Sequence
 from typing import Iterator, Optional
 
 import torch.distributed as dist
@@ -27,30 +28,46 @@ import torch.distributed as dist
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
 from .store import PREFIX, StoreClient, agreement_possible, end_round
-from .wire import CheckpointVerdict, decode, encode
+from .wire import CheckpointVerdict, decode, encode, members_digest
 
 __all__ = ["WorldRound", "world_start", "world_checkpoint", "within_step", "failed_step"]
 
 
 @dataclass(frozen=True)
 class WorldRound:
-    """A step every rank of the world takes together, named by the world's epoch, which every
-    rank read at its start (:func:`world_start`).
+    """A step every rank of the world (or of ``ranks``, the survivors of a recovery) takes
+    together, named by its participants and their epoch, which every one read at its start
+    (:func:`world_start`).
 
     Example::
 
         >>> WorldRound("initialize_model_parallel", 3).key("go")
         'hypergrid/agree/world/3/go'
+        >>> WorldRound("recover", 0, (0, 1, 4, 8)).key("go").endswith("/0/go")
+        True
     """
 
     label: str
     epoch: int
+    #: The participants, ascending; empty: every rank of the world.
+    ranks: tuple[int, ...] = ()
 
     def key(self, name: str) -> str:
-        return f"{PREFIX}/world/{self.epoch}/{name}"
+        return f"{_base(self.ranks)}/{self.epoch}/{name}"
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks) if self.ranks else dist.get_world_size()
+
+    def missing(self, seen: set[int]) -> list[int]:
+        """The participants not in ``seen``."""
+        return [r for r in (self.ranks or range(dist.get_world_size())) if r not in seen]
 
 
-_WORLD_EPOCH = f"{PREFIX}/world/epoch"
+def _base(ranks: tuple[int, ...]) -> str:
+    return f"{PREFIX}/world" if not ranks else f"{PREFIX}/world/{members_digest(ranks)}"
+
+
 _steps = threading.local()
 
 
@@ -82,8 +99,8 @@ def failed_step(store: StoreClient) -> Optional[tuple[WorldRound, CheckpointVerd
     return (step, verdict) if verdict.failed is not None else None
 
 
-def world_start(label: str, *, timeout: timedelta) -> Optional[WorldRound]:
-    """Every rank of the world starts ``label`` together; returns the step's round.
+def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]] = None) -> Optional[WorldRound]:
+    """Every rank of the world (or of ``ranks``) starts ``label`` together; returns the step's round.
 
     A barrier through the store (one ``add`` and one ``wait`` per rank): once it returns, every
     rank has read the step's epoch, so the step's end (:func:`world_checkpoint`) is named alike on
@@ -97,17 +114,19 @@ def world_start(label: str, *, timeout: timedelta) -> Optional[WorldRound]:
     """
     if not agreement_possible():
         return None
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    members = tuple(sorted(set(ranks))) if ranks is not None else ()
     store = StoreClient(time.monotonic() + timeout.total_seconds())
+    epoch_key = f"{_base(members)}/epoch"
     try:
-        step = WorldRound(label, int(store.add(_WORLD_EPOCH, 0)))
+        step = WorldRound(label, int(store.add(epoch_key, 0)), members)
         store.append(step.key("started"), f"{rank},")
-        if store.add(step.key("start"), 1) == world:
+        if store.add(step.key("start"), 1) == step.size:
             store.set(step.key("ready"), "")
         if store.wait([step.key("ready")], store.remaining()):
             return step
-        missing = _not_in(store, step.key("started"), world)
-        end_round(store, _WORLD_EPOCH, step.epoch)
+        missing = _not_in(store, step, "started")
+        end_round(store, epoch_key, step.epoch)
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise GroupCreationError(
             f"hypergrid: {label}: the job's store stopped answering at the start ({type(exc).__name__}: "
@@ -136,23 +155,24 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
     """
     if step is None or not agreement_possible():
         return
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = dist.get_rank(), step.size
     store = StoreClient(time.monotonic() + timeout.total_seconds())
     go = step.key("go")
+    epoch_key = f"{_base(step.ranks)}/epoch"
     try:
         if error is not None:
             failed = CheckpointVerdict(rank, one_line(f"{type(error).__name__}: {error}", 1200))
             store.compare_set(go, "", encode(failed))  # the first failure stands
-            end_round(store, _WORLD_EPOCH, step.epoch)
+            end_round(store, epoch_key, step.epoch)
             return
         store.append(step.key("who"), f"{rank},")
         if store.add(step.key("arrived"), 1) == world:
-            end_round(store, _WORLD_EPOCH, step.epoch)
+            end_round(store, epoch_key, step.epoch)
             store.compare_set(go, "", encode(CheckpointVerdict(None)))
-            _drop_old_steps(store, step.epoch)
+            _drop_old_steps(store, step)
         if not store.wait([go], store.remaining()):
-            missing = _not_in(store, step.key("who"), world)
-            end_round(store, _WORLD_EPOCH, step.epoch)
+            missing = _not_in(store, step, "who")
+            end_round(store, epoch_key, step.epoch)
             raise GroupTimeoutError(
                 f"hypergrid: {step.label}: only {world - len(missing)} of {world} ranks finished it within "
                 f"the timeout ({timeout}); ranks {describe_ranks(missing)} did not: they are still at it, "
@@ -174,19 +194,20 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
         )
 
 
-def _not_in(store: StoreClient, key: str, world: int) -> list[int]:
-    """The ranks of the world missing from the comma-separated list at ``key``."""
+def _not_in(store: StoreClient, step: WorldRound, name: str) -> list[int]:
+    """The participants of ``step`` missing from the comma-separated list at its key ``name``."""
     store.extend(1.0)  # one more answer, to name them
+    key = step.key(name)
     seen = {int(r) for r in store.get(key).decode().split(",") if r} if store.check([key]) else set()
-    return [r for r in range(world) if r not in seen]
+    return step.missing(seen)
 
 
-def _drop_old_steps(store: StoreClient, epoch: int) -> None:
-    """Delete the keys of every earlier step: all ranks have ended this one."""
-    cleaned_key = f"{PREFIX}/world/cleaned"
+def _drop_old_steps(store: StoreClient, step: WorldRound) -> None:
+    """Delete the keys of every earlier step of these participants: all have ended this one."""
+    cleaned_key = f"{_base(step.ranks)}/cleaned"
     first = int(store.add(cleaned_key, 0))
-    for old in range(first, epoch):
+    for old in range(first, step.epoch):
         for name in ("start", "started", "ready", "arrived", "who", "go"):
-            store.delete_key(f"{PREFIX}/world/{old}/{name}")
-    if epoch > first:
-        store.add(cleaned_key, epoch - first)
+            store.delete_key(f"{_base(step.ranks)}/{old}/{name}")
+    if step.epoch > first:
+        store.add(cleaned_key, step.epoch - first)
