@@ -38,6 +38,9 @@ _LAZY = {
     "grid_from_process_groups": "mesh",
     "route_device_meshes": "mesh",
     "grid_of": "mesh",
+    "ResilientJob": "recovery",
+    "recover": "recovery",
+    "start_heartbeat": "recovery",
 }
 
 
@@ -55,6 +58,9 @@ __all__ = [
     "grid_from_process_groups",
     "route_device_meshes",
     "grid_of",
+    "ResilientJob",
+    "recover",
+    "start_heartbeat",
     "GroupRegistry",
     "REGISTRY",
     "HypergridError",

@@ -12,6 +12,7 @@ import itertools
 import logging
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Callable, Optional, Union
 
@@ -28,7 +29,7 @@ from .runtime.registry import REGISTRY
 from .runtime.request import GroupRequest, Origin
 from .runtime.wire import GridFacts, Position, ViewFacts
 
-__all__ = ["HyperCommGrid", "RankView"]
+__all__ = ["HyperCommGrid", "RankView", "MadeGroup"]
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +41,18 @@ _CREATE_KWARGS = ("timeout", "pg_options", "group_desc", "backend")
 #: A key of ``grid._pgs``, as Megatron-Core 0.17+ stores it: ``"dp-tp"`` for a group of the grid
 #: (or of a view's shared dims), ``("expert", ("ep", "etp"))`` for a group private to a view.
 GroupKey = Union[str, tuple[str, tuple[str, ...]]]
+
+
+@dataclass(frozen=True)
+class MadeGroup:
+    """One ``create_pg`` a grid has answered, as it was asked: enough to ask it again of another
+    grid (a recovery re-asks them of the re-placed grid, in the same order)."""
+
+    key: GroupKey
+    dims: tuple[str, ...]
+    view: Optional[str]
+    options: GroupOptions
+    private: bool
 
 
 class HyperCommGrid:
@@ -139,6 +152,8 @@ class HyperCommGrid:
         self.backend: Optional[str] = backend
         # Every group this grid created, under Megatron-Core's keys (see GroupKey).
         self._pgs: dict[GroupKey, Optional[dist.ProcessGroup]] = {}
+        # What each key was created with, in creation order (a recovery asks for them again).
+        self._made: dict[GroupKey, MadeGroup] = {}
         self._requests = 0  # requests that reached the registry: the position members compare
         # Orders destroy() against a create_pg() in another thread: a creation either lands before
         # the destroy (and is destroyed with the grid) or finds the grid destroyed and lets go.
@@ -254,8 +269,20 @@ class HyperCommGrid:
                 f"created before; use get_pg({dims!r}) or get_or_create_pg()."
             )
         pg = self._acquire(self._id, label, view, options, private, layout.partition(dims), key=key)
+        self._made[key] = MadeGroup(key, tuple(layout.order_dims(dims)[0]), view, options, private)
         logger.debug("grid %d created %s: this rank's group is %s", self._id, label, pg)
         return pg
+
+    def made_groups(self) -> list[MadeGroup]:
+        """Every group :meth:`create_pg` made, in creation order, with what it was asked with.
+
+        Example::
+
+            >>> grid = HyperCommGrid([2, 4], ["tp", "dp"], world_size=8)
+            >>> grid.made_groups()
+            []
+        """
+        return list(self._made.values())
 
     def get_pg(self, dims: Dims, *, view: Optional[str] = None) -> Optional[dist.ProcessGroup]:
         r"""The group over ``dims`` created earlier by :meth:`create_pg` (any order of ``dims``).

@@ -34,11 +34,13 @@ LAYERS = {
     # adapters over the grid
     "mesh": 4,
     "megatron": 4,
+    # recovery in-process: re-placing a job's grid and rebuilding its adapters' state
+    "recovery": 5,
     # the applications: command line, demo, local launcher
-    "app": 5,
+    "app": 6,
     # the package's public names, and python -m hypergrid
-    "": 6,
-    "__main__": 7,
+    "": 7,
+    "__main__": 8,
 }
 
 #: Folders and modules that must not import torch at all: planning works without a process group.

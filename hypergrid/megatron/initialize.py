@@ -45,6 +45,7 @@ __all__ = [
     "create_all_gather_groups",
     "active_grids",
     "installed_features",
+    "reset_parallel_state",
 ]
 
 logger = logging.getLogger(__name__)
@@ -222,6 +223,21 @@ def destroy_model_parallel() -> None:
         >>> active_grids() is None
         True
     """
+    grids = reset_parallel_state()
+    if grids is not None:
+        grids.release()
+
+
+def reset_parallel_state() -> Optional[MegatronGrids]:
+    """Empty ``parallel_state`` and forget the current initialization, destroying no group; returns
+    what was current (None: nothing), whose groups its caller releases (or keeps, as a recovery
+    does while it builds the next state over the same communicators).
+
+    Example::
+
+        >>> reset_parallel_state() is None      # nothing initialized
+        True
+    """
     grids = set_active(None)
     if grids is not None:
         for name in _DESTROYED_BY_MEGATRON:
@@ -229,8 +245,7 @@ def destroy_model_parallel() -> None:
                 setattr(ps, name, None)
     ps.destroy_model_parallel()
     _clear_left_state()
-    if grids is not None:
-        grids.release()
+    return grids
 
 
 def create_all_gather_groups(

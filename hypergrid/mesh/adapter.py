@@ -91,6 +91,8 @@ def mesh_tensor(layout: GridLayout) -> torch.Tensor:
         >>> mesh_tensor(GridLayout((2, 2), ("tp", "dp"), rank_offset=4)).tolist()
         [[4, 5], [6, 7]]
     """
+    if layout.rank_map is not None:  # placed over other ranks: the mesh holds them in position order
+        return torch.tensor(list(layout.ranks), dtype=torch.int).reshape(tuple(reversed(layout.shape)))
     start = layout.rank_offset
     return torch.arange(start, start + layout.size, dtype=torch.int).reshape(tuple(reversed(layout.shape)))
 
@@ -299,7 +301,8 @@ def _root_for(
                 f"(view {view!r}): {dict(zip(names, groups))}; a grid's ranks are in all or none"
             )
         root = compat.mesh_from_groups(device, tuple(reversed(layout.shape)), names, groups if member else None,
-                                       first_rank=layout.rank_offset)
+                                       first_rank=layout.rank_offset,
+                                       ranks=None if layout.rank_map is None else list(layout.ranks))
         register_mesh_root(root, grid)
         _roots[grid][key] = (tuple(groups), root)
         logger.debug("built DeviceMesh %s over the groups of %r (view %r)", root, grid, view)

@@ -164,9 +164,12 @@ def mesh_from_groups(
     groups: Optional[Sequence[dist.ProcessGroup]],
     *,
     first_rank: int = 0,
+    ranks: Optional[Sequence[int]] = None,
 ) -> Any:
     """A root DeviceMesh over consecutive ranks from ``first_rank`` in row-major order, of
-    ``shape``, whose dim ``i`` uses ``groups[i]``; creates no group.
+    ``shape``, whose dim ``i`` uses ``groups[i]``; creates no group. ``ranks``: the mesh's ranks in
+    row-major order where they are not consecutive (a grid placed over other ranks after a
+    recovery); torch's own constructor builds that mesh.
 
     The mesh is the one ``DeviceMesh.from_group(groups, device_type, mesh, mesh_dim_names=...)``
     gives for that mesh tensor, built in O(ndims) but for the tuple of its ranks torch keeps;
@@ -197,11 +200,13 @@ def mesh_from_groups(
 
     shape = tuple(int(size) for size in shape)
     size = math.prod(shape)
-    rank_map = torch.arange(first_rank, first_rank + size, dtype=torch.int)
+    consecutive = ranks is None
+    rank_map = torch.arange(first_rank, first_rank + size, dtype=torch.int) if consecutive else torch.tensor(
+        list(ranks), dtype=torch.int)
     result = DeviceMesh.__new__(DeviceMesh)
     layout = _MeshLayout.from_sizes_strides(shape)  # a contiguous tensor's strides
     # Anything else from_group refuses, with its own error.
-    fits = groups is None or (0 < len(groups) == len(shape) and mesh_dim_names is not None)
+    fits = consecutive and (groups is None or (0 < len(groups) == len(shape) and mesh_dim_names is not None))
     built = fits and _build(result, device_type, layout, rank_map, first_rank, mesh_dim_names)
     if not built:
         tensor = rank_map.reshape(shape)
@@ -211,7 +216,8 @@ def mesh_from_groups(
             # from_group is public; its list form takes any number of dims, one group each.
             result = DeviceMesh.from_group(list(groups), device_type, tensor, mesh_dim_names=mesh_dim_names)
         rank_map = result._rank_map
-    _record(rank_map, first_rank)
+    if consecutive:
+        _record(rank_map, first_rank)
     if groups is None:
         # torch's own meshes leave this empty on ranks outside them; it is set, not read, here.
         result._dim_group_names = []

@@ -1,0 +1,126 @@
+"""Megatron-Core's ``parallel_state`` over a placement of ranks: with spares, and after a recovery.
+
+:func:`initialize_placed` initializes as :func:`~hypergrid.megatron.initialize_model_parallel`
+would on a world of every rank but the spares; :func:`rebuild_megatron` fills ``parallel_state``
+again for the placement a recovery chose, keeping every communicator whose members and options
+did not change. :class:`hypergrid.recovery.ResilientJob` calls both.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+from megatron.core import parallel_state as ps
+
+from ..errors import RecoveryRefused
+from ..layout import GridLayout
+from ..layout.rank_map import RankMap
+from ..layout.replan import RecoveryPlan
+from ..runtime.modes import resolve_strategy
+from .build import build_state
+from .initialize import _check_not_initialized, installed_features, reset_parallel_state
+from .spec.config import MegatronConfig, ParallelConfigError
+from .spec.plan import MegatronPlan
+from .state import MegatronGrids, set_active
+
+__all__ = ["initialize_placed", "rebuild_megatron"]
+
+
+def initialize_placed(
+    spares: Sequence[int],
+    *,
+    share_groups: bool,
+    strategy: Optional[str],
+    check_agreement: bool,
+    megatron_kwargs: dict[str, Any],
+) -> tuple[MegatronConfig, GridLayout, Optional[MegatronGrids], str]:
+    """``initialize_model_parallel(**megatron_kwargs)`` on the world's ranks but ``spares``.
+
+    Returns the configuration (``world_size``: the grid's ranks), the dense layout over its
+    placement, this rank's state (None on a spare) and the strategy resolved.
+
+    Example, as rank 1 of a 6-rank job on torch's fake backend, ranks 4 and 5 spares::
+
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
+        >>> config, layout, grids, _ = initialize_placed([4, 5], share_groups=True, strategy=None,
+        ...     check_agreement=True, megatron_kwargs=dict(tensor_model_parallel_size=2,
+        ...                                                create_gloo_process_groups=False))
+        >>> config.world_size, list(layout.ranks), ps.get_tensor_model_parallel_rank()
+        (4, [0, 1, 2, 3], 1)
+        >>> from hypergrid.megatron import destroy_model_parallel
+        >>> destroy_model_parallel(); dist.destroy_process_group()
+    """
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_placed needs torch.distributed: call init_process_group() first")
+    world, rank = dist.get_world_size(), dist.get_rank()
+    outside = [s for s in spares if not 0 <= s < world]
+    if outside:
+        raise ValueError(f"spares must be ranks of the world [0, {world}), got {list(outside)}")
+    members = [r for r in range(world) if r not in set(spares)]
+    config = MegatronConfig.from_megatron_kwargs(len(members), dict(megatron_kwargs), installed_features())
+    _check_not_initialized()
+    placement = RankMap.of(members)
+    plan = MegatronPlan(config, None if placement.is_contiguous and placement.first_rank == 0 else placement)
+    resolved = resolve_strategy(strategy).value
+    grids = None
+    if rank in members:
+        grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=resolved,
+                            check_agreement=check_agreement, timeout=_timeout(config),
+                            participants=members if spares else None)
+        ps._set_global_memory_buffer()
+        set_active(grids)
+    return config, plan.dense, grids, resolved
+
+
+def rebuild_megatron(
+    config: MegatronConfig,
+    old: Optional[MegatronGrids],
+    recovery: RecoveryPlan,
+    members: Sequence[int],
+    rank: int,
+    *,
+    share_groups: bool,
+    strategy: str,
+    check_agreement: bool,
+) -> Optional[MegatronGrids]:
+    """``parallel_state`` for ``recovery.new``, built by its ``members``; None on other ranks.
+
+    The old state's groups stay held until the new one is built, so that every group whose
+    members and options are unchanged is found in the registry instead of made again; then the
+    old state lets go, and only the groups nobody holds (those with a failed rank) are destroyed.
+
+    Raises:
+        RecoveryRefused: Megatron-Core's sizes do not fit the new number of ranks (a shrink that
+            leaves the expert layout without whole groups, say).
+    """
+    try:
+        new_config = dataclasses.replace(config, world_size=recovery.new.size, rank_offset=0, local_world_size=None)
+    except ParallelConfigError as exc:
+        raise RecoveryRefused(
+            f"cannot recover to {recovery.new.size} ranks ({recovery.describe()}): Megatron-Core's sizes do not "
+            f"fit them: {exc}"
+        ) from None
+    plan = MegatronPlan(new_config, recovery.new.rank_map)
+    previous = reset_parallel_state()
+    old = previous if previous is not None else old
+    grids = None
+    try:
+        if rank in members:
+            grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
+                                check_agreement=check_agreement, timeout=_timeout(new_config),
+                                participants=members, label="recover")
+            ps._set_global_memory_buffer()
+            set_active(grids)
+    finally:
+        if old is not None:
+            old.release()  # after the new state holds what it keeps
+    return grids
+
+
+def _timeout(config: MegatronConfig) -> timedelta:
+    return timedelta(minutes=config.distributed_timeout_minutes)

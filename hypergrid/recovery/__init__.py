@@ -1,0 +1,65 @@
+"""Recovery in-process: after ranks are lost, re-place the grid on survivors or spares and rebuild
+only the groups that changed, without restarting the job.
+
+Every rank starts a heartbeat (:func:`start_heartbeat`) and builds the job as a
+:class:`ResilientJob` (:meth:`ResilientJob.of_megatron` for Megatron-Core's ``parallel_state``,
+:meth:`ResilientJob.of_grid` for a grid's own groups); spares wait in
+:meth:`ResilientJob.wait_as_spare`. When a collective fails, every survivor calls
+:func:`recover` (the same as :meth:`ResilientJob.recover`) and goes on with the job it returns.
+See docs/recovery.md for a training loop that does this.
+
+Example, with no process group: nothing to recover with, so a spare's wait returns at once::
+
+    >>> from hypergrid import HyperCommGrid
+    >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=5), spares=[4])
+    >>> job.domain, job.wait_as_spare() is job
+    ((0, 1, 2, 3, 4), True)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Optional, Sequence
+
+from ..layout.replan import RecoveryKind, RecoveryPlan, plan_recovery
+from ..runtime.liveness import start_heartbeat
+from .job import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, ResilientJob
+
+__all__ = [
+    "ResilientJob",
+    "GridRecipe",
+    "MegatronRecipe",
+    "RecoveryKind",
+    "RecoveryPlan",
+    "plan_recovery",
+    "recover",
+    "start_heartbeat",
+]
+
+
+def recover(
+    job: ResilientJob,
+    *,
+    failed: Optional[Sequence[int]] = None,
+    timeout: timedelta = DEFAULT_TIMEOUT,
+    gpus_per_node: int = 8,
+    replica_dim: str = "dp",
+) -> ResilientJob:
+    """The job after a failure, on every surviving rank: :meth:`ResilientJob.recover`.
+
+    Example, as rank 0 of a 6-rank job on torch's fake backend (the failed rank given, as a
+    simulated world has nobody to agree with): ranks 0-3 hold tp 2 x dp 2, rank 3 is lost and
+    no spare is left, so the replica holding it is dropped::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from hypergrid import HyperCommGrid
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
+        >>> tp = grid.create_pg("tp")
+        >>> after = recover(ResilientJob.of_grid(grid), failed=[3])
+        >>> after.last.kind.value, list(after.layout.ranks), after.state.get_pg("tp") is tp
+        ('shrink', [0, 1], True)
+        >>> after.state.destroy(); dist.destroy_process_group()
+    """
+    return job.recover(failed=failed, timeout=timeout, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
