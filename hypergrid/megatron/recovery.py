@@ -33,12 +33,15 @@ __all__ = ["initialize_placed", "rebuild_megatron"]
 def initialize_placed(
     spares: Sequence[int],
     *,
+    ranks: Optional[Sequence[int]] = None,
     share_groups: bool,
     strategy: Optional[str],
     check_agreement: bool,
     megatron_kwargs: dict[str, Any],
 ) -> tuple[MegatronConfig, GridLayout, Optional[MegatronGrids], str]:
-    """``initialize_model_parallel(**megatron_kwargs)`` on the world's ranks but ``spares``.
+    """``initialize_model_parallel(**megatron_kwargs)`` on the world's ranks but ``spares``, or on
+    ``ranks`` (the grid's positions' ranks, in order: a placement a recovery chose, to start again
+    from a checkpoint on the same ranks).
 
     Returns the configuration (``world_size``: the grid's ranks), the dense layout over its
     placement, this rank's state (None on a spare) and the strategy resolved.
@@ -58,10 +61,12 @@ def initialize_placed(
     if not dist.is_initialized():
         raise RuntimeError("initialize_placed needs torch.distributed: call init_process_group() first")
     world, rank = dist.get_world_size(), dist.get_rank()
-    outside = [s for s in spares if not 0 <= s < world]
+    outside = [s for s in [*spares, *(ranks or ())] if not 0 <= s < world]
     if outside:
-        raise ValueError(f"spares must be ranks of the world [0, {world}), got {list(outside)}")
-    members = [r for r in range(world) if r not in set(spares)]
+        raise ValueError(f"spares and ranks must be ranks of the world [0, {world}), got {list(outside)}")
+    members = [r for r in range(world) if r not in set(spares)] if ranks is None else list(ranks)
+    if set(members) & set(spares):
+        raise ValueError(f"a rank cannot be both a spare and in the grid: {sorted(set(members) & set(spares))}")
     config = MegatronConfig.from_megatron_kwargs(len(members), dict(megatron_kwargs), installed_features())
     _check_not_initialized()
     placement = RankMap.of(members)
@@ -71,7 +76,7 @@ def initialize_placed(
     if rank in members:
         grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=resolved,
                             check_agreement=check_agreement, timeout=_timeout(config),
-                            participants=members if spares else None)
+                            participants=None if len(members) == world else members)
         ps._set_global_memory_buffer()
         set_active(grids)
     return config, plan.dense, grids, resolved

@@ -48,6 +48,8 @@ from ..layout import GridLayout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_recovery
 from ..runtime.failures import agree_on_failures, wait_for_recovery
+from ..runtime.health import broken_groups
+from ..runtime.registry import REGISTRY
 from ..runtime.store import agreement_possible
 from ..runtime.world_step import world_checkpoint, world_start
 
@@ -57,6 +59,7 @@ logger = logging.getLogger(__name__)
 
 #: How long, by default, survivors wait for each other to agree and rebuild.
 DEFAULT_TIMEOUT = timedelta(minutes=5)
+
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class ResilientJob:
         cls,
         *,
         spares: Sequence[int] = (),
+        ranks: Optional[Sequence[int]] = None,
         share_groups: bool = True,
         strategy: Optional[str] = None,
         check_agreement: bool = True,
@@ -146,7 +150,9 @@ class ResilientJob:
         """Initialize Megatron-Core's ``parallel_state`` on every rank but ``spares``, as
         :func:`hypergrid.megatron.initialize_model_parallel` would on a world of those ranks, and
         return the job. Call it on every rank; on a spare it builds nothing (state None) and the
-        spare goes on to :meth:`wait_as_spare`.
+        spare goes on to :meth:`wait_as_spare`. ``ranks`` places the grid's positions on those
+        ranks, in order (the placement of an earlier recovery, to start again from a checkpoint);
+        by default every rank but the spares, ascending.
 
         Example, as rank 3 of a 10-rank job on torch's fake backend (ranks 8 and 9 are spares)::
 
@@ -165,7 +171,7 @@ class ResilientJob:
 
         spare_ranks = tuple(sorted(set(int(s) for s in spares)))
         config, layout, state, resolved = initialize_placed(
-            spare_ranks, share_groups=share_groups, strategy=strategy, check_agreement=check_agreement,
+            spare_ranks, ranks=ranks, share_groups=share_groups, strategy=strategy, check_agreement=check_agreement,
             megatron_kwargs=megatron_kwargs,
         )
         recipe = MegatronRecipe(config, share_groups, resolved, check_agreement)
@@ -277,6 +283,8 @@ def _rebuild(job: ResilientJob, plan: RecoveryPlan, timeout: timedelta) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement."""
     rank = dist.get_rank()
     members = sorted(plan.new.ranks)
+    if rank in members:
+        _evict_broken(members, timeout)
     if isinstance(job.recipe, MegatronRecipe):
         from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
 
@@ -284,6 +292,16 @@ def _rebuild(job: ResilientJob, plan: RecoveryPlan, timeout: timedelta) -> Any:
         return rebuild_megatron(recipe.config, job.state, plan, members, rank, share_groups=recipe.share_groups,
                                 strategy=recipe.strategy, check_agreement=recipe.check_agreement)
     return _rebuild_grid(job, plan, members, rank, timeout)
+
+
+def _evict_broken(members: list[int], timeout: timedelta) -> None:
+    """Stop sharing the groups of living members that the failure broke, so they are made anew."""
+    alive = set(members)
+    candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
+    broken = broken_groups(candidates, participants=members, timeout=timeout)
+    for pg in candidates:
+        if tuple(dist.get_process_group_ranks(pg)) in broken:
+            REGISTRY.evict(pg)
 
 
 def _rebuild_grid(job: ResilientJob, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta) -> Any:

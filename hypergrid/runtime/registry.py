@@ -295,6 +295,34 @@ class GroupRegistry:
             entry.holders.add((owner, label))
             return pg
 
+    def evict(self, pg: dist.ProcessGroup) -> bool:
+        """Stop sharing ``pg``: later requests for its members get a new group. Its holders keep it
+        until they let go (then it is destroyed as usual). For a communicator that is broken (a
+        failure left its connections closed) although its members are alive. True if it was shared.
+
+        Example, as rank 0 of a 4-rank job on torch's fake backend::
+
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+            >>> req = GroupRequest.derived("pair", (0, 1))
+            >>> pg = REGISTRY.acquire("a", req)
+            >>> REGISTRY.evict(pg), REGISTRY.acquire("b", req) is pg
+            (True, False)
+            >>> REGISTRY.release("a"), REGISTRY.release("b")
+            (1, 1)
+            >>> dist.destroy_process_group()
+        """
+        with self._lock:
+            entry = next((e for e in self._entries.values() if e.pg is pg), None)
+            if entry is None or not entry.keys:
+                return False
+            for key in entry.keys:
+                if self._shared.get(key) is entry:
+                    del self._shared[key]
+            entry.keys = ()
+            return True
+
     def _forget(self, entry: _Entry) -> None:
         del self._entries[id(entry)]
         for key in entry.keys:

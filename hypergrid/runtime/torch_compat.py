@@ -119,12 +119,12 @@ def group_name_override(name: str, ranks: Sequence[int]) -> Iterator[None]:
         logger.warning("torch.distributed has no _process_group_name; group names are torch's own")
         yield
         return
-    # torch hands the name function the group's ranks sorted (members may be given in any order;
-    # sorting an ascending list, a partition's, is one pass).
+    # torch hands the name function the group's ranks, sorted unless the group keeps their order
+    # (sort_ranks=False): the member set decides (sorting an ascending list is one pass).
     wanted = sorted(ranks)
 
     def named(group_ranks: list[int], use_hashed_name: bool) -> str:
-        if use_hashed_name and len(group_ranks) == len(wanted) and list(group_ranks) == wanted:
+        if use_hashed_name and len(group_ranks) == len(wanted) and sorted(group_ranks) == wanted:
             return c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
         return original(group_ranks, use_hashed_name)
 
