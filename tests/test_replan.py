@@ -262,3 +262,182 @@ def test_a_million_rank_layout_is_re_planned_without_listing_the_world(monkeypat
     after = plan_model_parallel(shrunk.new.size, tensor_model_parallel_size=8, context_parallel_size=2,
                                 pipeline_model_parallel_size=4, placement=shrunk.new.rank_map)
     assert after.rank_group("tp", world - 1) == list(range(world - 8, world))
+
+
+# ---------------------------------------------------------------------- a whole plan: what is rebuilt
+def _brute_force(before, after):
+    """Per kind, (kept, rebuilt, dropped) by comparing every group of both plans."""
+    old = {k.name: {tuple(g) for g in k.enumerate() if g} for k in before.kinds}
+    new = {k.name: {tuple(g) for g in k.enumerate() if g} for k in after.kinds}
+    return {name: (len(old.get(name, set()) & new.get(name, set())),
+                   len(new.get(name, set()) - old.get(name, set())),
+                   len(old.get(name, set()) - new.get(name, set()))) for name in set(old) | set(new)}
+
+
+MEGATRON_LAYOUTS = [
+    dict(world_size=32, tp=2, pp=2),
+    dict(world_size=64, tp=2, pp=2, cp=2, ep=4, etp=1),
+    dict(world_size=64, tp=4, ep=8, etp=1),  # expert tp-ep groups span two dense replicas
+    dict(world_size=32, pp=4, num_distributed_optimizer_instances=2),
+    dict(world_size=32, tp=2, cp=2, hierarchical_context_parallel_sizes=[2, 1]),
+    dict(world_size=64, tp=2, cp=2, hybrid_context_parallel=True),
+]
+
+
+@pytest.mark.parametrize("sizes", MEGATRON_LAYOUTS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
+@pytest.mark.parametrize("failed, spares", [([5], [64, 65]), ([8, 9, 10, 11, 12, 13, 14, 15], list(range(64, 72))),
+                                            ([5], []), ([3, 29], [70])])
+def test_every_kinds_counts_are_what_comparing_every_group_gives(sizes, failed, spares):
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import Counted, recovery_of
+
+    sizes = dict(sizes)
+    plan = plan_megatron(sizes.pop("world_size"), **sizes)
+    try:
+        report = recovery_of(plan, failed=failed, spares=spares, gpus_per_node=8)
+    except RecoveryRefused as exc:
+        # Only where Megatron-Core refuses the shrunk sizes (dp 2 * cp 2 -> 1 * 2 with 2 optimizer
+        # instances would be fine; 7 replicas of ep 8 are not), and it says so.
+        assert "sizes Megatron-Core refuses" in str(exc), exc
+        return
+    truth = _brute_force(report.before, report.after)
+    assert {c.name for c in report.changes} == set(truth)
+    for change in report.changes:
+        assert (change.kept, change.rebuilt, change.dropped) == truth[change.name], change
+        assert change.kept + change.rebuilt == change.after and change.kept + change.dropped == change.before
+    counted = {c.counted for c in report.changes}
+    assert Counted.NOT_COMPUTED not in counted
+    if report.recovery.kind is RecoveryKind.REPLACE:
+        assert counted == {Counted.FAILED_GROUPS}
+    else:
+        assert Counted.REPLICA_DIM in counted
+
+
+def test_the_plan_after_is_megatrons_plan_over_the_recovered_ranks():
+    from hypergrid.megatron.spec.features import MEGATRON_CORE_0_19
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import plan_after
+
+    plan = plan_megatron(32, tp=2, pp=2, ep=2, etp=1, features=MEGATRON_CORE_0_19,
+                         num_distributed_optimizer_instances=2)
+    recovery = plan_recovery(plan.layout, failed=[5, 6])  # dp 8 -> 6
+    after = plan_after(plan, recovery)
+    expected = plan_model_parallel(24, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                   expert_model_parallel_size=2, expert_tensor_parallel_size=1,
+                                   num_distributed_optimizer_instances=2,
+                                   create_gloo_process_groups=False, features=MEGATRON_CORE_0_19,
+                                   placement=recovery.new.rank_map)
+    assert [k.name for k in after.kinds] == expected.names and after.kinds[0].name == "gtp_remat"
+    assert {k.name: k.enumerate() for k in after.kinds} == expected.groups
+    assert after.megatron.dp == 6 and after.megatron_config.num_distributed_optimizer_instances == 2
+    assert after.layout == recovery.new and after.views["expert"] == expected.expert
+
+
+def test_a_second_failure_is_planned_from_the_plan_after_the_first():
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import recovery_of
+
+    first = recovery_of(plan_megatron(16, tp=2, pp=2), failed=[5], spares=[16], gpus_per_node=4)
+    second = recovery_of(first.after, failed=[16, 0], gpus_per_node=4)  # no spare: replicas 0 and 2
+    assert second.recovery.kind is RecoveryKind.SHRINK and second.after.megatron.dp == 2
+    assert set(second.after.layout.ranks) == {2, 3, 6, 7, 10, 11, 14, 15}
+    truth = _brute_force(second.before, second.after)
+    assert {c.name: (c.kept, c.rebuilt, c.dropped) for c in second.changes} == truth
+    assert second.change("tp").kept == 4 and second.change("dp").rebuilt == 4
+
+
+def test_a_free_grid_and_a_torchtitan_plan_follow_their_grid():
+    from pathlib import Path
+
+    from hypergrid.planning.plan import plan_grid
+    from hypergrid.planning.recovery import recovery_of
+    from hypergrid.planning.torchtitan import plan_torchtitan
+
+    grid = recovery_of(plan_grid([2, 2, 4], ["tp", "cp", "rep"], groups=[["cp", "rep"]]), failed=[6],
+                       replica_dim="rep")
+    assert grid.after.layout.shape == (2, 2, 3) and grid.change("cp-rep").rebuilt == 2
+    assert {c.name: (c.kept, c.rebuilt, c.dropped) for c in grid.changes} == _brute_force(grid.before, grid.after)
+    config = Path(__file__).resolve().parent.parent / "docs" / "examples" / "llama3_70b.toml"
+    titan = plan_torchtitan(config, 32, "0.2")
+    replaced = recovery_of(titan, failed=[13], spares=[32])
+    truth = _brute_force(replaced.before, replaced.after)
+    assert {c.name: (c.kept, c.rebuilt, c.dropped) for c in replaced.changes} == truth
+    assert all(13 not in k.members(32) for k in replaced.after.kinds)
+    with pytest.raises(RecoveryRefused, match=r"loss of ranks \[13\] by dropping replicas: only Megatron-Core's "
+                                              r"groups and a free grid's .* this plan follows torchtitan's meshes"):
+        recovery_of(titan, failed=[13], replica_dim="dp_replicate")
+
+
+def test_megatrons_refusal_of_the_shrunk_sizes_is_a_refusal_with_the_reason():
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import recovery_of
+
+    with pytest.raises(RecoveryRefused, match=r"loss of ranks \[5\]: the shrunk grid's 56 ranks \(tp=1 x cp=1 x "
+                                              r"dp=7 x pp=8\) are sizes Megatron-Core refuses: .*expert"):
+        recovery_of(plan_megatron(64, pp=8, ep=8), failed=[5])
+    with pytest.raises(ValueError, match="replica_dim 'pp': a Megatron plan's replicas are along 'dp'"):
+        recovery_of(plan_megatron(16, pp=2), failed=[5], replica_dim="pp")
+
+
+def test_one_ranks_groups_before_and_after():
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import recovery_of
+
+    report = recovery_of(plan_megatron(16, tp=2, pp=2), failed=[5], spares=[16, 17], gpus_per_node=4)
+    spare = report.rank_change(16)
+    assert spare["role"] == "replaces" and spare["replaces"] == 5 and spare["coords_before"] is None
+    assert spare["groups"]["tp"] == {"before": None, "after": [4, 16], "change": "joined"}
+    failed = report.rank_change(5)
+    assert failed["role"] == "failed" and failed["groups"]["tp"]["change"] == "left"
+    neighbour = report.rank_change(4)
+    assert neighbour["coords_before"] == neighbour["coords_after"]
+    assert neighbour["groups"]["tp"] == {"before": [4, 5], "after": [4, 16], "change": "rebuilt"}
+    assert neighbour["groups"]["pp"]["change"] == "kept" and neighbour["groups"]["pos_embd"]["change"] == "kept"
+    assert report.rank_change(17)["role"] == "spare" and report.rank_change(2)["groups"]["embd"]["change"] == "kept"
+    shrunk = recovery_of(plan_megatron(16, tp=2, pp=2), failed=[5], gpus_per_node=4)
+    assert shrunk.rank_change(4)["role"] == "leaves" and shrunk.rank_change(4)["coords_after"] is None
+    moved = shrunk.rank_change(6)  # dp 3 -> 2 in the shrunk grid
+    assert moved["coords_before"]["dp"] == 3 and moved["coords_after"]["dp"] == 2
+    assert moved["groups"]["dp"] == {"before": [0, 2, 4, 6], "after": [0, 2, 6], "change": "rebuilt"}
+    assert moved["groups"]["tp"]["change"] == "kept"
+
+
+def _no_enumeration(monkeypatch):
+    from hypergrid.layout.kinds import GroupKind
+
+    def refuse(self):
+        raise AssertionError(f"{self.name}: every group was listed")
+
+    monkeypatch.setattr(GroupKind, "enumerate", refuse)
+
+
+def test_a_million_rank_replacement_is_counted_from_the_failed_ranks_groups(monkeypatch):
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import Counted, recovery_of
+
+    world = 1 << 20
+    plan = plan_megatron(world, tp=8, pp=4, cp=2, ep=8, etp=1)
+    _no_enumeration(monkeypatch)
+    _no_world_lists(monkeypatch)
+    node = list(range(8 * 1000, 8 * 1001))
+    report = recovery_of(plan, failed=node, spares=list(range(world, world + 8)))
+    assert {c.counted for c in report.changes} == {Counted.FAILED_GROUPS}
+    tp = report.change("tp")
+    assert (tp.kept, tp.rebuilt, tp.dropped) == (tp.before - 1, 1, 1)
+    assert report.change("dp").rebuilt == 8 and report.change("cp").rebuilt == 8
+    assert report.rank_change(world + 3)["groups"]["tp"]["after"] == list(range(world, world + 8))
+
+
+def test_beyond_the_listing_limit_a_shrink_counts_grid_kinds_and_says_the_rest_are_not_computed(monkeypatch):
+    from hypergrid.planning.plan import MAX_LISTED_WORLD, plan_megatron
+    from hypergrid.planning.recovery import Counted, recovery_of
+
+    world = 2 * MAX_LISTED_WORLD
+    plan = plan_megatron(world, tp=8, pp=4)
+    _no_enumeration(monkeypatch)
+    report = recovery_of(plan, failed=[5])
+    by_name = {c.name: c for c in report.changes}
+    # The dropped replica holds one tp group per pipeline stage; every dp group loses a member.
+    assert by_name["tp"].counted is Counted.REPLICA_DIM and by_name["tp"].dropped == 4
+    assert by_name["tp"].kept == world // 8 - 4 and by_name["dp"].rebuilt == by_name["dp"].dropped == 32
+    assert by_name["embd"].counted is Counted.NOT_COMPUTED and by_name["embd"].kept is None
