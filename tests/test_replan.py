@@ -313,6 +313,25 @@ def test_every_kinds_counts_are_what_comparing_every_group_gives(sizes, failed, 
         assert Counted.REPLICA_DIM in counted
 
 
+def test_the_expert_views_kinds_are_counted_by_the_replica_dim_where_its_replicas_line_up(monkeypatch):
+    from hypergrid.planning.plan import plan_megatron
+    from hypergrid.planning.recovery import Counted, recovery_of
+
+    # Expert tp x ep = 4 ranks = dense tp x cp: one dense replica is one expert replica.
+    lined_up = recovery_of(plan_megatron(64, tp=2, cp=2, pp=2, ep=4, etp=1), failed=[5])
+    counted = {c.name: c.counted for c in lined_up.changes}
+    assert counted["ep"] is counted["expt_dp"] is counted["embd"] is counted["hcp_0" if "hcp_0" in counted else "tp"]
+    assert counted["ep"] is Counted.REPLICA_DIM and counted["intra_dist_opt"] is Counted.EVERY_GROUP
+    # Expert tp x ep = 8 ranks spans two dense replicas of 4 (ranks 4-7 and 8-11 go): compared group
+    # by group. ep groups 0-7 and 8-15 become one of 0-3 and 12-15; the later ones are kept.
+    across = recovery_of(plan_megatron(64, tp=4, ep=8, etp=1), failed=[5, 9])
+    counted = {c.name: c.counted for c in across.changes}
+    assert counted["ep"] is Counted.EVERY_GROUP and counted["tp"] is Counted.REPLICA_DIM
+    ep = across.change("ep")
+    assert (ep.kept, ep.rebuilt, ep.dropped) == (6, 1, 2)
+    assert across.after.groups_of(0)["ep"] == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
 def test_the_plan_after_is_megatrons_plan_over_the_recovered_ranks():
     from hypergrid.megatron.spec.features import MEGATRON_CORE_0_19
     from hypergrid.planning.plan import plan_megatron
@@ -440,4 +459,7 @@ def test_beyond_the_listing_limit_a_shrink_counts_grid_kinds_and_says_the_rest_a
     # The dropped replica holds one tp group per pipeline stage; every dp group loses a member.
     assert by_name["tp"].counted is Counted.REPLICA_DIM and by_name["tp"].dropped == 4
     assert by_name["tp"].kept == world // 8 - 4 and by_name["dp"].rebuilt == by_name["dp"].dropped == 32
-    assert by_name["embd"].counted is Counted.NOT_COMPUTED and by_name["embd"].kept is None
+    assert by_name["embd"].counted is by_name["expt_dp"].counted is Counted.REPLICA_DIM
+    assert by_name["embd"].dropped == 8 and by_name["expt_dp"].rebuilt == 32
+    # One group of every rank, joined from the expert tp-ep-pp groups: not listed at this size.
+    assert by_name["intra_dist_opt"].counted is Counted.NOT_COMPUTED and by_name["intra_dist_opt"].kept is None

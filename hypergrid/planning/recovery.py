@@ -13,23 +13,28 @@ their communicators can stay), **rebuilt** (groups after that did not exist befo
 How each kind's counts are found (:class:`Counted`), exactly in every case:
 
 * ``failed_groups``: a replacement changes exactly the groups holding a failed rank, since every
-  rule lays groups out by position and only failed ranks' positions change hands; so the failed
+  rule lays groups out by position (Megatron-Core's do; a rule of one's own must too) and only
+  failed ranks' positions change hands; so the failed
   ranks' own groups are rebuilt and the others kept: O(failed ranks x group size), any world.
-* ``replica_dim``: a shrink keeps, in the surviving replicas, the groups of a grid kind whose dims
-  leave out the replica dim (the others are dropped with their replica) and rebuilds every group of
-  a grid kind across it (each lost members): O(1).
-* ``every_group``: the other kinds of a shrink (chunks, levels, embedding stages, the expert view,
-  whose groups need not line up with the dense replicas) are compared group by group, every group
-  of both plans, for worlds up to :data:`~hypergrid.planning.plan.MAX_LISTED_WORLD` ranks;
-  ``not_computed`` beyond (the counts are None).
+* ``replica_dim``: a shrink keeps, in the surviving replicas, every group of a kind made group by
+  group from grid groups over dims that leave out the replica dim (the grid's own groups, chunks,
+  levels, embedding stages, single ranks), and drops those of the dropped replicas; it rebuilds
+  every group of a grid kind across the replica dim (each lost members). This holds for the grid,
+  and for a view (Megatron's expert grid) where dropping the view's replicas holding the failed
+  ranks leaves exactly the view after (its replicas line up with the grid's): O(1) per kind.
+* ``every_group``: the other kinds of a shrink (chunks across the replica dim, joined groups, a
+  view whose replicas do not line up) are compared group by group, every group of both plans, for
+  worlds up to :data:`~hypergrid.planning.plan.MAX_LISTED_WORLD` ranks; ``not_computed`` beyond
+  (the counts are None).
 * ``whole_kind``: a kind only one of the plans has (Megatron's hybrid dp x cp sizes follow dp).
 
 Example: tp 2 x pp 2 x dp 4 on 16 ranks, rank 5 lost, one spare (rank 16)::
 
     >>> from hypergrid.planning.plan import plan_megatron
     >>> report = recovery_of(plan_megatron(16, tp=2, pp=2), failed=[5], spares=[16], gpus_per_node=4)
-    >>> report.recovery.replaced, report.change("tp")
-    (((5, 16),), KindChange(name='tp', view=None, before=8, after=8, kept=7, rebuilt=1, dropped=1, counted=<Counted.FAILED_GROUPS: 'failed_groups'>))
+    >>> tp = report.change("tp")
+    >>> report.recovery.replaced, (tp.before, tp.kept, tp.rebuilt, tp.dropped), tp.counted.value
+    (((5, 16),), (8, 7, 1, 1), 'failed_groups')
     >>> report.after.groups_of(16)["tp"], report.after.groups_of(16)["dp"]
     ([4, 16], [1, 3, 16, 7])
 """
@@ -44,7 +49,7 @@ from typing import Any, Optional
 
 from ..errors import RecoveryRefused
 from ..layout import GridLayout
-from ..layout.kinds import GroupKind
+from ..layout.kinds import Chunks, GridGroups, GroupKind, Levels, PipelineSubset, Singletons
 from ..layout.rank_map import RankMap
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_recovery, replica_of
 from .plan import HEAD_MEMBERS, LISTED_MEMBERS, MAX_LISTED_WORLD, Anchor, Plan, plan_of_megatron
@@ -162,10 +167,14 @@ def compare_kinds(before: Plan, after: Plan, recovery: RecoveryPlan, replica_dim
         >>> recovery = plan_recovery(before.layout, failed=[5])
         >>> changes = {c.name: c for c in compare_kinds(before, plan_after(before, recovery), recovery)}
         >>> changes["tp"].kept, changes["tp"].dropped, changes["dp"].rebuilt, changes["embd"].counted.value
-        (6, 2, 4, 'every_group')
+        (6, 2, 4, 'replica_dim')
+        >>> opt = changes["intra_dist_opt"]  # one group of every rank: rebuilt
+        >>> opt.view, opt.kept, opt.rebuilt, opt.dropped, opt.counted.value
+        ('expert', 0, 1, 1, 'every_group')
     """
     old_kinds = {kind.name: kind for kind in before.kinds}
     new_kinds = {kind.name: kind for kind in after.kinds}
+    shrunk: dict[GridLayout, Optional[RecoveryPlan]] = {recovery.old: recovery}
     changes = []
     for name in list(old_kinds) + [n for n in new_kinds if n not in old_kinds]:
         old, new = old_kinds.get(name), new_kinds.get(name)
@@ -175,24 +184,37 @@ def compare_kinds(before: Plan, after: Plan, recovery: RecoveryPlan, replica_dim
             gone, made = (kind.count, 0) if new is None else (0, kind.count)
             changes.append(KindChange(name, kind.view, gone, made, 0, made, gone, Counted.WHOLE_KIND))
             continue
-        counts = _counts(old, new, before, recovery, replica_dim)
+        counts = _counts(old, new, before, recovery, replica_dim, shrunk)
         changes.append(KindChange(name, old.view, old.count, new.count, *counts))
     return tuple(changes)
 
 
-def _counts(old: GroupKind, new: GroupKind, before: Plan, recovery: RecoveryPlan, replica_dim: str):
+#: Rules that make a kind's groups one grid group at a time, by position: where the grid groups
+#: are kept, so are theirs, in the same numbers per grid group.
+_PER_GRID_GROUP = (GridGroups, PipelineSubset, Singletons, Chunks, Levels)
+
+
+def _counts(old: GroupKind, new: GroupKind, before: Plan, recovery: RecoveryPlan, replica_dim: str,
+            shrunk: dict[GridLayout, Optional[RecoveryPlan]]):
     """``(kept, rebuilt, dropped, counted)`` of one kind."""
     if recovery.kind is RecoveryKind.REPLACE:
         groups = _failed_groups(old, recovery.failed, before.world_size)
         if groups is not None:
             return old.count - len(groups), len(groups), len(groups), Counted.FAILED_GROUPS
-    elif (old.is_grid_groups and new.is_grid_groups and old.dims == new.dims
-          and old.layout == recovery.old and new.layout == recovery.new):
-        if replica_dim in old.dims:
-            return 0, new.count, old.count, Counted.REPLICA_DIM
-        replicas = recovery.old.dim_size(replica_dim)
-        dropped = old.count * (replicas - recovery.new.dim_size(replica_dim)) // replicas
-        return old.count - dropped, 0, dropped, Counted.REPLICA_DIM
+    elif isinstance(old.derivation, _PER_GRID_GROUP) and old.derivation == new.derivation and old.dims == new.dims:
+        if old.layout not in shrunk:  # a view: its own replicas holding the failed ranks dropped
+            try:
+                shrunk[old.layout] = plan_recovery(old.layout, recovery.failed, replica_dim=replica_dim)
+            except ValueError:  # no such dim, or every replica holds a failed rank
+                shrunk[old.layout] = None
+        own = shrunk[old.layout]
+        if own is not None and own.kind is RecoveryKind.SHRINK and own.new == new.layout:
+            if replica_dim not in old.dims:
+                replicas = own.old.dim_size(replica_dim)
+                dropped = old.count * (replicas - own.new.dim_size(replica_dim)) // replicas
+                return old.count - dropped, 0, dropped, Counted.REPLICA_DIM
+            if old.is_grid_groups:
+                return 0, new.count, old.count, Counted.REPLICA_DIM
     if before.world_size > MAX_LISTED_WORLD:
         return None, None, None, Counted.NOT_COMPUTED
     olds = {tuple(g) for g in old.enumerate() if g}
@@ -263,14 +285,13 @@ class RecoveryReport:
             return []
         return sorted({replica_of(self.recovery.old, rank, self.replica_dim) for rank in self.recovery.failed})
 
-    def rank_change(self, rank: int, heads: Optional[int] = None) -> dict[str, Any]:
-        """``rank``'s role, node, coordinates and, per kind, its group before and after and what
-        became of it: ``kept``, ``rebuilt``, ``left`` (in a group before only), ``joined`` (after
-        only), None (in none), or ``not_compared`` (groups over
-        :data:`~hypergrid.planning.plan.LISTED_MEMBERS` ranks whose heads agree). Groups as
-        :meth:`Plan.rank_groups <hypergrid.planning.plan.Plan.rank_groups>` gives them, or with
-        ``heads`` as :meth:`Plan.group_heads <hypergrid.planning.plan.Plan.group_heads>` does.
-        O(group size) per kind.
+    def rank_change(self, rank: int) -> dict[str, Any]:
+        """``rank``'s role, coordinates and, per kind, its group before and after (as
+        :meth:`Plan.rank_groups <hypergrid.planning.plan.Plan.rank_groups>` gives them: a list of
+        members, or a group over :data:`~hypergrid.planning.plan.LISTED_MEMBERS` ranks as its size,
+        first members and last) and what became of it: ``kept``, ``rebuilt``, ``left`` (in a group
+        before only), ``joined`` (after only), None (in none), or ``not_compared`` (groups too large
+        to list whose outlines agree, of a kind partly kept). O(group size) per kind.
 
         Example::
 
@@ -282,20 +303,17 @@ class RecoveryReport:
         sides = []
         for plan in (self.before, self.after):
             inside = plan.layout.contains(rank)
-            full = plan.rank_groups(rank) if inside else {}
-            shown = full if heads is None or not inside else plan.group_heads(rank, heads)
-            sides.append((inside, full, shown, plan.coords(rank) if inside else None))
-        (was, old_full, old_shown, old_coords), (now, new_full, new_shown, new_coords) = sides
+            sides.append((plan.rank_groups(rank) if inside else {}, plan.coords(rank) if inside else None))
+        (old_groups, old_coords), (new_groups, new_coords) = sides
         groups = {}
         for change in self.changes:
-            old, new = old_full.get(change.name), new_full.get(change.name)
-            groups[change.name] = {"before": old_shown.get(change.name), "after": new_shown.get(change.name),
-                                   "change": _rank_group_change(old, new, change)}
+            old, new = old_groups.get(change.name), new_groups.get(change.name)
+            groups[change.name] = {"before": old, "after": new, "change": _rank_group_change(old, new, change)}
         replaces = next((old for old, spare in self.recovery.replaced if spare == rank), None)
         return {"rank": rank, "role": self.role(rank).value, "replaces": replaces,
                 "coords_before": old_coords, "coords_after": new_coords, "groups": groups}
 
-    def as_dict(self, gpus_per_node: int, rank: Optional[int] = None, heads: Optional[int] = None) -> dict[str, Any]:
+    def as_dict(self, gpus_per_node: int, rank: Optional[int] = None) -> dict[str, Any]:
         """What ``plan --fail`` prints as JSON (docs/cli.md): the plan's grid and sizes, the
         recovery, each kind's change, and with ``rank`` that rank's groups before and after."""
         r, before = self.recovery, self.before
@@ -306,8 +324,10 @@ class RecoveryReport:
             "gpus_per_node": gpus_per_node,
             "grid": {"shape": list(before.layout.shape), "dim_names": list(before.layout.dim_names),
                      "rank_offset": before.layout.rank_offset},
-            "views": {name: {"shape": list(v.shape), "dim_names": list(v.dim_names)} for name, v in before.views.items()},
+            "views": {name: {"shape": list(view.shape), "dim_names": list(view.dim_names)}
+                      for name, view in before.views.items()},
             "megatron": None if before.megatron is None else asdict(before.megatron),
+            "follows": None if before.follows is None else before.follows.as_dict(),
             "recovery": {
                 "kind": r.kind.value,
                 "failed": list(r.failed),
@@ -323,7 +343,7 @@ class RecoveryReport:
             },
         }
         if rank is not None:
-            out["rank"] = {**self.rank_change(rank, heads), "node": rank // gpus_per_node,
+            out["rank"] = {**self.rank_change(rank), "node": rank // gpus_per_node,
                            "local_rank": rank % gpus_per_node}
         return out
 
