@@ -99,14 +99,23 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rank (integer >= 0), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a rank (integer >= 0), got {value}")
-    return value
+def _non_negative_parser(what: str):
+    """A type for argparse: an integer >= 0, called ``what`` in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {value}")
+        return value
+
+    return parse
+
+
+_non_negative = _non_negative_parser("a rank")
+_count = _non_negative_parser("a number of ranks")
 
 
 def _rank_list(text: str) -> list[int]:
@@ -119,16 +128,6 @@ def _rank_list(text: str) -> list[int]:
     if negative:
         raise argparse.ArgumentTypeError(f"expected ranks (integers >= 0), got {negative[0]} in {text!r}")
     return ranks
-
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of ranks (integer >= 0), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a number of ranks (integer >= 0), got {value}")
-    return value
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:

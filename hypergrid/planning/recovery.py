@@ -262,10 +262,10 @@ class RecoveryReport:
 
     def change(self, name: str) -> KindChange:
         """The :class:`KindChange` of the kind called ``name``."""
-        for change in self.changes:
-            if change.name == name:
-                return change
-        raise ValueError(f"unknown group kind {name!r}; this recovery compares {[c.name for c in self.changes]}")
+        found = [change for change in self.changes if change.name == name]
+        if not found:
+            raise ValueError(f"unknown group kind {name!r}; this recovery compares {[c.name for c in self.changes]}")
+        return found[0]
 
     def role(self, rank: int) -> RankRole:
         """What the recovery does to ``rank``."""
