@@ -14,8 +14,8 @@ How each kind's counts are found (:class:`Counted`), exactly in every case:
 
 * ``failed_groups``: a replacement changes exactly the groups holding a failed rank, since every
   rule lays groups out by position (Megatron-Core's do; a rule of one's own must too) and only
-  failed ranks' positions change hands; so the failed
-  ranks' own groups are rebuilt and the others kept: O(failed ranks x group size), any world.
+  failed ranks' positions change hands; so the failed ranks' own groups are rebuilt and the others
+  kept: O(failed ranks x group size), any world.
 * ``replica_dim``: a shrink keeps, in the surviving replicas, every group of a kind made group by
   group from grid groups over dims that leave out the replica dim (the grid's own groups, chunks,
   levels, embedding stages, single ranks), and drops those of the dropped replicas; it rebuilds
