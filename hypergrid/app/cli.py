@@ -99,14 +99,35 @@ def _positive(text: str) -> int:
     return value
 
 
-def _non_negative(text: str) -> int:
+def _non_negative_parser(what: str):
+    """A type for argparse: an integer >= 0, called ``what`` in its error."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {value}")
+        return value
+
+    return parse
+
+
+_non_negative = _non_negative_parser("a rank")
+_count = _non_negative_parser("a number of ranks")
+
+
+def _rank_list(text: str) -> list[int]:
     try:
-        value = int(text)
+        ranks = [int(v) for v in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a rank (integer >= 0), got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a rank (integer >= 0), got {value}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected comma-separated ranks like 4,5,6,7, got {text!r}"
+                                         f"{_empty_entry(text)}") from None
+    negative = [r for r in ranks if r < 0]
+    if negative:
+        raise argparse.ArgumentTypeError(f"expected ranks (integers >= 0), got {negative[0]} in {text!r}")
+    return ranks
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
@@ -181,6 +202,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nvlink-domain", type=_positive, metavar="GPUS",
                    help="GPUs per NVLink domain (consecutive ranks; e.g. 72 for an NVL72 rack of 18 "
                         "nodes of 4): placement column and picture (default: --gpus-per-node)")
+    r = p.add_argument_group("a recovery: what a failure would rebuild (a table or --json)")
+    r.add_argument("--fail", type=_rank_list, metavar="RANKS",
+                   help="ranks of the grid that fail, e.g. 5 or 8,9,10,11: how the grid recovers (spares take "
+                        "their places, else whole replicas are dropped) and, per kind, the groups kept, rebuilt "
+                        "and dropped")
+    spares = r.add_mutually_exclusive_group()
+    spares.add_argument("--spares", type=_count, metavar="N",
+                        help="N spare ranks, numbered after the grid's last rank (default 0)")
+    spares.add_argument("--spare-ranks", type=_rank_list, metavar="RANKS",
+                        help="the spare ranks themselves, outside the grid, in the order they are used, e.g. 16,17")
+    r.add_argument("--replica-dim", metavar="DIM",
+                   help="the dim whose replicas a shrink drops (default dp; a Megatron layout's is dp)")
 
     c = sub.add_parser("check", help="compare every enumeration with megatron-core's")
     _add_layout_args(c)
@@ -238,10 +271,15 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from ..planning.text import MEMBERS_SHOWN, plan_csv, plan_table
     from ..planning.viz import picture, write_picture
 
+    from ..planning.arguments import failure_from_args
+
     plan = _plan_from_args(args, follow_release=True)
     if plan.world_size > _MAX_WORLD:
         raise UsageError(f"world size {plan.world_size} is too large: plans answer for worlds up to "
                          f"{_MAX_WORLD} ranks (int64)")
+    failure = failure_from_args(args, plan)
+    if failure is not None:
+        return _cmd_recovery(args, plan, failure)
     if args.rank is not None:
         plan.check_rank(args.rank)
     for name in args.kinds or []:
@@ -275,6 +313,25 @@ def _cmd_plan(args: argparse.Namespace) -> int:
             # Pictures are announced on stderr so that JSON/CSV on stdout stays parseable.
             kinds = ", ".join(p.name for p in pic.panels)
             print(f"wrote {path} ({written} bytes; one panel each for {kinds})", file=sys.stderr)
+    return EXIT_OK
+
+
+def _cmd_recovery(args: argparse.Namespace, plan, failure) -> int:
+    from ..planning.recovery import recovery_of
+    from ..planning.text import recovery_table
+
+    others = {"--csv": args.format == "csv", "--png": args.png, "--svg": args.svg, "--kind": args.kinds,
+              "--comm-memory-mb": args.comm_memory_mb, "--nvlink-domain": args.nvlink_domain}
+    for flag, given in others.items():
+        if given:
+            raise UsageError(f"--fail shows a recovery as a table or --json; {flag} goes with a plan alone")
+    if args.rank is not None and not plan.layout.contains(args.rank) and args.rank not in failure.spares:
+        raise UsageError(f"--rank {args.rank} is neither in the grid (ranks [{plan.layout.rank_offset}, "
+                         f"{plan.layout.rank_offset + plan.layout.size})) nor a spare; expected one of them")
+    report = recovery_of(plan, failure.failed, failure.spares, replica_dim=failure.replica_dim,
+                         gpus_per_node=args.gpus_per_node)
+    data = report.as_dict(args.gpus_per_node, rank=args.rank)
+    out(json.dumps(data, indent=1) if args.format == "json" else recovery_table(data))
     return EXIT_OK
 
 

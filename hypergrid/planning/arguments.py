@@ -4,7 +4,8 @@ A layout comes one way of four: Megatron-Core sizes (``--tp``, ``--pp``, ...), a
 (``--shape``/``--dims``), a Megatron-LM launch line (``--megatron-args[-file]``) or a torchtitan
 job config (``--torchtitan``); given two ways, or with a size missing, the arguments are refused
 naming the flags. ``plan`` also chooses the release of Megatron-Core or torchtitan whose groups it
-plans (:func:`add_release_args`). Pure: no torch, no megatron import.
+plans (:func:`add_release_args`), and with ``--fail`` the failure whose recovery it shows
+(:func:`failure_from_args`). Pure: no torch, no megatron import.
 
 Example::
 
@@ -18,12 +19,14 @@ Example::
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from ..errors import LayoutArgumentError
 from .plan import Plan, plan_grid, plan_megatron
 
-__all__ = ["add_release_args", "plan_from_args"]
+__all__ = ["Failure", "add_release_args", "failure_from_args", "plan_from_args"]
 
 
 def add_release_args(parser: argparse.ArgumentParser) -> None:
@@ -136,3 +139,66 @@ def _plan_from_launch_line(args: argparse.Namespace, megatron_given: list[str], 
     if args.world_size is None and launch.world_size is None:
         raise LayoutArgumentError("a Megatron-LM launch line needs --world-size N (Megatron-LM reads it from WORLD_SIZE)")
     return plan_from_megatron_args(launch, world_size=args.world_size, **chosen)
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What ``plan --fail`` plans a recovery from: the failed ranks, the spares in the order they
+    are used, and the dim whose replicas a shrink drops.
+
+    Example::
+
+        >>> Failure(failed=(5,), spares=(16, 17), replica_dim="dp").spares
+        (16, 17)
+    """
+
+    failed: tuple[int, ...]
+    spares: tuple[int, ...]
+    replica_dim: str
+
+
+def failure_from_args(args: argparse.Namespace, plan: Plan) -> Optional[Failure]:
+    """The :class:`Failure` that ``--fail``, ``--spares`` (N ranks after the grid's last) or
+    ``--spare-ranks`` and ``--replica-dim`` give for ``plan``; None without ``--fail``. A value that
+    does not fit is a :class:`LayoutArgumentError` naming the flag and what it expects.
+
+    Example::
+
+        >>> args = argparse.Namespace(fail=[5], spares=2, spare_ranks=None, replica_dim=None)
+        >>> failure_from_args(args, plan_megatron(16, tp=2))
+        Failure(failed=(5,), spares=(16, 17), replica_dim='dp')
+        >>> failure_from_args(argparse.Namespace(**{**vars(args), "fail": [5, 16]}), plan_megatron(16, tp=2))
+        Traceback (most recent call last):
+        ...
+        hypergrid.errors.LayoutArgumentError: --fail 5,16: rank 16 is not in the grid, which spans ranks [0, 16); expected ranks of the grid
+    """
+    from .recovery import spare_ranks_after
+
+    given = [flag for flag, value in (("--spares", args.spares), ("--spare-ranks", args.spare_ranks),
+                                      ("--replica-dim", args.replica_dim)) if value is not None]
+    if args.fail is None:
+        if given:
+            raise LayoutArgumentError(f"{given[0]} goes with --fail RANKS (the ranks whose failure is planned)")
+        return None
+    layout = plan.layout
+    span = f"[{layout.rank_offset}, {layout.rank_offset + layout.size})"
+    for flag, ranks in (("--fail", args.fail), ("--spare-ranks", args.spare_ranks or [])):
+        text = ",".join(map(str, ranks))
+        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        if twice:
+            raise LayoutArgumentError(f"{flag} {text}: rank {twice[0]} is given twice; expected distinct ranks")
+        wrong = [r for r in ranks if layout.contains(r) != (flag == "--fail")]
+        if wrong and flag == "--fail":
+            raise LayoutArgumentError(f"{flag} {text}: rank {wrong[0]} is not in the grid, which spans ranks {span}; "
+                                      f"expected ranks of the grid")
+        if wrong:
+            raise LayoutArgumentError(f"{flag} {text}: rank {wrong[0]} is in the grid, which spans ranks {span}; "
+                                      f"expected ranks outside it, e.g. {layout.rank_offset + layout.size}")
+    spares = args.spare_ranks if args.spare_ranks is not None else spare_ranks_after(layout, args.spares or 0)
+    dim = args.replica_dim or "dp"
+    if args.replica_dim is not None and args.replica_dim not in layout.dim_names:
+        raise LayoutArgumentError(f"--replica-dim {args.replica_dim}: the grid has no such dim; expected one of "
+                                  f"{', '.join(layout.dim_names)}")
+    if plan.megatron_config is not None and dim != "dp":
+        raise LayoutArgumentError(f"--replica-dim {dim}: a Megatron layout's replicas are along dp; expected dp")
+    return Failure(tuple(args.fail), tuple(spares), dim)

@@ -28,12 +28,16 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..layout import GridLayout
 from ..layout.checks import positive_int
 from ..layout.kinds import GroupKind
 from ..releases import Followed
+
+if TYPE_CHECKING:
+    from ..megatron.spec.config import MegatronConfig
+    from ..megatron.spec.plan import MegatronPlan
 
 __all__ = [
     "Anchor",
@@ -43,6 +47,7 @@ __all__ = [
     "Plan",
     "plan_grid",
     "plan_megatron",
+    "plan_of_megatron",
     "MAX_LISTED_WORLD",
     "SAMPLED_RANKS_BUDGET",
     "LISTED_MEMBERS",
@@ -195,6 +200,9 @@ class Plan:
     #: The anchor's release the kinds follow and how it was chosen (None: not said; a Megatron
     #: plan is then of the groups every supported megatron-core makes).
     follows: Optional[Followed] = None
+    #: The Megatron-Core configuration a Megatron plan was made from (None: another layout): a
+    #: recovery plans Megatron-Core's groups again from it (:mod:`hypergrid.planning.recovery`).
+    megatron_config: Optional["MegatronConfig"] = None
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
@@ -479,11 +487,26 @@ def plan_megatron(
     from ..megatron.spec.plan import plan_model_parallel
 
     megatron_kwargs.setdefault("create_gloo_process_groups", False)
-    mplan = plan_model_parallel(
+    return plan_of_megatron(plan_model_parallel(
         world_size,
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         expert_model_parallel_size=ep, expert_tensor_parallel_size=etp, order=order, **megatron_kwargs,
-    )
+    ))
+
+
+def plan_of_megatron(mplan: "MegatronPlan") -> Plan:
+    """The :class:`Plan` of Megatron-Core's groups as :func:`~hypergrid.megatron.spec.plan.plan_model_parallel`
+    plans them: its dense grid, kinds and expert view, laid where its placement says.
+
+    Example::
+
+        >>> from hypergrid.layout.rank_map import RankMap
+        >>> from hypergrid.megatron.spec.plan import plan_model_parallel
+        >>> placed = plan_of_megatron(plan_model_parallel(4, tensor_model_parallel_size=2,
+        ...                                               placement=RankMap.of([0, 1, 8, 3])))
+        >>> placed.megatron.dp, placed.groups_of(8)["tp"], placed.megatron_config.world_size
+        (2, [8, 3], 4)
+    """
     sizes = mplan.config.sizes()
     megatron = MegatronSizes(
         tp=sizes["tensor_model_parallel_size"], pp=sizes["pipeline_model_parallel_size"],
@@ -493,4 +516,5 @@ def plan_megatron(
     )
     logger.debug("megatron plan %s: dense %s, expert %s", megatron, mplan.dense, mplan.expert)
     return Plan(mplan.config.world_size, mplan.dense, list(mplan.kinds), {"expert": mplan.expert}, megatron,
-                {"expert": mplan.expert_shared_dims}, mplan.config.pipeline_model_parallel_comm_backend)
+                {"expert": mplan.expert_shared_dims}, mplan.config.pipeline_model_parallel_comm_backend,
+                megatron_config=mplan.config)

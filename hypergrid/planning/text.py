@@ -1,23 +1,27 @@
 """The ``plan`` command's report as people and spreadsheets read it: a table and CSV.
 
 Both render the data ``Plan.as_dict`` gives (with the cost of :mod:`hypergrid.planning.cost`), which is also
-what ``--format json`` prints, so the three formats never say different things.
+what ``--format json`` prints, so the three formats never say different things. ``plan --fail``'s
+table renders :meth:`RecoveryReport.as_dict <hypergrid.planning.recovery.RecoveryReport.as_dict>`
+the same way.
 """
 
 from __future__ import annotations
 
 import csv
 import io
+import math
 
 from .cost import cost_lines
 from ..layout.describe import describe_members, member_runs
 from .plan import MAX_LISTED_WORLD, Plan, plan_grid  # noqa: F401 (plan_grid: examples)
 
-__all__ = ["plan_table", "plan_csv"]
+__all__ = ["plan_table", "plan_csv", "recovery_table"]
 
 #: Members of a group a table shows before it shortens the list (JSON and CSV show all).
 MEMBERS_SHOWN = 16
 _RUNS_SHOWN = 7  # runs of a cut group named before its "..."
+_MOVES_SHOWN = 8  # a recovery's rank moves named before its "..."
 
 
 def _cut_group(head: list[int], last: int, size: int) -> str:
@@ -60,8 +64,24 @@ def _short(members) -> str:
     return describe_members(members)
 
 
-def _dims_text(layout) -> str:
-    return " x ".join(f"{n}={s}" for n, s in zip(layout.dim_names, layout.shape))
+def _dims_text(grid: dict) -> str:
+    return " x ".join(f"{n}={s}" for n, s in zip(grid["dim_names"], grid["shape"]))
+
+
+def _header(data: dict) -> list[str]:
+    """The world, the Megatron sizes and the grid and views, from ``data`` (``plan`` or ``plan --fail``)."""
+    nodes, gpn = math.ceil(data["world_size"] / data["gpus_per_node"]), data["gpus_per_node"]
+    out = [f"hypergrid plan: {data['world_size']} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
+    m = data["megatron"]
+    if m is not None:
+        out.append(
+            f"megatron sizes: tp={m['tp']} pp={m['pp']} cp={m['cp']} ep={m['ep']} etp={m['etp']} "
+            f"-> dp={m['dp']}, expert dp={m['edp']}; order {m['order']}"
+        )
+    out.append(f"grid:   {_dims_text(data['grid'])}   (first dim varies fastest over ranks)")
+    for name, view in data["views"].items():
+        out.append(f"{name + ':':<7} {_dims_text(view)}")
+    return out
 
 
 def _table(rows: list[list[str]], right: set[int]) -> str:
@@ -89,18 +109,8 @@ def plan_table(plan: "Plan", data: dict) -> str:
         >>> print(plan_table(plan, data).splitlines()[0])
         hypergrid plan: 8 ranks on 2 nodes of 4 ranks
     """
-    nodes, gpn = data["nodes"], data["gpus_per_node"]
-    out = [f"hypergrid plan: {plan.world_size} ranks on {nodes} node{'s' * (nodes != 1)} of {gpn} ranks"]
-    order_note = "first dim varies fastest over ranks"
-    m = plan.megatron
-    if m is not None:
-        out.append(
-            f"megatron sizes: tp={m.tp} pp={m.pp} cp={m.cp} ep={m.ep} etp={m.etp} "
-            f"-> dp={m.dp}, expert dp={m.edp}; order {m.order}"
-        )
-    out.append(f"grid:   {_dims_text(plan.layout)}   ({order_note})")
-    for name, view in plan.views.items():
-        out.append(f"{name + ':':<7} {_dims_text(view)}")
+    gpn = data["gpus_per_node"]
+    out = _header(data)
     out.append("")
     rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement", "megatron group"]]
     where = {"node": "inside a node", "nvlink": "inside an NVLink domain", "across": "ACROSS DOMAINS"}
@@ -178,3 +188,94 @@ def plan_csv(data: dict) -> str:
             row += [text, of_kind.get(k["name"], "")]
         writer.writerow(row)
     return buf.getvalue().rstrip("\n")
+
+
+def _runs_text(runs: list[list[int]], shown: int = 8) -> str:
+    """Ranks given as ``[first rank, length]`` runs, for people: ``0-4, 16, 6-15``."""
+    parts = [str(a) if n == 1 else f"{a}-{a + n - 1}" for a, n in runs[:shown]]
+    return ", ".join(parts) + (f", ... ({len(runs)} runs)" if len(runs) > shown else "")
+
+
+_ROLES = {"stays": "stays", "failed": "failed", "leaves": "leaves the grid with its replica",
+          "spare": "a spare, not used", "outside": "outside the grid"}
+
+
+def recovery_table(data: dict) -> str:
+    """``plan --fail``'s table: the layout, the recovery (rank moves, or the replicas dropped), per
+    kind the groups kept, rebuilt and dropped, and ``--rank``'s groups before and after.
+
+    ``data`` is :meth:`RecoveryReport.as_dict <hypergrid.planning.recovery.RecoveryReport.as_dict>`
+    (what ``--json`` prints).
+
+    Example::
+
+        >>> from hypergrid.planning.recovery import recovery_of
+        >>> report = recovery_of(plan_grid([2, 4], ["tp", "dp"]), failed=[3], spares=[8], gpus_per_node=4)
+        >>> print("\\n".join(recovery_table(report.as_dict(4)).splitlines()[3:6]))
+        recovery from the loss of rank 3: replace
+          a spare takes each failed rank's position: 3 -> 8
+          spares left: none
+    """
+    r = data["recovery"]
+    out = _header(data)
+    out[0] += f"; spares: {describe_members(r['spares']) if r['spares'] else 'none'}"
+    failed = r["failed"]
+    out += ["", f"recovery from the loss of rank{'s' * (len(failed) > 1)} {describe_members(failed)}: {r['kind']}"]
+    if r["kind"] == "replace":
+        moves = [f"{a} -> {b}" for a, b in r["replaced"]]
+        cut = ", ..." if len(moves) > _MOVES_SHOWN else ""
+        out.append(f"  a spare takes each failed rank's position: {', '.join(moves[:_MOVES_SHOWN])}{cut}")
+        out.append(f"  spares left: {describe_members(r['spares_left']) if r['spares_left'] else 'none'}")
+    else:
+        dim, replicas = r["replica_dim"], data["grid"]["shape"][data["grid"]["dim_names"].index(r["replica_dim"])]
+        gone = r["dropped_replicas"]
+        out.append(f"  too few spares ({len(r['spares'])} for {len(failed)} failed): replica{'s' * (len(gone) > 1)} "
+                   f"{describe_members(gone)} of {dim} dropped ({dim} {replicas} -> {replicas - len(gone)})")
+        out.append(f"  ranks leaving the grid with {'them' if len(gone) > 1 else 'it'}: "
+                   f"{describe_members(r['leaving']) if r['leaving'] else 'none'}")
+    after = r["grid_after"]
+    out += [f"grid after: {_dims_text(after)} on ranks {_runs_text(after['rank_runs'])} ({after['size']} ranks)", ""]
+    rows = [["kind", "groups before", "after", "kept", "rebuilt", "dropped"]]
+    for k in r["kinds"]:
+        rows.append([k["name"]] + ["-" if k[f] is None else str(k[f])
+                                   for f in ("before", "after", "kept", "rebuilt", "dropped")])
+    out.append(_table(rows, right={1, 2, 3, 4, 5}))
+    out.append("kept: the same members in the same order; rebuilt: groups that did not exist before; "
+               "dropped: groups that no longer exist")
+    if data["follows"] is not None:
+        out.append(f"kinds: the groups {data['follows']['description']} creates")
+    unknown = [k["name"] for k in r["kinds"] if k["counted"] == "not_computed"]
+    if unknown:
+        out.append(f"not counted (compared group by group up to {MAX_LISTED_WORLD:,} ranks): {', '.join(unknown)}")
+    if "rank" in data:
+        out += [""] + _rank_lines(data["rank"])
+    return "\n".join(out)
+
+
+def _rank_lines(rank: dict) -> list[str]:
+    role = (f"a spare, takes rank {rank['replaces']}'s place" if rank["role"] == "replaces"
+            else _ROLES[rank["role"]])
+    coords = [f"{side} " + " ".join(f"{n}={c}" for n, c in rank[f"coords_{side}"].items())
+              for side in ("before", "after") if rank[f"coords_{side}"] is not None]
+    out = [f"rank {rank['rank']} (node {rank['node']}, local rank {rank['local_rank']}): {role}"
+           + (f"; coords {', '.join(coords)}" if coords else "")]
+    rows = [["kind", "before", "after", "change"]]
+    for name, g in rank["groups"].items():
+        rows.append([name] + [_group_text(g[side]) for side in ("before", "after")]
+                    + [(g["change"] or "-").replace("_", " ")])
+    out.append(_table(rows, right=set()))
+    return out
+
+
+def _group_text(members) -> str:
+    """A group of a recovery's rank: a list in full (its evenness checked), a group too large to
+    list as its first members and last (nothing inferred: a placed grid's groups skip ranks)."""
+    if members is None:
+        return "-"
+    if isinstance(members, list):
+        return describe_members(members)
+    if members["head"] is None:
+        return f"({members['size']} ranks)"
+    runs = member_runs(members["head"][:MEMBERS_SHOWN - 2])
+    parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:_RUNS_SHOWN]]
+    return f"{', '.join(parts)}, ..., {members['last']} ({members['size']} ranks)"
