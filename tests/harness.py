@@ -40,6 +40,7 @@ def _child(
     pg_timeout_s: float,
     env: dict[str, str],
     init_kwargs: dict[str, Any],
+    leave_at_once: bool = False,
 ) -> None:
     os.environ.update(env)
     os.environ.update(
@@ -55,6 +56,12 @@ def _child(
     except BaseException as exc:  # reported to the parent, which fails the test with it
         results.put((rank, False, f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}"))
     finally:
+        if leave_at_once:
+            # After a failure the survivors' groups may hold dead peers, and tearing them down can
+            # block: the result is sent, the process leaves (as a crashed job's survivors would).
+            results.close()
+            results.join_thread()
+            os._exit(0)
         if dist.is_initialized():
             with contextlib.suppress(Exception):
                 dist.destroy_process_group()
@@ -69,6 +76,7 @@ def run_gloo(
     expect_failure: bool = False,
     env: Optional[dict[str, str]] = None,
     init_kwargs: Optional[dict[str, Any]] = None,
+    leave_at_once: bool = False,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
@@ -77,6 +85,8 @@ def run_gloo(
     ended without a word (killed) holds ``("dead", exitcode)``.
 
     ``init_kwargs`` go to each rank's ``init_process_group`` (e.g. ``device_id=``).
+    ``leave_at_once``: each rank exits as soon as its result is sent, without tearing down its
+    process groups (for jobs where ranks died, whose groups may block in their teardown).
 
     Under pytest the calling test must be marked ``gloo`` (see tests/conftest.py).
     """
@@ -94,7 +104,8 @@ def run_gloo(
     procs = [
         ctx.Process(
             target=_child,
-            args=(rank, world_size, port, fn, args, results, pg_timeout_s, dict(env or {}), dict(init_kwargs or {})),
+            args=(rank, world_size, port, fn, args, results, pg_timeout_s, dict(env or {}), dict(init_kwargs or {}),
+                  leave_at_once),
             daemon=True,
         )
         for rank in range(world_size)

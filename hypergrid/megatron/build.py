@@ -74,12 +74,14 @@ def build_state(
     timeout: timedelta,
     participants: Optional[Sequence[int]] = None,
     label: str = "initialize_model_parallel",
+    step_timeout: Optional[timedelta] = None,
 ) -> MegatronGrids:
     """This rank's groups of ``plan``, made through one grid, and ``parallel_state`` filled.
 
     ``participants``: the ranks that build it together (None: the whole world, as
     ``initialize_model_parallel``); they start together and meet at a checkpoint at the end, so a
-    failure on one reaches the others. On failure everything made is released and the error
+    failure on one reaches the others (within ``step_timeout``, by default ``timeout``, the
+    groups' own). On failure everything made is released and the error
     raised. Used by :func:`~hypergrid.megatron.initialize_model_parallel` and by a recovery.
 
     Example: a plan laid over other ranks (rank 9, a spare, holds position 5), as rank 9 of a
@@ -124,7 +126,7 @@ def build_state(
     grids = MegatronGrids(plan, grid, rank, share_groups, strategy, members)
     # NCCL applies SHARP to the first communicator made with NCCL_COLLNET_ENABLE=1 only.
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
-    checkpoint_timeout = effective_timeout(GroupOptions(timeout=timeout))
+    checkpoint_timeout = step_timeout or effective_timeout(GroupOptions(timeout=timeout))
     # Every rank starts together, so the end's checkpoint is named alike on all of them whatever
     # any rank did before (an earlier attempt that failed on some ranks only, say).
     step = world_start(label, timeout=checkpoint_timeout, ranks=participants)

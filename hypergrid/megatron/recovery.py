@@ -92,12 +92,15 @@ def rebuild_megatron(
     share_groups: bool,
     strategy: str,
     check_agreement: bool,
+    step_timeout: Optional[timedelta] = None,
 ) -> Optional[MegatronGrids]:
     """``parallel_state`` for ``recovery.new``, built by its ``members``; None on other ranks.
 
     The old state's groups stay held until the new one is built, so that every group whose
     members and options are unchanged is found in the registry instead of made again; then the
     old state lets go, and only the groups nobody holds (those with a failed rank) are destroyed.
+    ``step_timeout``: how long the members wait for each other at the start and the end (what is
+    left of the recovery's timeout; by default the configuration's).
 
     Raises:
         RecoveryRefused: Megatron-Core's sizes do not fit the new number of ranks (a shrink that
@@ -118,7 +121,7 @@ def rebuild_megatron(
         if rank in members:
             grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
                                 check_agreement=check_agreement, timeout=_timeout(new_config),
-                                participants=members, label="recover")
+                                participants=members, label="recover", step_timeout=step_timeout)
             ps._set_global_memory_buffer()
             set_active(grids)
     finally:

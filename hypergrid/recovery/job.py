@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -243,6 +244,7 @@ class ResilientJob:
             RecoveryError: the survivors did not finish together (another rank failed during the
                 recovery, or the store stopped answering); on every survivor, within ``timeout``.
         """
+        deadline = _Deadline(time.monotonic() + timeout.total_seconds())
         if failed is None:
             lost = agree_on_failures(self.domain, timeout=timeout).failed
         else:
@@ -253,7 +255,7 @@ class ResilientJob:
             return dataclasses.replace(self, spares=spares)
         plan = plan_recovery(self.layout, gone, spares, replica_dim=replica_dim, gpus_per_node=gpus_per_node)
         logger.info("rank %d: %s", dist.get_rank(), plan.describe())
-        state = _rebuild(self, plan, timeout)
+        state = _rebuild(self, plan, deadline)
         left = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
         return ResilientJob(plan.new, left, self.recipe, state, self.recoveries + (plan,))
 
@@ -279,19 +281,30 @@ class ResilientJob:
         return job
 
 
-def _rebuild(job: ResilientJob, plan: RecoveryPlan, timeout: timedelta) -> Any:
+@dataclass(frozen=True)
+class _Deadline:
+    """The one deadline of a recovery: each phase gets what is left of it, not a timeout of its own."""
+
+    at: float
+
+    def left(self) -> timedelta:
+        return timedelta(seconds=max(1.0, self.at - time.monotonic()))
+
+
+def _rebuild(job: ResilientJob, plan: RecoveryPlan, deadline: _Deadline) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement."""
     rank = dist.get_rank()
     members = sorted(plan.new.ranks)
     if rank in members:
-        _evict_broken(members, timeout)
+        _evict_broken(members, deadline.left())
     if isinstance(job.recipe, MegatronRecipe):
         from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
 
         recipe = job.recipe
         return rebuild_megatron(recipe.config, job.state, plan, members, rank, share_groups=recipe.share_groups,
-                                strategy=recipe.strategy, check_agreement=recipe.check_agreement)
-    return _rebuild_grid(job, plan, members, rank, timeout)
+                                strategy=recipe.strategy, check_agreement=recipe.check_agreement,
+                                step_timeout=deadline.left())
+    return _rebuild_grid(job, plan, members, rank, deadline.left())
 
 
 def _evict_broken(members: list[int], timeout: timedelta) -> None:
