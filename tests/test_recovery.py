@@ -1,152 +1,188 @@
-"""After a failed creation the same ranks can create a correct group; nothing of the failure lingers.
+"""Recovering in-process, piece by piece: re-placed grids and Megatron state on one simulated rank,
+the survivors' agreement on who is gone, and the probe of groups that outlived a failure.
 
-Real 4-rank gloo jobs on loopback. Each job makes one creation fail in a different way (a backend
-the machine lacks, ranks that disagree, a rank that arrives after the timeout, an exception inside
-torch's constructor on one rank), lets every rank see its error, meets on the default group, and
-then builds a correct grid over the same ranks, whose groups must work (an all_reduce on each).
-Also here: a Megatron group derived by a rule of its own (the embedding group) that one rank
-computes differently ends in an error on every rank, and a registry reader is not blocked while
-another thread waits on a slow peer.
+The whole loop (a rank SIGKILLed mid-step, training going on) is tests/test_recovery_training.py.
 """
 
 from __future__ import annotations
 
-import threading
+import functools
 import time
 from datetime import timedelta
 
 import pytest
-import torch
 import torch.distributed as dist
 
-from tests.harness import run_gloo
+from hypergrid import HyperCommGrid, ResilientJob, recover
+from hypergrid.errors import RecoveryRefused
+from hypergrid.runtime.registry import REGISTRY
+from tests.harness import fake_world, run_gloo
 
-#: Every test here starts multi-process gloo jobs (tests/README.md).
-pytestmark = pytest.mark.gloo
-
-TIMEOUT_S = 4.0
-
-
-def _failure_then_retry(rank: int, world_size: int, failure: str) -> dict:
-    from hypergrid import HyperCommGrid
-
-    timeout = timedelta(seconds=TIMEOUT_S)
-    first: tuple = ("ok", "")
-    try:
-        if failure == "backend":
-            HyperCommGrid([2, 2], ["tp", "dp"], backend="nccl", timeout=timeout).create_pg("tp")
-        elif failure == "mismatch":
-            shape = [4, 1] if rank == 3 else [2, 2]
-            HyperCommGrid(shape, ["tp", "dp"], timeout=timeout).create_pg("tp")
-        elif failure == "timeout":
-            if rank == 3:
-                time.sleep(TIMEOUT_S + 3)  # arrives after every other member gave up
-            HyperCommGrid([2, 2], ["tp", "dp"], timeout=timeout).create_pg("tp")
-        elif failure == "torch":
-            real = dist.new_group
-
-            def broken(*args, **kwargs):
-                raise RuntimeError("simulated failure inside torch's new_group")
-
-            if rank == 1:
-                dist.new_group = broken
-            try:
-                HyperCommGrid([2, 2], ["tp", "dp"], timeout=timeout).create_pg("tp")
-            finally:
-                dist.new_group = real
-        else:
-            raise ValueError(failure)
-    except Exception as exc:  # the failure under test
-        first = (type(exc).__name__, str(exc))
-    dist.barrier()  # every rank is past its failure before anyone retries
-    # The retry needs no short timeout: a loaded 2-core machine can delay gloo's connections.
-    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=60))
-    sums = {}
-    for dims in ("tp", "dp", ["tp", "dp"]):
-        value = torch.ones(1)
-        dist.all_reduce(value, group=grid.create_pg(dims))
-        sums[grid.layout.key(dims)] = value.item()
-    grid.destroy()
-    return {"first": first, "sums": sums}
+SIZES = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, create_gloo_process_groups=False)
 
 
-@pytest.mark.parametrize("failure", ["backend", "mismatch", "timeout", "torch"])
-def test_a_correct_group_after_a_failed_creation(failure):
-    results = run_gloo(_failure_then_retry, 4, failure, timeout=120, pg_timeout_s=TIMEOUT_S + 10)
-    kinds = [r["first"][0] for r in results]
-    assert any(kind != "ok" for kind in kinds), results  # the first creation did fail
-    if failure == "torch":
-        assert kinds[0] == "ok" or "tp" in results[0]["first"][1]
-        assert "simulated failure" in results[1]["first"][1] and "'tp'" in results[1]["first"][1], results[1]
-    for result in results:
-        assert result["sums"] == {"tp": 2.0, "dp": 2.0, "dp-tp": 4.0}, result
+def _count_new_groups(monkeypatch) -> list:
+    made: list = []
+    original = dist.new_group
+
+    @functools.wraps(original)  # keeps the signature hypergrid reads its features from
+    def counting(*args, **kwargs):
+        made.append(kwargs.get("ranks", args[0] if args else None))
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(dist, "new_group", counting)
+    return made
 
 
-def _embedding_differs_on_rank_3(rank: int, world_size: int) -> tuple:
-    import hypergrid.megatron as hm
+@pytest.mark.parametrize("rank", [0, 4, 6, 8, 9])
+def test_a_grid_job_keeps_unchanged_groups_and_makes_only_the_changed_ones(rank, monkeypatch):
+    with fake_world(rank, 10):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+        before = {dims: grid.create_pg(dims) for dims in ("tp", "dp", "pp")}
+        job = ResilientJob.of_grid(grid, spares=[8, 9])
+        made = _count_new_groups(monkeypatch)
+        after = job.recover(failed=[5], gpus_per_node=2)
+        assert list(after.layout.ranks) == [0, 1, 2, 3, 4, 8, 6, 7] and after.spares == (9,)
+        new = after.state
+        for dims, old in before.items():
+            members = new.ranks(dims, rank) if after.in_grid else None
+            if members is None:
+                assert new.get_pg(dims) is None
+                continue
+            changed = 8 in members
+            assert (new.get_pg(dims) is old) is (not changed and old is not None), (dims, members)
+            if changed:
+                assert dist.get_process_group_ranks(new.get_pg(dims)) == members  # in position order
+        assert len(made) == sum(1 for dims in before if after.in_grid and 8 in new.ranks(dims, rank))
+        assert grid.is_current_rank_in_grid() is (rank < 8) and after.in_grid is (rank != 9)
+        new.destroy()
+        assert REGISTRY.count() == 0
 
-    def mine_differs(pp_ranks):
-        return [pp_ranks[1], pp_ranks[-1]]  # Megatron's default is first and last stage
 
-    kwargs = dict(pipeline_model_parallel_size=4, create_gloo_process_groups=False)
-    if rank == 3:
-        kwargs["get_embedding_ranks"] = mine_differs
-    start = time.monotonic()
-    try:
-        hm.initialize_model_parallel(**kwargs)
-    except Exception as exc:  # the outcome under test
-        return (type(exc).__name__, str(exc), time.monotonic() - start)
-    hm.destroy_model_parallel()
-    return ("ok", "", time.monotonic() - start)
+def test_without_spares_the_replica_is_dropped_and_its_survivors_leave():
+    with fake_world(0, 8):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+        tp = grid.create_pg("tp")
+        after = recover(ResilientJob.of_grid(grid), failed=[5])
+        assert after.last.kind.value == "shrink" and list(after.layout.ranks) == [2, 3, 6, 7]
+        assert not after.in_grid and after.spares == (0, 1, 4)
+        assert after.state.get_pg("tp") is None and REGISTRY.holders_of(tp) == set()
+        after.state.destroy()
+    with fake_world(3, 8):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+        tp = grid.create_pg("tp")
+        after = recover(ResilientJob.of_grid(grid), failed=[5])
+        assert after.in_grid and after.state.get_pg("tp") is tp and after.state.ranks("dp") == [3]
+        after.state.destroy()
 
 
-def test_a_derived_megatron_group_that_differs_on_one_rank_fails_everywhere():
+def test_a_grid_with_views_cannot_shrink_and_says_why():
+    with fake_world(0, 8):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+        grid.register_view("expert", [4, 2], ["ep", "pp"], shared_dims=["pp"])
+        grid.create_pg("tp")
+        with pytest.raises(RecoveryRefused, match="views \\['expert'\\] cannot shrink"):
+            recover(ResilientJob.of_grid(grid), failed=[5])
+        grid.destroy()
+
+
+def test_a_refused_plan_is_refused_on_every_rank_alike():
+    with fake_world(0, 4):
+        grid = HyperCommGrid([2, 1, 2], ["tp", "dp", "pp"])
+        with pytest.raises(RecoveryRefused, match="every one of the 1 replicas of 'dp' holds a failed rank"):
+            recover(ResilientJob.of_grid(grid), failed=[3])
+        grid.destroy()
+
+
+def test_recovery_is_refused_where_the_world_must_split(monkeypatch):
+    import hypergrid.recovery.job as job_module
+    from hypergrid.runtime.modes import JobSetup
+
+    with fake_world(0, 10):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+        job = ResilientJob.of_grid(grid, spares=[8, 9])
+        monkeypatch.setattr(job_module, "job_setup", lambda: JobSetup("nccl", "cuda", "nccl"))
+        with pytest.raises(RecoveryRefused, match="bound to a device whose backend splits"):
+            job.recover(failed=[5], gpus_per_node=2)
+        grid.destroy()
+
+
+def _megatron_globals() -> dict:
+    from megatron.core import parallel_state as ps
+
+    names = ["_DATA_PARALLEL_GLOBAL_RANKS", "_TENSOR_MODEL_PARALLEL_GLOBAL_RANKS", "_PIPELINE_GLOBAL_RANKS",
+             "_EMBEDDING_GLOBAL_RANKS", "_MODEL_PARALLEL_GLOBAL_RANKS", "_DATA_PARALLEL_GLOBAL_RANKS_WITH_CP"]
+    out = {name: getattr(ps, name) for name in names}
+    out["getters"] = (ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank(),
+                      ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_next_rank(),
+                      ps.get_data_parallel_world_size())
+    return out
+
+
+@pytest.mark.parametrize("rank", [1, 4, 7, 8])
+def test_parallel_state_after_a_recovery_is_what_a_fresh_start_on_that_placement_gives(rank):
     pytest.importorskip("megatron.core")
-    results = run_gloo(_embedding_differs_on_rank_3, 4, timeout=240, pg_timeout_s=30, expect_failure=True)
-    assert [status for status, _ in results] == ["ok"] * 4, results  # nobody died or hung
-    outcomes = [value for _, value in results]
-    for rank, (kind, message, seconds) in enumerate(outcomes):
-        assert kind in ("GridMismatchError", "GroupTimeoutError"), (rank, kind, message)
-        # far below the 30-minute group timeout Megatron's groups are created with (measured: 13.5 s)
-        assert seconds < 120, (rank, seconds, message)
-    assert any("'embd'" in m for _, m, _ in outcomes), outcomes
-    # rank 3 itself learns what differs, as soon as the others do
-    assert outcomes[3][0] == "GridMismatchError" and "request.members" in outcomes[3][1], outcomes[3]
+    from hypergrid.megatron import destroy_model_parallel
+
+    with fake_world(rank, 10):
+        job = ResilientJob.of_megatron(spares=[8, 9], **SIZES)
+        after = job.recover(failed=[5], gpus_per_node=2)
+        recovered = _megatron_globals() if after.in_grid else None
+        destroy_model_parallel()
+    with fake_world(rank, 10):
+        fresh = ResilientJob.of_megatron(ranks=[0, 1, 2, 3, 4, 8, 6, 7], **SIZES)
+        assert fresh.in_grid is after.in_grid
+        if fresh.in_grid:
+            assert _megatron_globals() == recovered
+        destroy_model_parallel()
+    if rank == 8:  # the spare in position 5: data-parallel rank 0 of [8, 7], as rank 5 was
+        assert recovered["_DATA_PARALLEL_GLOBAL_RANKS"] == [8, 7] and recovered["getters"][1] == 0
 
 
-def _reader_while_creating(rank: int, world_size: int) -> dict:
-    from hypergrid import HyperCommGrid
-    from hypergrid.runtime.registry import REGISTRY
+# ---------------------------------------------------------------------- multi-process pieces
+def _agree(rank: int, world: int) -> tuple:
+    from hypergrid import start_heartbeat
+    from hypergrid.errors import ExcludedByRecovery
+    from hypergrid.runtime.failures import agree_on_failures
 
-    grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=60))
-    if rank != 0:
-        time.sleep(3.0)  # rank 0's creation of "tp" waits on rank 1 meanwhile
-        grid.create_pg("tp")
-        return {}
-    creating = threading.Event()
-    finished = threading.Event()
-
-    def create() -> None:
-        creating.set()
-        grid.create_pg("tp")
-        finished.set()
-
-    thread = threading.Thread(target=create)
-    thread.start()
-    creating.wait()
-    reads_during_wait = 0
-    while not finished.is_set():
-        REGISTRY.count()
-        REGISTRY.groups()
-        if not finished.is_set():
-            reads_during_wait += 1
-        time.sleep(0.01)
-    thread.join()
-    return {"reads_during_wait": reads_during_wait}
+    beat = start_heartbeat(interval_s=0.2)
+    if rank == 3:
+        beat.stop()  # looks dead: no heartbeat, and arrives only after the verdict
+        time.sleep(6)
+    try:
+        verdict = agree_on_failures(range(world), timeout=timedelta(seconds=20))
+    except ExcludedByRecovery as exc:
+        return ("excluded", str(exc))
+    return ("failed", verdict.failed)
 
 
-def test_a_registry_reader_is_not_blocked_while_a_creation_waits_on_a_slow_peer():
-    results = run_gloo(_reader_while_creating, 4, timeout=90)
-    # rank 0's reader kept reading throughout its creator's wait (3 s at 10 ms per read); with
-    # the registry's lock held across the wait, every read would have waited for the creation.
-    assert results[0]["reads_during_wait"] > 20, results[0]
+@pytest.mark.gloo
+def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out():
+    results = run_gloo(_agree, 4, timeout=90)
+    assert results[:3] == [("failed", (3,))] * 3, results
+    assert results[3][0] == "excluded" and "itself among them" in results[3][1]
+
+
+def _broken(rank: int, world: int) -> list:
+    from hypergrid.runtime.health import broken_groups
+
+    pair = dist.new_group([0, 1], timeout=timedelta(seconds=2))
+    fine = dist.new_group([0, 1], timeout=timedelta(seconds=30))
+    if rank == 0:
+        with pytest.raises(Exception):  # rank 1 never joins: rank 0 times out, gloo closes the pair
+            dist.all_reduce(dist_tensor(), group=pair)
+    else:
+        time.sleep(4)
+    return sorted(broken_groups([pair, fine], participants=[0, 1], timeout=timedelta(seconds=30)))
+
+
+def dist_tensor():
+    import torch
+
+    return torch.ones(1)
+
+
+@pytest.mark.gloo
+def test_a_group_one_member_found_broken_is_broken_for_every_member():
+    results = run_gloo(_broken, 2, timeout=90, pg_timeout_s=30)
+    assert results == [[(0, 1)], [(0, 1)]], results

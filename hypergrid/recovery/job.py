@@ -50,6 +50,7 @@ from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_recovery
 from ..runtime.failures import agree_on_failures, wait_for_recovery
 from ..runtime.health import broken_groups
+from ..runtime.modes import job_setup
 from ..runtime.registry import REGISTRY
 from ..runtime.store import agreement_possible
 from ..runtime.world_step import world_checkpoint, world_start
@@ -295,6 +296,12 @@ def _rebuild(job: ResilientJob, plan: RecoveryPlan, deadline: _Deadline) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement."""
     rank = dist.get_rank()
     members = sorted(plan.new.ranks)
+    if job_setup().splits:
+        raise RecoveryRefused(
+            "cannot rebuild groups in-process on a default group bound to a device whose backend splits "
+            "(NCCL with device_id): every new communicator is split from the world's, which the lost ranks "
+            "would have to join; start the default group without device_id to recover in-process"
+        )
     if rank in members:
         _evict_broken(members, deadline.left())
     if isinstance(job.recipe, MegatronRecipe):
