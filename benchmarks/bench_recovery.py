@@ -27,6 +27,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import subprocess
@@ -49,6 +50,7 @@ def _count_calls() -> dict[str, int]:
     for name in counts:
         original = getattr(dist, name)
 
+        @functools.wraps(original)  # hypergrid reads new_group's parameters from its signature
         def counted(*args: Any, _name: str = name, _original: Any = original, **kwargs: Any) -> Any:
             counts[_name] += 1
             return _original(*args, **kwargs)

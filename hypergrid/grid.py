@@ -633,7 +633,7 @@ class HyperCommGrid:
         else:
             # Placed over other ranks: a group's ranks in their positions' order, as torch would
             # order them if the positions were the ranks.
-            members = None if groups[0] is None else tuple(sorted(groups[0], key=self._layout.position_key))
+            members = None if groups[0] is None else tuple(self._layout.rank_map.in_position_order(groups[0]))
             request = GroupRequest.derived(label, members, groups[1], keep_order=True, **decided)
         pg = REGISTRY.acquire(owner, request)
         with self._state_lock:

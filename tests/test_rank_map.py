@@ -116,3 +116,17 @@ def test_a_million_positions_with_a_replaced_node_are_three_runs():
     expected = [4 + 16 * k for k in range(world // 16)]
     expected[256] = world + 8 + 4  # position 4100 is on the spare node now
     assert layout.group_ranks("dp", 4) == expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_mapping_many_positions_or_ranks_at_once_is_mapping_each(seed):
+    rng = random.Random(seed)
+    placement = RankMap.of(_random_placement(64, seed))
+    positions = sorted(rng.sample(range(64), 20))
+    assert placement.ranks_of(positions) == [placement.rank(p) for p in positions]
+    shuffled = positions[:]
+    rng.shuffle(shuffled)
+    assert placement.ranks_of(shuffled) == [placement.rank(p) for p in shuffled]
+    ranks = [placement.rank(p) for p in shuffled] + [1000, 999]  # two outside the map
+    by_position = sorted(ranks[:-2], key=placement.position) + [999, 1000]
+    assert placement.in_position_order(ranks) == by_position

@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import functools
 import hashlib
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -131,11 +132,56 @@ class RankMap:
         return first + rank - start if rank < start + length else None
 
     def ranks_of(self, positions: Sequence[int]) -> list[int]:
-        """The global ranks of ``positions``, in order."""
+        """The global ranks of ``positions``, in order. Ascending positions (a group's) are mapped
+        run by run, with no search per position.
+
+        Example::
+
+            >>> RankMap.of([0, 1, 8, 9, 4, 5]).ranks_of([1, 2, 5])
+            [1, 8, 5]
+        """
         if self.is_contiguous:
             base = self.first_rank
             return [base + p for p in positions]
-        return [self.rank(p) for p in positions]
+        if not all(map(operator.lt, positions, positions[1:])):  # not ascending: one search each
+            return [self.rank(p) for p in positions]
+        out: list[int] = []
+        i = 0
+        for first, rank, length in self.runs:
+            j = bisect.bisect_left(positions, first + length, i)
+            if j > i:
+                shift = rank - first
+                out += [p + shift for p in positions[i:j]]
+                i = j
+            if i == len(positions):
+                break
+        if i != len(positions):
+            raise ValueError(f"positions {list(positions[i:i + 3])}... are outside the map's {self.size} positions")
+        return out
+
+    def in_position_order(self, ranks: Iterable[int]) -> list[int]:
+        """``ranks`` ordered by their positions (ranks the map does not use last, ascending): one
+        sort and a search per run, not per rank.
+
+        Example::
+
+            >>> RankMap.of([0, 1, 9, 3]).in_position_order([3, 9, 12, 0])
+            [0, 9, 3, 12]
+        """
+        ordered = sorted(ranks)
+        pieces: list[tuple[int, list[int]]] = []
+        used = 0
+        for start, first, length in self._by_rank:
+            lo = bisect.bisect_left(ordered, start)
+            hi = bisect.bisect_left(ordered, start + length, lo)
+            if hi > lo:
+                pieces.append((first + ordered[lo] - start, ordered[lo:hi]))
+                used += hi - lo
+        out = [r for _, piece in sorted(pieces) for r in piece]
+        if used < len(ordered):
+            mapped = set(out)
+            out += [r for r in ordered if r not in mapped]
+        return out
 
     def __iter__(self) -> Iterator[int]:
         """Every position's rank, in position order."""
