@@ -186,3 +186,20 @@ def dist_tensor():
 def test_a_group_one_member_found_broken_is_broken_for_every_member():
     results = run_gloo(_broken, 2, timeout=90, pg_timeout_s=30)
     assert results == [[(0, 1)], [(0, 1)]], results
+
+
+@pytest.mark.parametrize("rank", [4, 8])
+def test_a_device_mesh_of_the_recovered_grid_answers_for_the_new_placement(rank):
+    from hypergrid import device_mesh
+
+    with fake_world(rank, 10):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
+        for dims in ("tp", "dp", "pp"):
+            grid.create_pg(dims)
+        after = ResilientJob.of_grid(grid, spares=[8, 9]).recover(failed=[5], gpus_per_node=2)
+        mesh = device_mesh(after.state, device_type="cpu")
+        assert mesh.mesh_dim_names == ("pp", "dp", "tp")
+        assert mesh.get_group("tp") is after.state.get_pg("tp")
+        assert dist.get_process_group_ranks(mesh.get_group("tp")) == [4, 8]
+        assert mesh["pp"].mesh.tolist() == after.state.ranks("pp")
+        after.state.destroy()
