@@ -110,6 +110,8 @@ _FAILURE_GRACE_S = 2.0
 #: How long a member blocks on the store (a follower on its leader's verdict, a leader on its
 #: members' first entries) before it starts looking for trouble itself.
 _SLICE_S = 3.0
+#: What a member keeps of its timeout for the calls that close a round it gave up waiting on.
+_CLOSING_S = 0.5
 
 
 def publish_position(agreement: Agreement) -> None:
@@ -250,6 +252,12 @@ def _poll(deadline: float, ready: Callable[[], bool], diagnose: Callable[[], Non
         pause = min(pause * 2, 0.1)
 
 
+def _waiting_until(rnd: Round, timeout: timedelta) -> float:
+    """When to stop waiting: the deadline less the time the closing calls need (naming who is
+    missing, deciding the verdict), so that the error itself arrives within the timeout."""
+    return rnd.store.deadline - min(_CLOSING_S, 0.05 * timeout.total_seconds())
+
+
 def _timeout_message(rnd: Round, missing: list[int], timeout: timedelta) -> str:
     return (
         f"hypergrid: {rnd.where()}: ranks {describe_ranks(missing)} did not arrive within the timeout "
@@ -280,7 +288,7 @@ def _lead(rnd: Round, timeout: timedelta) -> None:
     try:
         # The first meeting of these members blocks until every entry exists instead of polling.
         published[0] = rnd.store.wait(keys, _SLICE_S)
-        if not _poll(rnd.store.deadline, arrived, lambda: judge_absent(rnd, absent())):
+        if not _poll(_waiting_until(rnd, timeout), arrived, lambda: judge_absent(rnd, absent())):
             raise GroupTimeoutError(_timeout_message(rnd, absent(), timeout))
         if len({e.digest for e in entries.values()}) > 1:
             diffs = differences({r: e.asked.fields() for r, e in entries.items()})
@@ -321,7 +329,7 @@ def _follow(rnd: Round, timeout: timedelta) -> None:
             judge_absent(rnd, [rnd.leader])
 
     try:
-        decided = _poll(rnd.store.deadline, lambda: rnd.store.check([rnd.verdict_key]), diagnose)
+        decided = _poll(_waiting_until(rnd, timeout), lambda: rnd.store.check([rnd.verdict_key]), diagnose)
     except GridMismatchError as exc:
         _decide(rnd, Verdict(RoundOutcome.MISMATCH, str(exc)), exc.root_cause)
         return
