@@ -149,6 +149,12 @@ def _three_lives(rank: int, world: int) -> list:
     for life in range(3):
         # An in-process restart: the old world torn down, a new one over a fresh store prefix.
         dist.destroy_process_group()
+        # Every rank has left the old life before any forms the new world, as an in-process
+        # restart wrapper makes sure: under load, gloo's connectFullMesh fails ("connection closed
+        # by peer") when a rank connects while a peer is still in the previous life.
+        if base.add(f"left{life}", 1) == world:
+            base.set(f"all_left{life}", "1")
+        base.wait([f"all_left{life}"], timedelta(seconds=60))
         dist.init_process_group("gloo", store=dist.PrefixStore(f"life{life}/", base), rank=rank, world_size=world,
                                 timeout=timedelta(seconds=60))
         try:
