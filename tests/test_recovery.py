@@ -163,6 +163,23 @@ def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_ou
     assert results[3][0] == "excluded" and "itself among them" in results[3][1]
 
 
+def _spares_released(rank: int, world: int) -> tuple:
+    job = ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=world), spares=[2, 3])
+    if job.in_grid:
+        time.sleep(1.0)  # the spares are waiting by now (were they not, they would find the release at once)
+        job.release_spares()
+        return ("member",)
+    # An hour: far past the test's own timeout, so only the release can end the wait.
+    after = job.wait_as_spare(timeout=timedelta(hours=1))
+    return ("spare", after is job, after.in_grid)
+
+
+@pytest.mark.gloo
+def test_spares_return_once_the_job_releases_them():
+    results = run_gloo(_spares_released, 4, timeout=60)
+    assert results == [("member",), ("member",), ("spare", True, False), ("spare", True, False)], results
+
+
 def _broken(rank: int, world: int) -> list:
     from hypergrid.runtime.health import broken_groups
 

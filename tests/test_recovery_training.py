@@ -153,7 +153,8 @@ def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: i
     if job.in_grid:
         params = _initial_shard(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
     else:
-        job = job.wait_as_spare(timeout=timedelta(seconds=120), recovery_timeout=RECOVERY, gpus_per_node=2)
+        # Longer than the whole test may run: an unused spare returns because the job released it.
+        job = job.wait_as_spare(timeout=timedelta(hours=1), recovery_timeout=RECOVERY, gpus_per_node=2)
         if not job.in_grid:
             return {"role": "unused spare"}
         params = [torch.zeros(DIM, HIDDEN // TP), torch.zeros(HIDDEN // TP, DIM)]
@@ -184,6 +185,7 @@ def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: i
             try:
                 job = hypergrid.recover(job, timeout=RECOVERY, gpus_per_node=2)
             except Exception as error:
+                job.release_spares()  # the job gives up: spares still waiting need not wait on
                 return {"role": "survivor", "recovery_error": type(error).__name__, "message": str(error)[:300],
                         "seconds": time.monotonic() - failed_at, "first_error": type(exc).__name__}
             for p, saved in zip(params, snapshot):
@@ -207,6 +209,7 @@ def _train_on(job: Any, params: list[torch.Tensor], start: int, rank: int, recov
         loss = _step(params, step)
         if loss is not None:
             losses[step] = loss
+    job.release_spares()  # training is over: a spare still waiting returns now, not at its timeout
     return {"role": "member", "ranks": list(job.layout.ranks), "plan": job.last.describe(), "start": state,
             "after": losses, "recovery_seconds": seconds, "kind": job.last.kind.value}
 

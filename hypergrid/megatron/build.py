@@ -91,10 +91,11 @@ def build_state(
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> from megatron.core import parallel_state
         >>> from hypergrid.layout.rank_map import RankMap
+        >>> from hypergrid.megatron import installed_features
         >>> from hypergrid.megatron.spec.plan import plan_model_parallel
         >>> dist.init_process_group("fake", store=FakeStore(), rank=9, world_size=10)
-        >>> plan = plan_model_parallel(8, tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-        ...                            create_gloo_process_groups=False,
+        >>> plan = plan_model_parallel(8, features=installed_features(), tensor_model_parallel_size=2,
+        ...                            pipeline_model_parallel_size=2, create_gloo_process_groups=False,
         ...                            placement=RankMap.of([0, 1, 2, 3, 4, 9, 6, 7]))
         >>> grids = build_state(plan, rank=9, share_groups=True, strategy="auto", check_agreement=True,
         ...                     timeout=timedelta(minutes=10))

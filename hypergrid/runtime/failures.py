@@ -41,12 +41,15 @@ from .liveness import LivenessWatch, running_heartbeat
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import FailureVerdict, decode, encode, members_digest
 
-__all__ = ["agree_on_failures", "recovery_key", "wait_for_recovery"]
+__all__ = ["agree_on_failures", "recovery_key", "release_spares", "wait_for_recovery"]
 
 logger = logging.getLogger(__name__)
 
 #: How long a heartbeat may stand still before its rank counts as gone, in heartbeat intervals.
 STALE_BEATS = 5
+
+#: How often a waiting spare looks whether a recovery started or the job released it, in seconds.
+_RELEASE_POLL_S = 0.5
 
 
 def recovery_key(domain: Sequence[int]) -> str:
@@ -121,7 +124,8 @@ def agree_on_failures(domain: Sequence[int], *, timeout: timedelta,
 
 def wait_for_recovery(domain: Sequence[int], *, timeout: timedelta) -> bool:
     """Block (a spare, outside the grid) until some survivor of ``domain`` starts a recovery
-    round, or ``timeout`` passes; True when one started.
+    round, or the job releases its spares (:func:`release_spares`), or ``timeout`` passes; True
+    when a recovery started.
 
     Example::
 
@@ -130,7 +134,32 @@ def wait_for_recovery(domain: Sequence[int], *, timeout: timedelta) -> bool:
     """
     if not agreement_possible():
         return False
-    store = StoreClient(time.monotonic() + timeout.total_seconds() + 5.0)
+    store = StoreClient(time.monotonic() + 30.0)  # each call bounded; the wait itself is the loop's
     base = recovery_key(sorted(set(domain)))
     epoch = int(store.add(f"{base}/epoch", 0))
-    return store.wait([f"{base}/{epoch}/here"], timeout.total_seconds())
+    started, released = f"{base}/{epoch}/here", f"{base}/released"
+    end = time.monotonic() + timeout.total_seconds()
+    # Either key ends the wait, and a store wait needs all of its keys (and a TCPStore logs a
+    # warning for each wait that runs out): so a look at both keys now and then.
+    while True:
+        if store.check([started]):
+            return True
+        if store.check([released]) or time.monotonic() >= end:
+            return False
+        store.extend(_RELEASE_POLL_S + 5.0)
+        time.sleep(min(_RELEASE_POLL_S, max(0.0, end - time.monotonic())))
+
+
+def release_spares(domain: Sequence[int]) -> None:
+    """Tell the spares of ``domain`` waiting in :func:`wait_for_recovery` that the job is over:
+    they return (False) within half a second instead of at their timeout. Any rank of the job
+    may call it, any number of times; a recovery that starts afterwards is not waited for.
+
+    Example::
+
+        >>> release_spares([0, 1])   # no process group: nobody waits
+    """
+    if not agreement_possible():
+        return
+    store = StoreClient(time.monotonic() + 30.0)
+    store.set(f"{recovery_key(sorted(set(domain)))}/released", "1")
