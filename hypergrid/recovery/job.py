@@ -118,6 +118,12 @@ class ResilientJob:
     recipe: Recipe
     state: Any
     recoveries: tuple[RecoveryPlan, ...] = ()
+    #: The job's ranks (grid and spares) before any recovery: what names it to its spares.
+    origin: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.origin:
+            object.__setattr__(self, "origin", self.domain)
 
     # ------------------------------------------------------------------ making one
     @classmethod
@@ -258,7 +264,7 @@ class ResilientJob:
         logger.info("rank %d: %s", dist.get_rank(), plan.describe())
         state = _rebuild(self, plan, deadline)
         left = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
-        return ResilientJob(plan.new, left, self.recipe, state, self.recoveries + (plan,))
+        return ResilientJob(plan.new, left, self.recipe, state, self.recoveries + (plan,), self.origin)
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: timedelta = DEFAULT_TIMEOUT,
                       gpus_per_node: int = 8, replica_dim: str = "dp") -> "ResilientJob":
@@ -276,7 +282,7 @@ class ResilientJob:
         if not agreement_possible():
             return job  # nobody to recover with: a simulated rank, or no process group
         while not job.in_grid:
-            if not wait_for_recovery(job.domain, timeout=timeout):
+            if not wait_for_recovery(job.domain, timeout=timeout, origin=job.origin):
                 return job
             job = job.recover(timeout=recovery_timeout, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         return job
@@ -291,7 +297,7 @@ class ResilientJob:
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6), spares=[4, 5])
             >>> job.release_spares()
         """
-        release_spares(self.domain)
+        release_spares(self.origin)
 
 
 @dataclass(frozen=True)

@@ -122,10 +122,10 @@ def agree_on_failures(domain: Sequence[int], *, timeout: timedelta,
     return verdict
 
 
-def wait_for_recovery(domain: Sequence[int], *, timeout: timedelta) -> bool:
+def wait_for_recovery(domain: Sequence[int], *, timeout: timedelta, origin: Optional[Sequence[int]] = None) -> bool:
     """Block (a spare, outside the grid) until some survivor of ``domain`` starts a recovery
-    round, or the job releases its spares (:func:`release_spares`), or ``timeout`` passes; True
-    when a recovery started.
+    round, or the job releases its spares (:func:`release_spares` of ``origin``, the job's ranks
+    before any recovery; default ``domain``), or ``timeout`` passes; True when a recovery started.
 
     Example::
 
@@ -137,7 +137,7 @@ def wait_for_recovery(domain: Sequence[int], *, timeout: timedelta) -> bool:
     store = StoreClient(time.monotonic() + 30.0)  # each call bounded; the wait itself is the loop's
     base = recovery_key(sorted(set(domain)))
     epoch = int(store.add(f"{base}/epoch", 0))
-    started, released = f"{base}/{epoch}/here", f"{base}/released"
+    started, released = f"{base}/{epoch}/here", _released_key(domain if origin is None else origin)
     end = time.monotonic() + timeout.total_seconds()
     # Either key ends the wait, and a store wait needs all of its keys (and a TCPStore logs a
     # warning for each wait that runs out): so a look at both keys now and then.
@@ -150,10 +150,12 @@ def wait_for_recovery(domain: Sequence[int], *, timeout: timedelta) -> bool:
         time.sleep(min(_RELEASE_POLL_S, max(0.0, end - time.monotonic())))
 
 
-def release_spares(domain: Sequence[int]) -> None:
-    """Tell the spares of ``domain`` waiting in :func:`wait_for_recovery` that the job is over:
-    they return (False) within half a second instead of at their timeout. Any rank of the job
-    may call it, any number of times; a recovery that starts afterwards is not waited for.
+def release_spares(origin: Sequence[int]) -> None:
+    """Tell the spares waiting in :func:`wait_for_recovery` for the job whose ranks were
+    ``origin`` before any recovery that the job is over: they return (False) within half a second
+    instead of at their timeout. Named by the job's first ranks, not its current ones, so that a
+    release reaches a spare whatever recoveries it took part in (a survivor whose recovery failed
+    still holds the job from before it). Any rank may call it, any number of times.
 
     Example::
 
@@ -162,4 +164,8 @@ def release_spares(domain: Sequence[int]) -> None:
     if not agreement_possible():
         return
     store = StoreClient(time.monotonic() + 30.0)
-    store.set(f"{recovery_key(sorted(set(domain)))}/released", "1")
+    store.set(_released_key(origin), "1")
+
+
+def _released_key(origin: Sequence[int]) -> str:
+    return f"{PREFIX}/released/{members_digest(sorted(set(origin)))}"
