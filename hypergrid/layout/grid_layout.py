@@ -312,6 +312,24 @@ class GridLayout:
             base -= ((local // self.strides[i]) % self.shape[i]) * self.strides[i]
         return self._ranks_at([base + offset for offset in self._offsets(ordered)])
 
+    def consecutive_groups(self, dims: Dims, along: str, start: int, count: int) -> list[int]:
+        """The members of ``count`` consecutive ``dims`` groups along the dim ``along`` from index
+        ``start`` (every other dim at 0), concatenated, each in enumeration order. One pass over
+        the members, however many groups: a group's offsets are computed once and shifted.
+
+        Example::
+
+            >>> GridLayout((2, 4), ("tp", "dp")).consecutive_groups(["tp"], "dp", 2, 2)
+            [4, 5, 6, 7]
+        """
+        ordered, _ = self.order_dims(dims)
+        i = self._index[along]
+        if not 0 <= start <= start + count <= self.shape[i]:
+            raise ValueError(f"groups {start} to {start + count - 1} along {along!r} are outside its size {self.shape[i]}")
+        stride = self.strides[i]
+        offsets = self._offsets(ordered)
+        return self._ranks_at([k * stride + offset for k in range(start, start + count) for offset in offsets])
+
     def group_index(self, dims: Dims, rank: int) -> int:
         """Index of ``rank``'s group in ``enumerate(dims)``. O(ndims).
 

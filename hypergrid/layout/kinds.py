@@ -331,12 +331,7 @@ class JoinedGroups(Derivation):
 
     def members(self, layout: GridLayout, dims: Sequence[str], rank: int) -> Optional[list[int]]:
         first = (layout.coords(rank)[layout.dim_names.index(self.index_dim)] // self.join) * self.join
-        members: list[int] = []
-        for index in range(first, first + self.join):
-            coords = {name: 0 for name in layout.dim_names}
-            coords[self.index_dim] = index
-            members += layout.group_ranks(list(dims), layout.rank_of(coords))
-        return members
+        return layout.consecutive_groups(list(dims), self.index_dim, first, self.join)
 
     def enumerate(self, layout: GridLayout, dims: Sequence[str]) -> list[list[int]]:
         groups = layout.enumerate(list(dims))
