@@ -155,13 +155,13 @@ class Partition:
                 f"of this partition" if self.rank_map is None else
                 f"rank {rank} is not one of this partition's ranks (placed by {self.rank_map!r})"
             )
-        positions = self._group_positions(position)
         if self.rank_map is None:
-            return [self.rank_offset + p for p in positions]
-        return self.rank_map.ranks_of(positions)
+            # The offset rides on the first position: one pass, not a second over the group.
+            return self._group_positions(position, shift=self.rank_offset)
+        return self.rank_map.ranks_of(self._group_positions(position))
 
-    def _group_positions(self, position: int) -> list[int]:
-        base = position
+    def _group_positions(self, position: int, shift: int = 0) -> list[int]:
+        base = position + shift
         for size, stride in self.modes:
             base -= ((position // stride) % size) * stride
         if len(self.modes) == 1:

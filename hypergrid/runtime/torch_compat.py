@@ -124,7 +124,9 @@ def group_name_override(name: str, ranks: Sequence[int]) -> Iterator[None]:
     wanted = sorted(ranks)
 
     def named(group_ranks: list[int], use_hashed_name: bool) -> str:
-        if use_hashed_name and len(group_ranks) == len(wanted) and sorted(group_ranks) == wanted:
+        # torch's list is usually the very order asked for; the sort is for the kept-order case.
+        if use_hashed_name and len(group_ranks) == len(wanted) and (
+                group_ranks == wanted or sorted(group_ranks) == wanted):
             return c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
         return original(group_ranks, use_hashed_name)
 
