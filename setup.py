@@ -33,10 +33,12 @@ setup(
         "docs": ["sphinx>=8", "myst-parser>=4"],
         # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests;
         # matplotlib: the picture tests; Sphinx and myst-parser: tests/test_docs.py builds the
-        # docs with warnings as errors.
+        # docs with warnings as errors; expecttest: torch's own test helpers import it
+        # (tests/torch_upstream runs torch's DeviceMesh tests).
         "test": [
             "pytest>=8",
             "hypothesis>=6",
+            "expecttest>=0.2",
             "einops>=0.8",
             "megatron-core>=0.16.1,<0.20",
             "matplotlib>=3.8",

@@ -1,8 +1,8 @@
 """DeviceMesh behaves the same on hypergrid's groups as on torch's: a differential check.
 
-torch's own ``test/distributed/test_device_mesh.py`` at the tags of the torches tested (2.13.0,
-2.15.0) could not be brought here (see the project's notes), so this file asks the same kinds of
-questions of both implementations side by side: in one 8-rank gloo job, each mesh is built by
+torch's own ``test/distributed/test_device_mesh.py`` runs on hypergrid's groups in
+``tests/test_torch_device_mesh.py``; this file asks the same kinds of questions of both
+implementations side by side, over more meshes: in one 8-rank gloo job, each mesh is built by
 ``init_device_mesh`` (torch), by ``hypergrid.device_mesh(grid)`` and by ``init_device_mesh`` with
 ``route_device_meshes()`` on, and every operation of the DeviceMesh surface is run on all three:
 the mesh tensor, names, shape, sizes, coordinates and local ranks; every group's ranks; every
