@@ -190,6 +190,25 @@ def test_initialize_model_parallel_names_a_nan_timeout() -> None:
                 initialize_model_parallel(tensor_model_parallel_size=2, distributed_timeout_minutes=minutes)
 
 
+@pytest.mark.parametrize("content", [None, "", "- a list\n", "tp: [unclosed\n"],
+                         ids=["missing", "empty-name", "a-list", "bad-yaml"])
+def test_initialize_model_parallel_names_an_unreadable_nccl_config(tmp_path, content) -> None:
+    pytest.importorskip("megatron.core.parallel_state")
+    pytest.importorskip("yaml")
+    from hypergrid.megatron import initialize_model_parallel
+
+    if content is None:
+        path = str(tmp_path / "absent.yaml")
+    elif content == "":
+        path = ""
+    else:
+        path = str(tmp_path / "nccl.yaml")
+        (tmp_path / "nccl.yaml").write_text(content)
+    with fake_world(0, 8):
+        with pytest.raises(ValueError, match=rf"^nccl_communicator_config_path .*{path!r}"):
+            initialize_model_parallel(tensor_model_parallel_size=2, nccl_communicator_config_path=path)
+
+
 # ---------------------------------------------------------------------------- the DeviceMesh adapter
 @pytest.mark.parametrize("grid", [None, "grid", [2, 4]])
 def test_device_mesh_of_something_else_is_a_type_error_naming_grid(grid) -> None:

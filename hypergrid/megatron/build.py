@@ -159,8 +159,20 @@ def _load_nccl_cfgs(config: MegatronConfig) -> dict[str, dict]:
                 "nccl_communicator_config_path needs the yaml package (pip install pyyaml), which "
                 "is not installed"
             ) from None
-        with open(config.nccl_communicator_config_path, "r") as stream:
-            cfgs = yaml.safe_load(stream) or {}
+        path = config.nccl_communicator_config_path
+        try:
+            with open(path, "r") as stream:
+                cfgs = yaml.safe_load(stream) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ValueError(
+                f"nccl_communicator_config_path must name a readable YAML file of per-group NCCL "
+                f"options, got {path!r}: {exc}"
+            ) from exc
+        if not isinstance(cfgs, dict):
+            raise ValueError(
+                f"nccl_communicator_config_path {path!r} must hold a mapping of group name to NCCL "
+                f"options, got a {type(cfgs).__name__}"
+            )
     for name in config.high_priority_stream_groups or []:
         cfgs.setdefault(name, {})["is_high_priority_stream"] = True
     if cfgs and not dist.is_nccl_available():
