@@ -26,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from tests.junit import Outcome, read_report
 from tests.megatron_lm.conftest import RANK_ENV
 
 HERE = Path(__file__).parent
@@ -41,14 +41,6 @@ REPO = HERE.parent.parent
 VERSIONS = {"v0_16": "0.16", "v0_19": "0.19"}
 
 IMPLEMENTATIONS = ("mcore", "hypergrid")
-
-
-@dataclass
-class Outcome:
-    """One test on one implementation, over all ranks."""
-
-    status: str  # "passed", "failed" or "skipped"
-    detail: str = ""  # the first failure or the skip reason
 
 
 @dataclass
@@ -111,23 +103,11 @@ def _split_id(name: str) -> tuple[str, Optional[str]]:
 
 
 def _parse(report: Path) -> dict[tuple[str, str], Outcome]:
-    tree = ET.parse(report)
     found: dict[tuple[str, str], Outcome] = {}
-    for case in tree.iter("testcase"):
-        test, impl = _split_id(case.get("name", ""))
-        test = f"{case.get('classname', '')}::{test}"
-        if impl is None:
-            continue
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
-        skipped = case.find("skipped")
-        if failure is not None:
-            found[(test, impl)] = Outcome("failed", (failure.get("message") or failure.text or "").strip())
-        elif skipped is not None:
-            found[(test, impl)] = Outcome("skipped", (skipped.get("message") or "").strip())
-        else:
-            found[(test, impl)] = Outcome("passed")
+    for classname, name, outcome in read_report(report):
+        test, impl = _split_id(name)
+        if impl is not None:
+            found[(f"{classname}::{test}", impl)] = outcome
     return found
 
 

@@ -25,12 +25,12 @@ import os
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tests.junit import Outcome, read_report
 from tests.torch_upstream.witness import WITNESS_FILE
 
 HERE = Path(__file__).parent
@@ -39,14 +39,6 @@ TESTS = HERE / "device_mesh_tests.py"
 
 #: The two runs: the control on torch's groups, then the same file on hypergrid's.
 RUNS = ("torch", "hypergrid")
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """One test in one run."""
-
-    status: str  # "passed", "failed" or "skipped"
-    detail: str = ""  # the failure's message or the skip reason
 
 
 @dataclass
@@ -100,20 +92,7 @@ class Comparison:
 
 
 def _parse(report: Path) -> dict[str, Outcome]:
-    found: dict[str, Outcome] = {}
-    for case in ET.parse(report).iter("testcase"):
-        test = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name', '')}"
-        failure = case.find("failure")
-        if failure is None:
-            failure = case.find("error")
-        skipped = case.find("skipped")
-        if failure is not None:
-            found[test] = Outcome("failed", (failure.get("message") or failure.text or "").strip())
-        elif skipped is not None:
-            found[test] = Outcome("skipped", (skipped.get("message") or "").strip())
-        else:
-            found[test] = Outcome("passed")
-    return found
+    return {f"{classname.rsplit('.', 1)[-1]}::{name}": outcome for classname, name, outcome in read_report(report)}
 
 
 def run_tests(run: str, workdir: Path, pytest_args: Sequence[str] = (), timeout_s: float = 1800.0) -> tuple[dict[str, Outcome], str]:
