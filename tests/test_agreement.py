@@ -90,6 +90,16 @@ def _job_shape(rank: int, world_size: int) -> tuple:
     return timed_outcome(lambda: _create_all(grid, REQUESTS))
 
 
+def _job_shape_found_by_rank_0(rank: int, world_size: int) -> tuple:
+    """``_job_shape`` where only rank 0 looks for members that cannot arrive: it finds the wait-for
+    cycle through rank 2, whose request matches its own grid; rank 3, the odd one, is further along."""
+    import hypergrid.runtime.agreement as agreement
+
+    if rank != 0:
+        agreement.judge_absent = lambda rnd, absent: None
+    return _job_shape(rank, world_size)
+
+
 def _job_order(rank: int, world_size: int) -> tuple:
     from hypergrid import HyperCommGrid
 
@@ -158,6 +168,25 @@ def test_one_rank_with_another_shape_fails_everywhere_naming_the_shape():
     assert shape_reports, outcomes
     assert any("[4, 1]" in m and "[2, 2]" in m for m in shape_reports), shape_reports
     assert outcomes[3][0] == "GridMismatchError", outcomes[3]
+
+
+@pytest.mark.gloo
+def test_a_cycle_found_away_from_the_odd_rank_still_names_the_shape():
+    # Which member finds a wait-for cycle depends on timing. Found by rank 0, the cycle runs
+    # through rank 2 (same shape, another request) to rank 3: its verdict compares every rank in the
+    # cycle, so it names the shapes; rank 1, outside it, times out naming both shapes too (CI once
+    # saw only the field's name, when rank 0 had found the cycle first).
+    results = _results(_job_shape_found_by_rank_0)
+    assert [status for status, _ in results] == ["ok"] * 4, results
+    outcomes = [value for _, value in results]
+    for rank in (0, 2, 3):
+        kind, message, _ = outcomes[rank]
+        assert kind == "GridMismatchError", (rank, outcomes[rank])
+        assert "these creations wait for each other" in message, (rank, message)
+        assert "grid.shape: ranks [0, 2] have [2, 2]; ranks [3] have [4, 1]" in message, (rank, message)
+    kind, message, _ = outcomes[1]
+    assert kind == "GroupTimeoutError", outcomes[1]
+    assert "grid.shape (this rank [2, 2], rank 3 [4, 1])" in message, message
 
 
 @pytest.mark.gloo

@@ -56,6 +56,26 @@ def format_differences(diffs: Mapping[str, Mapping[str, list[int]]]) -> str:
     return "\n  ".join(parts) or "no field differs"
 
 
+def _fields_differing(diffs: Mapping[str, Mapping[str, list[int]]], mine: int, theirs: int) -> str:
+    """The fields two ranks differ on, each grid fact with both values: a request that differs is
+    often only a rank being elsewhere, a grid that differs is the fault itself.
+
+    Example::
+
+        >>> _fields_differing({"grid.shape": {"[2, 2]": [0], "[4, 1]": [3]}, "request.label": {}}, 0, 3)
+        'grid.shape (this rank [2, 2], rank 3 [4, 1]), request.label'
+    """
+    def value_of(by_value: Mapping[str, list[int]], rank: int) -> str:
+        return next((shorten(v, 60) for v, ranks in by_value.items() if rank in ranks), "?")
+
+    parts = [
+        f"{name} (this rank {value_of(by_value, mine)}, rank {theirs} {value_of(by_value, theirs)})"
+        if name.startswith("grid.") else name
+        for name, by_value in sorted(diffs.items())
+    ]
+    return ", ".join(parts) or "nothing"
+
+
 def concurrency_hint(diffs: Mapping[str, Any]) -> str:
     """A hint for differences in the grid's facts: two grids made at once, in threads."""
     if {"grid.shape", "grid.dim_names", "grid.rank_offset", "grid.views"} & set(diffs):
@@ -97,10 +117,14 @@ def judge_absent(rnd: Round, absent: list[int]) -> None:
         last = read_last(rnd.store, r)
         if last is None:
             continue
-        reason, cycle = _cannot_arrive(rnd, last)
+        reason, cycle = _cannot_arrive(rnd, last, r)
         if reason is None:
             continue
-        diffs = differences({rnd.rank: rnd.asked.fields(), r: last.asked.fields()})
+        # In a wait-for cycle the rank that differs may be further along it than ``r``: compare the
+        # requests of every rank in it, so that the field at fault is named whoever finds the cycle.
+        compared = {rank: state.asked.fields() for rank, state in cycle}
+        compared.update({rnd.rank: rnd.asked.fields(), r: last.asked.fields()})
+        diffs = differences(compared)
         message = (
             f"hypergrid: {rnd.where()} cannot be created: rank {r} will not join, {reason}; its last "
             f"request was {last.label!r} ({last.position.describe()}):\n  {format_differences(diffs)}"
@@ -108,16 +132,16 @@ def judge_absent(rnd: Round, absent: list[int]) -> None:
         )
         # A wait-for cycle is a deadlock none of its rounds can leave: every one of them fails now,
         # with this one verdict, instead of each at its own timeout (or one of them only).
-        for state in cycle:
+        for _, state in cycle:
             with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
                 rnd.store.compare_set(f"{member_set_key(state.members)}/verdict/{state.epoch}", "",
                                       encode(Verdict(RoundOutcome.MISMATCH, message)))
         raise GridMismatchError(message, root_cause=last.error or None)
 
 
-def _cannot_arrive(rnd: Round, last: LastState) -> tuple[Optional[str], list[LastState]]:
-    """Why a rank whose last state is ``last`` will never arrive in this round (None when it may be
-    late), and the other rounds of a wait-for cycle it found."""
+def _cannot_arrive(rnd: Round, last: LastState, holder: int) -> tuple[Optional[str], list[tuple[int, LastState]]]:
+    """Why rank ``holder``, whose last state is ``last``, will never arrive in this round (None when
+    it may be late), and the rounds of a wait-for cycle it found, each with the rank waiting in it."""
     mine = rnd.agreement.position
     # The same request: the same place in the sequence of a grid with the same facts (what it asks
     # for there, and over whom, is what may differ). Grids that differ are told apart by the
@@ -142,10 +166,10 @@ def _cannot_arrive(rnd: Round, last: LastState) -> tuple[Optional[str], list[Las
         return None, []
     if last.state is not State.WAITING or not _is_open(rnd.store, last):
         return None, []  # it has left that round: busy elsewhere since, and may be late
-    chain, rounds = _wait_chain(rnd, last)
-    if chain and all(_is_open(rnd.store, state) for state in rounds):
+    chain, rounds = _wait_chain(rnd, holder, last)
+    if chain and all(_is_open(rnd.store, state) for _, state in rounds):
         return (f"it waits in a round of other members ({last.shown}, request {last.label!r}), and "
-                f"{chain}: these creations wait for each other"), rounds + [rnd.last_state(State.WAITING)]
+                f"{chain}: these creations wait for each other"), rounds + [(rnd.rank, rnd.last_state(State.WAITING))]
     return None, []
 
 
@@ -155,17 +179,19 @@ def _is_open(store: StoreClient, state: LastState) -> bool:
     return int(store.add(f"{base}/epoch", 0)) == state.epoch and not store.check([f"{base}/verdict/{state.epoch}"])
 
 
-def _wait_chain(rnd: Round, state: LastState, depth: int = _CYCLE_DEPTH) -> tuple[str, list[LastState]]:
-    """How ``state``'s open round waits, through other open rounds, for this rank, which waits in
-    its own round: a cycle that no member can leave. Returns its description and its rounds
-    (``("", [])`` when none is found within the bounds).
+def _wait_chain(rnd: Round, holder: int, state: LastState,
+                depth: int = _CYCLE_DEPTH) -> tuple[str, list[tuple[int, LastState]]]:
+    """How the open round that rank ``holder`` waits in (its last state ``state``) waits, through
+    other open rounds, for this rank, which waits in its own round: a cycle that no member can
+    leave. Returns its description and its rounds, each with the rank waiting in it (``("", [])``
+    when none is found within the bounds).
 
     A round waits for a member that is not in it (its entry is not of that round's epoch); that
     member, if it waits in an open round of its own, passes the wait on. A rank is in one round
     at a time (creations are serialised per process), so a chain of open rounds is current."""
     members = _shown_members(state)
     if rnd.rank in members and not _in_round(rnd.store, state, rnd.rank):
-        return f"that round needs rank {rnd.rank}", [state]
+        return f"that round needs rank {rnd.rank}", [(holder, state)]
     if depth <= 1:
         return "", []
     for other in [m for m in members if m != rnd.rank][:_CYCLE_BREADTH]:
@@ -176,9 +202,10 @@ def _wait_chain(rnd: Round, state: LastState, depth: int = _CYCLE_DEPTH) -> tupl
             continue
         if not _is_open(rnd.store, nxt):
             continue
-        rest, rounds = _wait_chain(rnd, nxt, depth - 1)
+        rest, rounds = _wait_chain(rnd, other, nxt, depth - 1)
         if rest:
-            return f"that round needs rank {other}, which waits in a round of members {nxt.shown}, and {rest}", [state] + rounds
+            return (f"that round needs rank {other}, which waits in a round of members {nxt.shown}, and {rest}",
+                    [(holder, state)] + rounds)
     return "", []
 
 
@@ -212,7 +239,7 @@ def last_states(rnd: Round, ranks: list[int]) -> str:
         where = f"round {last.epoch} of members {last.shown}" if last.members else "in none of its groups"
         notes.append(
             f"rank {r} was last {last.state.value} on {last.label!r} ({last.position.describe()}, {where}; "
-            f"differs from this rank's request in: {', '.join(sorted(diffs)) or 'nothing'})"
+            f"differs from this rank's request in: {_fields_differing(diffs, rnd.rank, r)})"
             + (f": {last.error}" if last.error else "")
         )
     if len(ranks) > 8:
