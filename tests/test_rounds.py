@@ -292,7 +292,13 @@ def _rank_dies_in_megatron(rank: int, world: int) -> tuple:
 
     import hypergrid.megatron as hm
 
+    # Rank 3 dies once every rank's init_process_group has returned: in Megatron's set-up, not in
+    # gloo's, where the peers still connecting to it would fail in torch before hypergrid is called.
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(seconds=60))
+    store.set(f"test/initialized/{rank}", "1")
     if rank == 3:
+        store.wait([f"test/initialized/{r}" for r in range(world)])
         os._exit(17)
     return timed_outcome(lambda: hm.initialize_model_parallel(
         tensor_model_parallel_size=2, distributed_timeout_minutes=0.1, create_gloo_process_groups=False))
