@@ -2,9 +2,9 @@
 
 Runs the adapted copies in ``tests/megatron_lm/<version>/`` for the installed megatron-core on 8
 gloo ranks (see :mod:`tests.megatron_lm.launch`); the other version's directory is skipped.
-By default the HyperCommGrid and ProcessGroupCollection files (a few minutes on 2 cores); with
-``HYPERGRID_MEGATRON_LM=full`` the parallel_state file too (some 15 minutes on 2 cores: each of
-its tests initializes model parallelism twice on 8 gloo ranks).
+By default the HyperCommGrid and ProcessGroupCollection files (under a minute on 2 cores); with
+``HYPERGRID_MEGATRON_LM=full`` the parallel_state file too (about 1.5 to 2 minutes on 2 cores: each
+of its tests initializes model parallelism twice on 8 gloo ranks).
 Every test must pass on hypergrid where it passes on Megatron-Core, except the differences listed
 in :data:`KNOWN_DIFFERENCES`, each with its reason; one of those that starts passing fails this
 test too, so that the list only shrinks. Run with ``-s`` to see the counts.
