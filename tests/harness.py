@@ -2,12 +2,15 @@
 
 ``run_gloo(fn, world_size)`` starts ``world_size`` fresh processes, each with a gloo default group
 over a store that the calling process hosts on a free loopback port, calls ``fn(rank, world_size, *args)`` in each and returns their results
-in rank order. The processes are forked from multiprocessing's fork server, a process of their own
-that has imported torch, hypergrid and (where installed) megatron-core once: each rank starts
-without them imported by anybody else's code, with the calling process's environment, as spawned
-ones do, but without spending seconds importing them again. Every wait has a timeout: a job that does not finish in ``timeout`` seconds is
+in rank order. Every wait has a timeout: a job that does not finish in ``timeout`` seconds is
 killed, process group and all, and the test fails naming the ranks still running. ``fn`` must be
-a module-level function (it is pickled by name into the children).
+a module-level function (it is pickled by name into the children). Inside a rank,
+``job_store()`` is a connection of its own to that store.
+
+The processes are forked from multiprocessing's fork server, a process of their own that has
+imported torch, hypergrid and (where installed) megatron-core once: each rank starts with nothing
+else's state and with the calling process's environment, as spawned ones do, without spending
+seconds importing them again.
 
 ``fake_world(rank, world_size)`` makes this process one rank of a world of any size on torch's
 fake backend, for tests of per-rank behaviour at scales no machine here could run.
@@ -46,6 +49,12 @@ def _context() -> Any:
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOADED))
     return ctx
+
+
+def job_store(timeout_s: float = 60.0) -> dist.TCPStore:
+    """From inside a rank of :func:`run_gloo`: a new client of the job's store."""
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def _child(

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_gloo, timed_outcome
+from tests.harness import job_store, run_gloo, timed_outcome
 
 pytestmark = pytest.mark.gloo
 
@@ -139,12 +139,9 @@ def test_megatron_after_one_rank_failed_alone_an_identical_retry_succeeds():
 
 
 def _three_lives(rank: int, world: int) -> list:
-    import os
-
     from hypergrid import HyperCommGrid
 
-    base = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                         timeout=timedelta(seconds=60))
+    base = job_store()
     outcomes = []
     for life in range(3):
         # An in-process restart: the old world torn down, a new one over a fresh store prefix.
@@ -294,8 +291,7 @@ def _rank_dies_in_megatron(rank: int, world: int) -> tuple:
 
     # Rank 3 dies once every rank's init_process_group has returned: in Megatron's set-up, not in
     # gloo's, where the peers still connecting to it would fail in torch before hypergrid is called.
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(seconds=60))
+    store = job_store()
     store.set(f"test/initialized/{rank}", "1")
     if rank == 3:
         store.wait([f"test/initialized/{r}" for r in range(world)])
@@ -358,13 +354,10 @@ def test_a_frozen_store_host_is_reported_as_such_within_the_timeout():
 
 def _store_keys_over_cycles(rank: int, world: int, cycles: int) -> list:
     """init/destroy cycles of a grid and of Megatron's state; hypergrid's keys in the store after each."""
-    import os
-
     import hypergrid.megatron as hm
     from hypergrid import HyperCommGrid
 
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
-                          timeout=timedelta(seconds=60))
+    store = job_store()
     counts = []
     for _ in range(cycles):
         grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=30))
