@@ -143,14 +143,16 @@ def test_parallel_state_after_a_recovery_is_what_a_fresh_start_on_that_placement
 def _agree(rank: int, world: int) -> tuple:
     from hypergrid import start_heartbeat
     from hypergrid.errors import ExcludedByRecovery
-    from hypergrid.runtime.failures import agree_on_failures
+    from hypergrid.runtime.failures import JobChannel, RecoveryRound
+    from hypergrid.runtime.wire import Arrival
 
     beat = start_heartbeat(interval_s=0.2)
     if rank == 3:
         beat.stop()  # looks dead: no heartbeat, and arrives only after the verdict
         time.sleep(6)
+    rnd = RecoveryRound.open(JobChannel.of(range(world), 0), time.monotonic() + 20)
     try:
-        verdict = agree_on_failures(range(world), timeout=timedelta(seconds=20))
+        verdict = rnd.agree(range(world), Arrival(rank), bound_s=30, stale_after_s=1.0, settle_s=0.4)
     except ExcludedByRecovery as exc:
         return ("excluded", str(exc))
     return ("failed", verdict.failed)
@@ -160,7 +162,8 @@ def _agree(rank: int, world: int) -> tuple:
 def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out():
     results = run_gloo(_agree, 4, timeout=90)
     assert results[:3] == [("failed", (3,))] * 3, results
-    assert results[3][0] == "excluded" and "itself among them" in results[3][1]
+    assert results[3][0] == "excluded" and "itself among them" in results[3][1], results[3]
+    assert "its heartbeat stopped" in results[3][1], results[3]
 
 
 def _spares_released(rank: int, world: int) -> tuple:

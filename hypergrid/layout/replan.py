@@ -37,7 +37,7 @@ from .checks import as_int, positive_int
 from .grid_layout import GridLayout
 from .rank_map import RankMap
 
-__all__ = ["RecoveryKind", "RecoveryPlan", "plan_recovery", "replica_of"]
+__all__ = ["RecoveryKind", "RecoveryPlan", "plan_recovery", "plan_growth", "replica_of"]
 
 
 class RecoveryKind(str, enum.Enum):
@@ -45,6 +45,8 @@ class RecoveryKind(str, enum.Enum):
 
     REPLACE = "replace"  # spares take the failed ranks' positions
     SHRINK = "shrink"  # the replicas holding failed ranks are dropped
+    REPAIR = "repair"  # nobody was lost: the placement stays, broken communicators are made anew
+    GROW = "grow"  # spares form replicas again, up to the size the job was made with
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class RecoveryPlan:
     """A grid before and after a recovery, and what happened to each rank.
 
     ``replaced``: (failed rank, spare) pairs; ``dropped``: surviving ranks whose replica was
-    dropped (they leave the grid); ``spares_left``: spares not used, still outside the grid.
+    dropped (they leave the grid); ``joined``: spares that formed new replicas (a growth);
+    ``spares_left``: spares not used, still outside the grid.
 
     Example::
 
@@ -68,6 +71,7 @@ class RecoveryPlan:
     replaced: tuple[tuple[int, int], ...] = ()
     dropped: tuple[int, ...] = ()
     spares_left: tuple[int, ...] = ()
+    joined: tuple[int, ...] = ()
 
     @property
     def members(self) -> frozenset[int]:
@@ -75,6 +79,11 @@ class RecoveryPlan:
         return frozenset(self.new.ranks)
 
     def describe(self) -> str:
+        if self.kind is RecoveryKind.REPAIR:
+            return f"repair: nobody lost, placement kept; {len(self.spares_left)} spares left"
+        if self.kind is RecoveryKind.GROW:
+            return (f"grow: ranks {list(self.joined)} join, shape {list(self.old.shape)} -> {list(self.new.shape)}; "
+                    f"{len(self.spares_left)} spares left")
         if self.kind is RecoveryKind.REPLACE:
             moves = ", ".join(f"rank {old} -> {new}" for old, new in self.replaced)
             return f"replace: {moves}; {len(self.spares_left)} spares left"
@@ -224,3 +233,51 @@ def _span(layout: GridLayout) -> str:
     if layout.rank_map is None:
         return f"[{layout.rank_offset}, {layout.rank_offset + layout.size})"
     return f"placed by {layout.rank_map!r}"
+
+
+def plan_growth(layout: GridLayout, replicas: int, spares: Sequence[int], *, replica_dim: str = "dp") -> RecoveryPlan:
+    """``layout`` grown back towards ``replicas`` along ``replica_dim`` with whole replicas of
+    ``spares`` (in the order given), as many as they fill; every position of the current replicas
+    keeps its rank and coordinates, so groups inside them keep their members, and the new replicas
+    come after them along ``replica_dim``. A plan of kind ``repair`` (nothing moves) where no whole
+    replica can be added. O(size) (the grown placement is listed).
+
+    Example: dp 2 shrank to dp 1 on ranks 2, 3, 6, 7 (tp 2 x dp x pp 2); ranks 0, 1, 4, 5 wait as
+    spares again::
+
+        >>> shrunk = plan_recovery(GridLayout((2, 2, 2), ("tp", "dp", "pp")), failed=[5], gpus_per_node=2).new
+        >>> grown = plan_growth(shrunk, 2, spares=[0, 1, 4, 5, 9])
+        >>> grown.kind.value, list(grown.new.ranks), grown.joined, grown.spares_left
+        ('grow', [2, 3, 0, 1, 6, 7, 4, 5], (0, 1, 4, 5), (9,))
+
+    Raises:
+        ValueError: ``replica_dim`` is not a dim of ``layout``, or ``replicas`` is not a positive int.
+    """
+    if not isinstance(layout, GridLayout):
+        raise TypeError(f"layout must be a GridLayout, got {type(layout).__name__} {layout!r}")
+    if replica_dim not in layout.dim_names:
+        raise ValueError(f"replica_dim {replica_dim!r} is not a dim of the grid {list(layout.dim_names)}")
+    replicas = positive_int("replicas", replicas)
+    pool = [as_int(r, "a spare") for r in spares]
+    inside = [r for r in pool if layout.contains(r)]
+    if inside or len(set(pool)) != len(pool) or any(r < 0 for r in pool):
+        raise ValueError(f"spares must be distinct ranks >= 0 outside the grid, got {list(spares)}")
+    axis = layout.dim_names.index(replica_dim)
+    current = layout.shape[axis]
+    replica_size = layout.size // current
+    added = min(max(0, replicas - current), len(pool) // replica_size)
+    if added == 0:
+        return RecoveryPlan(RecoveryKind.REPAIR, layout, layout, (), spares_left=tuple(pool))
+    shape = list(layout.shape)
+    shape[axis] = current + added
+    grown = GridLayout(tuple(shape), layout.dim_names)
+    joining = iter(pool[: added * replica_size])
+    ranks = []
+    for position in range(grown.size):  # ``grown`` has no rank map: its ranks are its positions
+        coords = grown.coords(position)
+        old = sum(c * s for c, s in zip(coords, layout.strides))
+        ranks.append(layout.rank_at(old) if coords[axis] < current else next(joining))
+    new = GridLayout(grown.shape, grown.dim_names, rank_map=RankMap.of(ranks))
+    joined = tuple(pool[: added * replica_size])
+    return RecoveryPlan(RecoveryKind.GROW, layout, new, (), joined=joined, spares_left=tuple(pool[len(joined):]))
+

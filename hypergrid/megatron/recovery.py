@@ -21,13 +21,13 @@ from ..layout import GridLayout
 from ..layout.rank_map import RankMap
 from ..layout.replan import RecoveryPlan
 from ..runtime.modes import resolve_strategy
-from .build import build_state
+from .build import _fill_parallel_state, build_state
 from .initialize import _check_not_initialized, installed_features, reset_parallel_state
 from .spec.config import MegatronConfig, ParallelConfigError
 from .spec.plan import MegatronPlan
 from .state import MegatronGrids, set_active
 
-__all__ = ["initialize_placed", "rebuild_megatron"]
+__all__ = ["initialize_placed", "rebuild_megatron", "activate_megatron"]
 
 
 def initialize_placed(
@@ -84,7 +84,6 @@ def initialize_placed(
 
 def rebuild_megatron(
     config: MegatronConfig,
-    old: Optional[MegatronGrids],
     recovery: RecoveryPlan,
     members: Sequence[int],
     rank: int,
@@ -96,11 +95,12 @@ def rebuild_megatron(
 ) -> Optional[MegatronGrids]:
     """``parallel_state`` for ``recovery.new``, built by its ``members``; None on other ranks.
 
-    The old state's groups stay held until the new one is built, so that every group whose
-    members and options are unchanged is found in the registry instead of made again; then the
-    old state lets go, and only the groups nobody holds (those with a failed rank) are destroyed.
-    ``step_timeout``: how long the members wait for each other at the start and the end (what is
-    left of the recovery's timeout; by default the configuration's).
+    The caller keeps holding the state from before (so that every group whose members and options
+    are unchanged is found in the registry instead of made again) and lets it go once the
+    recovery is committed, or makes it current again with :func:`activate_megatron` if not.
+    Afterwards ``parallel_state`` answers for the new state (empty on a rank outside it, or where
+    the build failed). ``step_timeout``: how long the members wait for each other at the start
+    and the end (what is left of the recovery's timeout; by default the configuration's).
 
     Raises:
         RecoveryRefused: Megatron-Core's sizes do not fit the new number of ranks (a shrink that
@@ -114,20 +114,41 @@ def rebuild_megatron(
             f"fit them: {exc}"
         ) from None
     plan = MegatronPlan(new_config, recovery.new.rank_map)
-    previous = reset_parallel_state()
-    old = previous if previous is not None else old
-    grids = None
-    try:
-        if rank in members:
-            grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
-                                check_agreement=check_agreement, timeout=_timeout(new_config),
-                                participants=members, label="recover", step_timeout=step_timeout)
-            ps._set_global_memory_buffer()
-            set_active(grids)
-    finally:
-        if old is not None:
-            old.release()  # after the new state holds what it keeps
+    reset_parallel_state()
+    if rank not in members:
+        return None
+    grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
+                        check_agreement=check_agreement, timeout=_timeout(new_config),
+                        participants=members, label="recover", step_timeout=step_timeout)
+    ps._set_global_memory_buffer()
+    set_active(grids)
     return grids
+
+
+def activate_megatron(grids: Optional[MegatronGrids]) -> None:
+    """Make ``grids`` (whose groups are still held) what ``parallel_state`` answers for again, or
+    leave it empty for None: a recovery attempt that did not commit goes back to the state it had.
+
+    Example, as rank 1 of a 4-rank job on torch's fake backend::
+
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=4)
+        >>> _, _, grids, _ = initialize_placed([], share_groups=True, strategy=None, check_agreement=True,
+        ...     megatron_kwargs=dict(tensor_model_parallel_size=2, create_gloo_process_groups=False))
+        >>> _ = reset_parallel_state(); ps.model_parallel_is_initialized()
+        False
+        >>> activate_megatron(grids); ps.get_tensor_model_parallel_rank()
+        1
+        >>> from hypergrid.megatron import destroy_model_parallel
+        >>> destroy_model_parallel(); dist.destroy_process_group()
+    """
+    reset_parallel_state()
+    if grids is None:
+        return
+    grids.check_alive()
+    _fill_parallel_state(grids)
+    ps._set_global_memory_buffer()
+    set_active(grids)
 
 
 def _timeout(config: MegatronConfig) -> timedelta:

@@ -20,8 +20,9 @@ from typing import Any, Mapping, Optional
 
 import torch.distributed as dist
 
-from ..errors import GridMismatchError, StoreUnresponsiveError
+from ..errors import GridMismatchError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, shorten
+from .liveness import dead_among
 from .round import Round
 from .store import StoreClient, member_set_key, read_last
 from .wire import Entry, LastState, RoundOutcome, State, Verdict, decode, encode
@@ -103,6 +104,12 @@ def entries_of(rnd: Round, ranks: list[int]) -> dict[int, Entry]:
 
 def judge_absent(rnd: Round, absent: list[int]) -> None:
     """Raise now if an absent member can never arrive; otherwise it is late, and waited for."""
+    lost = dead_among(absent, rnd.store)
+    if lost:
+        raise GroupTimeoutError(
+            f"hypergrid: {rnd.where()} cannot be created: ranks {describe_ranks(lost)} stopped their heartbeat "
+            f"(died or froze) while the others waited for them"
+        )
     failed = failed_step(rnd.store) if absent else None
     if failed is not None:
         step, verdict = failed

@@ -24,14 +24,16 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import RecoveryError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks
+from .liveness import dead_among, watching
 from .store import PREFIX, StoreClient, agreement_possible
 from .wire import members_digest
 
@@ -62,35 +64,51 @@ def probe(pg: dist.ProcessGroup, timeout: timedelta) -> bool:
     return int(value.item()) == dist.get_world_size(pg)
 
 
-def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence[int],
-                  timeout: timedelta) -> set[tuple[int, ...]]:
+def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence[int], timeout: timedelta,
+                  scope: Optional[str] = None, known: Iterable[tuple[int, ...]] = ()) -> set[tuple[int, ...]]:
     """The member lists of the groups, among ``groups``, that some member found broken.
 
     Every rank of ``participants`` calls it, each with the groups it holds among those the
     recovery could keep, in the order they were made; it returns when all have reported. Cost:
     one small collective per group, two store calls per rank and one read of the pooled reports.
+    ``known``: member lists already known broken (a member aborted them): not probed, reported.
+    ``scope``: names this check in the store (a recovery round's name), so that each round of a
+    recovery checks afresh; by default an epoch the store counts per set of participants.
 
     Raises:
         RecoveryError: a participant did not report within ``timeout`` (it died or hangs).
     """
     if not agreement_possible():
         return set()  # one simulated rank (the fake backend): its groups carry nothing that can break
-    bad = [tuple(dist.get_process_group_ranks(pg)) for pg in groups if not probe(pg, min(timeout, _PROBE_S))]
+    known = {tuple(k) for k in known}
+    bad = []
+    for pg in groups:
+        members = tuple(dist.get_process_group_ranks(pg))
+        if members in known or not probe(pg, min(timeout, _PROBE_S)):
+            bad.append(members)
     ranks = sorted(set(participants))
-    base = f"{PREFIX}/health/{members_digest(ranks)}"
     store = StoreClient(time.monotonic() + timeout.total_seconds())
     try:
-        epoch = int(store.add(f"{base}/epoch", 0))
-        reports = f"{base}/{epoch}/reports"
+        if scope is None:
+            base = f"{PREFIX}/health/{members_digest(ranks)}"
+            epoch = int(store.add(f"{base}/epoch", 0))
+            here = f"{base}/{epoch}"
+        else:
+            base, epoch, here = "", 0, f"{PREFIX}/health/{scope}"
+        reports = f"{here}/reports"
         store.append(reports, json.dumps(bad) + "\n")
-        if store.add(f"{base}/{epoch}/count", 1) == len(ranks):
-            store.compare_set(f"{base}/epoch", str(epoch), str(epoch + 1))  # everyone has read it
-            store.set(f"{base}/{epoch}/ready", "")
-        if not store.wait([f"{base}/{epoch}/ready"], store.remaining()):
-            raise RecoveryError(
-                f"hypergrid: ranks {describe_ranks(ranks)} did not all report which groups still work within "
-                f"{timeout.total_seconds():g} s"
-            )
+        if store.add(f"{here}/count", 1) == len(ranks):
+            if scope is None:
+                store.compare_set(f"{base}/epoch", str(epoch), str(epoch + 1))  # everyone has read it
+            store.set(f"{here}/ready", "")
+        while not store.wait([f"{here}/ready"], min(1.0, store.remaining()) if watching() else store.remaining()):
+            lost = dead_among(ranks, store) if store.remaining() > 0 else []
+            if store.remaining() <= 0 or lost:
+                raise RecoveryError(
+                    f"hypergrid: ranks {describe_ranks(ranks)} did not all report which groups still work within "
+                    f"{timeout.total_seconds():g} s" + (f": ranks {describe_ranks(lost)} stopped their heartbeat"
+                                                        if lost else "")
+                )
         pooled = store.get(reports).decode().splitlines()
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise RecoveryError(f"hypergrid: the job's store did not answer while checking groups: {exc}") from exc

@@ -25,17 +25,22 @@ Example, in a one-rank gloo world whose store is a ``HashStore``::
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch.distributed as dist
 
 from .store import PREFIX, StoreClient, agreement_possible
 from .torch_compat import default_store
 
-__all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "LivenessWatch", "heartbeat_key"]
+__all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "LivenessWatch", "heartbeat_key", "watching_members",
+           "dead_among", "watching", "stale_after_default", "STALE_BEATS"]
+
+#: How long a heartbeat may stand still before its rank counts as gone, in heartbeat intervals.
+STALE_BEATS = 5
 
 logger = logging.getLogger(__name__)
 
@@ -118,19 +123,26 @@ def running_heartbeat() -> Optional[Heartbeat]:
 class LivenessWatch:
     """Reads heartbeats and says which ranks have stopped: counters that did not move for
     ``stale_after_s`` seconds of this watcher's clock (a rank that never beat counts from the
-    watch's first look)."""
+    watch's first look).
+
+    Example::
+
+        >>> LivenessWatch(stale_after_s=5.0).stale([0, 1])     # no process group: nobody to read
+        set()
+    """
 
     def __init__(self, stale_after_s: float) -> None:
         self.stale_after_s = stale_after_s
         # rank -> (last counter seen, when it was first seen at that value)
         self._seen: dict[int, tuple[int, float]] = {}
 
-    def stale(self, ranks: Iterable[int], store: Optional[StoreClient] = None) -> set[int]:
-        """Those of ``ranks`` whose heartbeat has stopped: one or two store calls for all of them,
-        over ``store`` (default: a connection allowed a few seconds)."""
+    def silence(self, ranks: Iterable[int], store: Optional[StoreClient] = None) -> dict[int, float]:
+        """How long, in seconds of this watcher's clock, each of ``ranks``'s heartbeat has stood
+        still (0.0: it moved since the last look): one or two store calls for all of them, over
+        ``store`` (default: a connection allowed a few seconds)."""
         ranks = list(ranks)
         if not ranks or not agreement_possible():
-            return set()
+            return {}
         store = store or StoreClient(time.monotonic() + 5.0)
         keys = [heartbeat_key(r) for r in ranks]
         if store.check(keys):
@@ -138,11 +150,82 @@ class LivenessWatch:
         else:
             values = [int(store.get(key)) if store.check([key]) else -1 for key in keys]
         now = time.monotonic()
-        out = set()
+        out = {}
         for rank, value in zip(ranks, values):
             last = self._seen.get(rank)
             if last is None or last[0] != value:
                 self._seen[rank] = (value, now)
-            elif now - last[1] >= self.stale_after_s:
-                out.add(rank)
+                out[rank] = 0.0
+            else:
+                out[rank] = now - last[1]
         return out
+
+    def stale(self, ranks: Iterable[int], store: Optional[StoreClient] = None) -> set[int]:
+        """Those of ``ranks`` whose heartbeat has stopped (see :meth:`silence`)."""
+        return {r for r, silent in self.silence(ranks, store).items() if silent >= self.stale_after_s}
+
+
+_watches = threading.local()
+
+
+@contextlib.contextmanager
+def watching_members(stale_after_s: Optional[float]) -> Iterator[None]:
+    """While the block runs, the waits of this thread for other ranks (a group's agreement, a
+    world step's start and end, the pooled probe) end as soon as a rank they wait for has a
+    stopped heartbeat, instead of at their timeout (:func:`dead_among`). A recovery wraps its
+    rebuild in it: a rank that dies while the groups are made fails the attempt at once, and the
+    survivors start a new round without it. ``None``: the block waits as it would.
+
+    Example::
+
+        >>> with watching_members(2.5):
+        ...     dead_among([1, 2])          # no process group: nobody found dead
+        []
+    """
+    previous = getattr(_watches, "current", None)
+    _watches.current = LivenessWatch(stale_after_s) if stale_after_s is not None else None
+    try:
+        yield
+    finally:
+        _watches.current = previous
+
+
+def watching() -> bool:
+    """Whether this thread is inside :func:`watching_members` (with a watch).
+
+    Example::
+
+        >>> watching()
+        False
+    """
+    return getattr(_watches, "current", None) is not None
+
+
+def dead_among(ranks: Sequence[int], store: Optional[StoreClient] = None) -> list[int]:
+    """Those of ``ranks`` whose heartbeat has stopped, where this thread is inside
+    :func:`watching_members` (else none: the caller waits as it would). At most 1,024 ranks are
+    looked at per call, so that a wait for a huge group does not cost O(group size) per look.
+
+    Example::
+
+        >>> dead_among([3])
+        []
+    """
+    watch = getattr(_watches, "current", None)
+    if watch is None or not ranks or not agreement_possible():
+        return []
+    others = [r for r in ranks if r != dist.get_rank()][:1024]
+    return sorted(watch.stale(others, store))
+
+
+def stale_after_default(timeout_s: float) -> float:
+    """How long a heartbeat must stand still before its rank counts as gone: five intervals of
+    this rank's running heartbeat, or ``timeout_s`` where none runs.
+
+    Example::
+
+        >>> stale_after_default(30.0)       # no heartbeat runs here
+        30.0
+    """
+    beat = running_heartbeat()
+    return STALE_BEATS * beat.interval_s if beat is not None else timeout_s

@@ -47,7 +47,10 @@ __all__ = [
     "LastState",
     "Verdict",
     "CheckpointVerdict",
+    "Arrival",
     "FailureVerdict",
+    "JobRecord",
+    "RoundEnd",
     "encode",
     "decode",
     "members_digest",
@@ -277,17 +280,86 @@ class CheckpointVerdict:
 
 
 @dataclass(frozen=True)
-class FailureVerdict:
-    """Which ranks of a recovery domain failed, as the survivors agreed in round ``epoch``.
+class Arrival:
+    """What a rank brings to a recovery round: the training step it can resume from (None: not
+    said), why it came (``"recover"`` after a failure, ``"grow"`` to grow the job, ``"wait"`` a
+    spare or a rank offering itself), and the member lists of the communicators it aborted to get
+    out of a collective (they are broken for every member).
 
     Example::
 
-        >>> decode(FailureVerdict, encode(FailureVerdict((3, 5), 0)))
-        FailureVerdict(failed=(3, 5), epoch=0)
+        >>> decode(Arrival, encode(Arrival(4, step=7, aborted=((4, 5),))))
+        Arrival(rank=4, step=7, reason='recover', aborted=((4, 5),))
+    """
+
+    rank: int
+    step: Optional[int] = None
+    reason: str = "recover"
+    aborted: tuple[tuple[int, ...], ...] = ()
+
+
+@dataclass(frozen=True)
+class FailureVerdict:
+    """How one recovery round of a job ended its wait, as every participant reads it: the ranks
+    found failed (with why, one line each), the ranks that came, the step to resume from (the
+    least any participant said), whether some participant came to grow the job (``grow``) or after
+    a failure (``recovering``), and the communicators some participant aborted. ``abandoned`` non-empty: a participant gave up (its deadline passed), and
+    the recovery ends in an error on every participant.
+
+    Example::
+
+        >>> verdict = FailureVerdict((3,), 0, reasons=("rank 3: its heartbeat stopped",), present=(0, 1, 2))
+        >>> decode(FailureVerdict, encode(verdict)) == verdict
+        True
     """
 
     failed: tuple[int, ...]
     epoch: int
+    reasons: tuple[str, ...] = ()
+    present: tuple[int, ...] = ()
+    step: Optional[int] = None
+    grow: bool = False
+    recovering: bool = False
+    aborted: tuple[tuple[int, ...], ...] = ()
+    abandoned: str = ""
+
+
+@dataclass(frozen=True)
+class JobRecord:
+    """A job's state as its latest committed round left it: the grid's shape and placement (rank
+    map runs), its spares and the step to resume from. The store holds it, so a rank that missed
+    a round's end reads where the job is instead of trusting its own view.
+
+    Example::
+
+        >>> record = JobRecord(1, (2, 2), ("tp", "dp"), ((0, 0, 2), (2, 5, 2)), (4,), 12)
+        >>> decode(JobRecord, encode(record)) == record
+        True
+    """
+
+    generation: int
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...]
+    runs: tuple[tuple[int, int, int], ...]
+    spares: tuple[int, ...]
+    step: Optional[int] = None
+
+
+@dataclass(frozen=True)
+class RoundEnd:
+    """How a recovery round's attempt ended: ``committed`` with the job it left (``job``), or not,
+    with why (``refused``: no placement fits, which a retry cannot change).
+
+    Example::
+
+        >>> decode(RoundEnd, encode(RoundEnd(False, "rank 4 died while the groups were made")))
+        RoundEnd(committed=False, message='rank 4 died while the groups were made', refused=False, job=None)
+    """
+
+    committed: bool
+    message: str = ""
+    refused: bool = False
+    job: Optional[JobRecord] = None
 
 
 # ---------------------------------------------------------------------- the one serializer

@@ -27,10 +27,14 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
+from .liveness import dead_among, watching
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
 __all__ = ["WorldRound", "world_start", "world_checkpoint", "within_step", "failed_step"]
+
+#: How often a wait inside a recovery looks whether a participant it waits for has died, in seconds.
+_WATCH_SLICE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -123,7 +127,7 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
         store.append(step.key("started"), f"{rank},")
         if store.add(step.key("start"), 1) == step.size:
             store.set(step.key("ready"), "")
-        if store.wait([step.key("ready")], store.remaining()):
+        if _wait_watching(store, step, "ready", "started"):
             return step
         missing = _not_in(store, step, "started")
         end_round(store, epoch_key, step.epoch)
@@ -170,7 +174,7 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
             end_round(store, epoch_key, step.epoch)
             store.compare_set(go, "", encode(CheckpointVerdict(None)))
             _drop_old_steps(store, step)
-        if not store.wait([go], store.remaining()):
+        if not _wait_watching(store, step, "go", "who"):
             missing = _not_in(store, step, "who")
             end_round(store, epoch_key, step.epoch)
             raise GroupTimeoutError(
@@ -192,6 +196,23 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
             f"either: {verdict.error}",
             root_cause=verdict.error,
         )
+
+
+def _wait_watching(store: StoreClient, step: WorldRound, key: str, seen: str) -> bool:
+    """Wait for the step's ``key`` until the deadline; inside :func:`watching_members`, in slices,
+    ending with :class:`~hypergrid.errors.GroupTimeoutError` as soon as a participant not yet in
+    the list at ``seen`` has a stopped heartbeat (it died: waiting longer is waiting for nobody)."""
+    while True:
+        if store.wait([step.key(key)], min(_WATCH_SLICE_S, store.remaining()) if watching() else store.remaining()):
+            return True
+        if store.remaining() <= 0:
+            return False
+        lost = dead_among(_not_in(store, step, seen), store)
+        if lost:
+            raise GroupTimeoutError(
+                f"hypergrid: {step.label}: ranks {describe_ranks(lost)} stopped their heartbeat (died or froze) "
+                f"before they got here; the others stop waiting for them"
+            )
 
 
 def _not_in(store: StoreClient, step: WorldRound, name: str) -> list[int]:
