@@ -40,6 +40,7 @@ _LAZY = {
     "grid_of": "mesh",
     "ResilientJob": "recovery",
     "recover": "recovery",
+    "grow": "recovery",
     "start_heartbeat": "recovery",
 }
 
@@ -60,6 +61,7 @@ __all__ = [
     "grid_of",
     "ResilientJob",
     "recover",
+    "grow",
     "start_heartbeat",
     "GroupRegistry",
     "REGISTRY",

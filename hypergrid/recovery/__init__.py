@@ -21,9 +21,10 @@ from __future__ import annotations
 from datetime import timedelta
 from typing import Optional, Sequence
 
-from ..layout.replan import RecoveryKind, RecoveryPlan, plan_recovery
+from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
+from ..runtime.interrupt import register_abortable_backend
 from ..runtime.liveness import start_heartbeat
-from .job import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, ResilientJob
+from .job import GridRecipe, MegatronRecipe, ResilientJob
 
 __all__ = [
     "ResilientJob",
@@ -32,7 +33,10 @@ __all__ = [
     "RecoveryKind",
     "RecoveryPlan",
     "plan_recovery",
+    "plan_growth",
     "recover",
+    "grow",
+    "register_abortable_backend",
     "start_heartbeat",
 ]
 
@@ -41,7 +45,8 @@ def recover(
     job: ResilientJob,
     *,
     failed: Optional[Sequence[int]] = None,
-    timeout: timedelta = DEFAULT_TIMEOUT,
+    timeout: Optional[timedelta] = None,
+    step: Optional[int] = None,
     gpus_per_node: int = 8,
     replica_dim: str = "dp",
 ) -> ResilientJob:
@@ -62,4 +67,24 @@ def recover(
         ('shrink', [0, 1], True)
         >>> after.state.destroy(); dist.destroy_process_group()
     """
-    return job.recover(failed=failed, timeout=timeout, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+    if not isinstance(job, ResilientJob):
+        raise TypeError(f"job must be a ResilientJob (ResilientJob.of_grid or of_megatron), got {type(job).__name__}")
+    return job.recover(failed=failed, timeout=timeout, step=step, gpus_per_node=gpus_per_node,
+                       replica_dim=replica_dim)
+
+
+def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
+         gpus_per_node: int = 8, replica_dim: str = "dp") -> ResilientJob:
+    """The job grown back towards the size it was made with, on every rank of its grid
+    (:meth:`ResilientJob.grow`); spares take part from :meth:`ResilientJob.wait_as_spare`.
+
+    Example, with no process group (nobody to grow with)::
+
+        >>> from hypergrid import HyperCommGrid
+        >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))
+        >>> grow(job) is job
+        True
+    """
+    if not isinstance(job, ResilientJob):
+        raise TypeError(f"job must be a ResilientJob (ResilientJob.of_grid or of_megatron), got {type(job).__name__}")
+    return job.grow(timeout=timeout, step=step, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
