@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import importlib
 import os
 import queue
 import time
@@ -32,6 +33,9 @@ import torch.multiprocessing as mp
 
 #: Default limit for one whole gloo job (start-up included).
 JOB_TIMEOUT_S = 120.0
+
+#: Test backends a job may run on, by name: the module that registers each with torch.
+BACKEND_MODULES = {"abortable": "tests.abortable_backend"}
 
 #: The pytest item running now (set by tests/conftest.py), so that run_gloo can check its marker.
 CURRENT_TEST: Any = None
@@ -68,6 +72,7 @@ def _child(
     env: dict[str, str],
     init_kwargs: dict[str, Any],
     leave_at_once: bool = False,
+    backend: str = "gloo",
 ) -> None:
     # The calling process's environment now, as a spawned rank would have it, not the fork server's.
     os.environ.clear()
@@ -78,7 +83,9 @@ def _child(
     try:
         timeout = datetime.timedelta(seconds=pg_timeout_s)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout,
+        if backend in BACKEND_MODULES:
+            importlib.import_module(BACKEND_MODULES[backend])  # registers it with torch
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 **init_kwargs)
         value = fn(rank, world_size, *args)
         results.put((rank, True, value))
@@ -106,6 +113,7 @@ def run_gloo(
     env: Optional[dict[str, str]] = None,
     init_kwargs: Optional[dict[str, Any]] = None,
     leave_at_once: bool = False,
+    backend: str = "gloo",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return results by rank.
 
@@ -113,7 +121,8 @@ def run_gloo(
     ``("error", message)`` for such ranks and ``("ok", value)`` for the others, and a rank that
     ended without a word (killed) holds ``("dead", exitcode)``.
 
-    ``init_kwargs`` go to each rank's ``init_process_group`` (e.g. ``device_id=``).
+    ``init_kwargs`` go to each rank's ``init_process_group`` (e.g. ``device_id=``); ``backend`` is its
+    backend (gloo, or a test backend of :data:`BACKEND_MODULES`).
     ``leave_at_once``: each rank exits as soon as its result is sent, without tearing down its
     process groups (for jobs where ranks died, whose groups may block in their teardown).
 
@@ -134,7 +143,7 @@ def run_gloo(
         ctx.Process(
             target=_child,
             args=(rank, world_size, port, fn, args, results, pg_timeout_s, {**os.environ, **(env or {})},
-                  dict(init_kwargs or {}), leave_at_once),
+                  dict(init_kwargs or {}), leave_at_once, backend),
             daemon=True,
         )
         for rank in range(world_size)
