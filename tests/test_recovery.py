@@ -223,3 +223,26 @@ def test_a_device_mesh_of_the_recovered_grid_answers_for_the_new_placement(rank)
         assert dist.get_process_group_ranks(mesh.get_group("tp")) == [4, 8]
         assert mesh["pp"].mesh.tolist() == after.state.ranks("pp")
         after.state.destroy()
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_a_shrink_that_keeps_a_block_of_consecutive_ranks_stays_on_those_ranks(rank):
+    """Dropping the first replica leaves ranks 2 and 3: a placement with no rank map of its own
+    (rank_offset 2), which the rebuilt grid and Megatron state must keep, not move to ranks 0, 1."""
+    pytest.importorskip("megatron.core")
+    from megatron.core import parallel_state as ps
+
+    from hypergrid.megatron import destroy_model_parallel
+
+    with fake_world(rank, 4):
+        grid = HyperCommGrid([2, 2], ["tp", "dp"])
+        grid.create_pg("tp")
+        after = recover(ResilientJob.of_grid(grid), failed=[0])
+        assert (after.layout.rank_offset, after.state.ranks("tp")) == (2, [2, 3])
+        assert dist.get_process_group_ranks(after.state.get_pg("tp")) == [2, 3]
+        after.state.destroy()
+    with fake_world(rank, 4):
+        after = ResilientJob.of_megatron(tensor_model_parallel_size=2, create_gloo_process_groups=False).recover(failed=[0])
+        assert dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()) == [2, 3]
+        assert ps.get_tensor_model_parallel_rank() == rank - 2 and ps.get_data_parallel_world_size() == 1
+        destroy_model_parallel()

@@ -113,7 +113,11 @@ def rebuild_megatron(
             f"cannot recover to {recovery.new.size} ranks ({recovery.describe()}): Megatron-Core's sizes do not "
             f"fit them: {exc}"
         ) from None
-    plan = MegatronPlan(new_config, recovery.new.rank_map)
+    new = recovery.new
+    # A placement on consecutive ranks from rank_offset has no rank map of its own: its ranks are
+    # given as one, or the plan would put it on ranks 0.. (a shrink that keeps the last replica).
+    plan = MegatronPlan(new_config, new.rank_map or RankMap.contiguous(new.rank_offset, new.size)
+                        if new.rank_offset else new.rank_map)
     reset_parallel_state()
     if rank not in members:
         return None

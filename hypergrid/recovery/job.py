@@ -488,10 +488,12 @@ class ResilientJob:
                 job = job._synced(rnd.record)
                 offered = [r for r in rnd.offers if r not in set(job.domain)]
                 if rank not in job.domain and rank not in offered:
+                    why = [line for line in (rnd.record.gone if rnd.record else ()) if line.startswith(f"rank {rank}:")]
                     raise ExcludedByRecovery(
                         f"hypergrid: rank {rank} is no longer a rank of the job: the survivors recovered without "
-                        f"it (the grid is on {describe_ranks(list(job.layout.ranks))}, spares "
-                        f"{describe_ranks(job.spares)}); ResilientJob.offer() offers it again")
+                        f"it ({why[-1] if why else 'it did not come'}; the grid is on "
+                        f"{describe_ranks(list(job.layout.ranks))}, spares {describe_ranks(job.spares)}); "
+                        f"ResilientJob.offer() offers it again")
                 arrival = Arrival(rank, step, reason, tuple(take_aborted()))
                 verdict = rnd.agree(sorted(set(job.domain) | set(offered)), arrival, bound_s=bound,
                                     stale_after_s=stale_after, settle_s=settle)
@@ -538,7 +540,7 @@ class ResilientJob:
             except Exception as exc:  # the round failed: the next one starts from the state from before
                 self._restore()
                 return rnd.end(RoundEnd(False, f"rank {rank}: {type(exc).__name__}: {one_line(str(exc), 400)}")), None
-        record = self._record(plan, verdict)
+        record = self._record(plan, verdict, rnd.record)
         if rank in members or quiet:
             end = rnd.end(RoundEnd(True, job=record))
             if end.committed:
@@ -618,11 +620,12 @@ class ResilientJob:
         else:
             state.release()
 
-    def _record(self, plan: RecoveryPlan, verdict: FailureVerdict) -> JobRecord:
+    def _record(self, plan: RecoveryPlan, verdict: FailureVerdict, before: Optional[JobRecord]) -> JobRecord:
         spares = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
         runs = (plan.new.rank_map or RankMap.contiguous(plan.new.rank_offset, plan.new.size)).runs
+        gone = (before.gone if before is not None else ()) + verdict.reasons
         return JobRecord(self.generation + 1, tuple(plan.new.shape), tuple(plan.new.dim_names), runs, spares,
-                         verdict.step)
+                         verdict.step, gone)
 
     def _after(self, plan: RecoveryPlan, verdict: FailureVerdict, state: Any,
                record: Optional[JobRecord] = None) -> "ResilientJob":
@@ -668,8 +671,8 @@ def _rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: 
             f"dims shrink is not known here (a Megatron job re-plans its expert layout); give spares"
         )
     new = HyperCommGrid(list(plan.new.shape), list(plan.new.dim_names), backend=recipe.backend,
-                        world_size=dist.get_world_size(), strategy=recipe.strategy, timeout=recipe.timeout,
-                        check_agreement=recipe.check_agreement, rank_map=plan.new.rank_map)
+                        rank_offset=plan.new.rank_offset, world_size=dist.get_world_size(), strategy=recipe.strategy,
+                        timeout=recipe.timeout, check_agreement=recipe.check_agreement, rank_map=plan.new.rank_map)
     for name, shape, dims, shared in recipe.views:
         new.register_view(name, list(shape), list(dims), list(shared) or None)
     step = world_start("recover", timeout=timeout, ranks=members) if rank in members else None

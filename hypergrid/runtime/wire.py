@@ -328,7 +328,8 @@ class FailureVerdict:
 class JobRecord:
     """A job's state as its latest committed round left it: the grid's shape and placement (rank
     map runs), its spares and the step to resume from. The store holds it, so a rank that missed
-    a round's end reads where the job is instead of trusting its own view.
+    a round's end reads where the job is instead of trusting its own view. ``gone``: why each rank
+    the job lost was counted out (one line each, every round so far), for a rank that learns late.
 
     Example::
 
@@ -343,6 +344,7 @@ class JobRecord:
     runs: tuple[tuple[int, int, int], ...]
     spares: tuple[int, ...]
     step: Optional[int] = None
+    gone: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
