@@ -31,6 +31,7 @@ from typing import Optional, Sequence
 
 from ..errors import UsageError
 from .console import OutputError, Progress, drop_stdout, out
+from .store import add_store_parser, run_store
 from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
 from ..planning.plan import MAX_LISTED_WORLD
 
@@ -247,6 +248,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCH_SCRIPTS)} (default all)")
     b.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
+    add_store_parser(sub)  # python -m hypergrid store: hypergrid.app.store
     return parser
 
 
@@ -476,6 +478,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _cmd_check(args)
         if args.command == "demo":
             return _cmd_demo(args)
+        if args.command == "store":
+            return run_store(args)
         return _cmd_bench(args, extra)
     except (UsageError, ValueError, TypeError, KeyError) as exc:
         message = exc.args[0] if isinstance(exc, KeyError) and exc.args else exc
