@@ -36,8 +36,8 @@ and hypergrid's destroy clears.
 members are not compared (Megatron-Core's anchor world is the placement's positions, the job's
 default group is its whole world, spares and failed ranks included: see ``DEFAULT_GROUP``).
 
-Strategy ``enumerate`` with a placed grid is a known difference (``replace-enumerate``, a strict
-xfail): its groups come out in ascending rank order instead of their positions'.
+Strategy ``enumerate`` (Megatron-Core's call pattern, every rank of the world calling for every
+group) does not fit a job with spares: ``ResilientJob.of_megatron`` refuses it (tests/test_recovery.py).
 """
 
 from __future__ import annotations
@@ -266,13 +266,6 @@ CASES = [
     Case("shrink-then-replace", 16, (), TP2_PP2, (((5,), 2), ((10,), 2)), ("shrink", "replace"),
          ((0, 1, 2, 3, 6, 7, 8, 9, 10, 11, 14, 15), (0, 1, 2, 3, 6, 7, 8, 9, 4, 11, 14, 15)),
          ranks=(0, 4, 11, 12, 13)),
-    # Megatron-Core's call pattern (strategy "enumerate"): torch's new_subgroups_by_enumeration
-    # sorts each group's ranks, so the spare in position 5 is data-parallel rank 1 of [7, 8]
-    # instead of rank 0 of [8, 7] (hypergrid/runtime/create.py makes enumerated groups without
-    # the placement's order).
-    Case("replace-enumerate", 10, (8, 9), TP2_PP2, (((5,), 2),), ("replace",),
-         ((0, 1, 2, 3, 4, 8, 6, 7),), ranks=(4, 8), options=dict(strategy="enumerate"),
-         xfail="strategy 'enumerate' makes a placed grid's groups in ascending rank order, not its positions'"),
     # Expert parallel: tp 2 x ep 2 (etp 1) x pp 2, dp 4 (expert dp 4).
     Case("moe-replace", 18, (16, 17), MOE, (((6,), 2),), ("replace",),
          (swap(16, {6: 16}),), ranks=(1, 4, 7, 14, 16, 17)),

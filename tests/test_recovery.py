@@ -95,7 +95,7 @@ def test_a_refused_plan_is_refused_on_every_rank_alike():
 
 
 def test_recovery_is_refused_where_the_world_must_split(monkeypatch):
-    import hypergrid.recovery.job as job_module
+    import hypergrid.recovery.rebuild as job_module
     from hypergrid.runtime.modes import JobSetup
 
     with fake_world(0, 10):
@@ -246,3 +246,18 @@ def test_a_shrink_that_keeps_a_block_of_consecutive_ranks_stays_on_those_ranks(r
         assert dist.get_process_group_ranks(ps.get_tensor_model_parallel_group()) == [2, 3]
         assert ps.get_tensor_model_parallel_rank() == rank - 2 and ps.get_data_parallel_world_size() == 1
         destroy_model_parallel()
+
+
+def test_a_resilient_megatron_job_refuses_megatrons_enumerate_pattern():
+    with fake_world(0, 10):
+        with pytest.raises(ValueError, match="strategy='enumerate'.*spares make none"):
+            ResilientJob.of_megatron(spares=[8, 9], strategy="enumerate", **SIZES)
+
+
+def test_a_grid_made_in_megatrons_enumerate_pattern_is_rebuilt_among_members():
+    with fake_world(4, 10):
+        grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"], strategy="enumerate")
+        grid.create_pg("dp")
+        after = ResilientJob.of_grid(grid, spares=[8, 9]).recover(failed=[5], gpus_per_node=2)
+        assert after.state.strategy == "auto" and after.state.ranks("dp") == [4, 6]
+        after.state.destroy()

@@ -46,84 +46,28 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
-from ..grid import HyperCommGrid, MadeGroup
+from ..errors import ExcludedByRecovery, RecoveryError
+from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.checks import as_int, check_timeout
-from ..layout.describe import describe_ranks, one_line
-from ..layout.rank_map import RankMap
-from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
-from ..runtime.failures import JobChannel, RecoveryRound, offer, open_channel, release_spares, wait_for_round
-from ..runtime.health import broken_groups
-from ..runtime.interrupt import CollectiveWatch, abort_group, can_abort, recovering, take_aborted
-from ..runtime.liveness import running_heartbeat, stale_after_default, start_heartbeat, watching_members
-from ..runtime.modes import job_setup
-from ..runtime.options import GroupOptions, effective_timeout
-from ..runtime.registry import REGISTRY
-from ..runtime.store import StoreClient, agreement_possible
-from ..runtime.torch_compat import default_group_timeout
-from ..runtime.wire import Arrival, FailureVerdict, JobRecord, RoundEnd
-from ..runtime.world_step import world_checkpoint, world_start
+from ..layout.describe import describe_ranks
+from ..layout.replan import RecoveryPlan
+from ..runtime.failures import JobChannel, offer, open_channel, release_spares, wait_for_round
+from ..runtime.liveness import running_heartbeat, start_heartbeat
+from ..runtime.store import agreement_possible
+from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
+from .rounds import recover_known, run_rounds, watch_collectives
 
 __all__ = ["ResilientJob", "GridRecipe", "MegatronRecipe", "DEFAULT_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
 
-#: How long, by default, survivors wait for each other to agree and rebuild.
-DEFAULT_TIMEOUT = timedelta(minutes=5)
-#: Beyond the job's longest collective timeout, how long a rank whose heartbeat runs may take to
-#: reach a round (it leaves its collective at that timeout, then calls the recovery).
-ARRIVAL_MARGIN_S = 5.0
 #: The heartbeat interval a job starts with where none runs yet.
 DEFAULT_HEARTBEAT_S = 1.0
-#: A heartbeat quiet for this many intervals (not yet stale) is waited for to settle before a verdict.
-SETTLE_BEATS = 2
-
-
-@dataclass(frozen=True)
-class GridRecipe:
-    """How a grid job's groups are built: the grid's settings, views and ``create_pg`` calls."""
-
-    dim_names: tuple[str, ...]
-    backend: Optional[str]
-    strategy: str
-    timeout: Optional[timedelta]
-    check_agreement: bool
-    views: tuple[tuple[str, tuple[int, ...], tuple[str, ...], tuple[str, ...]], ...]
-    made: tuple[MadeGroup, ...]
-
-    @classmethod
-    def of(cls, grid: HyperCommGrid) -> "GridRecipe":
-        views = tuple((name, layout.shape, layout.dim_names, tuple(grid._views[name].shared))
-                      for name, layout in grid.views.items())
-        return cls(tuple(grid.dim_names), grid.backend, grid.strategy, grid.default_timeout,
-                   grid.check_agreement, views, tuple(grid.made_groups()))
-
-    def longest_timeout(self) -> Optional[timedelta]:
-        """The longest collective timeout among the groups it makes (None: no group)."""
-        timeouts = [effective_timeout(made.options) for made in self.made]
-        return max(timeouts) if timeouts else None
-
-
-@dataclass(frozen=True)
-class MegatronRecipe:
-    """How a Megatron job's groups are built: its configuration (``world_size`` is the number of
-    grid positions) and ``initialize_model_parallel``'s own choices."""
-
-    config: Any  # hypergrid.megatron.spec.config.MegatronConfig (megatron-core imported on use)
-    share_groups: bool
-    strategy: str
-    check_agreement: bool
-
-    def longest_timeout(self) -> Optional[timedelta]:
-        return timedelta(minutes=self.config.distributed_timeout_minutes)
-
-
-Recipe = Union[GridRecipe, MegatronRecipe]
 
 
 @dataclass(frozen=True)
@@ -190,9 +134,11 @@ class ResilientJob:
         inside = [s for s in spare_ranks if grid.layout.contains(s)]
         if inside:
             raise ValueError(f"spares must be ranks outside the grid, got {list(inside)} which the grid spans")
-        recipe = GridRecipe.of(grid)
+        # A rebuild makes groups among their members: Megatron-Core's pattern of every rank making
+        # every group (enumerate) cannot be kept once ranks are lost.
+        recipe = dataclasses.replace(GridRecipe.of(grid), strategy=rebuild_strategy(grid.strategy))
         job = cls(grid.layout, spare_ranks, recipe, grid, timeout=timeout,
-                  collective_timeout=_longest(recipe.longest_timeout()))
+                  collective_timeout=longest_collective(recipe.longest_timeout()))
         return job._started()
 
     @classmethod
@@ -242,6 +188,12 @@ class ResilientJob:
         world = dist.get_world_size()
         spare_ranks = _ranks_arg("spares", spares, world)
         placed = None if ranks is None else _ranks_arg("ranks", ranks, world, keep_order=True)
+        if strategy == "enumerate":
+            raise ValueError(
+                "strategy='enumerate' (Megatron-Core's call pattern) has every rank of the world make every group, "
+                "which a resilient job cannot do: its spares make none, and after a loss the failed ranks cannot; "
+                "use strategy=None (auto) or 'local'"
+            )
         megatron_kwargs.setdefault("distributed_timeout_minutes", timeout.total_seconds() / 60)
         config, layout, state, resolved = initialize_placed(
             spare_ranks, ranks=placed, share_groups=share_groups, strategy=strategy, check_agreement=check_agreement,
@@ -249,7 +201,7 @@ class ResilientJob:
         )
         recipe = MegatronRecipe(config, share_groups, resolved, check_agreement)
         job = cls(layout, spare_ranks, recipe, state, timeout=timeout,
-                  collective_timeout=_longest(recipe.longest_timeout()))
+                  collective_timeout=longest_collective(recipe.longest_timeout()))
         return job._started()
 
     def _started(self) -> "ResilientJob":
@@ -259,7 +211,7 @@ class ResilientJob:
         if running_heartbeat() is None:
             start_heartbeat(DEFAULT_HEARTBEAT_S)
         job = dataclasses.replace(self, channel=open_channel(self.domain, timeout=self.timeout))
-        _watch_collectives(job)
+        watch_collectives(job)
         return job
 
     # ------------------------------------------------------------------ facts
@@ -350,11 +302,11 @@ class ResilientJob:
         timeout = _checked_timeout("timeout", self.timeout if timeout is None else timeout)
         step = None if step is None else _nonnegative("step", step)
         if failed is not None:
-            return self._recover_known(self._failed_arg(failed), timeout, gpus_per_node, replica_dim)
+            return recover_known(self, self._failed_arg(failed), timeout, gpus_per_node, replica_dim)
         if not agreement_possible() or self.channel is None:
             raise RecoveryError("hypergrid: agreeing on failed ranks needs the job's store (a gloo or NCCL job made "
                                 "with ResilientJob.of_grid or of_megatron, not the fake backend); pass failed= instead")
-        return self._rounds(timeout, step, "recover", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+        return run_rounds(self, timeout, step, "recover", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
 
     def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None, gpus_per_node: int = 8,
              replica_dim: str = "dp") -> "ResilientJob":
@@ -375,7 +327,7 @@ class ResilientJob:
         step = None if step is None else _nonnegative("step", step)
         if not agreement_possible() or self.channel is None:
             return self
-        return self._rounds(timeout, step, "grow", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+        return run_rounds(self, timeout, step, "grow", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
                       gpus_per_node: int = 8, replica_dim: str = "dp") -> "ResilientJob":
@@ -398,7 +350,7 @@ class ResilientJob:
         while not job.in_grid:
             if not wait_for_round(job.channel, timeout=timeout):
                 return job
-            job = job._rounds(recovery_timeout, None, "wait", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+            job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
@@ -425,7 +377,7 @@ class ResilientJob:
             if not wait_for_round(job.channel, timeout=timedelta(seconds=end - time.monotonic())):  # type: ignore[arg-type]
                 return job
             try:
-                job = job._rounds(recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
+                job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
                                   replica_dim=replica_dim)
             except ExcludedByRecovery:
                 continue  # the job moved on before this offer was seen: offer again, to the job as it is
@@ -458,288 +410,7 @@ class ResilientJob:
             raise ValueError(f"failed ranks {outside} are not ranks of the job {describe_ranks(self.domain)}")
         return lost
 
-    # ------------------------------------------------------------------ the rounds
-    def _recover_known(self, lost: tuple[int, ...], timeout: timedelta, gpus_per_node: int,
-                       replica_dim: str) -> "ResilientJob":
-        """A recovery from a failed set every rank knows alike: no round, one attempt."""
-        verdict = FailureVerdict(lost, -1, present=tuple(r for r in self.domain if r not in lost))
-        plan = self._plan(verdict, gpus_per_node, replica_dim)
-        if plan.kind is RecoveryKind.REPAIR and not plan.failed:
-            return dataclasses.replace(self, spares=plan.spares_left)
-        deadline = time.monotonic() + timeout.total_seconds()
-        state = self._build(plan, verdict, deadline, scope=None)
-        self._let_go(self.state, keep=state)
-        return self._after(plan, verdict, state)
-
-    def _rounds(self, timeout: timedelta, step: Optional[int], reason: str, *, gpus_per_node: int,
-                replica_dim: str) -> "ResilientJob":
-        assert self.channel is not None
-        rank = dist.get_rank()
-        stale_after = stale_after_default(timeout.total_seconds())
-        beat = running_heartbeat()
-        settle = SETTLE_BEATS * beat.interval_s if beat is not None else stale_after / 2
-        bound = _longest(self.collective_timeout).total_seconds() + ARRIVAL_MARGIN_S + stale_after
-        # The first round may wait for ranks blocked in a collective: on top of the recovery's timeout.
-        deadline = time.monotonic() + timeout.total_seconds() + bound
-        job, first = self, True
-        with recovering():
-            while True:
-                rnd = RecoveryRound.open(job.channel, deadline)  # type: ignore[arg-type]
-                job = job._synced(rnd.record)
-                offered = [r for r in rnd.offers if r not in set(job.domain)]
-                if rank not in job.domain and rank not in offered:
-                    why = [line for line in (rnd.record.gone if rnd.record else ()) if line.startswith(f"rank {rank}:")]
-                    raise ExcludedByRecovery(
-                        f"hypergrid: rank {rank} is no longer a rank of the job: the survivors recovered without "
-                        f"it ({why[-1] if why else 'it did not come'}; the grid is on "
-                        f"{describe_ranks(list(job.layout.ranks))}, spares {describe_ranks(job.spares)}); "
-                        f"ResilientJob.offer() offers it again")
-                arrival = Arrival(rank, step, reason, tuple(take_aborted()))
-                verdict = rnd.agree(sorted(set(job.domain) | set(offered)), arrival, bound_s=bound,
-                                    stale_after_s=stale_after, settle_s=settle)
-                if first:
-                    deadline, first = time.monotonic() + timeout.total_seconds(), False
-                    rnd.store.deadline = deadline
-                end, state = job._attempt(rnd, verdict, gpus_per_node, replica_dim, deadline)
-                rnd.close()
-                if end.committed:
-                    return state
-                if end.refused:
-                    raise RecoveryRefused(end.message)
-                logger.warning("rank %d: %s did not commit: %s", rank, rnd.name, end.message)
-                if time.monotonic() >= deadline:
-                    _abandon(job.channel, rnd.number + 1, f"rank {rank} reached its deadline")  # type: ignore[arg-type]
-                    raise RecoveryError(
-                        f"hypergrid: the recovery did not commit a placement within its timeout "
-                        f"({timeout.total_seconds():g} s after the survivors first agreed); the last attempt "
-                        f"failed: {end.message}")
-
-    def _attempt(self, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node: int, replica_dim: str,
-                 deadline: float) -> tuple[RoundEnd, Any]:
-        """One attempt at the round's plan: (how it ended, the new job where it committed)."""
-        rank = dist.get_rank()
-        try:
-            plan = self._plan(verdict, gpus_per_node, replica_dim)
-        except RecoveryRefused as exc:
-            return rnd.end(RoundEnd(False, str(exc), refused=True)), None
-        logger.info("rank %d: %s: %s", rank, rnd.name, plan.describe())
-        # A growth that found no replica to add, where nobody failed or came after a failure: nothing
-        # is broken and nothing moves, so nothing is rebuilt.
-        quiet = (plan.kind is RecoveryKind.REPAIR and verdict.grow and not verdict.recovering and not verdict.failed
-                 and not verdict.aborted)
-        members = set(plan.new.ranks)
-        new_state: Any = None
-        if quiet:
-            new_state = self.state  # a growth that found no replica to add: nothing to rebuild
-        elif rank in members:
-            try:
-                new_state = self._build(plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}")
-            except RecoveryRefused as exc:
-                self._restore()
-                return rnd.end(RoundEnd(False, str(exc), refused=True)), None
-            except Exception as exc:  # the round failed: the next one starts from the state from before
-                self._restore()
-                return rnd.end(RoundEnd(False, f"rank {rank}: {type(exc).__name__}: {one_line(str(exc), 400)}")), None
-        record = self._record(plan, verdict, rnd.record)
-        if rank in members or quiet:
-            end = rnd.end(RoundEnd(True, job=record))
-            if end.committed:
-                rnd.commit(record)
-            elif new_state is not self.state:
-                self._let_go(new_state, keep=self.state)
-                self._restore()
-        else:
-            _megatron_reset_if(self.recipe)
-            end = rnd.wait_end()
-            if not end.committed:
-                self._restore()
-        if not end.committed:
-            return end, None
-        if new_state is not self.state:
-            self._let_go(self.state, keep=new_state)
-        return end, self._after(plan, verdict, new_state, end.job)
-
-    def _plan(self, verdict: FailureVerdict, gpus_per_node: int, replica_dim: str) -> RecoveryPlan:
-        """The placement after ``verdict``, alike on every participant."""
-        failed = set(verdict.failed)
-        lost = [r for r in verdict.failed if self.layout.contains(r)]
-        offered = [r for r in verdict.present if r not in set(self.domain)]
-        spares = [s for s in self.spares if s not in failed] + offered
-        if lost:
-            plan = plan_recovery(self.layout, lost, spares, replica_dim=replica_dim, gpus_per_node=gpus_per_node)
-        else:
-            plan = RecoveryPlan(RecoveryKind.REPAIR, self.layout, self.layout, (), spares_left=tuple(spares))
-        if not verdict.grow or replica_dim not in self.layout.dim_names:
-            return plan
-        axis = self.layout.dim_names.index(replica_dim)
-        pool = sorted(set(plan.spares_left) | set(plan.dropped))
-        grown = plan_growth(plan.new, self.made_shape[axis], pool, replica_dim=replica_dim)
-        if grown.kind is not RecoveryKind.GROW:
-            return plan
-        if isinstance(self.recipe, GridRecipe) and self.recipe.views:
-            return plan  # how a view's dims grow is not known here, as for a shrink
-        return RecoveryPlan(RecoveryKind.GROW, self.layout, grown.new, plan.failed, plan.replaced,
-                            tuple(r for r in plan.dropped if r not in set(grown.joined)),
-                            tuple(r for r in grown.spares_left if r not in set(plan.dropped)), grown.joined)
-
-    def _build(self, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str]) -> Any:
-        """This rank's state over ``plan.new``, built with the other ranks of the new placement;
-        the state from before is still held (and, for a Megatron job, no longer current)."""
-        if job_setup().splits:
-            raise RecoveryRefused(
-                "cannot rebuild groups in-process on a default group bound to a device whose backend splits "
-                "(NCCL with device_id): every new communicator is split from the world's, which the lost ranks "
-                "would have to join; start the default group without device_id to recover in-process"
-            )
-        members = sorted(plan.new.ranks)
-        with watching_members(stale_after_default(_left(deadline).total_seconds())):
-            if dist.get_rank() in members:
-                _evict_broken(members, verdict.aborted, _left(deadline), scope)
-            if isinstance(self.recipe, MegatronRecipe):
-                from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
-
-                recipe = self.recipe
-                return rebuild_megatron(recipe.config, plan, members, dist.get_rank(),
-                                        share_groups=recipe.share_groups, strategy=recipe.strategy,
-                                        check_agreement=recipe.check_agreement, step_timeout=_left(deadline))
-            return _rebuild_grid(self.recipe, plan, members, dist.get_rank(), _left(deadline))
-
-    def _restore(self) -> None:
-        """After an attempt that did not commit: the state from before is current again."""
-        if isinstance(self.recipe, MegatronRecipe):
-            from ..megatron.recovery import activate_megatron
-
-            activate_megatron(self.state)
-
-    def _let_go(self, state: Any, *, keep: Any) -> None:
-        """Let go of ``state`` (groups that ``keep`` holds too stay)."""
-        if state is None or state is keep:
-            return
-        if isinstance(state, HyperCommGrid):
-            state.destroy()
-        else:
-            state.release()
-
-    def _record(self, plan: RecoveryPlan, verdict: FailureVerdict, before: Optional[JobRecord]) -> JobRecord:
-        spares = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
-        runs = (plan.new.rank_map or RankMap.contiguous(plan.new.rank_offset, plan.new.size)).runs
-        gone = (before.gone if before is not None else ()) + verdict.reasons
-        return JobRecord(self.generation + 1, tuple(plan.new.shape), tuple(plan.new.dim_names), runs, spares,
-                         verdict.step, gone)
-
-    def _after(self, plan: RecoveryPlan, verdict: FailureVerdict, state: Any,
-               record: Optional[JobRecord] = None) -> "ResilientJob":
-        spares = record.spares if record is not None else tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
-        recoveries = self.recoveries if plan.kind is RecoveryKind.REPAIR else self.recoveries + (plan,)
-        job = dataclasses.replace(self, layout=plan.new, spares=spares, state=state, recoveries=recoveries,
-                                  generation=self.generation + 1, step=verdict.step)
-        if job.channel is not None:
-            _watch_collectives(job)
-        return job
-
-    def _synced(self, record: Optional[JobRecord]) -> "ResilientJob":
-        """This job as the store's latest committed record says it is (where this rank missed an end)."""
-        if record is None or record.generation <= self.generation:
-            return self
-        layout = GridLayout(record.shape, record.dim_names, rank_map=RankMap(record.runs))
-        logger.warning("rank %d: the job moved on without this rank's knowledge: now on %s", dist.get_rank(),
-                       describe_ranks(list(layout.ranks)))
-        return dataclasses.replace(self, layout=layout, spares=record.spares, generation=record.generation,
-                                   step=record.step)
-
-
 # ---------------------------------------------------------------------- helpers
-def _evict_broken(members: list[int], aborted: Sequence[tuple[int, ...]], timeout: timedelta,
-                  scope: Optional[str]) -> None:
-    """Stop sharing the groups of living members that the failure broke (or that a member
-    aborted), so that they are made anew."""
-    alive = set(members)
-    candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
-    broken = broken_groups(candidates, participants=members, timeout=timeout, scope=scope, known=aborted)
-    for pg in candidates:
-        if tuple(dist.get_process_group_ranks(pg)) in broken:
-            if can_abort(pg):
-                abort_group(pg)  # a probe left in flight would hold the communicator's stream
-            REGISTRY.evict(pg)
-
-
-def _rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta) -> Any:
-    assert isinstance(recipe, GridRecipe)
-    if plan.kind is RecoveryKind.SHRINK and recipe.views:
-        raise RecoveryRefused(
-            f"a grid with views {[v[0] for v in recipe.views]} cannot shrink its replicas: how each view's "
-            f"dims shrink is not known here (a Megatron job re-plans its expert layout); give spares"
-        )
-    new = HyperCommGrid(list(plan.new.shape), list(plan.new.dim_names), backend=recipe.backend,
-                        rank_offset=plan.new.rank_offset, world_size=dist.get_world_size(), strategy=recipe.strategy,
-                        timeout=recipe.timeout, check_agreement=recipe.check_agreement, rank_map=plan.new.rank_map)
-    for name, shape, dims, shared in recipe.views:
-        new.register_view(name, list(shape), list(dims), list(shared) or None)
-    step = world_start("recover", timeout=timeout, ranks=members) if rank in members else None
-    try:
-        for made in recipe.made:
-            # The same calls in the same order: an unchanged group is the registry's existing one.
-            new.create_pg(list(made.dims), view=made.view, private=made.private, backend=made.options.backend,
-                          timeout=made.options.timeout, pg_options=made.options.pg_options,
-                          group_desc=made.options.group_desc)
-    except Exception as exc:
-        new.destroy()
-        world_checkpoint(step, exc, timeout=timeout)
-        raise RecoveryError(f"hypergrid: rank {rank}: rebuilding the grid on ranks {describe_ranks(members)} "
-                            f"failed: {type(exc).__name__}: {exc}") from exc
-    try:
-        world_checkpoint(step, None, timeout=timeout)
-    except Exception as exc:
-        new.destroy()
-        raise RecoveryError(f"hypergrid: rank {rank}: the recovery did not finish on every rank of "
-                            f"{describe_ranks(members)}: {exc}") from exc
-    return new
-
-
-def _megatron_reset_if(recipe: Recipe) -> None:
-    """A rank leaving a Megatron job's grid answers for no placement while the others build one."""
-    if isinstance(recipe, MegatronRecipe):
-        from ..megatron.initialize import reset_parallel_state
-
-        reset_parallel_state()
-
-
-def _abandon(channel: JobChannel, number: int, why: str) -> None:
-    """Give up round ``number`` for everyone who waits in it (they raise too), and close it, so that
-    a retry after this error meets in a round of its own."""
-    rnd = RecoveryRound(channel, number, StoreClient(time.monotonic() + 5.0), None)
-    rnd.abandon(why)
-    rnd.close()
-
-
-_watch: Optional[CollectiveWatch] = None
-
-
-def _watch_collectives(job: ResilientJob) -> None:
-    """(Re)start the watch that aborts this rank's abortable communicators when the job needs it."""
-    global _watch
-    if _watch is not None:
-        _watch.stop()
-    beat = running_heartbeat()
-    if job.channel is None or beat is None:
-        _watch = None
-        return
-    rank = dist.get_rank()
-    peers = [r for r in job.domain if r != rank]
-    _watch = CollectiveWatch(job.channel, REGISTRY.groups, peers=peers, interval_s=beat.interval_s,
-                             stale_after_s=stale_after_default(job.timeout.total_seconds()))
-
-
-def _left(deadline: float) -> timedelta:
-    return timedelta(seconds=max(1.0, deadline - time.monotonic()))
-
-
-def _longest(timeout: Optional[timedelta]) -> timedelta:
-    """``timeout`` or the default group's, whichever is longer (the longest a collective of the job may wait)."""
-    candidates = [t for t in (timeout, default_group_timeout() if dist.is_initialized() else None) if t is not None]
-    return max(candidates) if candidates else DEFAULT_TIMEOUT
-
-
 def _checked_timeout(name: str, value: object) -> timedelta:
     if not isinstance(value, timedelta):
         raise TypeError(f"{name} must be a datetime.timedelta, got {type(value).__name__} {value!r}")

@@ -1,0 +1,150 @@
+"""A recovery attempt's state: what one rank builds over the new placement, and what it lets go.
+
+The ranks of the new placement probe the communicators that outlived the failure and stop
+sharing the broken ones (:func:`evict_broken`), then build the placement's groups through the
+registry, where an unchanged group that still works is the existing communicator: a grid's
+``create_pg`` calls repeated in order (:func:`rebuild_grid`), or Megatron-Core's state
+(:func:`hypergrid.megatron.recovery.rebuild_megatron`). The state from before stays held until
+the round commits (:func:`let_go`), or is made current again if it does not (:func:`restore`).
+
+Example::
+
+    >>> let_go(None, keep=None)     # nothing held: nothing to let go
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+import time
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..errors import RecoveryError, RecoveryRefused
+from ..grid import HyperCommGrid
+from ..layout.describe import describe_ranks
+from ..layout.replan import RecoveryKind, RecoveryPlan
+from ..runtime.health import broken_groups
+from ..runtime.interrupt import abort_group, can_abort
+from ..runtime.liveness import stale_after_default, watching_members
+from ..runtime.modes import job_setup
+from ..runtime.registry import REGISTRY
+from ..runtime.wire import FailureVerdict
+from ..runtime.world_step import world_checkpoint, world_start
+from .recipes import GridRecipe, MegatronRecipe, Recipe
+
+__all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left"]
+
+
+def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str]) -> Any:
+    """This rank's state over ``plan.new``, built with the other ranks of the new placement, for
+    ``job``; the state from before is still held (and, for a Megatron job, no longer current).
+    ``scope`` names the probe of the surviving groups (a recovery round's name).
+
+    Raises:
+        RecoveryRefused: the world must split to make a group (NCCL bound to a device), or
+            Megatron-Core's sizes do not fit the new placement.
+    """
+    if job_setup().splits:
+        raise RecoveryRefused(
+            "cannot rebuild groups in-process on a default group bound to a device whose backend splits "
+            "(NCCL with device_id): every new communicator is split from the world's, which the lost ranks "
+            "would have to join; start the default group without device_id to recover in-process"
+        )
+    members = sorted(plan.new.ranks)
+    with watching_members(stale_after_default(left(deadline).total_seconds())):
+        if dist.get_rank() in members:
+            evict_broken(members, verdict.aborted, left(deadline), scope)
+        if isinstance(job.recipe, MegatronRecipe):
+            from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
+
+            recipe = job.recipe
+            return rebuild_megatron(recipe.config, plan, members, dist.get_rank(),
+                                    share_groups=recipe.share_groups, strategy=recipe.strategy,
+                                    check_agreement=recipe.check_agreement, step_timeout=left(deadline))
+        return rebuild_grid(job.recipe, plan, members, dist.get_rank(), left(deadline))
+
+
+def restore(job: Any) -> None:
+    """After an attempt that did not commit: ``job``'s state from before is current again."""
+    if isinstance(job.recipe, MegatronRecipe):
+        from ..megatron.recovery import activate_megatron
+
+        activate_megatron(job.state)
+
+
+def let_go(state: Any, *, keep: Any) -> None:
+    """Let go of ``state`` (groups that ``keep`` holds too stay)."""
+    if state is None or state is keep:
+        return
+    if isinstance(state, HyperCommGrid):
+        state.destroy()
+    else:
+        state.release()
+
+
+def evict_broken(members: list[int], aborted: Sequence[tuple[int, ...]], timeout: timedelta,
+                  scope: Optional[str]) -> None:
+    """Stop sharing the groups of living members that the failure broke (or that a member
+    aborted), so that they are made anew."""
+    alive = set(members)
+    candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
+    broken = broken_groups(candidates, participants=members, timeout=timeout, scope=scope, known=aborted)
+    for pg in candidates:
+        if tuple(dist.get_process_group_ranks(pg)) in broken:
+            if can_abort(pg):
+                abort_group(pg)  # a probe left in flight would hold the communicator's stream
+            REGISTRY.evict(pg)
+
+
+def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta) -> Any:
+    assert isinstance(recipe, GridRecipe)
+    if plan.kind is RecoveryKind.SHRINK and recipe.views:
+        raise RecoveryRefused(
+            f"a grid with views {[v[0] for v in recipe.views]} cannot shrink its replicas: how each view's "
+            f"dims shrink is not known here (a Megatron job re-plans its expert layout); give spares"
+        )
+    new = HyperCommGrid(list(plan.new.shape), list(plan.new.dim_names), backend=recipe.backend,
+                        rank_offset=plan.new.rank_offset, world_size=dist.get_world_size(), strategy=recipe.strategy,
+                        timeout=recipe.timeout, check_agreement=recipe.check_agreement, rank_map=plan.new.rank_map)
+    for name, shape, dims, shared in recipe.views:
+        new.register_view(name, list(shape), list(dims), list(shared) or None)
+    step = world_start("recover", timeout=timeout, ranks=members) if rank in members else None
+    try:
+        for made in recipe.made:
+            # The same calls in the same order: an unchanged group is the registry's existing one.
+            new.create_pg(list(made.dims), view=made.view, private=made.private, backend=made.options.backend,
+                          timeout=made.options.timeout, pg_options=made.options.pg_options,
+                          group_desc=made.options.group_desc)
+    except Exception as exc:
+        new.destroy()
+        world_checkpoint(step, exc, timeout=timeout)
+        raise RecoveryError(f"hypergrid: rank {rank}: rebuilding the grid on ranks {describe_ranks(members)} "
+                            f"failed: {type(exc).__name__}: {exc}") from exc
+    try:
+        world_checkpoint(step, None, timeout=timeout)
+    except Exception as exc:
+        new.destroy()
+        raise RecoveryError(f"hypergrid: rank {rank}: the recovery did not finish on every rank of "
+                            f"{describe_ranks(members)}: {exc}") from exc
+    return new
+
+
+def reset_megatron_if(recipe: Recipe) -> None:
+    """A rank leaving a Megatron job's grid answers for no placement while the others build one."""
+    if isinstance(recipe, MegatronRecipe):
+        from ..megatron.initialize import reset_parallel_state
+
+        reset_parallel_state()
+
+
+def left(deadline: float) -> timedelta:
+    """What is left of ``deadline`` (a monotonic time), at least a second.
+
+    Example::
+
+        >>> left(time.monotonic() - 5)
+        datetime.timedelta(seconds=1)
+    """
+    return timedelta(seconds=max(1.0, deadline - time.monotonic()))

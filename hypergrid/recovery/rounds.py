@@ -1,0 +1,247 @@
+"""A recovery as rounds: each participant arrives, agrees, attempts the plan, until a round commits.
+
+Every participant of a job's recovery (the survivors of its grid, its spares, ranks offering
+themselves) runs :func:`run_rounds`. Round after round (:mod:`hypergrid.runtime.failures`) it
+arrives, reads the round's one verdict, computes the same plan from it (:func:`plan_for`: spares
+replace the failed ranks or the replicas holding them are dropped, nobody lost is a repair, and a
+round a grid member started with :meth:`~hypergrid.recovery.ResilientJob.grow` adds replicas),
+and the ranks of the new placement build it (:mod:`hypergrid.recovery.rebuild`). The round's end
+is recorded once: committed, every participant goes on with the job after it (:func:`after`);
+not, the next round starts from the state from before, with the failed set as it is then, until
+the deadline. A rank that missed an end reads the job from the store's record (:func:`synced`).
+
+How long a round waits: a rank whose heartbeat runs may be blocked in a collective with a peer
+that left, until that collective's timeout; so it is waited for up to the job's longest
+collective timeout, :data:`ARRIVAL_MARGIN_S` and the staleness bound, before it is counted out as
+hung. That wait comes on top of the recovery's timeout, in the first round only.
+
+Example, with no process group (the failed set given, as one simulated rank knows it)::
+
+    >>> from hypergrid import HyperCommGrid, ResilientJob
+    >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6), spares=[4, 5])
+    >>> plan_for(job, FailureVerdict((3,), 0, present=(0, 1, 2, 4, 5)), 2, "dp").describe()
+    'replace: rank 3 -> 4; 1 spares left'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
+from ..layout import GridLayout
+from ..layout.describe import describe_ranks, one_line
+from ..layout.rank_map import RankMap
+from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
+from ..runtime.failures import JobChannel, RecoveryRound
+from ..runtime.interrupt import CollectiveWatch, recovering, take_aborted
+from ..runtime.liveness import running_heartbeat, stale_after_default
+from ..runtime.registry import REGISTRY
+from ..runtime.store import StoreClient
+from ..runtime.wire import Arrival, FailureVerdict, JobRecord, RoundEnd
+from .rebuild import build, let_go, reset_megatron_if, restore
+from .recipes import GridRecipe, longest_collective
+
+__all__ = ["run_rounds", "recover_known", "plan_for", "after", "synced", "watch_collectives", "ARRIVAL_MARGIN_S"]
+
+logger = logging.getLogger(__name__)
+
+#: Beyond the job's longest collective timeout, how long a rank whose heartbeat runs may take to
+#: reach a round (it leaves its collective at that timeout, then calls the recovery).
+ARRIVAL_MARGIN_S = 5.0
+#: A heartbeat quiet for this many intervals (not yet stale) is waited for to settle before a verdict.
+SETTLE_BEATS = 2
+
+
+def recover_known(job: Any, lost: tuple[int, ...], timeout: timedelta, gpus_per_node: int,
+                  replica_dim: str) -> Any:
+    """A recovery from a failed set every rank knows alike: no round, one attempt."""
+    verdict = FailureVerdict(lost, -1, present=tuple(r for r in job.domain if r not in lost))
+    plan = plan_for(job, verdict, gpus_per_node, replica_dim)
+    if plan.kind is RecoveryKind.REPAIR and not plan.failed:
+        return dataclasses.replace(job, spares=plan.spares_left)
+    deadline = time.monotonic() + timeout.total_seconds()
+    state = build(job, plan, verdict, deadline, scope=None)
+    let_go(job.state, keep=state)
+    return after(job, plan, verdict, state)
+
+
+def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *, gpus_per_node: int,
+               replica_dim: str) -> Any:
+    """``job`` after rounds of its recovery until one commits, on this participant (see the module).
+
+    ``reason``: why this rank comes (``"recover"``, ``"grow"`` or ``"wait"``, a spare).
+    """
+    assert job.channel is not None
+    rank = dist.get_rank()
+    stale_after = stale_after_default(timeout.total_seconds())
+    beat = running_heartbeat()
+    settle = SETTLE_BEATS * beat.interval_s if beat is not None else stale_after / 2
+    bound = longest_collective(job.collective_timeout).total_seconds() + ARRIVAL_MARGIN_S + stale_after
+    # The first round may wait for ranks blocked in a collective: on top of the recovery's timeout.
+    deadline = time.monotonic() + timeout.total_seconds() + bound
+    first = True
+    with recovering():
+        while True:
+            rnd = RecoveryRound.open(job.channel, deadline)  # type: ignore[arg-type]
+            job = synced(job, rnd.record)
+            offered = [r for r in rnd.offers if r not in set(job.domain)]
+            if rank not in job.domain and rank not in offered:
+                why = [line for line in (rnd.record.gone if rnd.record else ()) if line.startswith(f"rank {rank}:")]
+                raise ExcludedByRecovery(
+                    f"hypergrid: rank {rank} is no longer a rank of the job: the survivors recovered without "
+                    f"it ({why[-1] if why else 'it did not come'}; the grid is on "
+                    f"{describe_ranks(list(job.layout.ranks))}, spares {describe_ranks(job.spares)}); "
+                    f"ResilientJob.offer() offers it again")
+            arrival = Arrival(rank, step, reason, tuple(take_aborted()))
+            verdict = rnd.agree(sorted(set(job.domain) | set(offered)), arrival, bound_s=bound,
+                                stale_after_s=stale_after, settle_s=settle)
+            if first:
+                deadline, first = time.monotonic() + timeout.total_seconds(), False
+                rnd.store.deadline = deadline
+            end, state = attempt(job, rnd, verdict, gpus_per_node, replica_dim, deadline)
+            rnd.close()
+            if end.committed:
+                return state
+            if end.refused:
+                raise RecoveryRefused(end.message)
+            logger.warning("rank %d: %s did not commit: %s", rank, rnd.name, end.message)
+            if time.monotonic() >= deadline:
+                abandon(job.channel, rnd.number + 1, f"rank {rank} reached its deadline")  # type: ignore[arg-type]
+                raise RecoveryError(
+                    f"hypergrid: the recovery did not commit a placement within its timeout "
+                    f"({timeout.total_seconds():g} s after the survivors first agreed); the last attempt "
+                    f"failed: {end.message}")
+
+
+def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node: int, replica_dim: str,
+             deadline: float) -> tuple[RoundEnd, Any]:
+    """One attempt at the round's plan: (how it ended, the new job where it committed)."""
+    rank = dist.get_rank()
+    try:
+        plan = plan_for(job, verdict, gpus_per_node, replica_dim)
+    except RecoveryRefused as exc:
+        return rnd.end(RoundEnd(False, str(exc), refused=True)), None
+    logger.info("rank %d: %s: %s", rank, rnd.name, plan.describe())
+    # A growth that found no replica to add, where nobody failed or came after a failure: nothing
+    # is broken and nothing moves, so nothing is rebuilt.
+    quiet = (plan.kind is RecoveryKind.REPAIR and verdict.grow and not verdict.recovering and not verdict.failed
+             and not verdict.aborted)
+    members = set(plan.new.ranks)
+    new_state: Any = None
+    if quiet:
+        new_state = job.state  # a growth that found no replica to add: nothing to rebuild
+    elif rank in members:
+        try:
+            new_state = build(job, plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}")
+        except RecoveryRefused as exc:
+            restore(job)
+            return rnd.end(RoundEnd(False, str(exc), refused=True)), None
+        except Exception as exc:  # the round failed: the next one starts from the state from before
+            restore(job)
+            return rnd.end(RoundEnd(False, f"rank {rank}: {type(exc).__name__}: {one_line(str(exc), 400)}")), None
+    new_record = record(job, plan, verdict, rnd.record)
+    if rank in members or quiet:
+        end = rnd.end(RoundEnd(True, job=new_record))
+        if end.committed:
+            rnd.commit(new_record)
+        elif new_state is not job.state:
+            let_go(new_state, keep=job.state)
+            restore(job)
+    else:
+        reset_megatron_if(job.recipe)
+        end = rnd.wait_end()
+        if not end.committed:
+            restore(job)
+    if not end.committed:
+        return end, None
+    if new_state is not job.state:
+        let_go(job.state, keep=new_state)
+    return end, after(job, plan, verdict, new_state, end.job)
+
+
+def plan_for(job: Any, verdict: FailureVerdict, gpus_per_node: int, replica_dim: str) -> RecoveryPlan:
+    """The placement after ``verdict``, alike on every participant."""
+    failed = set(verdict.failed)
+    lost = [r for r in verdict.failed if job.layout.contains(r)]
+    offered = [r for r in verdict.present if r not in set(job.domain)]
+    spares = [s for s in job.spares if s not in failed] + offered
+    if lost:
+        plan = plan_recovery(job.layout, lost, spares, replica_dim=replica_dim, gpus_per_node=gpus_per_node)
+    else:
+        plan = RecoveryPlan(RecoveryKind.REPAIR, job.layout, job.layout, (), spares_left=tuple(spares))
+    if not verdict.grow or replica_dim not in job.layout.dim_names:
+        return plan
+    axis = job.layout.dim_names.index(replica_dim)
+    pool = sorted(set(plan.spares_left) | set(plan.dropped))
+    grown = plan_growth(plan.new, job.made_shape[axis], pool, replica_dim=replica_dim)
+    if grown.kind is not RecoveryKind.GROW:
+        return plan
+    if isinstance(job.recipe, GridRecipe) and job.recipe.views:
+        return plan  # how a view's dims grow is not known here, as for a shrink
+    return RecoveryPlan(RecoveryKind.GROW, job.layout, grown.new, plan.failed, plan.replaced,
+                        tuple(r for r in plan.dropped if r not in set(grown.joined)),
+                        tuple(r for r in grown.spares_left if r not in set(plan.dropped)), grown.joined)
+
+
+def record(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, before: Optional[JobRecord]) -> JobRecord:
+    """The store's record of ``job`` after ``plan`` (``before``: the record it follows)."""
+    spares = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
+    runs = (plan.new.rank_map or RankMap.contiguous(plan.new.rank_offset, plan.new.size)).runs
+    gone = (before.gone if before is not None else ()) + verdict.reasons
+    return JobRecord(job.generation + 1, tuple(plan.new.shape), tuple(plan.new.dim_names), runs, spares,
+                     verdict.step, gone)
+
+
+def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any,
+          committed: Optional[JobRecord] = None) -> Any:
+    """``job`` after ``plan`` committed, with this rank's new ``state``."""
+    spares = committed.spares if committed is not None else tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
+    recoveries = job.recoveries if plan.kind is RecoveryKind.REPAIR else job.recoveries + (plan,)
+    job = dataclasses.replace(job, layout=plan.new, spares=spares, state=state, recoveries=recoveries,
+                              generation=job.generation + 1, step=verdict.step)
+    if job.channel is not None:
+        watch_collectives(job)
+    return job
+
+
+def synced(job: Any, committed: Optional[JobRecord]) -> Any:
+    """This job as the store's latest committed record says it is (where this rank missed an end)."""
+    if committed is None or committed.generation <= job.generation:
+        return job
+    layout = GridLayout(committed.shape, committed.dim_names, rank_map=RankMap(committed.runs))
+    logger.warning("rank %d: the job moved on without this rank's knowledge: now on %s", dist.get_rank(),
+                   describe_ranks(list(layout.ranks)))
+    return dataclasses.replace(job, layout=layout, spares=committed.spares, generation=committed.generation,
+                               step=committed.step)
+
+
+_collective_watch: Optional[CollectiveWatch] = None
+
+
+def watch_collectives(job: Any) -> None:
+    """(Re)start the watch that aborts this rank's abortable communicators when the job needs it."""
+    global _collective_watch
+    if _collective_watch is not None:
+        _collective_watch.stop()
+    beat = running_heartbeat()
+    if job.channel is None or beat is None:
+        _collective_watch = None
+        return
+    rank = dist.get_rank()
+    peers = [r for r in job.domain if r != rank]
+    _collective_watch = CollectiveWatch(job.channel, REGISTRY.groups, peers=peers, interval_s=beat.interval_s,
+                                        stale_after_s=stale_after_default(job.timeout.total_seconds()))
+
+
+def abandon(channel: JobChannel, number: int, why: str) -> None:
+    """Give up round ``number`` for everyone who waits in it (they raise too), and close it, so that
+    a retry after this error meets in a round of its own."""
+    rnd = RecoveryRound(channel, number, StoreClient(time.monotonic() + 5.0), None)
+    rnd.abandon(why)
+    rnd.close()
