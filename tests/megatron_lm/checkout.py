@@ -50,9 +50,9 @@ HERE = Path(__file__).parent
 
 #: How to get a checkout; every skip for a missing one says it.
 HOW_TO_GET = (
-    f"set {SOURCE_ENV} to a Megatron-LM checkout: `git clone https://github.com/NVIDIA/Megatron-LM` "
+    f"{SOURCE_ENV} names a Megatron-LM checkout: `git clone https://github.com/NVIDIA/Megatron-LM`, "
     "then `git -C Megatron-LM checkout core_v0.16.1` (megatron-core 0.16) or `core_v0.19.0` (0.19); "
-    "or name the clone's git directory, which holds both tags, and the harness takes the files of the "
+    "or name the clone itself, whose git directory holds both tags: the harness takes the files of the "
     "tag that matches the installed megatron-core"
 )
 
@@ -131,10 +131,10 @@ def find_source(megatron_version: str, source: Optional[str] = None) -> Source:
     tag = TAGS[release]
     source = source if source is not None else os.environ.get(SOURCE_ENV)
     if not source:
-        raise SourceUnavailable(f"{SOURCE_ENV} is not set: {HOW_TO_GET}")
+        raise SourceUnavailable(f"{SOURCE_ENV} is not set. {HOW_TO_GET}")
     path = Path(source).expanduser().resolve()
     if not path.is_dir():
-        raise ValueError(f"{SOURCE_ENV}={source!r} is not a directory: {HOW_TO_GET}")
+        raise ValueError(f"{SOURCE_ENV}={source!r} is not a directory. {HOW_TO_GET}")
     tree_release = _working_tree_release(path)
     git_dir = _git_dir_of(path)
     if tree_release == release and all((path / UNIT_TESTS / name).is_file() for name in TEST_FILES):
@@ -155,7 +155,7 @@ def find_source(megatron_version: str, source: Optional[str] = None) -> Source:
             f"{SOURCE_ENV} is a Megatron-LM working tree of release {tree_release}; megatron-core "
             f"{megatron_version} is installed, whose tests are Megatron-LM's tag {tag}: check that tag out, "
             "or name a git directory holding it")
-    raise ValueError(f"{SOURCE_ENV}={source!r} is neither a Megatron-LM working tree nor a git directory: {HOW_TO_GET}")
+    raise ValueError(f"{SOURCE_ENV}={source!r} is neither a Megatron-LM working tree nor a git directory. {HOW_TO_GET}")
 
 
 def build_tree(source: Source, dest: Path) -> Path:

@@ -48,10 +48,9 @@ TEST_FILE = Path("test/distributed/test_device_mesh.py")
 
 #: How to get the file; the skip without it says it.
 HOW_TO_GET = (
-    f"set {SOURCE_ENV} to a pytorch checkout (`git clone https://github.com/pytorch/pytorch`, "
-    "ideally at the tag of the installed torch, e.g. `git checkout v2.13.0`) or to a folder holding "
-    f"{TEST_FILE} alone (the file is in pytorch's repository at that path: "
-    f"https://github.com/pytorch/pytorch/blob/main/{TEST_FILE.as_posix()})"
+    f"{SOURCE_ENV} names a pytorch checkout (`git clone https://github.com/pytorch/pytorch`) or a "
+    f"folder holding {TEST_FILE} alone, the file taken from pytorch's repository "
+    f"(https://github.com/pytorch/pytorch/blob/main/{TEST_FILE.as_posix()}, or at a release's tag)"
 )
 
 
@@ -67,12 +66,12 @@ def find_tests(source: Optional[str] = None) -> Path:
     """
     source = source if source is not None else os.environ.get(SOURCE_ENV)
     if not source:
-        raise SourceUnavailable(f"{SOURCE_ENV} is not set: {HOW_TO_GET}")
+        raise SourceUnavailable(f"{SOURCE_ENV} is not set. {HOW_TO_GET}")
     path = Path(source).expanduser().resolve()
     for candidate in (path / TEST_FILE, path / TEST_FILE.name, path):
         if candidate.is_file() and candidate.name == TEST_FILE.name:
             return candidate
-    raise ValueError(f"{SOURCE_ENV}={source!r} holds no {TEST_FILE}: {HOW_TO_GET}")
+    raise ValueError(f"{SOURCE_ENV}={source!r} holds no {TEST_FILE}. {HOW_TO_GET}")
 
 
 #: The two runs: the control on torch's groups, then the same file on hypergrid's.
