@@ -173,3 +173,26 @@ def test_a_million_ranks_answer_without_listing_every_group(capsys, monkeypatch)
     assert data["recovery"]["replaced"] == [[8000 + i, world + i] for i in range(8)]
     assert data["rank"]["groups"]["tp"]["after"] == list(range(world, world + 8))
     assert {k["counted"] for k in data["recovery"]["kinds"]} == {"failed_groups"}
+
+
+def test_spares_for_part_of_the_loss_drop_one_replica_and_replace_the_rest(capsys):
+    # The command: tp 8 x pp 2 x dp 2, ranks 1 and 9 (one in each replica), one spare.
+    status, out, err = _main(capsys, "--world-size", "32", "--tp", "8", "--pp", "2", "--fail", "1,9", "--spares", "1",
+                             "--megatron-core-version", "0.16")
+    assert status == 0 and not err
+    assert "recovery from the loss of ranks 1, 9: shrink" in out
+    assert "  too few spares (1 for 2 failed): replica 1 of dp dropped (dp 2 -> 1)" in out
+    assert "  ranks leaving the grid with it: 8, 10-15, 24-31 (15 ranks)" in out
+    assert "  in the replicas kept, a spare takes each failed rank's position: 1 -> 32" in out
+    assert "  spares left: none" in out
+    assert "grid after: tp=8 x cp=1 x dp=1 x pp=2 on ranks 0, 32, 2-7, 16-23 (16 ranks)" in out
+    rows = _rows(out)
+    assert rows["tp"] == ["4", "2", "1", "1", "3"]  # rank 1's tp group rebuilt, replica 1's two dropped
+    assert rows["pp"] == ["16", "8", "7", "1", "9"]
+    status, out, _ = _main(capsys, "--world-size", "32", "--tp", "8", "--pp", "2", "--fail", "1,9", "--spares", "1",
+                           "--rank", "32", "--json")
+    data = json.loads(out)
+    r = data["recovery"]
+    assert r["kind"] == "shrink" and r["replaced"] == [[1, 32]] and r["dropped_replicas"] == [1]
+    assert r["spares_left"] == [] and r["grid_after"]["size"] == 16
+    assert data["rank"]["role"] == "replaces" and data["rank"]["groups"]["tp"]["after"] == [0, 32, *range(2, 8)]

@@ -233,6 +233,12 @@ def recovery_table(data: dict) -> str:
                    f"{describe_members(gone)} of {dim} dropped ({dim} {replicas} -> {replicas - len(gone)})")
         out.append(f"  ranks leaving the grid with {'them' if len(gone) > 1 else 'it'}: "
                    f"{describe_members(r['leaving']) if r['leaving'] else 'none'}")
+        if r["replaced"]:  # a mixed recovery: the spares cover the failed ranks of the replicas kept
+            moves = [f"{a} -> {b}" for a, b in r["replaced"]]
+            cut = ", ..." if len(moves) > _MOVES_SHOWN else ""
+            out.append(f"  in the replicas kept, a spare takes each failed rank's position: "
+                       f"{', '.join(moves[:_MOVES_SHOWN])}{cut}")
+            out.append(f"  spares left: {describe_members(r['spares_left']) if r['spares_left'] else 'none'}")
     after = r["grid_after"]
     out += [f"grid after: {_dims_text(after)} on ranks {_runs_text(after['rank_runs'])} ({after['size']} ranks)", ""]
     rows = [["kind", "groups before", "after", "kept", "rebuilt", "dropped"]]
