@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import UsageError
+from . import argtypes
 from .console import OutputError, Progress, drop_stdout, out
 from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
 from ..planning.plan import MAX_LISTED_WORLD
@@ -45,7 +46,8 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py", "plan": "bench_plan.py"}
 
 # The largest world a plan answers for: what a rank number in an int64 can reach.
-_MAX_WORLD = (1 << 63) - 1
+_MAX_WORLD = argtypes.MAX_WORLD
+DEFAULT_GPUS_PER_NODE = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -61,78 +63,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------------- arguments
-def _empty_entry(text: str) -> str:
-    # Every entry counts: "2,,2" is a typo to point at, not the grid 2,2.
-    empty = [i for i, v in enumerate(text.split(","), 1) if not v.strip()]
-    return f" (entry {empty[0]} is empty)" if empty else ""
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,4, got {text!r}"
-                                         f"{_empty_entry(text)}") from None
-
-
-def _name_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",")]
-    if not all(values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated dim names like tp,cp,dp, got {text!r}"
-                                         f"{_empty_entry(text)}")
-    return values
-
-
-def _order(text: str) -> str:
-    if not text.strip():  # an empty order would silently plan the default one
-        raise argparse.ArgumentTypeError(f"expected a Megatron order like tp-cp-ep-dp-pp, got {text!r}")
-    return text
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_parser(what: str):
-    """A type for argparse: an integer >= 0, called ``what`` in its error."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {value}")
-        return value
-
-    return parse
-
-
-_non_negative = _non_negative_parser("a rank")
-_count = _non_negative_parser("a number of ranks")
-
-
-def _rank_list(text: str) -> list[int]:
-    try:
-        ranks = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ranks like 4,5,6,7, got {text!r}"
-                                         f"{_empty_entry(text)}") from None
-    negative = [r for r in ranks if r < 0]
-    if negative:
-        raise argparse.ArgumentTypeError(f"expected ranks (integers >= 0), got {negative[0]} in {text!r}")
-    return ranks
+_int_list, _name_list, _order, _positive = argtypes.int_list, argtypes.name_list, argtypes.order, argtypes.positive
+_non_negative, _count, _rank_list = argtypes.non_negative, argtypes.count, argtypes.rank_list
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Megatron-Core sizes (dp and expert dp take what is left)")
-    g.add_argument("--world-size", "-n", type=_positive, help="number of ranks")
+    g.add_argument("--world-size", "-n", type=argtypes.world_size, help="number of ranks")
     g.add_argument("--tp", type=_positive, help="tensor-parallel size (default 1)")
     g.add_argument("--pp", type=_positive, help="pipeline-parallel size (default 1)")
     g.add_argument("--cp", type=_positive, help="context-parallel size (default 1)")
@@ -149,7 +86,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
         "--group", action="append", type=_name_list, default=[], metavar="DIMS",
         help="also a group over several dims, e.g. --group cp,dp (repeatable)",
     )
-    m = p.add_argument_group("or a Megatron-LM launch line (with --world-size)")
+    m = p.add_argument_group("or a Megatron-LM launch line (its world: --world-size, WORLD_SIZE=N, or its torchrun's "
+                             "--nnodes x --nproc-per-node)")
     m.add_argument("--megatron-args", metavar="FLAGS",
                    help="Megatron-LM's flags in one string, e.g. \"--tensor-model-parallel-size 8 ...\" "
                         "(one flag alone: --megatron-args=--use-sharp)")
@@ -186,7 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ..planning.arguments import add_release_args
 
     add_release_args(p)
-    p.add_argument("--gpus-per-node", type=_positive, default=8, help="ranks per node (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive, default=None,
+                   help="ranks per node (default: a launch line's torchrun --nproc-per-node, else 8)")
     p.add_argument("--rank", type=_non_negative, help="show this rank's coordinates and groups")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
@@ -204,14 +143,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "nodes of 4): placement column and picture (default: --gpus-per-node)")
     r = p.add_argument_group("a recovery: what a failure would rebuild (a table or --json)")
     r.add_argument("--fail", type=_rank_list, metavar="RANKS",
-                   help="ranks of the grid that fail, e.g. 5 or 8,9,10,11: how the grid recovers (spares take "
+                   help="ranks of the grid that fail, e.g. 5, 8,9,10,11 or 8-11: how the grid recovers (spares take "
                         "their places, else whole replicas are dropped) and, per kind, the groups kept, rebuilt "
                         "and dropped")
     spares = r.add_mutually_exclusive_group()
     spares.add_argument("--spares", type=_count, metavar="N",
                         help="N spare ranks, numbered after the grid's last rank (default 0)")
     spares.add_argument("--spare-ranks", type=_rank_list, metavar="RANKS",
-                        help="the spare ranks themselves, outside the grid, in the order they are used, e.g. 16,17")
+                        help="the spare ranks themselves, outside the grid, in the order they are used, e.g. 16,17 or 16-23")
     r.add_argument("--replica-dim", metavar="DIM",
                    help="the dim whose replicas a shrink drops (default dp; a Megatron layout's is dp)")
 
@@ -273,7 +212,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
     from ..planning.arguments import failure_from_args
 
-    plan = _plan_from_args(args, follow_release=True)
+    plan = _plan_from_args(args, follow_release=True)  # a launch line's torchrun may set --gpus-per-node
+    args.gpus_per_node = args.gpus_per_node or DEFAULT_GPUS_PER_NODE
     if plan.world_size > _MAX_WORLD:
         raise UsageError(f"world size {plan.world_size} is too large: plans answer for worlds up to "
                          f"{_MAX_WORLD} ranks (int64)")
