@@ -134,3 +134,42 @@ def test_spares_that_cover_part_of_a_loss_are_used():
     assert re.search(r"^grid after: tp=8 x cp=1 x dp=1 x pp=2 on ranks 0, 32, 2-7, 16-23 \(16 ranks\)$", out, re.M)
     data = json.loads(planned("hypergrid plan --world-size 32 --tp 8 --pp 2 --fail 1,9 --spares 1 --json"))
     assert data["recovery"]["replaced"] == [[1, 32]] and data["recovery"]["dropped_replicas"] == [1]
+
+
+# ---------------------------------------------------------------------- what the tool says back
+@pytest.mark.parametrize("line, words", [
+    ("hypergrid plan --world-szie 2048 --tp 8", "unrecognized arguments: --world-szie 2048; did you mean --world-size? "
+                                                "(see: hypergrid plan --help)"),
+    ("hypergrid check --world-size 8 --gropus 4", "did you mean --groups?"),
+    ("hypergrid --verbsoe plan -n 8", "did you mean --verbose?"),
+    ("hypergrid plan -n 64 --tensor-model-parallel-size 8",
+     '--tensor-model-parallel-size is a Megatron-LM flag: give the launch line\'s flags as --megatron-args '
+     '"--tensor-model-parallel-size ..."'),
+    ("hypergrid plan -n 64 --module llama3 --config llama3_70b", "--module is torchtitan's: give its job's "
+                                                                 "[parallelism] as --torchtitan FILE"),
+    ("hypergrid plan -n 64 --tp 8 --kind tp,dp_pc", "unknown group kind 'dp_pc'; did you mean 'dp_cp'?"),
+])
+def test_a_misspelt_flag_or_kind_gets_the_closest_one(line, words):
+    assert words in refused(line)
+
+
+def test_kind_without_a_picture_shows_those_kinds_in_the_table():
+    out = planned("hypergrid plan --world-size 2048 --tp 1 --pp 16 --ep 64 --etp 1 --rank 1000 --kind tp,dp")
+    table = out[out.index("kind "):out.index("kinds shown")].splitlines()[2:]
+    assert [row.split()[0] for row in table] == ["dp", "tp"]  # in the plan's order
+    assert "kinds shown: tp, dp (--kind; 17 kinds in the plan)" in out
+    groups = [line.split()[0] for line in out[out.index("rank 1000: node"):].splitlines()[3:]]
+    assert groups == ["dp", "tp"]
+    data = json.loads(planned("hypergrid plan --world-size 2048 --tp 1 --pp 16 --ep 64 --etp 1 --kind tp,dp --json"))
+    assert [k["name"] for k in data["kinds"]] == ["dp", "tp"] and data["kinds_shown"] == {"given": ["tp", "dp"], "of": 17}
+    csv_rows = planned("hypergrid plan --world-size 2048 --tp 1 --pp 16 --ep 64 --etp 1 --kind tp --csv").splitlines()
+    assert [row.split(",")[0] for row in csv_rows] == ["kind", "tp"]
+
+
+def test_a_rank_s_group_shows_its_whole_runs_as_the_json_lists_them():
+    out = planned("hypergrid plan --world-size 2048 --tp 1 --pp 16 --ep 64 --etp 1 --rank 1000")
+    (row,) = [line for line in out[out.index("rank 1000: node"):].splitlines() if line.split()[:1] == ["tp_ep_pp"]]
+    assert row.split(None, 1)[1] == ("64-127, 192-255, 320-383, 448-511, 576-639, 704-767, 832-895, ..., 1984-2047 "
+                                     "(1024 ranks)")
+    data = json.loads(planned("hypergrid plan --world-size 2048 --tp 1 --pp 16 --ep 64 --etp 1 --rank 1000 --json"))
+    assert data["rank"]["groups"]["tp_ep_pp"][:65] == [*range(64, 128), 192]

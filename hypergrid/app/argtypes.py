@@ -18,10 +18,11 @@ Example::
 from __future__ import annotations
 
 import argparse
+import difflib
 import re
 
 __all__ = ["MAX_WORLD", "MAX_RANKS_LISTED", "int_list", "name_list", "order", "positive", "world_size",
-           "non_negative", "count", "rank_list"]
+           "non_negative", "count", "rank_list", "unrecognized"]
 
 #: The largest world a plan answers for: what a rank number in an int64 can reach.
 MAX_WORLD = (1 << 63) - 1
@@ -122,3 +123,32 @@ def rank_list(text: str) -> list[int]:
             raise argparse.ArgumentTypeError(f"expected at most {MAX_RANKS_LISTED} ranks, got {text!r}")
         ranks += range(low, high + 1)
     return ranks
+
+
+def unrecognized(unknown: list[str], options: list[str], where: str) -> str:
+    """The message for arguments ``where`` (``hypergrid plan``) does not take: the closest of its
+    ``options`` to a misspelt flag, or where a flag of Megatron-LM or torchtitan goes instead.
+
+    Example::
+
+        >>> unrecognized(["--world-szie", "2048"], ["--world-size", "--tp", "--rank"], "hypergrid plan")
+        'unrecognized arguments: --world-szie 2048; did you mean --world-size? (see: hypergrid plan --help)'
+    """
+    from ..planning.megatron_flags import MEGATRON_LM_FLAGS
+
+    hints = []
+    for token in unknown:
+        name = token.split("=", 1)[0]
+        if not name.startswith("--"):
+            continue
+        if name[2:] in MEGATRON_LM_FLAGS and "--megatron-args" in options:
+            hints.append(f"{name} is a Megatron-LM flag: give the launch line's flags as --megatron-args \"{name} ...\"")
+        elif name in ("--module", "--config", "--job.config_file", "--job.config-file") and "--torchtitan" in options:
+            hints.append(f"{name} is torchtitan's: give its job's [parallelism] as --torchtitan FILE (a TOML "
+                         f"file) and --parallelism.NAME VALUE flags")
+        else:
+            close = difflib.get_close_matches(name, [o for o in options if o.startswith("--")], n=1, cutoff=0.7)
+            if close:
+                hints.append(f"did you mean {close[0]}?")
+    hint = "".join(f"; {h}" for h in dict.fromkeys(hints))
+    return f"unrecognized arguments: {' '.join(unknown)}{hint} (see: {where} --help)"

@@ -136,8 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="write a picture of the ranks by node (PNG; needs matplotlib)")
     p.add_argument("--svg", metavar="FILE", help="write a picture of the ranks by node (SVG; needs matplotlib)")
     p.add_argument("--kind", "--colour", "--color", dest="kinds", type=_name_list, metavar="KINDS",
-                   help="group kinds drawn, one panel each, e.g. tp,dp (default: tp, cp, dp, pp, ep, ... "
-                        "that have groups of more than one rank)")
+                   help="the group kinds shown (table, JSON, CSV) and drawn, one panel each, e.g. tp,dp (default: "
+                        "every kind; drawn: tp, cp, dp, pp, ep, ... that have groups of more than one rank)")
     p.add_argument("--nvlink-domain", type=_positive, metavar="GPUS",
                    help="GPUs per NVLink domain (consecutive ranks; e.g. 72 for an NVL72 rack of 18 "
                         "nodes of 4): placement column and picture (default: --gpus-per-node)")
@@ -186,6 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCH_SCRIPTS)} (default all)")
     b.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
+    parser.commands = {"plan": p, "check": c, "demo": d, "bench": b}  # type: ignore[attr-defined]
     return parser
 
 
@@ -207,7 +208,7 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ..planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
-    from ..planning.text import MEMBERS_SHOWN, plan_csv, plan_table
+    from ..planning.text import only_kinds, plan_csv, plan_table
     from ..planning.viz import picture, write_picture
 
     from ..planning.arguments import failure_from_args
@@ -225,8 +226,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for name in args.kinds or []:
         plan.kind(name)  # an unknown kind fails before any work, naming the known ones
     pictures = _picture_paths(args)
-    data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain,
-                        heads=MEMBERS_SHOWN if args.format == "table" else None)
+    # --rank's groups listed in full up to LISTED_MEMBERS ranks, in every format: the table shows
+    # whole runs of them (a group's first 16 members alone could cut a run short).
+    data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain)
     mb = args.comm_memory_mb or DEFAULT_COMM_MEMORY_MB
     mine = None if args.rank is None else rank_cost(
         plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)
@@ -237,6 +239,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "rank": None if mine is None else mine.as_dict(),
         "max": max_cost(plan, comm_memory_mb=mb).as_dict(),
     }
+    if args.kinds:  # the kinds shown, in every format, as in the picture
+        data = only_kinds(data, args.kinds)
     if args.format == "json":
         out(json.dumps(data, indent=1))
     elif args.format == "csv":
@@ -400,9 +404,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             out()
             raise
         if unknown:
-            # Told by the subcommand, whose --help lists what it takes (argparse blames the top).
+            # Told by the subcommand, whose --help lists what it takes (argparse blames the top), with
+            # the closest of its flags to a misspelt one.
             where = f"hypergrid {args.command}" if args.command else "hypergrid"
-            raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see: {where} --help)")
+            taken = parser.commands.get(args.command, parser)
+            options = [o for p in (taken, parser) for action in p._actions for o in action.option_strings]
+            raise UsageError(argtypes.unrecognized(unknown, options, where))
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                             format="%(name)s: %(message)s")
         if args.command is None:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import difflib
 import math
 import random
 from collections.abc import Sequence
@@ -209,7 +210,10 @@ class Plan:
         for kind in self.kinds:
             if kind.name == name:
                 return kind
-        raise ValueError(f"unknown group kind {name!r}; this layout has {[k.name for k in self.kinds]}")
+        names = [k.name for k in self.kinds]
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown group kind {name!r}; {hint}this layout has {names}")
 
     def check_rank(self, rank: int) -> None:
         """ValueError unless ``rank`` lies on the grid."""
