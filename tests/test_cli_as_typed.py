@@ -173,3 +173,39 @@ def test_a_rank_s_group_shows_its_whole_runs_as_the_json_lists_them():
                                      "(1024 ranks)")
     data = json.loads(planned("hypergrid plan --world-size 2048 --tp 1 --pp 16 --ep 64 --etp 1 --rank 1000 --json"))
     assert data["rank"]["groups"]["tp_ep_pp"][:65] == [*range(64, 128), 192]
+
+
+# ---------------------------------------------------------------------- torchtitan
+def test_torchtitan_s_own_parallelism_flags_plan_without_a_toml_file():
+    flags = "--parallelism.tensor_parallel_degree 8 --parallelism.pipeline_parallel_degree 4"
+    from_flags = json.loads(planned(f"hypergrid plan -n 256 {flags} --torchtitan-version 0.3 --rank 5 --json"))
+    from_file = json.loads(planned("hypergrid plan -n 256 --torchtitan docs/examples/llama3_70b_0_3.toml "
+                                   "--torchtitan-version 0.3 --rank 5 --json"))
+    assert from_flags == from_file and from_flags["grid"]["shape"] == [8, 1, 8, 1, 4]
+    # Over a job config, as torchtitan's command line sets them: hyphens or underscores, "=" or not.
+    over = json.loads(planned("hypergrid plan -n 256 --torchtitan docs/examples/llama3_70b_0_3.toml "
+                              "--torchtitan-version 0.3 --parallelism.pipeline-parallel-degree=8 --json"))
+    assert over["grid"]["shape"] == [8, 1, 4, 1, 8]
+    assert "did you mean --parallelism.tensor_parallel_degree?" in refused(
+        "hypergrid plan -n 64 --torchtitan-version 0.3 --parallelism.tensor_paralel_degree 8")
+    assert refused("hypergrid plan -n 64 --parallelism.tensor_parallel_degree eight") == (
+        "--parallelism.tensor_parallel_degree expects an integer, got eight")
+    assert refused("hypergrid plan --parallelism.tensor_parallel_degree 8").startswith("--parallelism.* needs --world-size")
+    # The world from the shell, as torchtitan's launcher gives it.
+    out = planned(f"WORLD_SIZE=256 hypergrid plan {flags} --torchtitan-version 0.3")
+    assert out.splitlines()[0] == "hypergrid plan: 256 ranks on 32 nodes of 8 ranks"
+
+
+def test_a_misspelt_toml_key_is_told_the_closest_field(tmp_path):
+    job = tmp_path / "tt.toml"
+    job.write_text("[parallelism]\ntensor_paralell_degree = 8\n")
+    message = refused(f"hypergrid plan -n 64 --torchtitan {job} --torchtitan-version 0.3")
+    assert message.startswith(f"{job}: parallelism.tensor_paralell_degree is not a field of torchtitan 0.3's "
+                              f"parallelism config") and "did you mean parallelism.tensor_parallel_degree?" in message
+
+
+def test_a_torchtitan_table_has_no_megatron_column():
+    out = planned("hypergrid plan -n 256 --torchtitan docs/examples/llama3_70b_0_3.toml --torchtitan-version 0.3")
+    header = next(line for line in out.splitlines() if line.startswith("kind "))
+    assert header.split() == ["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement"]
+    assert "megatron group" in planned("hypergrid plan -n 16 --tp 2")

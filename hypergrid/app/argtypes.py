@@ -22,7 +22,8 @@ import difflib
 import re
 
 __all__ = ["MAX_WORLD", "MAX_RANKS_LISTED", "int_list", "name_list", "order", "positive", "world_size",
-           "non_negative", "count", "rank_list", "unrecognized"]
+           "non_negative", "count", "rank_list", "unrecognized",
+           "torchtitan_flags"]
 
 #: The largest world a plan answers for: what a rank number in an int64 can reach.
 MAX_WORLD = (1 << 63) - 1
@@ -152,3 +153,22 @@ def unrecognized(unknown: list[str], options: list[str], where: str) -> str:
                 hints.append(f"did you mean {close[0]}?")
     hint = "".join(f"; {h}" for h in dict.fromkeys(hints))
     return f"unrecognized arguments: {' '.join(unknown)}{hint} (see: {where} --help)"
+
+
+def torchtitan_flags(unknown: list[str]) -> tuple[list[str], list[str]]:
+    """torchtitan's ``--parallelism.NAME [VALUE...]`` flags among the arguments argparse did not
+    take, and the rest.
+
+    Example::
+
+        >>> torchtitan_flags(["--parallelism.tensor_parallel_degree", "8", "--oops"])
+        (['--parallelism.tensor_parallel_degree', '8'], ['--oops'])
+    """
+    titan: list[str] = []
+    rest: list[str] = []
+    taking = False
+    for token in unknown:
+        if token.startswith("--"):
+            taking = token.startswith("--parallelism.")
+        (titan if taking else rest).append(token)
+    return titan, rest

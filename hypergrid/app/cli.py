@@ -93,7 +93,8 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
                         "(one flag alone: --megatron-args=--use-sharp)")
     m.add_argument("--megatron-args-file", metavar="FILE",
                    help="a file of Megatron-LM flags (lines, backslash continuations, # comments)")
-    t = p.add_argument_group("or a torchtitan job config")
+    t = p.add_argument_group("or a torchtitan job config (with --world-size), and torchtitan's own "
+                             "--parallelism.NAME VALUE flags over it (or over its defaults)")
     t.add_argument("--torchtitan", metavar="FILE",
                    help="a torchtitan TOML job config: its [parallelism] degrees, with --world-size")
 
@@ -403,6 +404,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except SystemExit:
             out()
             raise
+        if args.command in ("plan", "check"):  # torchtitan's own flags: --parallelism.NAME VALUE
+            args.parallelism, unknown = argtypes.torchtitan_flags(unknown)
         if unknown:
             # Told by the subcommand, whose --help lists what it takes (argparse blames the top), with
             # the closest of its flags to a misspelt one.

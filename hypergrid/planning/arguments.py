@@ -71,23 +71,27 @@ def plan_from_args(args: argparse.Namespace, follow_release: bool = False) -> Pl
     """
     megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "dp", "order") if getattr(args, n) is not None]
     titan_release, megatron_release = (getattr(args, n, None) for n in ("torchtitan_version", "megatron_core_version"))
-    if titan_release is not None and args.torchtitan is None:
-        raise LayoutArgumentError("--torchtitan-version goes with --torchtitan FILE")
-    if megatron_release is not None and (args.torchtitan is not None or args.shape is not None):
+    overrides = getattr(args, "parallelism", None) or []  # torchtitan's --parallelism.NAME VALUE flags
+    titan = args.torchtitan is not None or bool(overrides)
+    if titan_release is not None and not titan:
+        raise LayoutArgumentError("--torchtitan-version goes with --torchtitan FILE or --parallelism.* flags")
+    if megatron_release is not None and (titan or args.shape is not None):
         raise LayoutArgumentError("--megatron-core-version goes with Megatron sizes or --megatron-args, not another layout")
-    if args.torchtitan is not None:
-        from .torchtitan import plan_torchtitan
+    if titan:
+        from .torchtitan import parallelism_overrides, plan_torchtitan
 
         others = megatron_given + [n for n in ("shape", "dims") if getattr(args, n) is not None]
         others += [n.replace("_", "-") for n in ("megatron_args", "megatron_args_file") if getattr(args, n) is not None]
+        which = "--torchtitan" if args.torchtitan is not None else "--parallelism.*"
         if others or args.group:
-            raise LayoutArgumentError(f"--torchtitan and {', '.join('--' + n for n in others or ['group'])} are two ways "
-                             f"to give a layout; use one")
+            raise LayoutArgumentError(f"{which} and {', '.join('--' + n for n in others or ['group'])} are two ways "
+                                      f"to give a layout; use one")
         world, _ = _world_size(args)
         if world is None:
-            raise LayoutArgumentError("--torchtitan needs --world-size (or WORLD_SIZE=N in front of the command): "
-                                      "torchtitan takes the world size from the launcher")
-        return plan_torchtitan(Path(args.torchtitan), world, titan_release)  # a Path: always read as a file
+            raise LayoutArgumentError(f"{which} needs --world-size (or WORLD_SIZE=N in front of the command): "
+                                      f"torchtitan takes the world size from the launcher")
+        source = None if args.torchtitan is None else Path(args.torchtitan)  # a Path: always read as a file
+        return plan_torchtitan(source, world, titan_release, overrides=parallelism_overrides(overrides))
     chosen, followed = {}, None
     if follow_release:
         from ..megatron.spec.features import choose_megatron_core

@@ -117,7 +117,10 @@ def plan_table(plan: "Plan", data: dict) -> str:
     gpn = data["gpus_per_node"]
     out = _header(data)
     out.append("")
-    rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement", "megatron group"]]
+    # The parallel_state global each kind fills: a column for Megatron plans only (torchtitan's and
+    # a free grid's kinds fill none).
+    megatron = data["megatron"] is not None
+    rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement"] + ["megatron group"] * megatron]
     where = {"node": "inside a node", "nvlink": "inside an NVLink domain", "across": "ACROSS DOMAINS"}
     for k in data["kinds"]:
         key = k["key"] if k["view"] is None else f"{k['view']}:{k['key']}"
@@ -129,8 +132,7 @@ def plan_table(plan: "Plan", data: dict) -> str:
         rows.append([
             k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
             str(k["max_nodes_per_group"]), str(k["max_nvlink_domains_per_group"]),
-            placement, k["megatron_name"] or "",
-        ])
+            placement] + [k["megatron_name"] or ""] * megatron)
     out.append(_table(rows, right={2, 3, 4, 5}))
     if "kinds_shown" in data:
         shown = data["kinds_shown"]
