@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -285,6 +286,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     plan = _plan_from_args(args)
     sample = True if args.sample else False if args.full else None
+    titan_ok = None
+    if args.torchtitan is not None or getattr(args, "parallelism", None):
+        # torchtitan's own meshes first: what a torchtitan user checks; then the grid's enumerations.
+        from ..planning.torchtitan import parallelism_overrides
+        from .torchtitan_parity import compare_with_torchtitan
+
+        titan = compare_with_torchtitan(None if args.torchtitan is None else Path(args.torchtitan), plan.world_size,
+                                        overrides=parallelism_overrides(args.parallelism or []),
+                                        full=None if sample is None else not sample, seed=args.seed)
+        for line in titan.lines():
+            out(line)
+        titan_ok = titan.ok
+        if importlib.util.find_spec("megatron.core") is None:
+            out("not compared with megatron-core's enumerations: megatron-core is not installed")
+            return EXIT_OK if titan_ok else EXIT_FAILED
     start = time.perf_counter()
     progress = Progress("comparing")
     result = compare_with_megatron(plan, progress=progress, sample=sample, seed=args.seed,
@@ -310,7 +326,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for line in result.differences:
         out(f"DIFFERENCE {line}")
     out("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
-    return EXIT_OK if result.ok else EXIT_FAILED
+    return EXIT_OK if result.ok and titan_ok is not False else EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------- demo, bench
