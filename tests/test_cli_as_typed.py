@@ -209,3 +209,24 @@ def test_a_torchtitan_table_has_no_megatron_column():
     header = next(line for line in out.splitlines() if line.startswith("kind "))
     assert header.split() == ["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement"]
     assert "megatron group" in planned("hypergrid plan -n 16 --tp 2")
+
+
+def test_a_shrink_of_dp_warns_that_the_global_batch_size_no_longer_divides():
+    out = planned("hypergrid plan --world-size 1024 --tp 8 --fail 5")
+    assert ("warning: dp 128 -> 127: a global batch size must be divisible by the micro-batch size x dp "
+            "(Megatron-Core asserts it)") in out
+    line = "--tensor-model-parallel-size 8 --global-batch-size 1024 --micro-batch-size 1"
+    out = planned(f"hypergrid plan --world-size 1024 --megatron-args '{line}' --fail 5")
+    assert ("warning: dp 128 -> 127: --global-batch-size 1024 is not divisible by --micro-batch-size 1 x dp 127 = "
+            "127, which Megatron-Core asserts: give spares to keep dp (--spares), or a global batch size divisible "
+            "by 127") in out
+    data = json.loads(planned(f"hypergrid plan --world-size 1024 --megatron-args '{line}' --fail 5 --json"))
+    assert data["recovery"]["warnings"] and data["recovery"]["warnings"][0].startswith("dp 128 -> 127: ")
+    # A batch that divides both, a replacement, or a launch line Megatron-LM would refuse already.
+    fits = "--tensor-model-parallel-size 8 --global-batch-size 16256 --micro-batch-size 1"
+    assert "warning:" not in planned(f"hypergrid plan --world-size 1024 --megatron-args '{fits}' --fail 5")
+    assert "warning:" not in planned(f"hypergrid plan --world-size 1024 --megatron-args '{line}' --fail 5 --spares 1")
+    assert refused("hypergrid plan --world-size 1024 --megatron-args '--tensor-model-parallel-size 8 "
+                   "--global-batch-size 1000'") == (
+        "--global-batch-size (1000) is not divisible by --micro-batch-size (1) x the data-parallel size (128) = 128, "
+        "which Megatron-Core's microbatch calculator asserts")

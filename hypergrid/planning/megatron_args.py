@@ -63,6 +63,8 @@ _INT_FLAGS = {
     "num-layers": 1,
     "decoder-num-layers": 1,
     "decoder-first-pipeline-num-layers": 0,
+    "global-batch-size": 1,
+    "micro-batch-size": 1,
     "decoder-last-pipeline-num-layers": 0,
 }
 #: Flags taking one or more integers (Megatron-LM's ``nargs='+'``).
@@ -142,6 +144,8 @@ class MegatronLaunch:
     ignored: tuple[str, ...] = ()
     nodes: Optional[int] = None
     gpus_per_node: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
 
     @property
     def launched_world_size(self) -> Optional[int]:
@@ -353,6 +357,8 @@ def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaun
         use_sharp=given.get("use-sharp", False),
         sharp_enabled_group=given.get("sharp-enabled-group"),
         use_tp_pp_dp_mapping=given.get("use-tp-pp-dp-mapping", False),
+        global_batch_size=given.get("global-batch-size"),
+        micro_batch_size=given.get("micro-batch-size"),
         ignored=tuple(ignored),
         **launcher,
     )
@@ -449,7 +455,15 @@ def plan_from_megatron_args(
     launch = args if isinstance(args, MegatronLaunch) else parse_megatron_args(args)
     world = launch_world_size(launch, world_size, world_size_from)
     try:
-        return plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
+        plan = plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
     except ValueError as exc:
         message, flag = _with_flag_names(str(exc), launch, world)
         raise MegatronArgsError(message, flag) from None
+    batch, micro = launch.global_batch_size, launch.micro_batch_size or 1
+    if batch is not None and "rampup-batch-size" not in launch.ignored and batch % (micro * plan.megatron.dp):
+        raise MegatronArgsError(
+            f"--global-batch-size ({batch}) is not divisible by --micro-batch-size ({micro}) x the data-parallel "
+            f"size ({plan.megatron.dp}) = {micro * plan.megatron.dp}, which Megatron-Core's microbatch calculator "
+            f"asserts", "--global-batch-size")
+    plan.global_batch_size, plan.micro_batch_size = batch, launch.micro_batch_size
+    return plan

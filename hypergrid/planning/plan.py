@@ -204,6 +204,10 @@ class Plan:
     #: The Megatron-Core configuration a Megatron plan was made from (None: another layout): a
     #: recovery plans Megatron-Core's groups again from it (:mod:`hypergrid.planning.recovery`).
     megatron_config: Optional["MegatronConfig"] = None
+    #: A Megatron-LM launch line's ``--global-batch-size`` and ``--micro-batch-size`` (None: not
+    #: given): a shrink of dp warns where the global batch no longer divides.
+    global_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""

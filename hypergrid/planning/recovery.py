@@ -302,6 +302,34 @@ class RecoveryReport:
             return []
         return sorted({replica_of(self.recovery.old, rank, self.replica_dim) for rank in self.recovery.dropped_failed})
 
+    @property
+    def warnings(self) -> list[str]:
+        """What the recovery changes that a Megatron job must change with it: a shrink of dp and
+        the global batch size, which Megatron-Core's microbatch calculator wants divisible by the
+        micro-batch size x dp (checked where the plan came from a launch line that gives it).
+
+        Example::
+
+            >>> from hypergrid.planning.megatron_args import plan_from_megatron_args
+            >>> plan = plan_from_megatron_args("--global-batch-size 1024 --micro-batch-size 1", world_size=128)
+            >>> recovery_of(plan, failed=[5]).warnings
+            ['dp 128 -> 127: --global-batch-size 1024 is not divisible by --micro-batch-size 1 x dp 127 = 127, which Megatron-Core asserts: give spares to keep dp (--spares), or a global batch size divisible by 127']
+        """
+        before, after = self.before.megatron, self.after.megatron
+        if self.recovery.kind is not RecoveryKind.SHRINK or before is None or after is None or before.dp == after.dp:
+            return []
+        step = f"dp {before.dp} -> {after.dp}"
+        batch, micro = self.before.global_batch_size, self.before.micro_batch_size or 1
+        if batch is None:
+            return [f"{step}: a global batch size must be divisible by the micro-batch size x dp (Megatron-Core "
+                    f"asserts it), so one chosen for dp {before.dp} no longer fits unless it is a multiple of "
+                    f"{after.dp} too: give spares to keep dp (--spares), or a global batch size for dp {after.dp}"]
+        if batch % (micro * after.dp) == 0:
+            return []
+        return [f"{step}: --global-batch-size {batch} is not divisible by --micro-batch-size {micro} x dp "
+                f"{after.dp} = {micro * after.dp}, which Megatron-Core asserts: give spares to keep dp (--spares), "
+                f"or a global batch size divisible by {micro * after.dp}"]
+
     def rank_change(self, rank: int) -> dict[str, Any]:
         """``rank``'s role, coordinates and, per kind, its group before and after (as
         :meth:`Plan.rank_groups <hypergrid.planning.plan.Plan.rank_groups>` gives them: a list of
@@ -357,6 +385,7 @@ class RecoveryReport:
                 "grid_after": {"shape": list(new.shape), "dim_names": list(new.dim_names), "size": new.size,
                                "rank_runs": [[rank, length] for _, rank, length in runs]},
                 "kinds": [change.as_dict() for change in self.changes],
+                "warnings": self.warnings,
             },
         }
         if rank is not None:

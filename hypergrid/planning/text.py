@@ -268,7 +268,8 @@ def recovery_table(data: dict) -> str:
                        f"{', '.join(moves[:_MOVES_SHOWN])}{cut}")
             out.append(f"  spares left: {describe_members(r['spares_left']) if r['spares_left'] else 'none'}")
     after = r["grid_after"]
-    out += [f"grid after: {_dims_text(after)} on ranks {_runs_text(after['rank_runs'])} ({after['size']} ranks)", ""]
+    out.append(f"grid after: {_dims_text(after)} on ranks {_runs_text(after['rank_runs'])} ({after['size']} ranks)")
+    out += [f"warning: {line}" for line in r.get("warnings", [])] + [""]
     rows = [["kind", "groups before", "after", "kept", "rebuilt", "dropped"]]
     for k in r["kinds"]:
         rows.append([k["name"]] + ["-" if k[f] is None else str(k[f])
