@@ -383,8 +383,7 @@ def read_parallelism(source: Optional[Source], world_size: Optional[int] = None,
             if name not in _FIELDS[chosen]:
                 raise ValueError(_unknown_field(name, chosen, "--parallelism."))
         section = {**section, **overrides}
-        where += " with --parallelism flags" if source is not None else ""
-        where = "--parallelism flags" if source is None else where
+        where = "--parallelism flags" if source is None else f"{where} with --parallelism flags"
     given = {name: section[name] for name in (*_SHORT, "spmd_backend") if name in section}
     try:
         parallelism = TorchtitanParallelism(**given, release=chosen)
