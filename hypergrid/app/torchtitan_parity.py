@@ -208,7 +208,7 @@ def _ranks(plan: Plan, full: Optional[bool], seed: int, count: int) -> tuple[lis
     rng = random.Random(seed)
     while len(chosen) < min(count, world):
         chosen.add(rng.randrange(world))
-    return sorted(chosen), True
+    return sorted(chosen), len(chosen) < world
 
 
 def compare_with_torchtitan(config: Union[TorchtitanParallelism, Source, None], world_size: int, *,
