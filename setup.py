@@ -34,7 +34,7 @@ setup(
         # einops: only Megatron-Core's own HyperCommGrid needs it, for the parity tests;
         # matplotlib: the picture tests; Sphinx and myst-parser: tests/test_docs.py builds the
         # docs with warnings as errors; expecttest: torch's own test helpers import it
-        # (tests/torch_upstream runs torch's DeviceMesh tests).
+        # (tests/torch_upstream runs torch's DeviceMesh tests, from a pytorch checkout).
         "test": [
             "pytest>=8",
             "hypothesis>=6",

@@ -29,6 +29,7 @@ __all__ = [
     "UnsupportedTorchError",
     "StoreUnresponsiveError",
     "RecoveryRefused",
+    "RecoveryRankError",
     "RecoveryError",
     "ExcludedByRecovery",
     "ParallelConfigError",
@@ -106,6 +107,12 @@ class StoreUnresponsiveError(HypergridError):
 class RecoveryRefused(ValueError):
     """No recovery fits the failure: too few spares and no replica that can be dropped. The message
     says which ranks failed and why neither replacement nor a shrink works."""
+
+
+class RecoveryRankError(ValueError, TypeError):
+    """A failed rank or a spare that is not a rank: negative, or not an integer (a bool, a float, a
+    string). A ``ValueError`` naming the value (a bad value for a recovery), and a ``TypeError`` for
+    the wrong types, as hypergrid's conventions have it."""
 
 
 class RecoveryError(HypergridError):

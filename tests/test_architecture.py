@@ -44,7 +44,8 @@ LAYERS = {
 }
 
 #: Folders and modules that must not import torch at all: planning works without a process group.
-PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console")
+PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console",
+        "app.argtypes")
 
 #: The only modules that may touch torch's private names: c10d's, and DeviceMesh's.
 COMPAT = {"runtime.torch_compat", "runtime.mesh_compat"}

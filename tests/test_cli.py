@@ -23,6 +23,7 @@ from hypergrid.planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.megatron import choose_megatron_core, plan_model_parallel
 from hypergrid.layout.describe import describe_members
 from hypergrid.planning.plan import plan_grid, plan_megatron
+from hypergrid.planning.text import only_kinds
 
 MOE = ["--world-size", "64", "--tp", "2", "--pp", "2", "--cp", "2", "--ep", "4", "--etp", "1"]
 
@@ -54,8 +55,13 @@ def test_plan_json_png_svg_in_one_subprocess(tmp_path):
     proc = _run("plan", *MOE, "--rank", "37", "--format", "json", "--png", str(png), "--svg", str(svg), "--kind", "tp,ep",
                 "--nvlink-domain", "16")
     assert proc.returncode == 0, proc.stderr
-    data = json.loads(proc.stdout)  # stdout is only the JSON; picture notes go to stderr
+    shown = json.loads(proc.stdout)  # stdout is only the JSON; picture notes go to stderr
     assert "wrote" in proc.stderr and "p.png" in proc.stderr
+    # --kind shows those kinds in the JSON too, and the rank's groups of them; the cost is the rank's whole.
+    whole = _run("plan", *MOE, "--rank", "37", "--format", "json", "--nvlink-domain", "16")
+    data = json.loads(whole.stdout)
+    assert shown == {**only_kinds(data, ["tp", "ep"]), "cost": data["cost"]}
+    assert [k["name"] for k in shown["kinds"]] == ["tp", "ep"] and list(shown["rank"]["groups"]) == ["tp", "ep"]
     # Equal to the library's answers, for the megatron-core release plan follows (the installed one)...
     features, followed = choose_megatron_core()
     plan = plan_megatron(64, tp=2, pp=2, cp=2, ep=4, etp=1, features=features)
@@ -282,10 +288,25 @@ def test_a_rank_s_long_groups_show_whole_runs_only(capsys):
                      "--etp", "1", "--rank", "1000"]) == 0
     rows = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
             if line.startswith("  ") and len(line.split()) > 1}
-    assert rows["mp"] == "104-107, 232-235, 360-363, ..., 1003 (32 ranks)"
-    assert rows["tp_dp"] == "896-899, 904-907, 912-915, ..., 1019 (64 ranks)"
+    assert rows["mp"] == "104-107, 232-235, 360-363, 488-491, 616-619, 744-747, 872-875, 1000-1003 (32 ranks)"
+    assert rows["tp_dp"] == "896-899, 904-907, 912-915, 920-923, 928-931, 936-939, 944-947, ..., 1016-1019 (64 ranks)"
     assert rows["tp_dp_cp"] == "896-1023 (128 ranks)"
     assert rows["dp_cp"] == "896, 900, 904, 908, 912, 916, 920, ..., 1020 (32 ranks, step 4)"
+    # A group whose runs are longer than 16 ranks: each run whole, as the JSON lists them (the issue's
+    # tp_ep_pp of 1,024 ranks read "64-77, ..., 2047" from its first 16 members).
+    assert cli.main(["plan", "--world-size", "2048", "--tp", "1", "--pp", "16", "--ep", "64", "--etp", "1",
+                     "--rank", "1000"]) == 0
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and len(line.split()) > 1}
+    assert rows["tp_ep_pp"] == ("64-127, 192-255, 320-383, 448-511, 576-639, 704-767, 832-895, ..., 1984-2047 "
+                                "(1024 ranks)")
+    # Beyond the listed limit only the first 16 members are known: a run longer than that is not given an end.
+    assert cli.main(["plan", "--world-size", str(1 << 30), "--tp", "8", "--pp", "16", "--ep", "64",
+                     "--rank", "123456789"]) == 0
+    rows = {line.split()[0]: line.split(None, 1)[1] for line in capsys.readouterr().out.splitlines()
+            if line.startswith("  ") and len(line.split()) > 1}
+    assert rows["tp_dp"] == "67108864-134217727 (67108864 ranks)"
+    assert rows["expt_dp"] == "67109141, 67109653, 67110165, 67110677, 67111189, 67111701, 67112213, ..., 134217493 (131072 ranks, step 512)"
 
 
 def test_dp_is_accepted_and_checked_against_the_world(capsys):

@@ -101,8 +101,15 @@ def test_a_shrink_megatron_core_refuses_is_a_refusal_naming_the_sizes(capsys):
 @pytest.mark.parametrize("argv, words", [
     (["--fail", "5,5"], "--fail 5,5: rank 5 is given twice; expected distinct ranks"),
     (["--fail", "16"], "--fail 16: rank 16 is not in the grid, which spans ranks [0, 16); expected ranks of the grid"),
-    (["--fail", "x"], "argument --fail: expected comma-separated ranks like 4,5,6,7, got 'x'"),
-    (["--fail", "4,,5"], "argument --fail: expected comma-separated ranks like 4,5,6,7, got '4,,5' (entry 2 is empty)"),
+    (["--fail", "x"], "argument --fail: expected comma-separated ranks or ranges like 4,5,6,7 or 12344-12351, got 'x'"),
+    (["--fail", "4,,5"], "argument --fail: expected comma-separated ranks or ranges like 4,5,6,7 or 12344-12351, "
+                         "got '4,,5' (entry 2 is empty)"),
+    (["--fail", "-1"], "argument --fail: expected ranks (integers >= 0), got -1 in '-1'"),
+    (["--fail", "7-4"], "argument --fail: expected a range from a lower rank to a higher one, got '7-4' in '7-4'; "
+                        "write 4-7"),
+    (["--fail", "0-99999999"], "argument --fail: expected at most 4194304 ranks, got '0-99999999'"),
+    (["--fail", "12-17"], "--fail 12-17: rank 16 is not in the grid, which spans ranks [0, 16); expected ranks of the grid"),
+    (["--fail", "4-5,5"], "--fail 4-5,5: rank 5 is given twice; expected distinct ranks"),
     (["--fail", "5", "--spares", "-1"], "argument --spares: expected a number of ranks (integer >= 0), got -1"),
     (["--fail", "5", "--spare-ranks", "3"],
      "--spare-ranks 3: rank 3 is in the grid, which spans ranks [0, 16); expected ranks outside it, e.g. 16"),
@@ -173,3 +180,41 @@ def test_a_million_ranks_answer_without_listing_every_group(capsys, monkeypatch)
     assert data["recovery"]["replaced"] == [[8000 + i, world + i] for i in range(8)]
     assert data["rank"]["groups"]["tp"]["after"] == list(range(world, world + 8))
     assert {k["counted"] for k in data["recovery"]["kinds"]} == {"failed_groups"}
+
+
+def test_spares_for_part_of_the_loss_drop_one_replica_and_replace_the_rest(capsys):
+    # The command: tp 8 x pp 2 x dp 2, ranks 1 and 9 (one in each replica), one spare.
+    status, out, err = _main(capsys, "--world-size", "32", "--tp", "8", "--pp", "2", "--fail", "1,9", "--spares", "1",
+                             "--megatron-core-version", "0.16")
+    assert status == 0 and not err
+    assert "recovery from the loss of ranks 1, 9: shrink" in out
+    assert "  too few spares (1 for 2 failed): replica 1 of dp dropped (dp 2 -> 1)" in out
+    assert "  ranks leaving the grid with it: 8, 10-15, 24-31 (15 ranks)" in out
+    assert "  in the replicas kept, a spare takes each failed rank's position: 1 -> 32" in out
+    assert "  spares left: none" in out
+    assert "grid after: tp=8 x cp=1 x dp=1 x pp=2 on ranks 0, 32, 2-7, 16-23 (16 ranks)" in out
+    rows = _rows(out)
+    assert rows["tp"] == ["4", "2", "1", "1", "3"]  # rank 1's tp group rebuilt, replica 1's two dropped
+    assert rows["pp"] == ["16", "8", "7", "1", "9"]
+    status, out, _ = _main(capsys, "--world-size", "32", "--tp", "8", "--pp", "2", "--fail", "1,9", "--spares", "1",
+                           "--rank", "32", "--json")
+    data = json.loads(out)
+    r = data["recovery"]
+    assert r["kind"] == "shrink" and r["replaced"] == [[1, 32]] and r["dropped_replicas"] == [1]
+    assert r["spares_left"] == [] and r["grid_after"]["size"] == 16
+    assert data["rank"]["role"] == "replaces" and data["rank"]["groups"]["tp"]["after"] == [0, 32, *range(2, 8)]
+
+
+def test_ranks_are_given_as_ranges_as_the_tool_prints_them(capsys):
+    # The command: a whole node of a 16,384-rank job, as a range, and the spare node the same way.
+    argv = ["--world-size", "16384", "--tp", "8", "--pp", "16", "--fail", "12344-12351", "--spares", "8"]
+    status, out, err = _main(capsys, *argv)
+    assert status == 0 and not err
+    assert "recovery from the loss of ranks 12344-12351: replace" in out
+    assert "12344 -> 16384" in out and "12351 -> 16391" in out
+    status, listed, _ = _main(capsys, *argv[:-4], "--fail", ",".join(map(str, range(12344, 12352))),
+                              "--spare-ranks", "16384-16391")
+    assert status == 0 and listed == out
+    status, out, _ = _main(capsys, *LAYOUT, "--fail", "4-5,9", "--spare-ranks", "16-17,20", "--json")
+    r = json.loads(out)["recovery"]
+    assert r["failed"] == [4, 5, 9] and r["spares"] == [16, 17, 20] and r["spares_left"] == []

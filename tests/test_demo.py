@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -38,9 +39,17 @@ def test_demo_four_local_ranks():
     timings = out[out.index("timings (slowest rank):"):].splitlines()[1:]
     names = [line.rsplit(None, 2)[0].strip() for line in timings if line.endswith(" ms")]
     assert names == ["init_process_group", "grid groups (create + verify)", "import megatron-core",
-                     "megatron parallel_state (initialize + verify)", "DeviceMesh (build + verify)",
-                     "total on rank"], timings
+                     "megatron initialize_model_parallel", "megatron parallel_state (initialize + verify)",
+                     "DeviceMesh device_mesh(grid)", "DeviceMesh (build + verify)", "total on rank"], timings
     assert "filled parallel_state" not in out
+    # The issue: the first Megatron row showed initialize_model_parallel's whole time (of its slowest
+    # rank) and every other 0.0. Groups made in one call have no time of their own: "-", and the
+    # call's time is a phase (slowest rank) and a note (rank 0), each saying which.
+    assert {r[-1] for r in rows if r[0] in ("megatron", "mesh")} == {"-"}
+    assert all(float(r[-1]) >= 0 for r in rows if r[0] == "grid")
+    assert "create ms -: made with the other kinds of its source in one call" in out
+    assert re.search(r"megatron: initialize_model_parallel made every Megatron group in one call, [0-9.]+ ms on "
+                     r"rank 0", out), out
 
 
 @pytest.mark.gloo
@@ -129,11 +138,25 @@ def test_failed_verification_is_reported_and_not_ok():
 
     plan = plan_megatron(4, tp=2)
     rows = [GroupResult("grid", "tp", "tp", 2, 2, [0, 1], True, 0.01),
-            GroupResult("mesh", "dp", 'mesh["dp"]', 2, 2, [0, 2], False, 0.0, "rank 2: counted [0]")]
+            GroupResult("mesh", "dp", 'mesh["dp"]', 2, 2, [0, 2], False, None, "rank 2: counted [0]")]
     report = DemoReport(4, plan, rows, {"total on rank": 1.0})
     text = format_report(report)
     assert not report.ok
     assert "FAILED mesh dp: rank 2: counted [0]" in text and "1 of 2 groups FAILED verification" in text
+    table = {line.split()[0]: line.split() for line in text.splitlines() if line.startswith(("grid ", "mesh "))}
+    assert table["grid"][-1] == "10.0" and table["mesh"][-1] == "-"  # made in one call: timed as a phase
+
+
+def test_rows_made_in_one_call_keep_no_time_of_their_own_when_merged():
+    from hypergrid.app.demo import GroupResult, _merge
+
+    def rank(grid_s):
+        return ([GroupResult("grid", "tp", "tp", 2, 2, [0, 1], True, grid_s),
+                 GroupResult("megatron", "tp", "TENSOR", 2, 2, [0, 1], True, None)],
+                {"megatron initialize_model_parallel": grid_s * 100})
+    report = _merge(2, plan_megatron(4, tp=2), [rank(0.01), rank(0.03)], [])
+    assert [r.create_s for r in report.results] == [0.03, None]
+    assert report.phases["megatron initialize_model_parallel"] == 3.0  # the slowest rank's
 
 
 # ---------------------------------------------------------------------------- signals

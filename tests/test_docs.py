@@ -2,8 +2,9 @@
 
 Each fenced ``python`` block of ``docs/*.md`` runs in a fresh namespace. A block starting with
 ``# doc-test: world N`` runs as rank 0 of an N-rank world on torch's fake backend (it shows code
-that runs inside a job); ``# doc-test: skip`` is allowed only for blocks that need a multi-node
-cluster, and says why. The site is built as CI would, ``python -m sphinx -W --keep-going -b html
+that runs inside a job), and its next lines say how to do the same alone (:data:`ALONE`; run so in
+a process of their own too); ``# doc-test: skip`` is allowed only for blocks that need a
+multi-node cluster, and says why and how to launch it. The site is built as CI would, ``python -m sphinx -W --keep-going -b html
 docs OUT``, and any warning (a broken docstring, a link to a missing page) fails the test.
 A ``text`` block that starts with ``$ hypergrid ...`` shows a command and its output: the command
 is run, and every line shown (but ``...`` and timings) must be among the lines it prints.
@@ -11,6 +12,7 @@ is run, and every line shown (but ``...`` and timings) must be among the lines i
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 import subprocess
@@ -63,6 +65,57 @@ def test_doc_example_runs(page, index, code):
                 exec(compile(code, f"{page}#{index}", "exec"), namespace)
         else:
             exec(compile(code, f"{page}#{index}", "exec"), namespace)
+
+
+#: The lines after "# doc-test: world N" that say how to run the example alone: the same fake-backend
+#: set-up the test makes, as comments to copy.
+ALONE = ("# Alone (no job): first play rank 0 of {n} on torch's fake backend:",
+         "#   import torch.distributed as dist; from torch.testing._internal.distributed.fake_pg import FakeStore",
+         '#   dist.init_process_group("fake", store=FakeStore(), rank=0, world_size={n})')
+
+
+def test_every_example_says_how_to_run_it_alone():
+    # A plain block runs alone as it is; one shown inside a job says how to play its rank alone, and
+    # a multi-node one how to launch it.
+    for page, index, code in BLOCKS:
+        lines = code.splitlines()
+        world = re.match(r"# doc-test: world (\d+)$", lines[0] if lines else "")
+        if world:
+            assert tuple(lines[1:4]) == tuple(line.format(n=world.group(1)) for line in ALONE), (page, index, lines[:4])
+        elif lines and lines[0].startswith("# doc-test: skip"):
+            assert lines[1].startswith("# Alone: "), (page, index, lines[:2])
+        else:
+            assert not any(line.startswith("# doc-test") for line in lines), (page, index)
+
+
+@pytest.mark.slow
+def test_the_examples_run_alone_as_they_say(tmp_path):
+    # Each "world N" example with its "Alone" lines uncommented, in a process of its own with no
+    # harness: one fresh process runs them one after the other, each in a fresh namespace.
+    scripts = []
+    for page, index, code in BLOCKS:
+        lines = code.splitlines()
+        if re.match(r"# doc-test: world \d+$", lines[0] if lines else ""):
+            setup = [line[len("#   "):] for line in lines[2:4]]
+            scripts.append((f"{page}#{index}", "\n".join(setup + lines[4:])))
+    assert len(scripts) >= 10
+    runner = tmp_path / "run_alone.py"
+    runner.write_text(
+        "import json, sys, warnings\n"
+        "import torch.distributed as dist\n"
+        "from hypergrid.runtime.registry import REGISTRY\n"
+        "warnings.simplefilter('ignore')\n"
+        "for name, code in json.load(open(sys.argv[1])):\n"
+        "    exec(compile(code, name, 'exec'), {'__name__': name})\n"
+        "    assert dist.is_initialized(), name\n"
+        "    dist.destroy_process_group(); REGISTRY.reset()\n"
+        "    print('ran', name)\n")
+    listing = tmp_path / "examples.json"
+    listing.write_text(json.dumps(scripts))
+    proc = subprocess.run([sys.executable, str(runner), str(listing)], capture_output=True, text=True, timeout=600,
+                          cwd=DOCS.parent)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert proc.stdout.count("ran ") == len(scripts)
 
 
 # A shown command line and what it prints: ```text blocks whose first line is "$ hypergrid ...".

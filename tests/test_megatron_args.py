@@ -111,7 +111,9 @@ def test_the_file_form_lines_continuations_comments(tmp_path):
         "--lr 3e-4 --adam-eps -1e-8  # a negative value is a value\n"
     )
     launch = parse_megatron_args(script.read_text())
-    assert replace(launch, ignored=()) == replace(parse_megatron_args(MOE_LINE), ignored=())
+    # The same parallelism as MOE_LINE, which also gives a batch (read: it is checked against dp).
+    assert replace(launch, ignored=()) == replace(parse_megatron_args(MOE_LINE), ignored=(), global_batch_size=None,
+                                                  micro_batch_size=None)
     assert launch.virtual_pipeline_model_parallel_size == 4 and launch.ignored == ("lr", "adam-eps")
     want = plan_megatron(1024, **SIZES, virtual_pipeline_model_parallel_size=4)
     _same_plan(plan_from_megatron_args(launch, 1024), want)

@@ -1,8 +1,9 @@
 """Re-planning a grid after ranks failed, with no process group (hypergrid.layout.replan).
 
 Spares take failed ranks' positions (a whole node onto a whole node, local rank for local rank),
-else the fewest whole replicas are dropped; every survivor keeps its global rank, and Megatron's
-groups inside surviving replicas keep their members. Refusals say why.
+else the fewest whole replicas are dropped and the spares replace the failed ranks of the replicas
+kept; every survivor keeps its global rank, and Megatron's groups inside surviving replicas keep
+their members. Refusals say why; a value that is not a rank is a ValueError naming it.
 """
 
 from __future__ import annotations
@@ -94,10 +95,93 @@ def test_a_shrink_drops_the_fewest_replicas():
     assert plan.dropped == (0, 4, 8, 9, 13)
 
 
-def test_too_few_spares_shrink_and_keep_every_spare():
-    plan = plan_recovery(TP_DP_PP, failed=[1, 6], spares=[16])
+def test_spares_that_cover_no_kept_replica_are_all_kept():
+    # Replicas 0 and 3 each hold two failed ranks; one spare replaces neither's: both are dropped.
+    plan = plan_recovery(TP_DP_PP, failed=[0, 1, 6, 7], spares=[16])
     assert plan.kind is RecoveryKind.SHRINK and plan.spares_left == (16,) and plan.replaced == ()
-    assert plan.new.shape == (2, 2, 2)
+    assert plan.new.shape == (2, 2, 2) and plan.dropped_failed == (0, 1, 6, 7)
+
+
+# ---------------------------------------------------------------------- mixed: drop some, replace the rest
+def test_a_mixed_recovery_drops_one_replica_and_gives_the_spare_to_the_other():
+    # The issue's layout: tp 8 x pp 2 x dp 2 (Megatron's order tp-dp-pp), ranks 1 and 9 in dp 0 and 1.
+    layout = GridLayout((8, 2, 2), ("tp", "dp", "pp"))
+    plan = plan_recovery(layout, failed=[1, 9], spares=[32])
+    assert plan.kind is RecoveryKind.SHRINK
+    assert plan.replaced == ((1, 32),) and plan.spares_left == () and plan.dropped_failed == (9,)
+    assert plan.new.shape == (8, 1, 2)  # replica 1 dropped (the last of two equal ones)
+    assert plan.dropped == tuple(sorted(set(range(8, 16)) - {9}) + list(range(24, 32)))
+    # The new grid: replica 0 with the spare in rank 1's position, every other rank where it was.
+    assert list(plan.new.ranks) == [0, 32, *range(2, 8), *range(16, 24)]
+    assert plan.members == frozenset(plan.new.ranks) and plan.new.size == 16
+    assert plan.new.group_ranks("tp", 32) == [0, 32, 2, 3, 4, 5, 6, 7]
+    assert plan.describe() == ("shrink: replicas holding ranks [9] dropped, shape [8, 2, 2] -> [8, 1, 2]; "
+                               "15 surviving ranks leave the grid; replace: rank 1 -> 32; 0 spares left")
+
+
+def test_a_mixed_recovery_drops_the_replicas_with_the_most_failed_ranks_first():
+    # dp 4: replica 0 holds 1 failed rank (1), replica 2 holds 3 (4, 5, 12), replica 3 holds 1 (6).
+    plan = plan_recovery(TP_DP_PP, failed=[1, 4, 5, 6, 12], spares=[16, 17])
+    assert plan.dropped_failed == (4, 5, 12) and plan.new.shape == (2, 3, 2)
+    assert dict(plan.replaced) == {1: 16, 6: 17} and plan.spares_left == ()
+    assert set(plan.new.ranks) == (set(range(16)) - {1, 4, 5, 6, 12, 13}) | {16, 17}
+    # Fewer spares: one more replica goes, the higher coordinate of the two holding one failed rank.
+    fewer = plan_recovery(TP_DP_PP, failed=[1, 4, 5, 6, 12], spares=[16])
+    assert fewer.dropped_failed == (4, 5, 6, 12) and fewer.replaced == ((1, 16),) and fewer.new.shape == (2, 2, 2)
+
+
+@pytest.mark.parametrize("failed, spares", [([1, 9], [32]), ([1, 2, 9, 17], [32, 33]), ([0, 8, 16, 24], [32, 33, 34]),
+                                            ([3, 11, 12], [32]), ([5, 13, 21, 29], [40, 41])])
+def test_a_mixed_recovery_drops_the_fewest_replicas_possible(failed, spares):
+    import itertools
+
+    layout = GridLayout((4, 4, 2), ("tp", "dp", "pp"))  # dp 4, replicas of 8 ranks
+    plan = plan_recovery(layout, failed=failed, spares=spares)
+    by_replica = {}
+    for r in failed:
+        by_replica.setdefault(replica_of(layout, r, "dp"), []).append(r)
+    fewest = next(n for n in range(len(by_replica) + 1) for drop in itertools.combinations(by_replica, n)
+                  if sum(len(v) for k, v in by_replica.items() if k not in drop) <= len(spares))
+    dropped = {replica_of(layout, r, "dp") for r in plan.dropped_failed}
+    assert len(dropped) == fewest and plan.new.dim_size("dp") == 4 - fewest
+    kept_failed = [r for r in failed if replica_of(layout, r, "dp") not in dropped]
+    assert sorted(a for a, _ in plan.replaced) == sorted(kept_failed)
+    assert set(plan.new.ranks) == ((set(range(32)) - set(failed) - set(plan.dropped))
+                                   | {b for _, b in plan.replaced})
+
+
+def test_a_mixed_recovery_keeps_a_whole_node_onto_a_spare_node():
+    # 2 ranks a node; node 0 (ranks 0-1, replica 0) and ranks 8, 9, 24 (replica 2) fail; a spare
+    # node, 33-34 (node 16 holds 32-33: 33 is its second rank).
+    layout = GridLayout((4, 4, 2), ("tp", "dp", "pp"))
+    plan = plan_recovery(layout, failed=[0, 1, 8, 9, 24], spares=[33, 34, 35], gpus_per_node=2)
+    assert plan.dropped_failed == (8, 9, 24) and plan.replaced == ((0, 34), (1, 35)) and plan.spares_left == (33,)
+    assert plan.new.group_ranks("tp", 34) == [34, 35, 2, 3]
+
+
+@pytest.mark.parametrize("sizes, failed, spares", [
+    (dict(tensor_model_parallel_size=8, pipeline_model_parallel_size=2), [1, 9], [32]),
+    (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2), [3, 5, 7, 21], [32, 33]),
+    (dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, expert_model_parallel_size=2,
+          expert_tensor_parallel_size=1), [6, 7, 16], [32]),
+])
+def test_megatrons_rebuild_over_a_mixed_plan_has_the_spares_in_the_replaced_positions(sizes, failed, spares):
+    # What hypergrid/megatron/recovery.py rebuilds from: plan.new.size and plan.new.rank_map.
+    world = 32
+    before = plan_model_parallel(world, **sizes)
+    recovery = plan_recovery(before.dense, failed=failed, spares=spares)
+    assert recovery.kind is RecoveryKind.SHRINK and recovery.replaced
+    after = plan_model_parallel(recovery.new.size, placement=recovery.new.rank_map, **sizes)
+    assert after.dense == recovery.new
+    swap = dict(recovery.replaced)
+    gone = set(failed) | set(recovery.dropped)
+    for name in before.names:
+        kind = before.kind(name)
+        if kind.view is None and kind.is_grid_groups and "dp" not in kind.dims:
+            # Inside the kept replicas: the same groups, a spare in its failed rank's place.
+            old = {tuple(swap.get(r, r) for r in g) for g in before.enumerate(name)
+                   if not set(g) & (gone - set(swap))}
+            assert {tuple(g) for g in after.enumerate(name)} == old, name
 
 
 def test_the_replica_dim_may_be_any_dim():
@@ -150,7 +234,17 @@ def test_a_lost_pipeline_stage_with_dp_1_is_refused_with_the_reason():
 
 def test_a_failed_rank_in_every_replica_is_refused():
     with pytest.raises(RecoveryRefused, match="every one of the 4 replicas of 'dp' holds a failed rank"):
-        plan_recovery(TP_DP_PP, failed=[0, 2, 4, 6], spares=[16])
+        plan_recovery(TP_DP_PP, failed=[0, 2, 4, 6])
+    # With one spare, three replicas go and the spare replaces the fourth's failed rank.
+    plan = plan_recovery(TP_DP_PP, failed=[0, 2, 4, 6], spares=[16])
+    assert plan.new.shape == (2, 1, 2) and plan.replaced == ((0, 16),)
+
+
+def test_more_failed_ranks_in_every_replica_than_spares_is_refused_saying_so():
+    with pytest.raises(RecoveryRefused, match=r"too few spares \(1 given, 4 needed\), and every one of the 2 "
+                                              r"replicas of 'dp' holds more failed ranks than the spares can "
+                                              r"replace \(the fewest: 2\), so none can be kept"):
+        plan_recovery(GridLayout((2, 2, 2), ("tp", "dp", "pp")), failed=[0, 1, 2, 3], spares=[8])
 
 
 def test_no_replica_dim_is_refused_naming_the_dims():
@@ -169,6 +263,29 @@ def test_bad_input_is_refused_naming_the_value(failed, spares, words):
     with pytest.raises(ValueError, match=words) as info:
         plan_recovery(TP_DP_PP, failed=failed, spares=spares)
     assert not isinstance(info.value, RecoveryRefused)
+
+
+@pytest.mark.parametrize("failed, spares, words", [
+    ([3], [-1], r"spares must be ranks \(integers >= 0\), got -1 in \[-1\]"),
+    ([3], [16, -2], r"spares must be ranks \(integers >= 0\), got -2 in \[16, -2\]"),
+    ([3], [True], r"spares must be ranks \(integers >= 0\), got bool True in \[True\]"),
+    ([3], [16.0], r"spares must be ranks \(integers >= 0\), got float 16.0 in \[16.0\]"),
+    ([3], ["16"], r"spares must be ranks \(integers >= 0\), got str '16' in \['16'\]"),
+    ([3], 16, r"spares must be a list of ranks, got int 16"),
+    ([-3], [], r"failed must be ranks \(integers >= 0\), got -3 in \[-3\]"),
+    ([1.0], [], r"failed must be ranks \(integers >= 0\), got float 1.0 in \[1.0\]"),
+    ([False], [], r"failed must be ranks \(integers >= 0\), got bool False in \[False\]"),
+    ("3", [], r"failed must be a list of ranks, got str '3'"),
+])
+def test_a_value_that_is_not_a_rank_is_a_value_error_naming_it(failed, spares, words):
+    import numpy as np
+
+    from hypergrid.errors import RecoveryRankError
+
+    with pytest.raises(ValueError, match=words) as info:
+        plan_recovery(TP_DP_PP, failed=failed, spares=spares)
+    assert isinstance(info.value, RecoveryRankError) and isinstance(info.value, TypeError)
+    assert plan_recovery(TP_DP_PP, failed=[np.int64(3)], spares=[np.int32(16)]).replaced == ((3, 16),)
 
 
 def test_a_rank_failed_twice_counts_once_and_non_grids_are_refused():
@@ -286,7 +403,7 @@ MEGATRON_LAYOUTS = [
 
 @pytest.mark.parametrize("sizes", MEGATRON_LAYOUTS, ids=lambda s: ",".join(f"{k}={v}" for k, v in s.items()))
 @pytest.mark.parametrize("failed, spares", [([5], [64, 65]), ([8, 9, 10, 11, 12, 13, 14, 15], list(range(64, 72))),
-                                            ([5], []), ([3, 29], [70])])
+                                            ([5], []), ([3, 29], [70]), ([1, 2, 9, 17, 18], [64, 65])])
 def test_every_kinds_counts_are_what_comparing_every_group_gives(sizes, failed, spares):
     from hypergrid.planning.plan import plan_megatron
     from hypergrid.planning.recovery import Counted, recovery_of

@@ -8,8 +8,8 @@ collectives over the groups they return. hypergrid must see the world as one tha
 each group by one ``split_group`` per request on every rank (members or not), never a
 member-only ``new_group``, and hand every rank the planned group.
 
-Where torch refuses a CPU ``device_id`` (2.13 binds accelerators only) these tests skip, saying
-so; the simulated bound world of ``test_split_strategy.py`` covers that torch.
+Where torch refuses a CPU ``device_id`` (2.13 and 2.14 bind accelerators only) these tests skip, saying
+so; the simulated bound world of ``test_split_strategy.py`` covers those torches.
 """
 
 from __future__ import annotations

@@ -3,13 +3,23 @@ member-only ``new_group`` there, and every rank makes the same world-wide calls,
 
 No GPU here, so the job is simulated: this process plays one rank of a 64-rank world on torch's
 fake backend whose default group is bound to a device, as ``init_process_group(...,
-device_id=...)`` binds it. Where the installed torch can bind the fake backend to a CPU device
-and its own ``_get_split_source`` then reports a backend that splits (torch 2.15), that is the
-whole simulation: hypergrid's detection meets torch's real decision. Elsewhere (torch 2.13 binds
-only accelerators, and its fake backend does not split) the default group's ``bound_device_id``
-is set by hand and torch's ``_get_split_source`` is replaced by a stand-in that takes exactly the
-installed function's parameters (read from its signature, so a call torch would refuse is refused
-alike) and reports a splitting backend for the bound world's own backend only, as torch does.
+device_id=...)`` binds it. How much is simulated depends on what the installed torch accepts,
+tried in this order and detected, never read from its version:
+
+1. torch binds the fake backend to a CPU device and its own ``_get_split_source`` then reports a
+   backend that splits (torch 2.15): nothing else is simulated; hypergrid's detection meets
+   torch's real decision.
+2. torch binds accelerators only (2.13 and 2.14 refuse ``device_id=cpu:0``): the default group's
+   ``bound_device_id`` is set by hand. Where torch's own ``_get_split_source`` then reports a
+   split source (2.14: its fake backend supports splitting), that is torch's decision, as in 1.
+3. Where it still reports none (2.13: its fake backend does not split), ``_get_split_source`` is
+   replaced by a stand-in that takes exactly the installed function's parameters (read from its
+   signature, so a call torch would refuse is refused alike), reports a split source for the
+   bound world's own backend only, as torch does, and returns the world's own backend on the
+   bound device: a real c10d ``Backend``, which torch's C++ accepts wherever torch hands the
+   source on (2.14 and 2.15 set ``_DistributedBackendOptions.split_from`` for every backend;
+   the fake backend's creator ignores it).
+
 torch's constructors are recorded; ``split_group`` itself needs an accelerator, so the recorder
 makes the caller's group with the fake backend and returns None to non-members, as
 ``split_group`` does. Ranks 0, 31 and 63 are played in turn and their call sequences compared.
@@ -43,6 +53,7 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[str, Any]] = []
         self._new_group = dist.new_group
+        self.how = ""  # how the world was bound and who decides that it splits (bound_splitting_world)
 
     def new_group(self, ranks=None, *args: Any, use_local_synchronization: bool = False, **kwargs: Any):
         self.calls.append(("new_group", {"ranks": ranks, "local": use_local_synchronization}))
@@ -66,6 +77,14 @@ class Recorder:
         return [(fn, {k: v for k, v in (info or {}).items() if k != "mine"}) for fn, info in self.calls]
 
 
+def _split_source(world: Any) -> Any:
+    """What torch's ``_get_split_source`` (the installed one, or a stand-in) says of ``world``,
+    called with the parameters it takes (torch 2.15 also takes the requested backend)."""
+    source = dist.distributed_c10d._get_split_source
+    takes_backend = len(inspect.signature(source).parameters) >= 2
+    return source(world, "fake") if takes_backend else source(world)
+
+
 def _bind_fake_world(rank: int) -> bool:
     """Start this rank's fake world bound to a CPU device, where torch allows it and its own
     decision then says the world splits; False (nothing started) where it does not."""
@@ -76,19 +95,20 @@ def _bind_fake_world(rank: int) -> bool:
                                 device_id=torch.device("cpu", 0))
     except (ValueError, RuntimeError, TypeError):
         return False
-    world = dist.distributed_c10d._get_default_group()
-    source = dist.distributed_c10d._get_split_source
-    takes_backend = len(inspect.signature(source).parameters) >= 2
-    if (source(world, "fake") if takes_backend else source(world)) is None:
+    if _split_source(dist.distributed_c10d._get_default_group()) is None:
         dist.destroy_process_group()
         return False
     return True
 
 
-def _split_source_stand_in() -> Callable[..., Any]:
-    """torch's ``_get_split_source`` for a bound fake world, with the installed one's parameters."""
+def _split_source_stand_in(world: Any) -> Callable[..., Any]:
+    """torch's ``_get_split_source`` for a bound fake world, with the installed one's parameters.
+
+    The source it reports is ``world``'s own backend on its bound device, a real c10d
+    ``Backend``: torch hands the source to its C++ backend options (2.14 and 2.15 set
+    ``_DistributedBackendOptions.split_from`` for every backend), which refuse anything else."""
     signature = inspect.signature(dist.distributed_c10d._get_split_source)
-    splitter = object()  # stands for the world's NCCL backend
+    splitter = world._get_backend(world.bound_device_id)  # stands for the world's NCCL backend
 
     def split_source(*args: Any, **kwargs: Any) -> Any:
         call = signature.bind(*args, **kwargs)  # refuses what torch's own would refuse
@@ -104,19 +124,26 @@ def _split_source_stand_in() -> Callable[..., Any]:
 
 
 @contextlib.contextmanager
-def bound_splitting_world(rank: int, monkeypatch: pytest.MonkeyPatch) -> Iterator[Recorder]:
-    """Be ``rank`` of a simulated ``init_process_group("nccl", device_id=...)`` job."""
+def bound_splitting_world(rank: int, monkeypatch: pytest.MonkeyPatch, *, stand_in: bool = False) -> Iterator[Recorder]:
+    """Be ``rank`` of a simulated ``init_process_group("nccl", device_id=...)`` job; the
+    recorder's ``how`` says which of the module docstring's three ways bound it (``stand_in``:
+    the third, whatever torch accepts)."""
     from hypergrid.runtime.registry import REGISTRY
 
     with monkeypatch.context() as patch:
-        if not _bind_fake_world(rank):
+        how = "bound by torch (device_id=cpu:0); torch's split decision"
+        if stand_in or not _bind_fake_world(rank):
             from torch.testing._internal.distributed.fake_pg import FakeStore
 
             dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=WORLD)
             world = dist.distributed_c10d._get_default_group()
             world.bound_device_id = torch.device("cuda", rank % 8)
-            patch.setattr(dist.distributed_c10d, "_get_split_source", _split_source_stand_in())
+            how = "bound by hand; torch's split decision"
+            if stand_in or _split_source(world) is None:
+                patch.setattr(dist.distributed_c10d, "_get_split_source", _split_source_stand_in(world))
+                how = "bound by hand; a stand-in's split decision"
         recorder = Recorder()
+        recorder.how = how
         for name in ("new_group", "new_subgroups_by_enumeration", "split_group"):
             patch.setattr(dist, name, getattr(recorder, name))
         try:
@@ -127,10 +154,11 @@ def bound_splitting_world(rank: int, monkeypatch: pytest.MonkeyPatch) -> Iterato
             REGISTRY.reset()
 
 
-def play(scenario: Callable[[int], Any], monkeypatch: pytest.MonkeyPatch) -> dict[int, tuple[Recorder, Any]]:
+def play(scenario: Callable[[int], Any], monkeypatch: pytest.MonkeyPatch, *,
+         stand_in: bool = False) -> dict[int, tuple[Recorder, Any]]:
     out = {}
     for rank in RANKS:
-        with bound_splitting_world(rank, monkeypatch) as recorder:
+        with bound_splitting_world(rank, monkeypatch, stand_in=stand_in) as recorder:
             out[rank] = (recorder, scenario(rank))
     return out
 
@@ -141,17 +169,18 @@ def members(pg) -> list[int] | None:
 
 def assert_world_wide(played: dict[int, tuple[Recorder, Any]], requests: int) -> None:
     sequences = {rank: recorder.world_wide() for rank, (recorder, _) in played.items()}
+    how = played[RANKS[0]][0].how
     for rank, seq in sequences.items():
-        assert all(fn == "split_group" for fn, _ in seq), (rank, seq)
-        assert len(seq) == requests, f"rank {rank}: {len(seq)} world-wide calls for {requests} requests"
+        assert all(fn == "split_group" for fn, _ in seq), (rank, how, seq)
+        assert len(seq) == requests, f"rank {rank} ({how}): {len(seq)} world-wide calls for {requests} requests"
     first = sequences[RANKS[0]]
     assert all(seq == first for seq in sequences.values()), sequences
 
 
 def test_the_simulated_job_is_seen_as_one_that_must_split(monkeypatch):
-    with bound_splitting_world(5, monkeypatch):
+    with bound_splitting_world(5, monkeypatch) as recorder:
         kind = job_setup()
-        assert kind.splits and kind.backend == "fake" and kind.split_backend == "fake"
+        assert kind.splits and kind.backend == "fake" and kind.split_backend == "fake", (recorder.how, kind)
         assert kind.split_device in ("cpu", "cuda")
         assert creation_mode("auto") is CreationMode.SPLIT
         assert creation_mode("auto", "gloo") is CreationMode.LOCAL  # gloo never touches NCCL
@@ -164,7 +193,11 @@ def assert_groups_as_planned(played: dict[int, tuple[Recorder, Any]]) -> None:
         assert made == expected, rank
 
 
-def test_grid_groups_are_split_by_every_rank_once_per_request(monkeypatch):
+@pytest.mark.parametrize("stand_in", [False, True], ids=["as-torch-allows", "stand-in"])
+def test_grid_groups_are_split_by_every_rank_once_per_request(stand_in, monkeypatch):
+    """Also with the stand-in on every torch: where torch hands the split source to its C++
+    backend options (2.14, 2.15), the stand-in's must be one they accept."""
+
     def scenario(rank):
         grid = HyperCommGrid(SHAPE, NAMES)
         made = {grid.layout.key(d): members(grid.create_pg(d)) for d in REQUESTS}
@@ -172,7 +205,9 @@ def test_grid_groups_are_split_by_every_rank_once_per_request(monkeypatch):
         grid.destroy()
         return made, expected
 
-    played = play(scenario, monkeypatch)
+    played = play(scenario, monkeypatch, stand_in=stand_in)
+    if stand_in:
+        assert all("stand-in" in recorder.how for recorder, _ in played.values())
     assert_world_wide(played, len(REQUESTS))
     assert_groups_as_planned(played)
 
@@ -275,7 +310,7 @@ def test_which_backends_split_is_what_torch_decides(backend, monkeypatch):
     source = dist.distributed_c10d._get_split_source
     if len(inspect.signature(source).parameters) < 2:
         pytest.skip(f"torch {torch.__version__}'s _get_split_source takes no requested backend; "
-                    f"its members split only for the bound backend, the rule's premise (see strategy.JobSetup)")
+                    f"its members split only for the bound backend, the rule's premise (see modes.JobSetup.must_split)")
     with bound_splitting_world(7, monkeypatch):
         assert dist.distributed_c10d._get_split_source is source, "torch's own decision, not a stand-in"
         world = dist.distributed_c10d._get_default_group()

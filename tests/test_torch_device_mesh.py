@@ -1,7 +1,8 @@
 """torch's own DeviceMesh tests, on torch's groups and on hypergrid's: what passes on one passes on both.
 
-Runs PyTorch's ``test/distributed/test_device_mesh.py`` (copied in ``tests/torch_upstream/``)
-twice with the installed torch, gloo ranks on CPU: unchanged, and with
+Runs PyTorch's ``test/distributed/test_device_mesh.py``, from the checkout named by
+``HYPERGRID_TORCH_TESTS_SOURCE`` (skipped without it, saying where to get the file), twice with
+the installed torch, gloo ranks on CPU: as torch has it, and with
 ``hypergrid.route_device_meshes()`` on in every rank, so that every mesh those tests build,
 flatten, unflatten, slice or concatenate gets its groups from hypergrid's registry (see
 :mod:`tests.torch_upstream.compare`). Every test that passes on torch must pass on hypergrid,
@@ -15,7 +16,7 @@ import sys
 
 import pytest
 
-from tests.torch_upstream.compare import compare_runs
+from tests.torch_upstream.compare import SourceUnavailable, compare_runs, find_tests
 
 #: Some 80 multi-process tests, twice: minutes on 2 cores (tests/README.md).
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
@@ -25,6 +26,10 @@ KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def test_torch_device_mesh_tests_pass_on_hypergrid():
+    try:
+        find_tests()
+    except SourceUnavailable as why:
+        pytest.skip(str(why))
     result = compare_runs()
     print("\n" + result.report(), file=sys.stderr)
     assert result.counts("torch")["passed"] >= 30, (

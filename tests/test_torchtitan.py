@@ -8,12 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib.metadata
-import importlib.util
-import logging
 import subprocess
 import sys
-import types
 import warnings
 from pathlib import Path
 from typing import Any, Iterator
@@ -443,46 +439,19 @@ def test_the_cost_table_names_torchtitan(job, capsys):
     assert "communicators" in out and "memory (torchtitan)" in out and "megatron-core" not in out.split("communicators")[-1]
 # ---------------------------------------------------------------------------- against torchtitan itself
 # The installed torchtitan's parallel_dims.py runs alone, with the few torchtitan names it imports
-# stubbed (its package import pulls in a whole training stack): a logger, the device type and, for
-# 0.3, the config type it uses only in annotations. 0.3 also imports spmd_types.
-_STUBBED = ("torchtitan", "torchtitan.tools", "torchtitan.tools.logging", "torchtitan.tools.utils",
-            "torchtitan.config", "torchtitan.config.configs")
-
-
+# stubbed (its package import pulls in a whole training stack): check --torchtitan's own loader.
 @functools.lru_cache(maxsize=None)
 def _load_parallel_dims(release: str) -> Any:
     """The installed torchtitan's ParallelDims module, or a pytest.skip saying why there is none."""
+    from hypergrid.app.torchtitan_parity import TorchtitanUnavailable, load_parallel_dims, release_of
+
     try:
-        dist = importlib.metadata.distribution("torchtitan")
-    except importlib.metadata.PackageNotFoundError:
-        pytest.skip(f"torchtitan is not installed (pip install --no-deps torchtitan=={release}.0 to compare)")
-    if not dist.version.startswith(release + "."):
-        pytest.skip(f"torchtitan {dist.version} is installed; this compares with {release}'s ParallelDims "
+        version, _, module = load_parallel_dims()
+    except TorchtitanUnavailable as exc:
+        pytest.skip(f"{exc} (pip install --no-deps torchtitan=={release}.0 to compare)")
+    if release_of(module).value != release:
+        pytest.skip(f"torchtitan {version} is installed; this compares with {release}'s ParallelDims "
                     f"(the other Python environment has it)")
-    path = Path(str(dist.locate_file("torchtitan/distributed/parallel_dims.py")))
-    if not path.is_file():
-        pytest.skip(f"torchtitan {dist.version} has no {path}")
-    stubs = {name: types.ModuleType(name) for name in _STUBBED}
-    stubs["torchtitan.tools.logging"].logger = logging.getLogger("torchtitan")  # type: ignore[attr-defined]
-    stubs["torchtitan.tools.utils"].device_type = "cpu"  # type: ignore[attr-defined]
-    stubs["torchtitan.config.configs"].ParallelismConfig = object  # type: ignore[attr-defined]
-    name = f"_torchtitan_{release.replace('.', '_')}_parallel_dims"
-    saved = {n: sys.modules.get(n) for n in (*_STUBBED, name)}
-    spec = importlib.util.spec_from_file_location(name, path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.update(stubs)
-    sys.modules[name] = module  # its dataclasses look their module up while they are made
-    try:
-        spec.loader.exec_module(module)
-    except ImportError as exc:
-        pytest.skip(f"torchtitan {dist.version}'s parallel_dims.py needs {exc.name}, not installed here")
-    finally:
-        for n, previous in saved.items():
-            if previous is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = previous
     return module
 
 
@@ -620,3 +589,86 @@ def test_the_documented_0_3_counts():
     # The same jobs under 0.2's meshes (docs/cli.md's table; asserted against 0.2's own build above).
     old = [rank_cost(plan_torchtitan(TorchtitanParallelism(**d, release="0.2"), w), 5) for w, d in CASES_0_2[-2:]]
     assert [(c.megatron, c.hypergrid) for c in old] == [(6, 3), (8, 6)]
+
+
+# ---------------------------------------------------------------------------- check --torchtitan
+def _installed_release() -> tuple[str, str]:
+    """(version, release) of the installed torchtitan's ParallelDims, or a skip."""
+    from hypergrid.app.torchtitan_parity import TorchtitanUnavailable, load_parallel_dims, release_of
+
+    try:
+        version, _, module = load_parallel_dims()
+    except TorchtitanUnavailable as exc:
+        pytest.skip(str(exc))
+    return version, release_of(module).value
+
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "docs" / "examples"
+
+
+@pytest.mark.parametrize("argv, compared", [
+    (["--torchtitan", "llama3_70b.toml", "--world-size", "32"], "every one of the 32 ranks"),
+    (["--torchtitan", "moe.toml", "--world-size", "64"], "every one of the 64 ranks"),
+    (["--parallelism.tensor_parallel_degree", "8", "--parallelism.pipeline_parallel_degree", "4", "-n", "256"],
+     "32 of 256 ranks (seed 0"),
+])
+def test_check_compares_torchtitan_s_own_meshes_rank_by_rank(argv, compared, capsys, tmp_path, monkeypatch):
+    version, release = _installed_release()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama3_70b.toml").write_text(LLAMA3_70B)
+    moe = {"0.2": "expert_tensor_parallel_degree = 1\n", "0.3": ""}[release]
+    (tmp_path / "moe.toml").write_text("[parallelism]\ntensor_parallel_degree = 2\ncontext_parallel_degree = 2\n"
+                                       f"pipeline_parallel_degree = 2\nexpert_parallel_degree = 4\n{moe}")
+    status = cli.main(["check", *argv])
+    out = capsys.readouterr().out
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[0].startswith(f"compared torchtitan {version}'s own ParallelDims (the installed one, ")
+    assert f"it builds {release}'s meshes) with the plan on {compared}" in lines[0]
+    assert f"identical to torchtitan {version}" in lines
+    assert "identical to megatron-core" in lines  # the grid's enumerations too, said apart
+
+
+def test_check_reports_where_torchtitan_s_meshes_differ_and_exits_1(capsys, monkeypatch):
+    from hypergrid.app import torchtitan_parity
+
+    version, release = _installed_release()
+    real = torchtitan_parity.plan_torchtitan
+
+    def wrong(config, *args, **kwargs):  # a plan with tp 4 where the job has tp 2
+        import dataclasses
+
+        return real(dataclasses.replace(config, tensor_parallel_degree=4, data_parallel_shard_degree=2))
+
+    monkeypatch.setattr(torchtitan_parity, "plan_torchtitan", wrong)
+    status = cli.main(["check", "-n", "8", "--parallelism.tensor_parallel_degree", "2"])
+    out = capsys.readouterr().out
+    assert status == 1
+    differences = [line for line in out.splitlines() if line.startswith("DIFFERENCE ")]
+    assert "DIFFERENCE rank 0: tp: torchtitan [0, 1], hypergrid [0, 1, 2, 3]" in differences
+    assert f"differences from torchtitan {version}" in out
+
+
+def test_check_without_torchtitan_installed_says_so(capsys, monkeypatch):
+    import importlib.metadata
+
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "distribution", missing)
+    assert cli.main(["check", "-n", "8", "--parallelism.tensor_parallel_degree", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hypergrid: error: torchtitan is not installed") and err.count("\n") == 1
+
+
+@pytest.mark.slow
+def test_check_as_typed_in_a_subprocess():
+    _installed_release()
+    example = "llama3_70b_0_3.toml" if _installed_release()[1] == "0.3" else "llama3_70b.toml"
+    world = "256" if example.endswith("0_3.toml") else "32"
+    proc = subprocess.run([sys.executable, "-m", "hypergrid", "check", "--torchtitan", f"docs/examples/{example}",
+                           "--world-size", world], capture_output=True, text=True, timeout=300,
+                          cwd=EXAMPLES.parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[0].startswith("compared torchtitan ")
+    assert "identical to torchtitan " in proc.stdout

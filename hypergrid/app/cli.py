@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from ..errors import UsageError
+from . import argtypes
 from .console import OutputError, Progress, drop_stdout, out
 from .store import add_store_parser, run_store
 from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
@@ -46,7 +48,8 @@ BENCH_DIR = Path(__file__).resolve().parents[2] / "benchmarks"
 BENCH_SCRIPTS = {"grid": "bench_grid.py", "megatron": "bench_megatron.py", "plan": "bench_plan.py"}
 
 # The largest world a plan answers for: what a rank number in an int64 can reach.
-_MAX_WORLD = (1 << 63) - 1
+_MAX_WORLD = argtypes.MAX_WORLD
+DEFAULT_GPUS_PER_NODE = 8
 
 
 class _Parser(argparse.ArgumentParser):
@@ -62,78 +65,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 # ---------------------------------------------------------------------------- arguments
-def _empty_entry(text: str) -> str:
-    # Every entry counts: "2,,2" is a typo to point at, not the grid 2,2.
-    empty = [i for i, v in enumerate(text.split(","), 1) if not v.strip()]
-    return f" (entry {empty[0]} is empty)" if empty else ""
-
-
-def _int_list(text: str) -> list[int]:
-    try:
-        return [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers like 2,3,4, got {text!r}"
-                                         f"{_empty_entry(text)}") from None
-
-
-def _name_list(text: str) -> list[str]:
-    values = [v.strip() for v in text.split(",")]
-    if not all(values):
-        raise argparse.ArgumentTypeError(f"expected comma-separated dim names like tp,cp,dp, got {text!r}"
-                                         f"{_empty_entry(text)}")
-    return values
-
-
-def _order(text: str) -> str:
-    if not text.strip():  # an empty order would silently plan the default one
-        raise argparse.ArgumentTypeError(f"expected a Megatron order like tp-cp-ep-dp-pp, got {text!r}")
-    return text
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _non_negative_parser(what: str):
-    """A type for argparse: an integer >= 0, called ``what`` in its error."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"expected {what} (integer >= 0), got {value}")
-        return value
-
-    return parse
-
-
-_non_negative = _non_negative_parser("a rank")
-_count = _non_negative_parser("a number of ranks")
-
-
-def _rank_list(text: str) -> list[int]:
-    try:
-        ranks = [int(v) for v in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated ranks like 4,5,6,7, got {text!r}"
-                                         f"{_empty_entry(text)}") from None
-    negative = [r for r in ranks if r < 0]
-    if negative:
-        raise argparse.ArgumentTypeError(f"expected ranks (integers >= 0), got {negative[0]} in {text!r}")
-    return ranks
+_int_list, _name_list, _order, _positive = argtypes.int_list, argtypes.name_list, argtypes.order, argtypes.positive
+_non_negative, _count, _rank_list = argtypes.non_negative, argtypes.count, argtypes.rank_list
 
 
 def _add_layout_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Megatron-Core sizes (dp and expert dp take what is left)")
-    g.add_argument("--world-size", "-n", type=_positive, help="number of ranks")
+    g.add_argument("--world-size", "-n", type=argtypes.world_size, help="number of ranks")
     g.add_argument("--tp", type=_positive, help="tensor-parallel size (default 1)")
     g.add_argument("--pp", type=_positive, help="pipeline-parallel size (default 1)")
     g.add_argument("--cp", type=_positive, help="context-parallel size (default 1)")
@@ -150,13 +88,15 @@ def _add_layout_args(p: argparse.ArgumentParser) -> None:
         "--group", action="append", type=_name_list, default=[], metavar="DIMS",
         help="also a group over several dims, e.g. --group cp,dp (repeatable)",
     )
-    m = p.add_argument_group("or a Megatron-LM launch line (with --world-size)")
+    m = p.add_argument_group("or a Megatron-LM launch line (its world: --world-size, WORLD_SIZE=N, or its torchrun's "
+                             "--nnodes x --nproc-per-node)")
     m.add_argument("--megatron-args", metavar="FLAGS",
                    help="Megatron-LM's flags in one string, e.g. \"--tensor-model-parallel-size 8 ...\" "
                         "(one flag alone: --megatron-args=--use-sharp)")
     m.add_argument("--megatron-args-file", metavar="FILE",
                    help="a file of Megatron-LM flags (lines, backslash continuations, # comments)")
-    t = p.add_argument_group("or a torchtitan job config")
+    t = p.add_argument_group("or a torchtitan job config (with --world-size), and torchtitan's own "
+                             "--parallelism.NAME VALUE flags over it (or over its defaults)")
     t.add_argument("--torchtitan", metavar="FILE",
                    help="a torchtitan TOML job config: its [parallelism] degrees, with --world-size")
 
@@ -187,7 +127,8 @@ def build_parser() -> argparse.ArgumentParser:
     from ..planning.arguments import add_release_args
 
     add_release_args(p)
-    p.add_argument("--gpus-per-node", type=_positive, default=8, help="ranks per node (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive, default=None,
+                   help="ranks per node (default: a launch line's torchrun --nproc-per-node, else 8)")
     p.add_argument("--rank", type=_non_negative, help="show this rank's coordinates and groups")
     p.add_argument("--format", choices=("table", "json", "csv"), default="table")
     p.add_argument("--json", dest="format", action="store_const", const="json", help="same as --format json")
@@ -198,21 +139,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", metavar="FILE", help="write a picture of the ranks by node (PNG; needs matplotlib)")
     p.add_argument("--svg", metavar="FILE", help="write a picture of the ranks by node (SVG; needs matplotlib)")
     p.add_argument("--kind", "--colour", "--color", dest="kinds", type=_name_list, metavar="KINDS",
-                   help="group kinds drawn, one panel each, e.g. tp,dp (default: tp, cp, dp, pp, ep, ... "
-                        "that have groups of more than one rank)")
+                   help="the group kinds shown (table, JSON, CSV) and drawn, one panel each, e.g. tp,dp (default: "
+                        "every kind; drawn: tp, cp, dp, pp, ep, ... that have groups of more than one rank)")
     p.add_argument("--nvlink-domain", type=_positive, metavar="GPUS",
                    help="GPUs per NVLink domain (consecutive ranks; e.g. 72 for an NVL72 rack of 18 "
                         "nodes of 4): placement column and picture (default: --gpus-per-node)")
     r = p.add_argument_group("a recovery: what a failure would rebuild (a table or --json)")
     r.add_argument("--fail", type=_rank_list, metavar="RANKS",
-                   help="ranks of the grid that fail, e.g. 5 or 8,9,10,11: how the grid recovers (spares take "
+                   help="ranks of the grid that fail, e.g. 5, 8,9,10,11 or 8-11: how the grid recovers (spares take "
                         "their places, else whole replicas are dropped) and, per kind, the groups kept, rebuilt "
                         "and dropped")
     spares = r.add_mutually_exclusive_group()
     spares.add_argument("--spares", type=_count, metavar="N",
                         help="N spare ranks, numbered after the grid's last rank (default 0)")
     spares.add_argument("--spare-ranks", type=_rank_list, metavar="RANKS",
-                        help="the spare ranks themselves, outside the grid, in the order they are used, e.g. 16,17")
+                        help="the spare ranks themselves, outside the grid, in the order they are used, e.g. 16,17 or 16-23")
     r.add_argument("--replica-dim", metavar="DIM",
                    help="the dim whose replicas a shrink drops (default dp; a Megatron layout's is dp)")
 
@@ -248,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCH_SCRIPTS)} (default all)")
     b.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
-    add_store_parser(sub)  # python -m hypergrid store: hypergrid.app.store
+    s = add_store_parser(sub)  # python -m hypergrid store: hypergrid.app.store
+    parser.commands = {"plan": p, "check": c, "demo": d, "bench": b, "store": s}  # type: ignore[attr-defined]
     return parser
 
 
@@ -270,12 +212,13 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from ..planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
-    from ..planning.text import MEMBERS_SHOWN, plan_csv, plan_table
+    from ..planning.text import only_kinds, plan_csv, plan_table
     from ..planning.viz import picture, write_picture
 
     from ..planning.arguments import failure_from_args
 
-    plan = _plan_from_args(args, follow_release=True)
+    plan = _plan_from_args(args, follow_release=True)  # a launch line's torchrun may set --gpus-per-node
+    args.gpus_per_node = args.gpus_per_node or DEFAULT_GPUS_PER_NODE
     if plan.world_size > _MAX_WORLD:
         raise UsageError(f"world size {plan.world_size} is too large: plans answer for worlds up to "
                          f"{_MAX_WORLD} ranks (int64)")
@@ -287,8 +230,9 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     for name in args.kinds or []:
         plan.kind(name)  # an unknown kind fails before any work, naming the known ones
     pictures = _picture_paths(args)
-    data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain,
-                        heads=MEMBERS_SHOWN if args.format == "table" else None)
+    # --rank's groups listed in full up to LISTED_MEMBERS ranks, in every format: the table shows
+    # whole runs of them (a group's first 16 members alone could cut a run short).
+    data = plan.as_dict(args.gpus_per_node, rank=args.rank, nvlink_domain=args.nvlink_domain)
     mb = args.comm_memory_mb or DEFAULT_COMM_MEMORY_MB
     mine = None if args.rank is None else rank_cost(
         plan, args.rank, gpus_per_node=args.gpus_per_node, nvlink_domain=args.nvlink_domain, comm_memory_mb=mb)
@@ -299,6 +243,8 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         "rank": None if mine is None else mine.as_dict(),
         "max": max_cost(plan, comm_memory_mb=mb).as_dict(),
     }
+    if args.kinds:  # the kinds shown, in every format, as in the picture
+        data = only_kinds(data, args.kinds)
     if args.format == "json":
         out(json.dumps(data, indent=1))
     elif args.format == "csv":
@@ -342,6 +288,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     plan = _plan_from_args(args)
     sample = True if args.sample else False if args.full else None
+    titan_ok = None
+    if args.torchtitan is not None or getattr(args, "parallelism", None):
+        # torchtitan's own meshes first: what a torchtitan user checks; then the grid's enumerations.
+        from ..planning.torchtitan import parallelism_overrides
+        from .torchtitan_parity import compare_with_torchtitan
+
+        titan = compare_with_torchtitan(None if args.torchtitan is None else Path(args.torchtitan), plan.world_size,
+                                        overrides=parallelism_overrides(args.parallelism or []),
+                                        full=None if sample is None else not sample, seed=args.seed)
+        for line in titan.lines():
+            out(line)
+        titan_ok = titan.ok
+        if importlib.util.find_spec("megatron.core") is None:
+            out("not compared with megatron-core's enumerations: megatron-core is not installed")
+            return EXIT_OK if titan_ok else EXIT_FAILED
     start = time.perf_counter()
     progress = Progress("comparing")
     result = compare_with_megatron(plan, progress=progress, sample=sample, seed=args.seed,
@@ -367,7 +328,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     for line in result.differences:
         out(f"DIFFERENCE {line}")
     out("identical to megatron-core" if result.ok else f"{len(result.differences)} differences")
-    return EXIT_OK if result.ok else EXIT_FAILED
+    return EXIT_OK if result.ok and titan_ok is not False else EXIT_FAILED
 
 
 # ---------------------------------------------------------------------------- demo, bench
@@ -461,10 +422,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         except SystemExit:
             out()
             raise
+        if args.command in ("plan", "check"):  # torchtitan's own flags: --parallelism.NAME VALUE
+            args.parallelism, unknown = argtypes.torchtitan_flags(unknown)
         if unknown:
-            # Told by the subcommand, whose --help lists what it takes (argparse blames the top).
+            # Told by the subcommand, whose --help lists what it takes (argparse blames the top), with
+            # the closest of its flags to a misspelt one.
             where = f"hypergrid {args.command}" if args.command else "hypergrid"
-            raise UsageError(f"unrecognized arguments: {' '.join(unknown)} (see: {where} --help)")
+            taken = parser.commands.get(args.command, parser)
+            options = [o for p in (taken, parser) for action in p._actions for o in action.option_strings]
+            raise UsageError(argtypes.unrecognized(unknown, options, where))
         logging.basicConfig(level=logging.DEBUG if args.verbose else logging.WARNING,
                             format="%(name)s: %(message)s")
         if args.command is None:

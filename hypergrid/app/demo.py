@@ -144,7 +144,7 @@ class GroupResult:
     size: int
     members: list[int]
     verified: bool
-    create_s: float
+    create_s: Optional[float]  # None: made with the other kinds of its source in one call, timed as a phase
     detail: str = ""
 
 
@@ -247,7 +247,8 @@ def _grid_groups(grid: Any, plan: Plan, world: int, rank: int) -> list[GroupResu
     return results
 
 
-def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str]) -> tuple[list[GroupResult], Any, Callable[[], None]]:
+def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str],
+                     phases: dict[str, float]) -> tuple[list[GroupResult], Any, Callable[[], None]]:
     try:
         with _quiet_imports():
             adapter = importlib.import_module("hypergrid.megatron")
@@ -259,7 +260,7 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
     except (ImportError, AttributeError) as exc:
         notes.append(f"megatron: skipped ({type(exc).__name__}: {exc})")
         return [], None, lambda: None
-    _, seconds = _timed(lambda: initialize(
+    _, seconds = _timed(lambda: initialize(  # every Megatron group, in one call: timed as a phase
         tensor_model_parallel_size=config.tp, pipeline_model_parallel_size=config.pp,
         context_parallel_size=config.cp, expert_model_parallel_size=config.ep,
         expert_tensor_parallel_size=config.etp, order=config.order,
@@ -268,9 +269,10 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
     # initialize_model_parallel returns None, as Megatron-Core's does; the grids it built:
     grids = active_grids()
     distinct = getattr(grids, "num_process_groups", None)
+    phases["megatron initialize_model_parallel"] = seconds
     notes.append(
-        f"megatron: initialize_model_parallel returned in {seconds * 1000:.1f} ms on rank 0, reusing the grid's "
-        f"communicators where members match; checking each group with an all_reduce is timed above"
+        f"megatron: initialize_model_parallel made every Megatron group in one call, {seconds * 1000:.1f} ms on rank 0 "
+        f"(the slowest rank's: above), reusing the grid's communicators where members match"
         + (f"; {distinct} distinct communicators on rank 0 for {len(plan.kinds)} group kinds" if distinct is not None else "")
     )
     results = []
@@ -288,15 +290,15 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
         expected = kind.members(rank)
         ok, detail = _verify(pg, expected, world)
         results.append(GroupResult("megatron", kind.name, glob.label, kind.count, kind.size or 0,
-                                   expected or [], ok, seconds, detail))
-        seconds = 0.0  # one initialize call made them all: charge it to the first row only
+                                   expected or [], ok, None, detail))
     return results, grids, destroy
 
 
-def _mesh_groups(grid: Any, world: int, notes: list[str], megatron_grids: Any = None) -> list[GroupResult]:
+def _mesh_groups(grid: Any, world: int, notes: list[str], phases: dict[str, float],
+                 megatron_grids: Any = None) -> list[GroupResult]:
     from ..mesh.adapter import device_mesh
 
-    mesh, seconds = _timed(lambda: device_mesh(grid, device_type="cpu"))
+    mesh, phases["DeviceMesh device_mesh(grid)"] = _timed(lambda: device_mesh(grid, device_type="cpu"))
     whose = "the Megatron grid's" if megatron_grids is not None else "the grid's"
     notes.append(f"mesh: DeviceMesh {tuple(mesh.mesh.shape)} dims {mesh.mesh_dim_names} over {whose} groups")
     if megatron_grids is not None:
@@ -310,9 +312,8 @@ def _mesh_groups(grid: Any, world: int, notes: list[str], megatron_grids: Any = 
         ok, detail = _verify(mesh.get_group(name), expected, world)
         same = mesh.get_group(name) is grid.get_pg(name)
         results.append(GroupResult("mesh", name, f'mesh["{name}"]', grid.layout.num_groups(name), len(expected),
-                                   expected, ok and same, seconds,
+                                   expected, ok and same, None,
                                    detail or ("" if same else "mesh group is not the grid's group")))
-        seconds = 0.0
     return results
 
 
@@ -402,7 +403,7 @@ def _every_section(
             with _quiet_imports():
                 _, phases["import megatron-core"] = _timed(lambda: importlib.import_module("megatron.core.parallel_state"))
         start = time.perf_counter()
-        megatron_results, megatron_grids, destroy_megatron = _megatron_groups(config, plan, world, notes)
+        megatron_results, megatron_grids, destroy_megatron = _megatron_groups(config, plan, world, notes, phases)
         teardown.append(destroy_megatron)
         results += megatron_results
         if megatron_results:
@@ -413,7 +414,7 @@ def _every_section(
         start = time.perf_counter()
         # One grid for everything: the mesh over the Megatron adapter's grid where there is one.
         mesh_grid = getattr(megatron_grids, "grid", None) or grid
-        mesh_results = _mesh_groups(mesh_grid, world, notes, megatron_grids if mesh_grid is not grid else None)
+        mesh_results = _mesh_groups(mesh_grid, world, notes, phases, megatron_grids if mesh_grid is not grid else None)
         results += mesh_results
         if mesh_results:
             phases["DeviceMesh (build + verify)"] = time.perf_counter() - start
@@ -428,7 +429,7 @@ def _merge(world: int, plan: Plan, gathered: list, notes: list[str]) -> DemoRepo
     for i, row in enumerate(merged):
         others = [g[0][i] for g in gathered]
         row.verified = all(o.verified for o in others)
-        row.create_s = max(o.create_s for o in others)
+        row.create_s = None if row.create_s is None else max(o.create_s or 0.0 for o in others)
         bad = [(r, o.detail) for r, o in enumerate(others) if not o.verified]
         if bad:
             row.detail = f"rank {bad[0][0]}: {bad[0][1]}"
@@ -459,7 +460,7 @@ def format_report(report: DemoReport) -> str:
     for r in report.results:
         members = describe_members(r.members)
         rows.append([r.source, r.kind, r.key, str(r.count), str(r.size), members,
-                     "yes" if r.verified else "NO", f"{r.create_s * 1000:.1f}"])
+                     "yes" if r.verified else "NO", "-" if r.create_s is None else f"{r.create_s * 1000:.1f}"])
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for j, row in enumerate(rows):
         lines.append("  ".join(c.rjust(widths[i]) if i in (3, 4, 7) else c.ljust(widths[i]) for i, c in enumerate(row)).rstrip())
@@ -468,6 +469,9 @@ def format_report(report: DemoReport) -> str:
     for r in report.results:
         if not r.verified:
             lines.append(f"FAILED {r.source} {r.kind}: {r.detail}")
+    if any(r.create_s is None for r in report.results):
+        lines.append("create ms -: made with the other kinds of its source in one call (initialize_model_parallel, "
+                     "device_mesh), timed below")
     lines.append("")
     lines.append("timings (slowest rank):")
     for name, seconds in report.phases.items():

@@ -17,7 +17,7 @@ takes any free port (the line says which).
 Example, a store that serves for a tenth of a second::
 
     >>> import argparse
-    >>> parser = argparse.ArgumentParser(); add_store_parser(parser.add_subparsers())
+    >>> parser = argparse.ArgumentParser(); _ = add_store_parser(parser.add_subparsers())
     >>> run_store(parser.parse_args(["store", "--host", "127.0.0.1", "--port", "0", "--timeout", "0.1"]))
     ... # doctest: +ELLIPSIS
     hypergrid store: serving on 127.0.0.1:... (pid ...)
@@ -64,8 +64,8 @@ def _port(text: str) -> int:
     return value
 
 
-def add_store_parser(sub: Any) -> None:
-    """Add ``store`` to the command line's subcommands (``sub``: argparse's subparsers)."""
+def add_store_parser(sub: Any) -> argparse.ArgumentParser:
+    """Add ``store`` to the command line's subcommands (``sub``: argparse's subparsers); its parser."""
     s = sub.add_parser("store", help="host a job's TCPStore outside its nodes, until stopped (docs/cluster.md)")
     s.add_argument("--host", default=None,
                    help="the address the clients use, printed in the line (default: this host's name); the "
@@ -74,6 +74,7 @@ def add_store_parser(sub: Any) -> None:
                    help=f"the port to serve on (default {DEFAULT_PORT}; 0: any free port, printed)")
     s.add_argument("--timeout", type=_seconds, default=None, metavar="SECONDS",
                    help="stop after this many seconds (default: serve until SIGTERM or SIGINT)")
+    return s
 
 
 def run_store(args: argparse.Namespace) -> int:

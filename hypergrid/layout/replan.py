@@ -1,4 +1,4 @@
-"""Re-planning a grid after ranks failed: spares take their places, or whole replicas are dropped.
+"""Re-planning a grid after ranks failed: spares take their places, whole replicas are dropped, or both.
 
 Pure integer arithmetic on a :class:`~hypergrid.layout.GridLayout` and its rank map: no process
 group, so a recovery can be planned (and shown by ``hypergrid plan --fail``) before it happens,
@@ -8,12 +8,14 @@ and every survivor computes the same plan from the same failed set.
   to a spare, and nothing else moves. A whole failed node is replaced by a whole spare node, local
   rank for local rank, so that dims kept inside a node (``tp``, ``ep``) stay inside one.
 * **Shrink.** Without enough spares, the fewest whole replicas (coordinates of ``replica_dim``,
-  the data-parallel dim) that hold a failed rank are dropped: the replica dim shrinks (``dp`` 64
-  to 63) and every surviving rank keeps its global rank, so groups inside a surviving replica
-  keep their members.
+  the data-parallel dim) are dropped: the replica dim shrinks (``dp`` 64 to 63) and every
+  surviving rank keeps its global rank, so groups inside a surviving replica keep their members.
+  Where the spares cover part of the loss, the shrink is **mixed**: the replicas holding the most
+  failed ranks are dropped until the spares can replace the failed ranks of the replicas kept,
+  and they do (``kind`` is still ``shrink``, with ``replaced`` not empty).
 * **Refused**, with the reason (:class:`~hypergrid.errors.RecoveryRefused`), when neither fits:
-  too few spares and no replica left to drop (a pipeline stage lost with ``dp`` 1, or a failed
-  rank in every replica).
+  too few spares and no replica left to drop (a pipeline stage lost with ``dp`` 1, or more failed
+  ranks in every replica than there are spares).
 
 Example: dp 2 x pp 2 x tp 2 on ranks 0-7 (Megatron's order, tp fastest), rank 5 lost::
 
@@ -24,16 +26,27 @@ Example: dp 2 x pp 2 x tp 2 on ranks 0-7 (Megatron's order, tp fastest), rank 5 
     >>> shrunk = plan_recovery(layout, failed=[5], gpus_per_node=2)
     >>> shrunk.kind.value, shrunk.new.shape, list(shrunk.new.ranks), shrunk.dropped
     ('shrink', (2, 1, 2), [2, 3, 6, 7], (0, 1, 4))
+
+Ranks 1 and 6 lost (replicas 0 and 3 of dp 4) with one spare: replica 3 is dropped, the spare takes
+rank 1's place::
+
+    >>> mixed = plan_recovery(GridLayout((2, 4, 2), ("tp", "dp", "pp")), failed=[1, 6], spares=[16])
+    >>> mixed.kind.value, mixed.replaced, mixed.dropped, mixed.new.shape
+    ('shrink', ((1, 16),), (7, 14, 15), (2, 3, 2))
+    >>> mixed.describe()
+    'shrink: replicas holding ranks [6] dropped, shape [2, 4, 2] -> [2, 3, 2]; 3 surviving ranks leave the grid; replace: rank 1 -> 16; 0 spares left'
 """
 
 from __future__ import annotations
 
 import enum
+import operator
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-from ..errors import RecoveryRefused
-from .checks import as_int, positive_int
+from ..errors import RecoveryRankError, RecoveryRefused
+from .checks import positive_int
+from .describe import describe_ranks
 from .grid_layout import GridLayout
 from .rank_map import RankMap
 
@@ -44,7 +57,7 @@ class RecoveryKind(str, enum.Enum):
     """How a recovery re-places the grid."""
 
     REPLACE = "replace"  # spares take the failed ranks' positions
-    SHRINK = "shrink"  # the replicas holding failed ranks are dropped
+    SHRINK = "shrink"  # replicas holding failed ranks are dropped (spares may replace the failed ranks of others)
     REPAIR = "repair"  # nobody was lost: the placement stays, broken communicators are made anew
     GROW = "grow"  # spares form replicas again, up to the size the job was made with
 
@@ -55,13 +68,17 @@ class RecoveryPlan:
 
     ``replaced``: (failed rank, spare) pairs; ``dropped``: surviving ranks whose replica was
     dropped (they leave the grid); ``joined``: spares that formed new replicas (a growth);
-    ``spares_left``: spares not used, still outside the grid.
+    ``spares_left``: spares not used, still outside the grid. A mixed recovery is a ``SHRINK``
+    whose ``replaced`` is not empty: ``new`` is the grid without the dropped replicas, with the
+    spares in the replaced ranks' positions.
 
     Example::
 
         >>> plan = plan_recovery(GridLayout((2, 4), ("tp", "dp")), failed=[3], spares=[8])
         >>> plan.describe()
         'replace: rank 3 -> 8; 0 spares left'
+        >>> plan_recovery(GridLayout((2, 4), ("tp", "dp")), failed=[0, 1, 3], spares=[8]).dropped_failed
+        (0, 1)
     """
 
     kind: RecoveryKind
@@ -78,17 +95,25 @@ class RecoveryPlan:
         """The ranks of the grid after the recovery."""
         return frozenset(self.new.ranks)
 
+    @property
+    def dropped_failed(self) -> tuple[int, ...]:
+        """The failed ranks whose replicas are dropped: those no spare replaces (none for a replacement)."""
+        replaced = {old for old, _ in self.replaced}
+        return tuple(r for r in self.failed if r not in replaced)
+
     def describe(self) -> str:
+        """What the recovery does, in one line: the moves, the replicas dropped, or both."""
         if self.kind is RecoveryKind.REPAIR:
             return f"repair: nobody lost, placement kept; {len(self.spares_left)} spares left"
         if self.kind is RecoveryKind.GROW:
             return (f"grow: ranks {list(self.joined)} join, shape {list(self.old.shape)} -> {list(self.new.shape)}; "
                     f"{len(self.spares_left)} spares left")
+        moves = ", ".join(f"rank {old} -> {new}" for old, new in self.replaced)
         if self.kind is RecoveryKind.REPLACE:
-            moves = ", ".join(f"rank {old} -> {new}" for old, new in self.replaced)
             return f"replace: {moves}; {len(self.spares_left)} spares left"
-        return (f"shrink: replicas holding ranks {list(self.failed)} dropped, shape {list(self.old.shape)} -> "
+        text = (f"shrink: replicas holding ranks {list(self.dropped_failed)} dropped, shape {list(self.old.shape)} -> "
                 f"{list(self.new.shape)}; {len(self.dropped)} surviving ranks leave the grid")
+        return text + (f"; replace: {moves}; {len(self.spares_left)} spares left" if self.replaced else "")
 
 
 def replica_of(layout: GridLayout, rank: int, replica_dim: str) -> int:
@@ -110,11 +135,15 @@ def plan_recovery(
     replica_dim: str = "dp",
     gpus_per_node: int = 8,
 ) -> RecoveryPlan:
-    """The grid ``layout`` re-planned without the ``failed`` ranks: spares first, else a shrink.
+    """The grid ``layout`` re-planned without the ``failed`` ranks: spares first, else a shrink
+    (mixed with replacements where the spares cover part of the loss).
 
     ``spares`` are ranks outside the grid, in the order they may be used; a rank's node is
-    ``rank // gpus_per_node``. Cost: O(failed x log runs) for a replacement; for a shrink,
-    O(runs of the new placement) plus the dropped replicas' ranks, never a list of the world.
+    ``rank // gpus_per_node``. With fewer spares than failed ranks, the fewest replicas of
+    ``replica_dim`` are dropped for the spares to replace the failed ranks of the replicas kept:
+    the replicas with the most failed ranks first (among as many, the highest coordinate first, so
+    that replica 0 stays where it can). Cost: O(failed x log runs) for a replacement; for a
+    shrink, O(runs of the new placement) plus the dropped replicas' ranks, never a list of the world.
 
     Example: a whole node (ranks 4-7 of 4 per node) lost, and a spare node 8-11::
 
@@ -126,27 +155,58 @@ def plan_recovery(
         ...
         hypergrid.errors.RecoveryRefused: cannot recover from the loss of ranks [1]: no spare is left (0 given, 1 needed), and every one of the 1 replicas of 'dp' holds a failed rank, so none can be dropped
 
+    tp 8 x dp 2 x pp 2 (Megatron's order) with ranks 1 and 9 lost, one in each replica, and one
+    spare: replica 1 is dropped and the spare takes rank 1's place::
+
+        >>> tp_dp_pp = GridLayout((8, 2, 2), ("tp", "dp", "pp"))
+        >>> mixed = plan_recovery(tp_dp_pp, failed=[1, 9], spares=[32])
+        >>> mixed.kind.value, mixed.replaced, mixed.new.shape, mixed.new.group_ranks("tp", 32)[:3]
+        ('shrink', ((1, 32),), (8, 1, 2), [0, 32, 2])
+        >>> plan_recovery(tp_dp_pp, failed=[1], spares=[-1])
+        Traceback (most recent call last):
+        ...
+        hypergrid.errors.RecoveryRankError: spares must be ranks (integers >= 0), got -1 in [-1]
+
     Raises:
         RecoveryRefused: neither replacement nor a shrink fits; the message says why.
+        RecoveryRankError: a failed rank or a spare that is not a rank (negative, a bool, a float,
+            not an integer): a ValueError (and a TypeError) naming the value.
         ValueError: a failed rank is not in the grid, or a spare is.
     """
     if not isinstance(layout, GridLayout):
         raise TypeError(f"layout must be a GridLayout, got {type(layout).__name__} {layout!r}")
     gpus_per_node = positive_int("gpus_per_node", gpus_per_node)
-    lost = sorted({as_int(r, "a failed rank") for r in failed})
+    lost = sorted(set(_ranks(failed, "failed")))
     if not lost:
         raise ValueError("failed must name at least one rank of the grid")
     outside = [r for r in lost if not layout.contains(r)]
     if outside:
         raise ValueError(f"failed ranks {outside} are not in the grid, which spans ranks {_span(layout)}")
-    pool = [as_int(r, "a spare") for r in spares]
+    pool = _ranks(spares, "spares")
     inside = [r for r in pool if layout.contains(r)]
     if inside or len(set(pool)) != len(pool):
         raise ValueError(f"spares must be distinct ranks outside the grid, got {list(spares)}")
     pool = [r for r in pool if r not in lost]
     if len(pool) >= len(lost):
         return _replace(layout, lost, pool, gpus_per_node)
-    return _shrink(layout, lost, pool, replica_dim)
+    return _shrink(layout, lost, pool, replica_dim, gpus_per_node)
+
+
+def _ranks(values: object, what: str) -> list[int]:
+    """``values`` as a list of ranks (ints >= 0); anything else a :class:`RecoveryRankError` naming it."""
+    if isinstance(values, (str, bytes)) or not isinstance(values, Iterable):
+        raise RecoveryRankError(f"{what} must be a list of ranks, got {type(values).__name__} {values!r}")
+    given = list(values)
+    out = []
+    for value in given:
+        if isinstance(value, bool) or not hasattr(value, "__index__"):
+            raise RecoveryRankError(f"{what} must be ranks (integers >= 0), got {type(value).__name__} {value!r} "
+                                    f"in {describe_ranks(given)}")
+        rank = operator.index(value)
+        if rank < 0:
+            raise RecoveryRankError(f"{what} must be ranks (integers >= 0), got {rank} in {describe_ranks(given)}")
+        out.append(rank)
+    return out
 
 
 def _replace(layout: GridLayout, lost: list[int], pool: list[int], gpus_per_node: int) -> RecoveryPlan:
@@ -180,7 +240,9 @@ def _replace(layout: GridLayout, lost: list[int], pool: list[int], gpus_per_node
                         spares_left=tuple(free))
 
 
-def _shrink(layout: GridLayout, lost: list[int], pool: list[int], replica_dim: str) -> RecoveryPlan:
+def _replicas_to_drop(layout: GridLayout, lost: list[int], pool: list[int], replica_dim: str) -> list[int]:
+    """The fewest replicas whose loss leaves no more failed ranks than spares: the ones holding the
+    most failed ranks first (greedy is optimal here), the highest coordinate first among equals."""
     if replica_dim not in layout.dim_names:
         raise RecoveryRefused(
             f"cannot recover from the loss of ranks {lost}: {len(pool)} spares for {len(lost)} failed ranks, "
@@ -188,13 +250,35 @@ def _shrink(layout: GridLayout, lost: list[int], pool: list[int], replica_dim: s
         )
     axis = layout.dim_names.index(replica_dim)
     replicas = layout.shape[axis]
-    gone = sorted({layout.coords(r)[axis] for r in lost})
-    if len(gone) == replicas:
+    held: dict[int, int] = {}
+    for r in lost:
+        j = layout.coords(r)[axis]
+        held[j] = held.get(j, 0) + 1
+    gone, left = [], len(lost)
+    for j in sorted(held, key=lambda j: (-held[j], -j)):
+        if left <= len(pool):
+            break
+        gone.append(j)
+        left -= held[j]
+    if len(gone) < replicas:
+        return sorted(gone)
+    if not pool:
         raise RecoveryRefused(
             f"cannot recover from the loss of ranks {lost}: no spare is left ({len(pool)} given, "
             f"{len(lost)} needed), and every one of the {replicas} replicas of {replica_dim!r} holds a failed "
             f"rank, so none can be dropped"
         )
+    raise RecoveryRefused(
+        f"cannot recover from the loss of ranks {lost}: too few spares ({len(pool)} given, {len(lost)} needed), "
+        f"and every one of the {replicas} replicas of {replica_dim!r} holds more failed ranks than the spares "
+        f"can replace (the fewest: {min(held.values())}), so none can be kept"
+    )
+
+
+def _shrink(layout: GridLayout, lost: list[int], pool: list[int], replica_dim: str, gpus_per_node: int) -> RecoveryPlan:
+    gone = _replicas_to_drop(layout, lost, pool, replica_dim)
+    axis = layout.dim_names.index(replica_dim)
+    replicas = layout.shape[axis]
     stride = layout.strides[axis]
     block = stride * replicas
     placement = layout.rank_map or RankMap.contiguous(layout.rank_offset, layout.size)
@@ -208,7 +292,15 @@ def _shrink(layout: GridLayout, lost: list[int], pool: list[int], replica_dim: s
     shape = list(layout.shape)
     shape[axis] = replicas - len(gone)
     new = GridLayout(tuple(shape), layout.dim_names, rank_map=placement.restricted(kept))
-    return RecoveryPlan(RecoveryKind.SHRINK, layout, new, tuple(lost), dropped=tuple(dropped), spares_left=tuple(pool))
+    # The failed ranks of the replicas kept, if any, take spares in the grid without the dropped ones.
+    gone_set = set(gone)
+    kept_lost = [r for r in lost if layout.coords(r)[axis] not in gone_set]
+    if not kept_lost:
+        return RecoveryPlan(RecoveryKind.SHRINK, layout, new, tuple(lost), dropped=tuple(dropped),
+                            spares_left=tuple(pool))
+    swap = _replace(new, kept_lost, pool, gpus_per_node)
+    return RecoveryPlan(RecoveryKind.SHRINK, layout, swap.new, tuple(lost), swap.replaced, tuple(dropped),
+                        swap.spares_left)
 
 
 def _index_runs(indices: list[int]) -> list[tuple[int, int]]:
@@ -258,10 +350,10 @@ def plan_growth(layout: GridLayout, replicas: int, spares: Sequence[int], *, rep
     if replica_dim not in layout.dim_names:
         raise ValueError(f"replica_dim {replica_dim!r} is not a dim of the grid {list(layout.dim_names)}")
     replicas = positive_int("replicas", replicas)
-    pool = [as_int(r, "a spare") for r in spares]
+    pool = _ranks(spares, "spares")
     inside = [r for r in pool if layout.contains(r)]
-    if inside or len(set(pool)) != len(pool) or any(r < 0 for r in pool):
-        raise ValueError(f"spares must be distinct ranks >= 0 outside the grid, got {list(spares)}")
+    if inside or len(set(pool)) != len(pool):
+        raise RecoveryRankError(f"spares must be distinct ranks outside the grid, got {describe_ranks(pool)}")
     axis = layout.dim_names.index(replica_dim)
     current = layout.shape[axis]
     replica_size = layout.size // current

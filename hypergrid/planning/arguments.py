@@ -19,12 +19,17 @@ Example::
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from ..errors import LayoutArgumentError
+from ..layout.describe import member_runs
 from .plan import Plan, plan_grid, plan_megatron
+
+#: The largest world a plan answers for: what a rank number in an int64 can reach.
+MAX_WORLD = (1 << 63) - 1
 
 __all__ = ["Failure", "add_release_args", "failure_from_args", "plan_from_args"]
 
@@ -66,21 +71,27 @@ def plan_from_args(args: argparse.Namespace, follow_release: bool = False) -> Pl
     """
     megatron_given = [n for n in ("tp", "pp", "cp", "ep", "etp", "dp", "order") if getattr(args, n) is not None]
     titan_release, megatron_release = (getattr(args, n, None) for n in ("torchtitan_version", "megatron_core_version"))
-    if titan_release is not None and args.torchtitan is None:
-        raise LayoutArgumentError("--torchtitan-version goes with --torchtitan FILE")
-    if megatron_release is not None and (args.torchtitan is not None or args.shape is not None):
+    overrides = getattr(args, "parallelism", None) or []  # torchtitan's --parallelism.NAME VALUE flags
+    titan = args.torchtitan is not None or bool(overrides)
+    if titan_release is not None and not titan:
+        raise LayoutArgumentError("--torchtitan-version goes with --torchtitan FILE or --parallelism.* flags")
+    if megatron_release is not None and (titan or args.shape is not None):
         raise LayoutArgumentError("--megatron-core-version goes with Megatron sizes or --megatron-args, not another layout")
-    if args.torchtitan is not None:
-        from .torchtitan import plan_torchtitan
+    if titan:
+        from .torchtitan import parallelism_overrides, plan_torchtitan
 
         others = megatron_given + [n for n in ("shape", "dims") if getattr(args, n) is not None]
         others += [n.replace("_", "-") for n in ("megatron_args", "megatron_args_file") if getattr(args, n) is not None]
+        which = "--torchtitan" if args.torchtitan is not None else "--parallelism.*"
         if others or args.group:
-            raise LayoutArgumentError(f"--torchtitan and {', '.join('--' + n for n in others or ['group'])} are two ways "
-                             f"to give a layout; use one")
-        if args.world_size is None:
-            raise LayoutArgumentError("--torchtitan needs --world-size: torchtitan takes the world size from the launcher")
-        return plan_torchtitan(Path(args.torchtitan), args.world_size, titan_release)  # a Path: always read as a file
+            raise LayoutArgumentError(f"{which} and {', '.join('--' + n for n in others or ['group'])} are two ways "
+                                      f"to give a layout; use one")
+        world, _ = _world_size(args)
+        if world is None:
+            raise LayoutArgumentError(f"{which} needs --world-size (or WORLD_SIZE=N in front of the command): "
+                                      f"torchtitan takes the world size from the launcher")
+        source = None if args.torchtitan is None else Path(args.torchtitan)  # a Path: always read as a file
+        return plan_torchtitan(source, world, titan_release, overrides=parallelism_overrides(overrides))
     chosen, followed = {}, None
     if follow_release:
         from ..megatron.spec.features import choose_megatron_core
@@ -136,9 +147,36 @@ def _plan_from_launch_line(args: argparse.Namespace, megatron_given: list[str], 
             raise LayoutArgumentError(f"--megatron-args-file {args.megatron_args_file}: cannot read it: "
                              f"{getattr(exc, 'strerror', None) or exc}") from None
     launch = parse_megatron_args(text)
-    if args.world_size is None and launch.world_size is None:
-        raise LayoutArgumentError("a Megatron-LM launch line needs --world-size N (Megatron-LM reads it from WORLD_SIZE)")
-    return plan_from_megatron_args(launch, world_size=args.world_size, **chosen)
+    world, world_from = _world_size(args)
+    if world is None and launch.world_size is None and launch.launched_world_size is None:
+        raise LayoutArgumentError("a Megatron-LM launch line needs --world-size N (Megatron-LM reads it from WORLD_SIZE: "
+                                  "WORLD_SIZE=N in front of the command, or a torchrun --nnodes N --nproc-per-node M "
+                                  "in front of the launch line, gives it too)")
+    plan = plan_from_megatron_args(launch, world_size=world, world_size_from=world_from, **chosen)
+    gpus = getattr(args, "gpus_per_node", None)
+    if launch.gpus_per_node is not None and gpus is not None and gpus != launch.gpus_per_node:
+        raise LayoutArgumentError(f"--gpus-per-node {gpus} differs from the launch line's torchrun --nproc-per-node "
+                                  f"{launch.gpus_per_node}; give one")
+    if launch.gpus_per_node is not None and hasattr(args, "gpus_per_node"):
+        args.gpus_per_node = launch.gpus_per_node  # the launch line's nodes, as torchrun starts them
+    return plan
+
+
+def _world_size(args: argparse.Namespace) -> tuple[Optional[int], Optional[str]]:
+    """``--world-size``, else ``WORLD_SIZE`` in the environment (where Megatron-LM and torchtitan
+    read it), and how to name it in a message; (None, None) with neither."""
+    if args.world_size is not None:
+        return args.world_size, f"--world-size {args.world_size}"
+    text = os.environ.get("WORLD_SIZE")
+    if text is None or not text.strip():
+        return None, None
+    if not text.strip().isdigit() or int(text) < 1:
+        raise LayoutArgumentError(f"WORLD_SIZE={text} in the environment: expected a positive integer (the number "
+                                  f"of ranks), or --world-size N")
+    if int(text) > MAX_WORLD:
+        raise LayoutArgumentError(f"WORLD_SIZE={text} in the environment: world size {int(text)} is too large: plans "
+                                  f"answer for worlds up to {MAX_WORLD} ranks (int64)")
+    return int(text), f"WORLD_SIZE={int(text)} in the environment"
 
 
 @dataclass(frozen=True)
@@ -183,8 +221,9 @@ def failure_from_args(args: argparse.Namespace, plan: Plan) -> Optional[Failure]
     layout = plan.layout
     span = f"[{layout.rank_offset}, {layout.rank_offset + layout.size})"
     for flag, ranks in (("--fail", args.fail), ("--spare-ranks", args.spare_ranks or [])):
-        text = ",".join(map(str, ranks))
-        twice = sorted({r for r in ranks if ranks.count(r) > 1})
+        text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in member_runs(ranks))  # as given: runs as ranges
+        seen: set[int] = set()
+        twice = sorted({r for r in ranks if r in seen or seen.add(r)})
         if twice:
             raise LayoutArgumentError(f"{flag} {text}: rank {twice[0]} is given twice; expected distinct ranks")
         wrong = [r for r in ranks if layout.contains(r) != (flag == "--fail")]

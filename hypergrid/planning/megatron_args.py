@@ -38,16 +38,19 @@ from ..errors import MegatronArgsError, UnknownMegatronFlagError
 from ..layout.checks import int_at_least
 from ..megatron.spec.features import MegatronFeatures
 from .megatron_flags import MEGATRON_LM_FLAGS, MEGATRON_LM_RELEASES
+from .megatron_pipeline import virtual_pipeline_size
 
 __all__ = [
     "MegatronLaunch",
+    "launch_world_size",
     "parse_megatron_args",
     "plan_from_megatron_args",
 ]
 
 _RELEASES = f"{MEGATRON_LM_RELEASES[0]} to {MEGATRON_LM_RELEASES[-1]}"
 
-#: Flags read as positive integers (the minimum is 0 for the uneven first and last stages).
+#: Flags read as integers, with their minimum (0 for the uneven first and last stages: megatron_pipeline
+#: refuses it in Megatron-Core's words).
 _INT_FLAGS = {
     "tensor-model-parallel-size": 1,
     "pipeline-model-parallel-size": 1,
@@ -60,6 +63,8 @@ _INT_FLAGS = {
     "num-layers": 1,
     "decoder-num-layers": 1,
     "decoder-first-pipeline-num-layers": 0,
+    "global-batch-size": 1,
+    "micro-batch-size": 1,
     "decoder-last-pipeline-num-layers": 0,
 }
 #: Flags taking one or more integers (Megatron-LM's ``nargs='+'``).
@@ -80,9 +85,6 @@ _WORD_FLAGS: dict[str, Optional[tuple[str, ...]]] = {
 }
 #: Flags Megatron-LM still parses but refuses in ``validate_args``, with its advice.
 _REFUSED = {"model-parallel-size": "is no longer valid in Megatron-LM, use --tensor-model-parallel-size instead"}
-#: Flags that choose the virtual pipeline size; Megatron-LM takes at most one of them.
-_VPP_FLAGS = ("num-layers-per-virtual-pipeline-stage", "num-virtual-stages-per-pipeline-rank",
-              "pipeline-model-parallel-layout")
 #: Megatron-Core keyword -> the Megatron-LM flag that sets it, for messages.
 _KEYWORD_FLAGS = {
     "tensor_model_parallel_size": "--tensor-model-parallel-size",
@@ -101,8 +103,8 @@ _KEYWORD_FLAGS = {
 }
 # A launcher's environment assignment before the command, e.g. ``WORLD_SIZE=1024``.
 _ASSIGNMENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
-# Most copies ``*n`` a pipeline layout may ask for: a bigger one is a typo, not a model.
-_MAX_LAYOUT_REPEAT = 1 << 16
+# torchrun's options that size the launched world, both spellings, -> MegatronLaunch's fields.
+_TORCHRUN_SIZES = {"--nnodes": "nodes", "--nproc-per-node": "gpus_per_node", "--nproc_per_node": "gpus_per_node"}
 
 
 @dataclass(frozen=True)
@@ -111,8 +113,11 @@ class MegatronLaunch:
 
     ``virtual_pipeline_model_parallel_size`` is derived as Megatron-LM derives it (None for no
     interleaving); ``world_size`` is the ``WORLD_SIZE=N`` assignment before the command, if any
-    (Megatron-LM reads it from the environment). ``ignored`` names the flags given that have no
-    say in the groups, in the order given (``--num-layers`` is read: it sets the interleaving).
+    (Megatron-LM reads it from the environment); ``nodes`` and ``gpus_per_node`` are a torchrun
+    launcher's ``--nnodes`` and ``--nproc-per-node`` in front (torchrun's defaults, 1 and 1, where
+    it gives none; None where they are not plain numbers: ``$NNODES``, an elastic ``1:4``, ``gpu``).
+    ``ignored`` names the flags given that have no say in the groups, in the order given
+    (``--num-layers`` is read: it sets the interleaving).
 
     Example::
 
@@ -137,6 +142,22 @@ class MegatronLaunch:
     use_tp_pp_dp_mapping: bool = False
     world_size: Optional[int] = None
     ignored: tuple[str, ...] = ()
+    nodes: Optional[int] = None
+    gpus_per_node: Optional[int] = None
+    global_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
+
+    @property
+    def launched_world_size(self) -> Optional[int]:
+        """The ranks the launcher in front starts: torchrun's ``--nnodes`` x ``--nproc-per-node``
+        (None where the line has no launcher, or one whose sizes are not plain numbers).
+
+        Example::
+
+            >>> parse_megatron_args("torchrun --nnodes 128 --nproc-per-node 8 pretrain_gpt.py --bf16").launched_world_size
+            1024
+        """
+        return None if self.nodes is None or self.gpus_per_node is None else self.nodes * self.gpus_per_node
 
     @property
     def order(self) -> str:
@@ -223,15 +244,39 @@ def _convert(name: str, values: list[str]) -> Any:
     return values[0]
 
 
-def _strip_launcher(tokens: list[str]) -> tuple[list[str], Optional[int]]:
-    """Drop ``NAME=value`` assignments and a launcher (``torchrun ... pretrain_gpt.py``) before the flags."""
-    world_size = None
+def _strip_launcher(tokens: list[str]) -> tuple[list[str], dict[str, Optional[int]]]:
+    """Drop ``NAME=value`` assignments and a launcher (``torchrun ... pretrain_gpt.py``) before the
+    flags; what they say of the world: ``WORLD_SIZE``, torchrun's nodes and processes per node."""
+    found: dict[str, Optional[int]] = {}
     while tokens and _ASSIGNMENT.match(tokens[0]):
         name, _, value = tokens.pop(0).partition("=")
         if name == "WORLD_SIZE":
-            world_size = _int("WORLD_SIZE", value, 1)
+            found["world_size"] = _int("WORLD_SIZE", value, 1)
     script = next((i for i, t in enumerate(tokens) if t.endswith(".py") and not t.startswith("-")), None)
-    return (tokens if script is None else tokens[script + 1:]), world_size
+    if script is None:
+        return tokens, found
+    return tokens[script + 1:], {**found, **_torchrun_sizes(tokens[:script])}
+
+
+def _torchrun_sizes(launcher: list[str]) -> dict[str, Optional[int]]:
+    """torchrun's ``--nnodes`` and ``--nproc-per-node`` (either spelling, ``--flag N`` or
+    ``--flag=N``), with torchrun's defaults of 1 where the launcher is torchrun and gives none."""
+    if not any(t.rsplit("/", 1)[-1] == "torchrun" or t in ("torch.distributed.run", "torch.distributed.launch")
+               for t in launcher):
+        return {}
+    values: dict[str, str] = {}
+    for i, token in enumerate(launcher):
+        name, equals, value = token.partition("=")
+        key = _TORCHRUN_SIZES.get(name)
+        if key is not None:
+            values[key] = value if equals else (launcher[i + 1] if i + 1 < len(launcher) else "")
+    # A shell variable ($DISTRIBUTED_ARGS) may hold either: then an absent one is not known either.
+    unknown = any("$" in t or "`" in t for t in launcher)
+    sizes: dict[str, Optional[int]] = {}
+    for key in ("nodes", "gpus_per_node"):
+        text = values.get(key, None if unknown else "1")
+        sizes[key] = int(text) if text is not None and text.isdigit() and int(text) > 0 else None
+    return sizes
 
 
 def _read_flags(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
@@ -266,86 +311,6 @@ def _read_flags(tokens: list[str]) -> tuple[dict[str, Any], list[str]]:
     return given, ignored
 
 
-def _layout_stages(layout: str) -> int:
-    """Stages (pipeline x virtual) of a ``--pipeline-model-parallel-layout``, e.g. ``Et|(tt|)*3,L`` has 5."""
-    flag = "--pipeline-model-parallel-layout"
-
-    def repeat(match: re.Match) -> str:
-        count = int(match.group(2))
-        if count > _MAX_LAYOUT_REPEAT:
-            raise MegatronArgsError(f"{flag} repeats {count} times, more than {_MAX_LAYOUT_REPEAT}", flag)
-        return match.group(1) * count
-
-    text = layout.replace(",", "")  # commas are cosmetic
-    for pattern in (r"\(([^)]+)\)\*(\d+)", r"(.)\*(\d+)"):  # ( ... )*n first, then x*n
-        text = re.sub(pattern, repeat, text)
-    unknown = sorted(set(text) - set("ELtm|"))
-    if unknown:
-        raise MegatronArgsError(f"{flag} {layout!r} has characters {unknown}; layers are E, L, t and m", flag)
-    return text.count("|") + 1
-
-
-def _virtual_pipeline_size(given: dict[str, Any]) -> Optional[int]:
-    """The interleaving Megatron-LM's ``validate_args`` derives, with its checks, naming the flag."""
-    chosen = [f for f in _VPP_FLAGS if f in given]
-    if len(chosen) > 1:
-        raise MegatronArgsError(
-            f"{' and '.join('--' + f for f in chosen)} are exclusive: Megatron-LM takes at most one of them",
-            f"--{chosen[1]}",
-        )
-    pp = given.get("pipeline-model-parallel-size", 1)
-    layers = given.get("num-layers", given.get("decoder-num-layers"))
-    if layers is not None:
-        layers += given.get("account-for-embedding-in-pipeline-split", False)
-        layers += given.get("account-for-loss-in-pipeline-split", False)
-    uneven = "decoder-first-pipeline-num-layers" in given or "decoder-last-pipeline-num-layers" in given
-    vpp: Optional[int] = None
-    if "pipeline-model-parallel-layout" in given:
-        stages = _layout_stages(given["pipeline-model-parallel-layout"])
-        if stages % pp:
-            raise MegatronArgsError(
-                f"--pipeline-model-parallel-layout has {stages} stages, not divisible by "
-                f"--pipeline-model-parallel-size ({pp})", "--pipeline-model-parallel-layout",
-            )
-        vpp = stages // pp
-    elif "num-virtual-stages-per-pipeline-rank" in given:
-        vpp = given["num-virtual-stages-per-pipeline-rank"]
-    elif "num-layers-per-virtual-pipeline-stage" in given:
-        flag, per_virtual = "--num-layers-per-virtual-pipeline-stage", given["num-layers-per-virtual-pipeline-stage"]
-        if uneven:
-            raise MegatronArgsError(
-                f"{flag} does not go with uneven pipeline stages (--decoder-first/last-pipeline-num-layers); "
-                f"give --num-virtual-stages-per-pipeline-rank instead", flag,
-            )
-        if layers is None:
-            raise MegatronArgsError(f"{flag} needs --num-layers to derive the virtual pipeline size", flag)
-        if layers % pp:
-            raise MegatronArgsError(
-                f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})", "--num-layers"
-            )
-        if (layers // pp) % per_virtual:
-            raise MegatronArgsError(
-                f"{flag} ({per_virtual}) does not divide the {layers // pp} layers of a pipeline stage "
-                f"(--num-layers {layers} / --pipeline-model-parallel-size {pp})", flag,
-            )
-        vpp = layers // pp // per_virtual
-    elif layers is not None and not uneven and layers % pp:
-        raise MegatronArgsError(
-            f"--num-layers ({layers}) is not divisible by --pipeline-model-parallel-size ({pp})", "--num-layers"
-        )
-    if vpp == 1:
-        return None
-    if vpp is not None:
-        minimum = 3 if given.get("no-overlap-p2p-communication") else 2
-        if pp < minimum:
-            why = " with --no-overlap-p2p-communication" if minimum == 3 else ""
-            raise MegatronArgsError(
-                f"--{chosen[0]} makes {vpp} virtual stages per pipeline rank, an interleaved schedule, which "
-                f"needs --pipeline-model-parallel-size >= {minimum}{why}; got {pp}", f"--{chosen[0]}",
-            )
-    return vpp
-
-
 def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaunch:
     """The parallelism of a Megatron-LM launch line (a string, split as a shell would, or an argv list).
 
@@ -376,9 +341,9 @@ def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaun
         tokens = list(text_or_argv)
     else:
         raise TypeError(f"expected a launch line (str) or a list of str, got {type(text_or_argv).__name__}")
-    tokens, world_size = _strip_launcher(tokens)
+    tokens, launcher = _strip_launcher(tokens)
     given, ignored = _read_flags(tokens)
-    vpp = _virtual_pipeline_size(given)
+    vpp = virtual_pipeline_size(given)
     return MegatronLaunch(
         tensor_model_parallel_size=given.get("tensor-model-parallel-size", 1),
         pipeline_model_parallel_size=given.get("pipeline-model-parallel-size", 1),
@@ -392,8 +357,10 @@ def parse_megatron_args(text_or_argv: Union[str, Sequence[str]]) -> MegatronLaun
         use_sharp=given.get("use-sharp", False),
         sharp_enabled_group=given.get("sharp-enabled-group"),
         use_tp_pp_dp_mapping=given.get("use-tp-pp-dp-mapping", False),
-        world_size=world_size,
+        global_batch_size=given.get("global-batch-size"),
+        micro_batch_size=given.get("micro-batch-size"),
         ignored=tuple(ignored),
+        **launcher,
     )
 
 
@@ -420,9 +387,46 @@ def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[
     return text, None if chosen is None else _KEYWORD_FLAGS[chosen]
 
 
+def launch_world_size(launch: MegatronLaunch, world_size: Optional[int] = None,
+                      world_size_from: Optional[str] = None) -> int:
+    """The world size of a launch: ``world_size`` (called ``world_size_from`` in messages), the
+    line's ``WORLD_SIZE=N`` and its torchrun's nodes x processes per node, whichever are known,
+    which must agree. None known is a :class:`MegatronArgsError` saying where to give one.
+
+    Example::
+
+        >>> launch = parse_megatron_args("torchrun --nnodes 128 --nproc-per-node 8 pretrain_gpt.py")
+        >>> launch_world_size(launch)
+        1024
+        >>> launch_world_size(launch, 2048, "--world-size 2048")
+        Traceback (most recent call last):
+        ...
+        hypergrid.errors.MegatronArgsError: --world-size 2048 differs from the launch line's torchrun --nnodes 128 --nproc-per-node 8, which starts 1024 ranks; give one world size
+    """
+    known = []
+    if world_size is not None:
+        known.append((world_size, world_size_from or f"world size {world_size}", None))
+    if launch.world_size is not None:
+        known.append((launch.world_size, f"WORLD_SIZE={launch.world_size} in the launch line", "WORLD_SIZE"))
+    if launch.launched_world_size is not None:
+        known.append((launch.launched_world_size, f"the launch line's torchrun --nnodes {launch.nodes} "
+                      f"--nproc-per-node {launch.gpus_per_node}, which starts {launch.launched_world_size} ranks",
+                      "--nnodes"))
+    if not known:
+        raise MegatronArgsError(
+            "a world size is needed: Megatron-LM reads it from the WORLD_SIZE environment variable; "
+            "pass world_size (hypergrid plan --world-size N, or WORLD_SIZE=N in front of the command, or a torchrun "
+            "--nnodes N --nproc-per-node M in front of the launch line)"
+        )
+    for size, where, flag in known[1:]:
+        if size != known[0][0]:
+            raise MegatronArgsError(f"{known[0][1]} differs from {where}; give one world size", flag)
+    return known[0][0]
+
+
 def plan_from_megatron_args(
     args: Union[MegatronLaunch, str, Sequence[str]], world_size: Optional[int] = None, *,
-    features: Optional[MegatronFeatures] = None,
+    features: Optional[MegatronFeatures] = None, world_size_from: Optional[str] = None,
 ) -> Any:
     """The :class:`~hypergrid.planning.plan.Plan` of a Megatron-LM launch line for ``world_size`` ranks.
 
@@ -430,7 +434,8 @@ def plan_from_megatron_args(
     the one :func:`hypergrid.planning.plan.plan_megatron` returns for the same sizes (and ``features``,
     the megatron-core release planned for; default the groups every supported release makes). ``world_size``
     (Megatron-LM reads it from ``WORLD_SIZE``) may be left out when the launch line sets
-    ``WORLD_SIZE=N``; both given and different is an error. Sizes that do not fit the world raise
+    ``WORLD_SIZE=N`` or starts with ``torchrun --nnodes N --nproc-per-node M``; sizes that differ
+    are an error (:func:`launch_world_size`; ``world_size_from`` names ``world_size``). Sizes that do not fit the world raise
     :class:`MegatronArgsError` naming the flags, as Megatron-LM would name them.
 
     Example::
@@ -448,18 +453,17 @@ def plan_from_megatron_args(
     from .plan import plan_megatron
 
     launch = args if isinstance(args, MegatronLaunch) else parse_megatron_args(args)
-    if world_size is not None and launch.world_size is not None and world_size != launch.world_size:
-        raise MegatronArgsError(
-            f"world size {world_size} differs from WORLD_SIZE={launch.world_size} in the launch line", "WORLD_SIZE"
-        )
-    world = world_size if world_size is not None else launch.world_size
-    if world is None:
-        raise MegatronArgsError(
-            "a world size is needed: Megatron-LM reads it from the WORLD_SIZE environment variable; "
-            "pass world_size (hypergrid plan --world-size N)"
-        )
+    world = launch_world_size(launch, world_size, world_size_from)
     try:
-        return plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
+        plan = plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
     except ValueError as exc:
         message, flag = _with_flag_names(str(exc), launch, world)
         raise MegatronArgsError(message, flag) from None
+    batch, micro = launch.global_batch_size, launch.micro_batch_size or 1
+    if batch is not None and "rampup-batch-size" not in launch.ignored and batch % (micro * plan.megatron.dp):
+        raise MegatronArgsError(
+            f"--global-batch-size ({batch}) is not divisible by --micro-batch-size ({micro}) x the data-parallel "
+            f"size ({plan.megatron.dp}) = {micro * plan.megatron.dp}, which Megatron-Core's microbatch calculator "
+            f"asserts", "--global-batch-size")
+    plan.global_batch_size, plan.micro_batch_size = batch, launch.micro_batch_size
+    return plan

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import logging
+import difflib
 import math
 import random
 from collections.abc import Sequence
@@ -203,13 +204,20 @@ class Plan:
     #: The Megatron-Core configuration a Megatron plan was made from (None: another layout): a
     #: recovery plans Megatron-Core's groups again from it (:mod:`hypergrid.planning.recovery`).
     megatron_config: Optional["MegatronConfig"] = None
+    #: A Megatron-LM launch line's ``--global-batch-size`` and ``--micro-batch-size`` (None: not
+    #: given): a shrink of dp warns where the global batch no longer divides.
+    global_batch_size: Optional[int] = None
+    micro_batch_size: Optional[int] = None
 
     def kind(self, name: str) -> GroupKind:
         """The group kind called ``name``; ValueError naming the known kinds otherwise."""
         for kind in self.kinds:
             if kind.name == name:
                 return kind
-        raise ValueError(f"unknown group kind {name!r}; this layout has {[k.name for k in self.kinds]}")
+        names = [k.name for k in self.kinds]
+        close = difflib.get_close_matches(str(name), names, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"unknown group kind {name!r}; {hint}this layout has {names}")
 
     def check_rank(self, rank: int) -> None:
         """ValueError unless ``rank`` lies on the grid."""

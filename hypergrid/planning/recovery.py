@@ -202,18 +202,22 @@ def _counts(old: GroupKind, new: GroupKind, before: Plan, recovery: RecoveryPlan
         if groups is not None:
             return old.count - len(groups), len(groups), len(groups), Counted.FAILED_GROUPS
     elif isinstance(old.derivation, _PER_GRID_GROUP) and old.derivation == new.derivation and old.dims == new.dims:
-        if old.layout not in shrunk:  # a view: its own replicas holding the failed ranks dropped
+        if old.layout not in shrunk:  # a view: its own replicas holding the dropped failed ranks dropped
             try:
-                shrunk[old.layout] = plan_recovery(old.layout, recovery.failed, replica_dim=replica_dim)
+                own = plan_recovery(old.layout, recovery.dropped_failed, replica_dim=replica_dim)
+                shrunk[old.layout] = _with_replacements(own, recovery.replaced)
             except ValueError:  # no such dim, or every replica holds a failed rank
                 shrunk[old.layout] = None
         own = shrunk[old.layout]
         if own is not None and own.kind is RecoveryKind.SHRINK and own.new == new.layout:
             if replica_dim not in old.dims:
-                replicas = own.old.dim_size(replica_dim)
-                dropped = old.count * (replicas - own.new.dim_size(replica_dim)) // replicas
-                return old.count - dropped, 0, dropped, Counted.REPLICA_DIM
-            if old.is_grid_groups:
+                # A mixed recovery also rebuilds the kept replicas' groups that held a replaced rank.
+                swapped = _failed_groups(old, [a for a, _ in recovery.replaced], before.world_size)
+                if swapped is not None:
+                    replicas = own.old.dim_size(replica_dim)
+                    dropped = old.count * (replicas - own.new.dim_size(replica_dim)) // replicas
+                    return old.count - dropped - len(swapped), len(swapped), dropped + len(swapped), Counted.REPLICA_DIM
+            elif old.is_grid_groups:
                 return 0, new.count, old.count, Counted.REPLICA_DIM
     if before.world_size > MAX_LISTED_WORLD:
         return None, None, None, Counted.NOT_COMPUTED
@@ -221,6 +225,18 @@ def _counts(old: GroupKind, new: GroupKind, before: Plan, recovery: RecoveryPlan
     news = {tuple(g) for g in new.enumerate() if g}
     kept = len(olds & news)
     return kept, len(news) - kept, len(olds) - kept, Counted.EVERY_GROUP
+
+
+def _with_replacements(shrink: RecoveryPlan, replaced: Sequence[tuple[int, int]]) -> Optional[RecoveryPlan]:
+    """``shrink`` with the spares of ``replaced`` in their failed ranks' positions (where those are
+    in its grid after: a view's replicas that line up with the grid's); None where not."""
+    if not replaced:
+        return shrink
+    placement = shrink.new.rank_map or RankMap.contiguous(shrink.new.rank_offset, shrink.new.size)
+    if any(placement.position(old) is None for old, _ in replaced):
+        return None
+    new = GridLayout(shrink.new.shape, shrink.new.dim_names, rank_map=placement.replaced(dict(replaced)))
+    return dataclasses.replace(shrink, new=new, replaced=tuple(replaced))
 
 
 def _failed_groups(kind: GroupKind, failed: Iterable[int], world_size: int) -> Optional[set]:
@@ -280,10 +296,39 @@ class RecoveryReport:
 
     @property
     def dropped_replicas(self) -> list[int]:
-        """The coordinates along the replica dim that a shrink drops (none for a replacement)."""
+        """The coordinates along the replica dim that a shrink drops (none for a replacement): those
+        of the failed ranks no spare replaces."""
         if self.recovery.kind is not RecoveryKind.SHRINK:
             return []
-        return sorted({replica_of(self.recovery.old, rank, self.replica_dim) for rank in self.recovery.failed})
+        return sorted({replica_of(self.recovery.old, rank, self.replica_dim) for rank in self.recovery.dropped_failed})
+
+    @property
+    def warnings(self) -> list[str]:
+        """What the recovery changes that a Megatron job must change with it: a shrink of dp and
+        the global batch size, which Megatron-Core's microbatch calculator wants divisible by the
+        micro-batch size x dp (checked where the plan came from a launch line that gives it).
+
+        Example::
+
+            >>> from hypergrid.planning.megatron_args import plan_from_megatron_args
+            >>> plan = plan_from_megatron_args("--global-batch-size 1024 --micro-batch-size 1", world_size=128)
+            >>> recovery_of(plan, failed=[5]).warnings
+            ['dp 128 -> 127: --global-batch-size 1024 is not divisible by --micro-batch-size 1 x dp 127 = 127, which Megatron-Core asserts: give spares to keep dp (--spares), or a global batch size divisible by 127']
+        """
+        before, after = self.before.megatron, self.after.megatron
+        if self.recovery.kind is not RecoveryKind.SHRINK or before is None or after is None or before.dp == after.dp:
+            return []
+        step = f"dp {before.dp} -> {after.dp}"
+        batch, micro = self.before.global_batch_size, self.before.micro_batch_size or 1
+        if batch is None:
+            return [f"{step}: a global batch size must be divisible by the micro-batch size x dp (Megatron-Core "
+                    f"asserts it), so one chosen for dp {before.dp} no longer fits unless it is a multiple of "
+                    f"{after.dp} too: give spares to keep dp (--spares), or a global batch size for dp {after.dp}"]
+        if batch % (micro * after.dp) == 0:
+            return []
+        return [f"{step}: --global-batch-size {batch} is not divisible by --micro-batch-size {micro} x dp "
+                f"{after.dp} = {micro * after.dp}, which Megatron-Core asserts: give spares to keep dp (--spares), "
+                f"or a global batch size divisible by {micro * after.dp}"]
 
     def rank_change(self, rank: int) -> dict[str, Any]:
         """``rank``'s role, coordinates and, per kind, its group before and after (as
@@ -340,6 +385,7 @@ class RecoveryReport:
                 "grid_after": {"shape": list(new.shape), "dim_names": list(new.dim_names), "size": new.size,
                                "rank_runs": [[rank, length] for _, rank, length in runs]},
                 "kinds": [change.as_dict() for change in self.changes],
+                "warnings": self.warnings,
             },
         }
         if rank is not None:

@@ -16,7 +16,7 @@ from .cost import cost_lines
 from ..layout.describe import describe_members, member_runs
 from .plan import MAX_LISTED_WORLD, Plan, plan_grid  # noqa: F401 (plan_grid: examples)
 
-__all__ = ["plan_table", "plan_csv", "recovery_table"]
+__all__ = ["plan_table", "plan_csv", "recovery_table", "only_kinds"]
 
 #: Members of a group a table shows before it shortens the list (JSON and CSV show all).
 MEMBERS_SHOWN = 16
@@ -37,6 +37,8 @@ def _cut_group(head: list[int], last: int, size: int) -> str:
         '896-1023 (128 ranks)'
         >>> _cut_group(list(range(0, 64, 4)), 252, 64)
         '0, 4, 8, 12, 16, 20, 24, ..., 252 (64 ranks, step 4)'
+        >>> _cut_group(list(range(64, 80)), 2047, 1024)  # 64-127, 192-255, ...: the first run's end is unknown
+        '64, 65, 66, ..., 2047 (1024 ranks)'
     """
     steps = {b - a for a, b in zip(head, head[1:])}
     step = steps.pop() if len(steps) == 1 else None
@@ -45,7 +47,9 @@ def _cut_group(head: list[int], last: int, size: int) -> str:
         return f"{head[0]}-{last} ({size} ranks)"
     shown = head[:MEMBERS_SHOWN - 2]
     runs = member_runs(shown)
-    if len(runs) > 1 and shown[-1] + 1 == head[MEMBERS_SHOWN - 2]:
+    if shown[-1] + 1 == head[MEMBERS_SHOWN - 2]:
+        if len(runs) == 1:  # one run, longer than the head: its end is not known, so none is shown
+            return f"{', '.join(map(str, shown[:3]))}, ..., {last} ({size} ranks)"
         runs.pop()
     parts = [str(a) if a == b else f"{a}-{b}" for a, b in runs[:_RUNS_SHOWN]]
     return f"{', '.join(parts)}, ..., {last} ({size} ranks{f', step {step}' if even else ''})"
@@ -61,7 +65,8 @@ def _short(members) -> str:
         if size <= MEMBERS_SHOWN:
             return describe_members(head)
         return _cut_group(head, members["last"], size)
-    return describe_members(members)
+    text = describe_members(members)  # whole runs of the whole list
+    return text if len(members) <= MEMBERS_SHOWN or "ranks" in text else f"{text} ({len(members)} ranks)"
 
 
 def _dims_text(grid: dict) -> str:
@@ -112,7 +117,10 @@ def plan_table(plan: "Plan", data: dict) -> str:
     gpn = data["gpus_per_node"]
     out = _header(data)
     out.append("")
-    rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement", "megatron group"]]
+    # The parallel_state global each kind fills: a column for Megatron plans only (torchtitan's and
+    # a free grid's kinds fill none).
+    megatron = data["megatron"] is not None
+    rows = [["kind", "key", "groups", "size", "nodes/group", "domains/group", "placement"] + ["megatron group"] * megatron]
     where = {"node": "inside a node", "nvlink": "inside an NVLink domain", "across": "ACROSS DOMAINS"}
     for k in data["kinds"]:
         key = k["key"] if k["view"] is None else f"{k['view']}:{k['key']}"
@@ -124,9 +132,11 @@ def plan_table(plan: "Plan", data: dict) -> str:
         rows.append([
             k["name"], key, str(k["count"]), "varies" if k["size"] is None else str(k["size"]),
             str(k["max_nodes_per_group"]), str(k["max_nvlink_domains_per_group"]),
-            placement, k["megatron_name"] or "",
-        ])
+            placement] + [k["megatron_name"] or ""] * megatron)
     out.append(_table(rows, right={2, 3, 4, 5}))
+    if "kinds_shown" in data:
+        shown = data["kinds_shown"]
+        out.append(f"kinds shown: {', '.join(shown['given'])} (--kind; {shown['of']} kinds in the plan)")
     crossing = [k["name"] for k in data["kinds"] if k["crosses_nodes"]]
     out.append("")
     out.append(
@@ -152,6 +162,24 @@ def plan_table(plan: "Plan", data: dict) -> str:
         for name, members in r["groups"].items():
             out.append(f"  {name.ljust(width)}  {_short(members)}")
     return "\n".join(out)
+
+
+def only_kinds(data: dict, names: list[str]) -> dict:
+    """``data`` (``plan``'s) with only the kinds ``names`` (``--kind``), in the plan's order, in the
+    kinds and in ``--rank``'s groups, and ``kinds_shown`` saying so; the cost stays the rank's whole.
+
+    Example::
+
+        >>> data = only_kinds(plan_grid([2, 4], ["tp", "dp"]).as_dict(4, rank=1), ["dp"])
+        >>> [k["name"] for k in data["kinds"]], data["rank"]["groups"], data["kinds_shown"]
+        (['dp'], {'dp': [1, 3, 5, 7]}, {'given': ['dp'], 'of': 2})
+    """
+    wanted = set(names)
+    out = {**data, "kinds": [k for k in data["kinds"] if k["name"] in wanted],
+           "kinds_shown": {"given": list(dict.fromkeys(names)), "of": len(data["kinds"])}}
+    if "rank" in data:
+        out["rank"] = {**data["rank"], "groups": {n: g for n, g in data["rank"]["groups"].items() if n in wanted}}
+    return out
 
 
 def plan_csv(data: dict) -> str:
@@ -233,8 +261,15 @@ def recovery_table(data: dict) -> str:
                    f"{describe_members(gone)} of {dim} dropped ({dim} {replicas} -> {replicas - len(gone)})")
         out.append(f"  ranks leaving the grid with {'them' if len(gone) > 1 else 'it'}: "
                    f"{describe_members(r['leaving']) if r['leaving'] else 'none'}")
+        if r["replaced"]:  # a mixed recovery: the spares cover the failed ranks of the replicas kept
+            moves = [f"{a} -> {b}" for a, b in r["replaced"]]
+            cut = ", ..." if len(moves) > _MOVES_SHOWN else ""
+            out.append(f"  in the replicas kept, a spare takes each failed rank's position: "
+                       f"{', '.join(moves[:_MOVES_SHOWN])}{cut}")
+            out.append(f"  spares left: {describe_members(r['spares_left']) if r['spares_left'] else 'none'}")
     after = r["grid_after"]
-    out += [f"grid after: {_dims_text(after)} on ranks {_runs_text(after['rank_runs'])} ({after['size']} ranks)", ""]
+    out.append(f"grid after: {_dims_text(after)} on ranks {_runs_text(after['rank_runs'])} ({after['size']} ranks)")
+    out += [f"warning: {line}" for line in r.get("warnings", [])] + [""]
     rows = [["kind", "groups before", "after", "kept", "rebuilt", "dropped"]]
     for k in r["kinds"]:
         rows.append([k["name"]] + ["-" if k[f] is None else str(k[f])

@@ -53,6 +53,7 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import enum
 import logging
 import os
@@ -74,6 +75,7 @@ __all__ = [
     "TorchtitanMesh",
     "choose_release",
     "read_parallelism",
+    "parallelism_overrides",
     "torchtitan_meshes",
     "plan_torchtitan",
     "torchtitan_groups_per_rank",
@@ -328,14 +330,18 @@ def _source_text(source: Source) -> tuple[str, str]:
         raise ValueError(f"{path}: the torchtitan job config is not UTF-8 text: {exc.reason}") from None
 
 
-def read_parallelism(source: Source, world_size: Optional[int] = None,
-                     release: Optional[Union[str, TorchtitanRelease]] = None) -> TorchtitanParallelism:
-    """The ``[parallelism]`` degrees of a torchtitan job config (a path, or the TOML text).
+def read_parallelism(source: Optional[Source], world_size: Optional[int] = None,
+                     release: Optional[Union[str, TorchtitanRelease]] = None,
+                     overrides: Optional[dict[str, object]] = None) -> TorchtitanParallelism:
+    """The ``[parallelism]`` degrees of a torchtitan job config (a path, or the TOML text; None:
+    torchtitan's defaults), with ``overrides`` (:func:`parallelism_overrides`, torchtitan's
+    ``--parallelism.NAME VALUE`` flags) over them, as torchtitan's command line sets them.
 
     ``release`` (default: :func:`choose_release`) decides which keys the section may have: those
     of that release's parallelism config, as torchtitan refuses any other (0.3 has no
     ``expert_tensor_parallel_degree``, 0.2 no ``spmd_backend``); keys other than the degrees are
-    otherwise left alone. A missing section means torchtitan's defaults. With ``world_size`` the
+    otherwise left alone; a misspelt key is told the closest field. A missing section means
+    torchtitan's defaults. With ``world_size`` the
     degrees come back :meth:`~TorchtitanParallelism.resolved`. Malformed TOML is a ValueError
     naming the file and the line; a value of the wrong type names its field.
 
@@ -357,7 +363,7 @@ def read_parallelism(source: Source, world_size: Optional[int] = None,
         ...
         ValueError: <torchtitan job config>: parallelism.expert_tensor_parallel_degree is not a field of torchtitan 0.3's parallelism config, which refuses it (0.3 removed expert tensor parallelism; --torchtitan-version 0.2 reads a 0.2 job config); its fields: [...]
     """
-    where, text = _source_text(source)
+    where, text = ("<torchtitan defaults>", "") if source is None else _source_text(source)
     try:
         config = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
@@ -371,20 +377,67 @@ def read_parallelism(source: Source, world_size: Optional[int] = None,
     chosen = TorchtitanRelease(choose_release(release).release)
     unknown = sorted(set(section) - _FIELDS[chosen])
     if unknown:
-        why = {"expert_tensor_parallel_degree": "0.3 removed expert tensor parallelism",
-               "spmd_backend": "0.2 has no spmd_backend"}.get(unknown[0], "a misspelt or another release's key")
-        other = "0.2" if chosen is TorchtitanRelease.V0_3 else "0.3"
-        raise ValueError(
-            f"{where}: parallelism.{unknown[0]} is not a field of torchtitan {chosen.value}'s parallelism config, "
-            f"which refuses it ({why}; --torchtitan-version {other} reads a {other} job config); "
-            f"its fields: {sorted(_FIELDS[chosen])}"
-        )
+        raise ValueError(f"{where}: {_unknown_field(unknown[0], chosen, 'parallelism.')}")
+    if overrides:
+        for name in overrides:
+            if name not in _FIELDS[chosen]:
+                raise ValueError(_unknown_field(name, chosen, "--parallelism."))
+        section = {**section, **overrides}
+        where = "--parallelism flags" if source is None else f"{where} with --parallelism flags"
     given = {name: section[name] for name in (*_SHORT, "spmd_backend") if name in section}
     try:
         parallelism = TorchtitanParallelism(**given, release=chosen)
     except ValueError as exc:
         raise ValueError(f"{where}: {exc}") from None
     return parallelism if world_size is None else parallelism.resolved(world_size)
+
+
+def _unknown_field(name: str, release: TorchtitanRelease, prefix: str) -> str:
+    """Why ``name`` is refused by ``release``'s parallelism config, with the closest field."""
+    why = {"expert_tensor_parallel_degree": "0.3 removed expert tensor parallelism",
+           "spmd_backend": "0.2 has no spmd_backend"}.get(name, "a misspelt or another release's key")
+    other = "0.2" if release is TorchtitanRelease.V0_3 else "0.3"
+    close = difflib.get_close_matches(name, sorted(_FIELDS[release]), n=1)
+    hint = f"did you mean {prefix}{close[0]}? " if close and name not in _FIELDS[TorchtitanRelease(other)] else ""
+    return (f"{prefix}{name} is not a field of torchtitan {release.value}'s parallelism config, which refuses it "
+            f"({why}; --torchtitan-version {other} reads a {other} job config); {hint}its fields: "
+            f"{sorted(_FIELDS[release])}")
+
+
+def parallelism_overrides(tokens: list[str]) -> dict[str, object]:
+    """torchtitan's ``--parallelism.NAME VALUE`` flags (``NAME`` with underscores or hyphens, as
+    torchtitan's command line takes them; ``--parallelism.NAME=VALUE``; a switch alone, or
+    ``--parallelism.no-NAME``) as ``{field: value}``: the degrees as integers, other values as
+    given. Which fields exist is the release's to say (:func:`read_parallelism`).
+
+    Example::
+
+        >>> parallelism_overrides(["--parallelism.tensor_parallel_degree", "8",
+        ...                        "--parallelism.pipeline-parallel-degree=4", "--parallelism.no-disable-loss-parallel"])
+        {'tensor_parallel_degree': 8, 'pipeline_parallel_degree': 4, 'disable_loss_parallel': False}
+    """
+    out: dict[str, object] = {}
+    i = 0
+    while i < len(tokens):
+        flag, equals, value = tokens[i].partition("=")
+        i += 1
+        if not flag.startswith("--parallelism."):
+            raise ValueError(f"unexpected {tokens[i - 1]!r}: torchtitan's flags go as --parallelism.NAME VALUE")
+        name = flag[len("--parallelism."):].replace("-", "_")
+        values = [value] if equals else []
+        while not equals and i < len(tokens) and not tokens[i].startswith("--"):
+            values.append(tokens[i])
+            i += 1
+        if name.startswith("no_") and not values:
+            out[name[3:]] = False
+            continue
+        if name in _SHORT:
+            if len(values) != 1 or not values[0].lstrip("-").isdigit():
+                raise ValueError(f"{flag} expects an integer, got {' '.join(values) or 'none'}")
+            out[name] = int(values[0])
+        else:
+            out[name] = values[0] if len(values) == 1 else (values or True)
+    return out
 
 
 @dataclass(frozen=True)
@@ -411,10 +464,10 @@ class TorchtitanMesh:
     fake_dims: frozenset[str] = frozenset()
 
 
-def _resolved(config: Union[TorchtitanParallelism, Source], world_size: Optional[int],
-              release: TorchtitanRelease) -> TorchtitanParallelism:
+def _resolved(config: Union[TorchtitanParallelism, Source, None], world_size: Optional[int],
+              release: TorchtitanRelease, overrides: Optional[dict[str, object]] = None) -> TorchtitanParallelism:
     if not isinstance(config, TorchtitanParallelism):
-        config = read_parallelism(config, release=release)
+        config = read_parallelism(config, release=release, overrides=overrides)
     elif config.release is not release:
         config = dataclasses.replace(config, release=release)
     if world_size is not None:
@@ -504,8 +557,9 @@ def torchtitan_meshes(config: TorchtitanParallelism) -> tuple[TorchtitanMesh, ..
     return _meshes_0_3(config.degrees(), config.spmd_backend or SpmdBackend.SPMD_TYPES)
 
 
-def plan_torchtitan(config: Union[TorchtitanParallelism, Source], world_size: Optional[int] = None,
-                    release: Optional[Union[str, TorchtitanRelease]] = None) -> Plan:
+def plan_torchtitan(config: Union[TorchtitanParallelism, Source, None], world_size: Optional[int] = None,
+                    release: Optional[Union[str, TorchtitanRelease]] = None, *,
+                    overrides: Optional[dict[str, object]] = None) -> Plan:
     """The groups torchtitan's meshes make for a job config (a path, TOML text or the degrees).
 
     One kind per mesh dim and flattened dim, in the order torchtitan creates them, named as it
@@ -514,7 +568,8 @@ def plan_torchtitan(config: Union[TorchtitanParallelism, Source], world_size: Op
     ``dense`` mesh, the other meshes views, each with hypergrid's dim order (fastest first). The
     release is ``release``, else the one ``config`` names, else :func:`choose_release`'s; the
     plan's ``follows`` says which and why. ``world_size`` is the launcher's; it may be left out
-    only for degrees already :meth:`~TorchtitanParallelism.resolved`.
+    only for degrees already :meth:`~TorchtitanParallelism.resolved`. ``overrides`` are
+    torchtitan's ``--parallelism.*`` flags over a job config (or over its defaults, ``config=None``).
 
     Example::
 
@@ -530,7 +585,7 @@ def plan_torchtitan(config: Union[TorchtitanParallelism, Source], world_size: Op
     """
     given = release if release is not None else config.release if isinstance(config, TorchtitanParallelism) else None
     followed = choose_release(given)
-    resolved = _resolved(config, world_size, TorchtitanRelease(followed.release))
+    resolved = _resolved(config, world_size, TorchtitanRelease(followed.release), overrides)
     meshes = torchtitan_meshes(resolved)
     grid = meshes[0] if resolved.release is TorchtitanRelease.V0_2 else next(m for m in meshes if m.name == "dense")
     layouts = {m.name: GridLayout(tuple(reversed(m.shape)), tuple(reversed(m.mesh_dim_names))) for m in meshes}

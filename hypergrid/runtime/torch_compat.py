@@ -53,6 +53,7 @@ __all__ = [
     "default_group",
     "forget_empty_tags",
     "new_group_keeps_order",
+    "fake_store",
 ]
 
 logger = logging.getLogger(__name__)
@@ -365,3 +366,18 @@ def new_group_keeps_order() -> bool:
         return "sort_ranks" in inspect.signature(dist.new_group).parameters
     except (TypeError, ValueError):
         return False
+
+
+def fake_store() -> dist.Store:
+    """A store for torch's fake backend, ``init_process_group("fake", store=fake_store(), rank=r,
+    world_size=n)``: one process plays one rank of any world, with no peer (``check --torchtitan``
+    builds torchtitan's meshes so, rank by rank).
+
+    Example::
+
+        >>> isinstance(fake_store(), dist.Store)
+        True
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

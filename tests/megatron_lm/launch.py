@@ -1,19 +1,21 @@
-"""Start Megatron-LM's adapted unit tests the way torchrun does: one pytest per rank, gloo on CPU.
+"""Start Megatron-LM's unit tests the way torchrun does: one pytest per rank, gloo on CPU.
 
-Every rank runs the same pytest session over one version directory (``v0_16`` or ``v0_19``);
+The test files come from the Megatron-LM checkout named by ``HYPERGRID_MEGATRON_LM_SOURCE``, at the
+tag that matches the installed megatron-core (:mod:`tests.megatron_lm.checkout`), laid out with our
+``Utils`` and conftest in a temporary tree. Every rank runs the same pytest session over that tree;
 each writes a JUnit report. A test *passed* when it passed on every rank that ran it, *failed*
 when it failed or errored on any rank, *skipped* when every rank skipped it. Every test runs
-twice (``[mcore]`` and ``[hypergrid]``, see ``conftest.py``); the verdict of interest is
-"every test that passes on Megatron-Core passes on hypergrid".
+twice (``[mcore]`` and ``[hypergrid]``, see :mod:`tests.megatron_lm.ranks_conftest`); the verdict
+of interest is "every test that passes on Megatron-Core passes on hypergrid".
 
 Usage::
 
-    python -m tests.megatron_lm.launch v0_19            # 8 ranks, prints the comparison
-    python -m tests.megatron_lm.launch v0_16 -k hyper   # pytest's -k, passed to every rank
+    HYPERGRID_MEGATRON_LM_SOURCE=/path/to/Megatron-LM python -m tests.megatron_lm.launch
+    HYPERGRID_MEGATRON_LM_SOURCE=/path/to/Megatron-LM python -m tests.megatron_lm.launch -k hyper
 
 Example (in Python)::
 
-    >>> # result = run_suite("v0_19"); result.regressions   # -> [] when hypergrid keeps up
+    >>> # result = run_suite(); result.regressions   # -> [] when hypergrid keeps up
 """
 
 from __future__ import annotations
@@ -32,13 +34,10 @@ from pathlib import Path
 from typing import Optional
 
 from tests.junit import Outcome, read_report
-from tests.megatron_lm.conftest import RANK_ENV
+from tests.megatron_lm.checkout import SourceUnavailable, build_tree, find_source, installed_megatron_core
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-
-#: The megatron-core release each version directory was copied from.
-VERSIONS = {"v0_16": "0.16", "v0_19": "0.19"}
 
 IMPLEMENTATIONS = ("mcore", "hypergrid")
 
@@ -47,8 +46,11 @@ IMPLEMENTATIONS = ("mcore", "hypergrid")
 class SuiteResult:
     """The outcome of every test on both implementations, by test id without the implementation."""
 
+    #: The installed megatron-core's version.
     version: str
     world_size: int
+    #: Where the test files came from (:meth:`tests.megatron_lm.checkout.Source.describe`).
+    source: str = ""
     outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     rank_logs: dict[int, str] = field(default_factory=dict)
 
@@ -64,7 +66,7 @@ class SuiteResult:
         )
 
     def report(self) -> str:
-        lines = [f"Megatron-LM unit tests for megatron-core {self.version}, {self.world_size} gloo ranks:"]
+        lines = [f"Megatron-LM unit tests ({self.source}) for megatron-core {self.version}, {self.world_size} gloo ranks:"]
         for impl in IMPLEMENTATIONS:
             c = self.counts(impl)
             lines.append(f"  on {impl:<9}: {c['passed']} passed, {c['failed']} failed, {c['skipped']} skipped")
@@ -112,38 +114,46 @@ def _parse(report: Path) -> dict[tuple[str, str], Outcome]:
 
 
 def run_suite(
-    version_dir: str,
     *,
+    source: Optional[str] = None,
     world_size: int = 8,
     timeout_s: float = 900.0,
     pytest_args: tuple[str, ...] = (),
-    python: str = sys.executable,
 ) -> SuiteResult:
-    """Run one version directory's tests on ``world_size`` gloo ranks; return both outcomes.
+    """Run the installed megatron-core's Megatron-LM unit tests on ``world_size`` gloo ranks.
 
-    Raises ``TimeoutError`` (after killing every rank) if the job does not end in ``timeout_s``.
+    ``source`` is the checkout (default: ``HYPERGRID_MEGATRON_LM_SOURCE``). Raises
+    :class:`~tests.megatron_lm.checkout.SourceUnavailable` when there is no usable one (the
+    message says how to get it), ``TimeoutError`` (after killing every rank) if the job does not
+    end in ``timeout_s``.
     """
-    if version_dir not in VERSIONS:
-        raise ValueError(f"version_dir must be one of {sorted(VERSIONS)}, got {version_dir!r}")
+    version = installed_megatron_core()
+    if version is None:
+        raise SourceUnavailable("megatron-core is not installed")
+    found = find_source(version, source)
     port = _free_port()
     procs: list[subprocess.Popen] = []
-    with tempfile.TemporaryDirectory(prefix=f"megatron_lm_{version_dir}_") as tmp:
-        out = Path(tmp)
+    with tempfile.TemporaryDirectory(prefix="hypergrid-megatron-lm-") as tmp:
+        out = Path(tmp) / "reports"
+        out.mkdir()
+        tree = Path(tmp) / "tree"
+        suite = build_tree(found, tree)
         for rank in range(world_size):
             env = dict(os.environ)
             env.pop("HYPERGRID_STRATEGY", None)  # the conftest decides the strategy per test
             env.update({
-                RANK_ENV: str(rank), "RANK": str(rank), "LOCAL_RANK": str(rank),
+                "RANK": str(rank), "LOCAL_RANK": str(rank),
                 "WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size),
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "PYTHONPATH": os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
+                # The tree first: its ``tests`` package is Megatron-LM's layout, not this repository's.
+                "PYTHONPATH": os.pathsep.join([str(tree), str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
                 "OMP_NUM_THREADS": "1",
             })
             log = open(out / f"rank{rank}.log", "w")
             procs.append(subprocess.Popen(
-                [python, "-m", "pytest", str(HERE / version_dir), "-q", "-p", "no:cacheprovider",
+                [sys.executable, "-m", "pytest", str(suite), "-q", "-p", "no:cacheprovider", "--rootdir", str(tree),
                  "-o", "junit_family=xunit2", "-o", "faulthandler_timeout=300", f"--junitxml={out / f'rank{rank}.xml'}", *pytest_args],
-                cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
+                cwd=tree, env=env, stdout=log, stderr=subprocess.STDOUT,
             ))
         deadline = time.monotonic() + timeout_s
         try:
@@ -156,10 +166,10 @@ def run_suite(
                     proc.kill()
             tail = (out / f"rank{running[0]}.log").read_text()[-3000:]
             raise TimeoutError(
-                f"ranks {running} of the {version_dir} job did not finish in {timeout_s}s (killed); "
+                f"ranks {running} of the Megatron-LM job did not finish in {timeout_s}s (killed); "
                 f"rank {running[0]}'s log ends:\n{tail}"
             ) from None
-        result = SuiteResult(VERSIONS[version_dir], world_size)
+        result = SuiteResult(version, world_size, found.describe())
         per_rank: dict[tuple[str, str], list[tuple[int, Outcome]]] = {}
         for rank in range(world_size):
             result.rank_logs[rank] = (out / f"rank{rank}.log").read_text()
@@ -183,13 +193,18 @@ def run_suite(
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("version_dir", choices=sorted(VERSIONS))
+    parser.add_argument("--source", default=None,
+                        help="the Megatron-LM checkout (default: $HYPERGRID_MEGATRON_LM_SOURCE)")
     parser.add_argument("--world-size", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("-k", default=None, help="pytest -k expression for every rank")
     args = parser.parse_args(argv)
     extra = ("-k", args.k) if args.k else ()
-    result = run_suite(args.version_dir, world_size=args.world_size, timeout_s=args.timeout, pytest_args=extra)
+    try:
+        result = run_suite(source=args.source, world_size=args.world_size, timeout_s=args.timeout, pytest_args=extra)
+    except SourceUnavailable as why:
+        print(f"not run: {why}", file=sys.stderr)
+        return 2
     print(result.report())
     return 1 if result.regressions else 0
 

@@ -1,16 +1,19 @@
 """Run torch's own DeviceMesh tests twice, on torch's groups and on hypergrid's, and compare.
 
-``device_mesh_tests.py`` is PyTorch's ``test/distributed/test_device_mesh.py`` (see its header).
-It runs once as the control (``HYPERGRID_ROUTE_MESHES`` unset: torch makes every group) and once
-with its meshes coming from hypergrid (``HYPERGRID_ROUTE_MESHES=1``: ``route_device_meshes()``
-is on in every rank). Each run is one pytest process writing a JUnit report; torch's
+The tests are PyTorch's ``test/distributed/test_device_mesh.py``, read from the checkout named
+by ``HYPERGRID_TORCH_TESTS_SOURCE`` (a pytorch checkout, or any folder holding
+``test/distributed/test_device_mesh.py``; :func:`find_tests`); no copy is kept here. The file runs
+as it is, copied into a temporary folder, under our plugin (:mod:`tests.torch_upstream.plugin`):
+once as the control (``HYPERGRID_ROUTE_MESHES`` unset: torch makes every group) and once with its
+meshes coming from hypergrid (``HYPERGRID_ROUTE_MESHES=1``: ``route_device_meshes()`` is on in
+every rank). Each run is one pytest process writing a JUnit report; torch's
 ``MultiProcessTestCase`` starts each test's ranks (4 or 8, gloo on CPU) and reports over them.
 The verdict of interest: every test that passes on torch passes on hypergrid.
 
 Usage::
 
-    python -m tests.torch_upstream.compare                # both runs, prints the comparison
-    python -m tests.torch_upstream.compare -k flatten     # pytest's -k, passed to both runs
+    HYPERGRID_TORCH_TESTS_SOURCE=/path/to/pytorch python -m tests.torch_upstream.compare
+    HYPERGRID_TORCH_TESTS_SOURCE=/path/to/pytorch python -m tests.torch_upstream.compare -k flatten
 
 Example (in Python)::
 
@@ -22,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,11 +35,44 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from tests.junit import Outcome, read_report
+from tests.torch_upstream.plugin import ROUTE_ENV
 from tests.torch_upstream.witness import WITNESS_FILE
 
 HERE = Path(__file__).parent
 REPO = HERE.parent.parent
-TESTS = HERE / "device_mesh_tests.py"
+
+#: The environment variable naming the checkout.
+SOURCE_ENV = "HYPERGRID_TORCH_TESTS_SOURCE"
+#: The file, in pytorch's repository.
+TEST_FILE = Path("test/distributed/test_device_mesh.py")
+
+#: How to get the file; the skip without it says it.
+HOW_TO_GET = (
+    f"{SOURCE_ENV} names a pytorch checkout (`git clone https://github.com/pytorch/pytorch`) or a "
+    f"folder holding {TEST_FILE} alone, the file taken from pytorch's repository "
+    f"(https://github.com/pytorch/pytorch/blob/main/{TEST_FILE.as_posix()}, or at a release's tag)"
+)
+
+
+class SourceUnavailable(Exception):
+    """No checkout is named (the message says how to get one)."""
+
+
+def find_tests(source: Optional[str] = None) -> Path:
+    """torch's ``test_device_mesh.py`` in ``source`` (default: :data:`SOURCE_ENV`).
+
+    Raises :class:`SourceUnavailable` when no source is named, ``ValueError`` when the one named
+    does not hold the file.
+    """
+    source = source if source is not None else os.environ.get(SOURCE_ENV)
+    if not source:
+        raise SourceUnavailable(f"{SOURCE_ENV} is not set. {HOW_TO_GET}")
+    path = Path(source).expanduser().resolve()
+    for candidate in (path / TEST_FILE, path / TEST_FILE.name, path):
+        if candidate.is_file() and candidate.name == TEST_FILE.name:
+            return candidate
+    raise ValueError(f"{SOURCE_ENV}={source!r} holds no {TEST_FILE}. {HOW_TO_GET}")
+
 
 #: The two runs: the control on torch's groups, then the same file on hypergrid's.
 RUNS = ("torch", "hypergrid")
@@ -47,6 +84,8 @@ class Comparison:
 
     outcomes: dict[str, dict[str, Outcome]] = field(default_factory=dict)
     logs: dict[str, str] = field(default_factory=dict)
+    #: The file that ran.
+    source: str = ""
     #: By run: the witness's lines (witness.py), one per test and rank that ended its process group.
     witnessed: dict[str, list[dict]] = field(default_factory=dict)
 
@@ -70,7 +109,7 @@ class Comparison:
                       if o.get("torch", missing).status == "passed" and o.get("hypergrid", missing).status != "passed")
 
     def report(self) -> str:
-        lines = [f"torch's test_device_mesh.py ({len(self.outcomes)} tests), gloo on CPU:"]
+        lines = [f"torch's test_device_mesh.py ({len(self.outcomes)} tests, from {self.source}), gloo on CPU:"]
         for run in RUNS:
             c = self.counts(run)
             by_torch, by_hypergrid = self.groups_made(run)
@@ -95,21 +134,23 @@ def _parse(report: Path) -> dict[str, Outcome]:
     return {f"{classname.rsplit('.', 1)[-1]}::{name}": outcome for classname, name, outcome in read_report(report)}
 
 
-def run_tests(run: str, workdir: Path, pytest_args: Sequence[str] = (), timeout_s: float = 1800.0) -> tuple[dict[str, Outcome], str]:
-    """One run (``"torch"`` or ``"hypergrid"``) of the copied file: outcomes by test, and its log."""
+def run_tests(run: str, workdir: Path, tests: Path, pytest_args: Sequence[str] = (),
+              timeout_s: float = 1800.0) -> tuple[dict[str, Outcome], str]:
+    """One run (``"torch"`` or ``"hypergrid"``) of ``tests`` (a copy of torch's file in
+    ``workdir``): outcomes by test, and its log."""
     if run not in RUNS:
         raise ValueError(f"run must be one of {RUNS}, got {run!r}")
     report = workdir / f"{run}.xml"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
     env[WITNESS_FILE] = str(workdir / f"{run}-witness.jsonl")
-    env.pop("HYPERGRID_ROUTE_MESHES", None)
+    env.pop(ROUTE_ENV, None)
     if run == "hypergrid":
-        env["HYPERGRID_ROUTE_MESHES"] = "1"
+        env[ROUTE_ENV] = "1"
     # Without a GPU, torch's helpers run the ranks on CPU with gloo; the tests that need GPUs skip.
     env.setdefault("CUDA_VISIBLE_DEVICES", "")
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-               str(TESTS), f"--junitxml={report}", *pytest_args]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "tests.torch_upstream.plugin",
+               "--rootdir", str(workdir), str(tests), f"--junitxml={report}", *pytest_args]
+    done = subprocess.run(command, cwd=workdir, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     log = done.stdout + done.stderr
     if not report.exists():
         raise RuntimeError(f"the {run} run wrote no report (exit {done.returncode}):\n{log[-4000:]}")
@@ -124,14 +165,21 @@ def read_witness(run: str, workdir: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
 
 
-def compare_runs(pytest_args: Sequence[str] = (), timeout_s: float = 1800.0) -> Comparison:
-    """Both runs, one after the other, and their outcomes side by side."""
-    result = Comparison()
+def compare_runs(pytest_args: Sequence[str] = (), timeout_s: float = 1800.0, source: Optional[str] = None) -> Comparison:
+    """Both runs of the file :func:`find_tests` finds, one after the other, and their outcomes side by side."""
+    original = find_tests(source)
+    result = Comparison(source=str(original))
     with tempfile.TemporaryDirectory(prefix="hypergrid-torch-mesh-") as tmp:
+        workdir = Path(tmp)
+        tests = workdir / TEST_FILE.name
+        shutil.copyfile(original, tests)
+        # This repository's warning filters, as when the tests ran from it; no other setting.
+        (workdir / "pytest.ini").write_text(
+            "[pytest]\nfilterwarnings =\n    ignore::DeprecationWarning\n    ignore::UserWarning\n", encoding="utf-8")
         for run in RUNS:
-            outcomes, log = run_tests(run, Path(tmp), pytest_args, timeout_s)
+            outcomes, log = run_tests(run, workdir, tests, pytest_args, timeout_s)
             result.logs[run] = log
-            result.witnessed[run] = read_witness(run, Path(tmp))
+            result.witnessed[run] = read_witness(run, workdir)
             for test, outcome in outcomes.items():
                 result.outcomes.setdefault(test, {})[run] = outcome
     return result
@@ -139,9 +187,14 @@ def compare_runs(pytest_args: Sequence[str] = (), timeout_s: float = 1800.0) -> 
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--source", default=None, help=f"the pytorch checkout (default: ${SOURCE_ENV})")
     parser.add_argument("-k", default=None, help="pytest's -k expression, for both runs")
     args = parser.parse_args(argv)
-    result = compare_runs(("-k", args.k) if args.k else ())
+    try:
+        result = compare_runs(("-k", args.k) if args.k else (), source=args.source)
+    except SourceUnavailable as why:
+        print(f"not run: {why}", file=sys.stderr)
+        return 2
     print(result.report())
     return 1 if result.regressions else 0
 

@@ -1,9 +1,9 @@
 """What made the groups in a run of torch's DeviceMesh tests: torch's mesh code, or hypergrid.
 
-Installed by the ``hypergrid:`` block of ``device_mesh_tests.py`` in both runs. It counts the
-groups torch's ``device_mesh`` module asks its own ``new_group`` / ``split_group`` for (hypergrid
-calls ``torch.distributed``'s, not the mesh module's names, so these are the groups made behind
-the grid), and at the end of every test that started its ranks' process group (``with_comms``)
+Installed by :mod:`tests.torch_upstream.plugin` in both runs. It counts the groups torch's
+``device_mesh`` module asks its own ``new_group`` / ``split_group`` for (hypergrid calls
+``torch.distributed``'s, not the mesh module's names, so these are the groups made behind the
+grid), and at the end of every test that started its ranks' process group (``with_comms``)
 each rank appends one line to the file named by ``HYPERGRID_MESH_WITNESS``: the test, the rank,
 that count and how many groups hypergrid's registry holds. Without the variable it does nothing.
 

@@ -1,10 +1,21 @@
-"""Runs Megatron-LM's own unit tests twice: on Megatron-Core (the control) and on hypergrid.
+"""The conftest of each rank of a Megatron-LM unit-test job: every test twice, on Megatron-Core
+(the control) and on hypergrid.
 
-The adapted copies under ``v0_16/`` and ``v0_19/`` are collected only inside a job started by
-:mod:`tests.megatron_lm.launch` (8 gloo ranks, each running pytest, as torchrun runs Megatron-LM's
-unit tests); a plain ``pytest tests/`` runs them through ``tests/test_megatron_lm.py`` instead.
+Not a conftest of this repository: :func:`tests.megatron_lm.checkout.build_tree` writes it as
+``tests/unit_tests/conftest.py`` in the temporary tree where Megatron-LM's test files run, in place
+of Megatron-LM's own conftest (which downloads test data and sets Transformer Engine's variables,
+neither of which these files use). :mod:`tests.megatron_lm.launch` starts 8 ranks, each running
+pytest on that tree, as torchrun runs Megatron-LM's unit tests.
 
-Every test is parametrized by the :func:`implementation` fixture:
+What it does, from outside the test files:
+
+* torch.distributed is started once per session (gloo, :class:`Utils`), before the first test,
+  as in Megatron-LM's CI where earlier tests of the same session have started it; ended at the
+  end of the session;
+* every test sees Megatron-Core's experimental flag off and gets the environment back as it was;
+* tests that need CUDA devices (:data:`NEEDS_CUDA`) are skipped, with the reason, when there is
+  none;
+* every test is parametrized by the :func:`implementation` fixture:
 
 ``mcore``
     Megatron-Core as installed, untouched.
@@ -20,6 +31,7 @@ Every test is parametrized by the :func:`implementation` fixture:
 from __future__ import annotations
 
 import os
+from importlib import metadata
 from pathlib import Path
 from typing import Iterator
 from unittest import mock
@@ -27,53 +39,67 @@ from unittest import mock
 import pytest
 import torch
 
-#: Set by the launcher in every rank of the job; without it the adapted copies are not collected.
-RANK_ENV = "HYPERGRID_MLT_RANK"
-
 HERE = Path(__file__).parent
 
-#: Tests that cannot run without CUDA devices, by (version dir, node id after the file), and why.
-#: Skipped (and counted as such) when CUDA is not available.
+#: Tests that cannot run without CUDA devices, by megatron-core release and node id after the
+#: file, and why. Skipped (and counted as such) when CUDA is not available.
 NEEDS_CUDA: dict[tuple[str, str], str] = {}
-for _version in ("v0_16", "v0_19"):
+for _release in ("0.16", "0.19"):
     _integration = "test_hyper_comm_grid.py::TestHyperCommGridIntegration::"
     NEEDS_CUDA.update({
-        (_version, _integration + "test_real_distributed_process_group_creation"): "NCCL groups (backend='nccl')",
-        (_version, _integration + "test_real_distributed_multi_dimensional_groups"): "NCCL groups (backend='nccl')",
-        (_version, _integration + "test_real_distributed_all_reduce"): "all_reduce of CUDA tensors over NCCL",
-        (_version, _integration + "test_real_distributed_different_world_sizes"): "all_reduce of CUDA tensors over NCCL",
-        (_version, _integration + "test_real_distributed_rank_enumeration_verification"): "all_reduce of CUDA tensors",
+        (_release, _integration + "test_real_distributed_process_group_creation"): "NCCL groups (backend='nccl')",
+        (_release, _integration + "test_real_distributed_multi_dimensional_groups"): "NCCL groups (backend='nccl')",
+        (_release, _integration + "test_real_distributed_all_reduce"): "all_reduce of CUDA tensors over NCCL",
+        (_release, _integration + "test_real_distributed_different_world_sizes"): "all_reduce of CUDA tensors over NCCL",
+        (_release, _integration + "test_real_distributed_rank_enumeration_verification"): "all_reduce of CUDA tensors",
     })
-NEEDS_CUDA[("v0_19", "test_hyper_comm_grid.py::TestHyperCommGridIntegration::test_real_distributed_registered_view")] = (
+NEEDS_CUDA[("0.19", "test_hyper_comm_grid.py::TestHyperCommGridIntegration::test_real_distributed_registered_view")] = (
     "NCCL groups and all_reduce of CUDA tensors"
 )
-NEEDS_CUDA[("v0_19", "test_parallel_state.py::test_expert_all_gather_group")] = "NCCL groups (backend='nccl')"
+NEEDS_CUDA[("0.19", "test_parallel_state.py::test_expert_all_gather_group")] = "NCCL groups (backend='nccl')"
 
 
-def pytest_configure(config: pytest.Config) -> None:
-    # Markers the adapted copies keep from Megatron-LM (setup.cfg runs pytest with --strict-markers).
-    for marker in ("internal", "flaky", "flaky_in_dev"):
-        config.addinivalue_line("markers", f"{marker}: Megatron-LM's own marker, kept in the adapted copies")
-
-
-def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
-    # Outside the launcher's job these files would each try to start an 8-rank world alone.
-    if os.environ.get(RANK_ENV) is None and collection_path.is_relative_to(HERE) and collection_path != HERE:
-        return collection_path.name != "conftest.py"
-    return None
+def _release() -> str:
+    major, minor = metadata.version("megatron-core").split(".")[:2]
+    return f"{major}.{minor}"
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return
+    release = _release()
     for item in items:
         path = Path(str(item.fspath))
-        if not path.is_relative_to(HERE):
-            continue
         node = path.name + "::" + "::".join(item.nodeid.split("::")[1:]).split("[")[0]
-        reason = NEEDS_CUDA.get((path.parent.name, node))
+        reason = NEEDS_CUDA.get((release, node))
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=f"needs CUDA: {reason}"))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def distributed() -> Iterator[None]:
+    """This rank's gloo world, from before the first test to after the last."""
+    from tests.unit_tests.test_utilities import Utils
+
+    Utils.initialize_distributed()
+    yield
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def fresh_environment() -> Iterator[None]:
+    """Megatron-Core's experimental flag off, and ``os.environ`` back as it was after the test."""
+    from megatron.core import config
+
+    config.ENABLE_EXPERIMENTAL = False
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 def _patches_enumeration(function: object) -> bool:
@@ -156,7 +182,7 @@ try:
 except ImportError:
 
     class _Mocker:
-        """The part of pytest-mock's ``mocker`` the adapted tests use, when it is not installed."""
+        """The part of pytest-mock's ``mocker`` Megatron-LM's tests use, when it is not installed."""
 
         Mock = mock.Mock
         MagicMock = mock.MagicMock
