@@ -94,15 +94,18 @@ def test_a_refused_plan_is_refused_on_every_rank_alike():
         grid.destroy()
 
 
-def test_recovery_is_refused_where_the_world_must_split(monkeypatch):
-    import hypergrid.recovery.rebuild as job_module
+def test_recovery_is_refused_where_torch_can_make_no_group_among_its_members(monkeypatch):
+    """TorchComms making every new_group a split of the world's: no way to leave the dead rank out.
+    (Recovery on a world bound to a device is tests/test_recovery_split.py.)"""
+    import hypergrid.recovery.rebuild as rebuild
     from hypergrid.runtime.modes import JobSetup
+    from hypergrid.runtime.torch_compat import TorchCommsSubgroups
 
     with fake_world(0, 10):
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
         job = ResilientJob.of_grid(grid, spares=[8, 9])
-        monkeypatch.setattr(job_module, "job_setup", lambda: JobSetup("nccl", "cuda", "nccl"))
-        with pytest.raises(RecoveryRefused, match="bound to a device whose backend splits"):
+        monkeypatch.setattr(rebuild, "job_setup", lambda: JobSetup("nccl", None, None, TorchCommsSubgroups.WORLD_SPLIT))
+        with pytest.raises(RecoveryRefused, match="TorchComms .* makes every new_group a split"):
             job.recover(failed=[5], gpus_per_node=2)
         grid.destroy()
 

@@ -215,7 +215,7 @@ def test_grid_groups_are_split_by_every_rank_once_per_request(stand_in, monkeypa
 def test_explicit_local_on_a_splitting_world_is_refused_before_any_call(monkeypatch):
     with bound_splitting_world(3, monkeypatch) as recorder:
         grid = HyperCommGrid(SHAPE, NAMES, strategy="local")
-        with pytest.raises(ValueError, match="Use strategy 'auto' or 'split'"):
+        with pytest.raises(ValueError, match="Use strategy 'auto', 'split' or 'fresh'"):
             grid.create_pg("tp")
         assert recorder.calls == []
 

@@ -58,8 +58,10 @@ from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryPlan
 from ..runtime.failures import JobChannel, offer, open_channel, release_spares, wait_for_round
 from ..runtime.liveness import running_heartbeat, start_heartbeat
+from ..runtime.modes import job_setup
 from ..runtime.store import agreement_possible
 from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
+from .rebuild import world_grid
 from .rounds import recover_known, run_rounds, watch_collectives
 
 __all__ = ["ResilientJob", "GridRecipe", "MegatronRecipe", "DEFAULT_TIMEOUT"]
@@ -104,6 +106,8 @@ class ResilientJob:
     collective_timeout: Optional[timedelta] = None
     #: The number of replicas along each dim when the job was made (what :meth:`grow` returns to).
     made_shape: tuple[int, ...] = ()
+    #: The grid whose one group is :attr:`world` for this placement, made when first asked for.
+    _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.origin:
@@ -195,6 +199,8 @@ class ResilientJob:
                 "use strategy=None (auto) or 'local'"
             )
         megatron_kwargs.setdefault("distributed_timeout_minutes", timeout.total_seconds() / 60)
+        if strategy is None and job_setup().splits:
+            strategy = "fresh"  # its spares make no group, so none may be split off the world's
         config, layout, state, resolved = initialize_placed(
             spare_ranks, ranks=placed, share_groups=share_groups, strategy=strategy, check_agreement=check_agreement,
             megatron_kwargs=megatron_kwargs,
@@ -205,7 +211,8 @@ class ResilientJob:
         return job._started()
 
     def _started(self) -> "ResilientJob":
-        """The job with its heartbeat running, its channel opened and its collective watch started."""
+        """The job with its world group made, its heartbeat running, its channel opened and its
+        collective watch started."""
         if not agreement_possible():
             return self
         if running_heartbeat() is None:
@@ -219,6 +226,51 @@ class ResilientJob:
     def domain(self) -> tuple[int, ...]:
         """Every rank the job counts on: the grid's and the spares, ascending."""
         return tuple(sorted(set(self.layout.ranks) | set(self.spares)))
+
+    def counts_on(self, rank: int) -> bool:
+        """Whether ``rank`` is a rank of the job (the grid's or a spare): O(log runs), not O(world).
+
+        Example::
+
+            >>> ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=4), spares=[3]).counts_on(3)
+            True
+        """
+        return self.layout.contains(rank) or rank in self.spares
+
+    @property
+    def world(self) -> Optional[dist.ProcessGroup]:
+        """A process group over every rank of the grid, to use where code would use the default
+        group (a barrier, an all-reduce of a logged value): the default group counts the spares,
+        which take part in nothing, and after a recovery the ranks that were lost. Made with the
+        job's placement once, when it is first asked for (on every rank of the grid: among them only,
+        spares and lost ranks take no part); its group ranks follow the grid's positions. None on a
+        rank outside the grid.
+
+        Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
+
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
+            >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
+            >>> job = ResilientJob.of_grid(grid, spares=[4, 5])
+            >>> dist.get_process_group_ranks(job.world)
+            [0, 1, 2, 3]
+            >>> after = job.recover(failed=[3], gpus_per_node=2)
+            >>> dist.get_process_group_ranks(after.world)
+            [0, 1, 2, 4]
+            >>> after.destroy(); dist.destroy_process_group()
+        """
+        if not dist.is_initialized() or not self.in_grid:
+            return None
+        layout = self.layout
+        if layout.rank_map is None and layout.rank_offset == 0 and layout.size == dist.get_world_size():
+            return dist.group.WORLD
+        if self._world is None:
+            object.__setattr__(self, "_world", world_grid(layout))
+        try:
+            return self._world.get_pg("world")
+        except KeyError:
+            return self._world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
 
     @property
     def in_grid(self) -> bool:
@@ -386,6 +438,28 @@ class ResilientJob:
                                      replica_dim=replica_dim)
         return job
 
+    def destroy(self) -> None:
+        """Let go of the job's groups on this rank: its state's (a grid's, or Megatron-Core's
+        ``parallel_state``) and its :attr:`world` group. Idempotent.
+
+        Example, as rank 0 of a 4-rank job on torch's fake backend::
+
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+            >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]))
+            >>> job.destroy(); job.destroy()
+            >>> dist.destroy_process_group()
+        """
+        if self._world is not None:
+            self._world.destroy()
+        if isinstance(self.state, HyperCommGrid):
+            self.state.destroy()
+        elif self.state is not None:
+            from ..megatron import destroy_model_parallel  # megatron-core is needed only here
+
+            destroy_model_parallel()
+
     def release_spares(self) -> None:
         """On any rank of the job once training is over (or given up): the spares waiting in
         :meth:`wait_as_spare` return at once, still outside the grid. A later job on the same ranks
@@ -405,7 +479,7 @@ class ResilientJob:
         lost = _ranks_arg("failed", failed, world)
         if not lost:
             raise ValueError("failed must name at least one rank of the job, got none")
-        outside = [r for r in lost if r not in set(self.domain)]
+        outside = [r for r in lost if not self.counts_on(r)]
         if outside:
             raise ValueError(f"failed ranks {outside} are not ranks of the job {describe_ranks(self.domain)}")
         return lost

@@ -14,6 +14,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from datetime import timedelta
 import time
@@ -23,18 +24,21 @@ import torch.distributed as dist
 
 from ..errors import RecoveryError, RecoveryRefused
 from ..grid import HyperCommGrid
+from ..layout import GridLayout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryKind, RecoveryPlan
 from ..runtime.health import broken_groups
 from ..runtime.interrupt import abort_group, can_abort
 from ..runtime.liveness import stale_after_default, watching_members
 from ..runtime.modes import job_setup
+from ..runtime.torch_compat import TorchCommsSubgroups, Unsplit, unsplit_mechanism
 from ..runtime.registry import REGISTRY
 from ..runtime.wire import FailureVerdict
 from ..runtime.world_step import world_checkpoint, world_start
 from .recipes import GridRecipe, MegatronRecipe, Recipe
 
-__all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left"]
+__all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left", "recovery_strategy",
+           "world_grid"]
 
 
 def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str]) -> Any:
@@ -42,16 +46,15 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
     ``job``; the state from before is still held (and, for a Megatron job, no longer current).
     ``scope`` names the probe of the surviving groups (a recovery round's name).
 
+    On a world whose communicator new groups are split from (NCCL bound to a device, torch 2.15's
+    ``nccl2``), the changed groups are made as communicators of their own among their members
+    (strategy ``fresh``): a split would need every rank of the world, the lost ones too.
+
     Raises:
-        RecoveryRefused: the world must split to make a group (NCCL bound to a device), or
+        RecoveryRefused: this torch can make no group among its members only on such a world, or
             Megatron-Core's sizes do not fit the new placement.
     """
-    if job_setup().splits:
-        raise RecoveryRefused(
-            "cannot rebuild groups in-process on a default group bound to a device whose backend splits "
-            "(NCCL with device_id): every new communicator is split from the world's, which the lost ranks "
-            "would have to join; start the default group without device_id to recover in-process"
-        )
+    strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
     with watching_members(stale_after_default(left(deadline).total_seconds())):
         if dist.get_rank() in members:
@@ -60,10 +63,58 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
             from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
 
             recipe = job.recipe
-            return rebuild_megatron(recipe.config, plan, members, dist.get_rank(),
-                                    share_groups=recipe.share_groups, strategy=recipe.strategy,
-                                    check_agreement=recipe.check_agreement, step_timeout=left(deadline))
-        return rebuild_grid(job.recipe, plan, members, dist.get_rank(), left(deadline))
+            return rebuild_megatron(recipe.config, plan, members, dist.get_rank(), share_groups=recipe.share_groups,
+                                    strategy=strategy, check_agreement=recipe.check_agreement,
+                                    step_timeout=left(deadline))
+        return rebuild_grid(dataclasses.replace(job.recipe, strategy=strategy), plan, members, dist.get_rank(),
+                            left(deadline))
+
+
+def recovery_strategy(strategy: str) -> str:
+    """The strategy a recovery makes groups with: ``fresh`` where the world's communicator is split
+    from (a split would need the lost ranks), else the job's own.
+
+    Raises:
+        RecoveryRefused: the world splits and this torch offers no way to make a group among its
+            members only (TorchComms' world-wide new_group, or no lazy_init and no unbinding).
+
+    Example::
+
+        >>> recovery_strategy("auto")          # no process group: nothing splits
+        'auto'
+    """
+    setup = job_setup()
+    if not setup.splits:
+        return strategy
+    why = None
+    if setup.torchcomms is TorchCommsSubgroups.WORLD_SPLIT:
+        why = "TorchComms (TORCH_DISTRIBUTED_USE_TORCHCOMMS) makes every new_group a split of the world's"
+    elif unsplit_mechanism(None, setup.split_backend) is Unsplit.NONE:
+        why = "this torch reads no lazy_init option and its ProcessGroup.bound_device_id cannot be set"
+    if why is not None:
+        raise RecoveryRefused(
+            f"cannot rebuild groups in-process here: the default group is bound to a device and every new "
+            f"communicator is split from the world's, which the lost ranks would have to join, and {why}; "
+            f"start the default group without device_id (or unset TORCH_DISTRIBUTED_USE_TORCHCOMMS)"
+        )
+    return "fresh"
+
+
+
+
+def world_grid(layout: GridLayout) -> HyperCommGrid:
+    """A grid of one dim, ``world``, over ``layout``'s ranks in its positions' order, whose one group
+    stands in for the default group (:attr:`ResilientJob.world`). Its group is made among its
+    members only (strategy ``fresh``): the spares, and after a loss the lost ranks, take no part.
+
+    Example::
+
+        >>> world_grid(GridLayout((2, 2), ("tp", "dp"), rank_offset=4)).ranks("world", rank=5)
+        [4, 5, 6, 7]
+    """
+    world = dist.get_world_size() if dist.is_initialized() else layout.rank_offset + layout.size
+    return HyperCommGrid([layout.size], ["world"], rank_offset=layout.rank_offset, rank_map=layout.rank_map,
+                         world_size=world, strategy="fresh")
 
 
 def restore(job: Any) -> None:

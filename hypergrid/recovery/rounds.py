@@ -61,7 +61,7 @@ SETTLE_BEATS = 2
 def recover_known(job: Any, lost: tuple[int, ...], timeout: timedelta, gpus_per_node: int,
                   replica_dim: str) -> Any:
     """A recovery from a failed set every rank knows alike: no round, one attempt."""
-    verdict = FailureVerdict(lost, -1, present=tuple(r for r in job.domain if r not in lost))
+    verdict = FailureVerdict(lost, -1)  # nobody offers itself in a recovery every rank knows of
     plan = plan_for(job, verdict, gpus_per_node, replica_dim)
     if plan.kind is RecoveryKind.REPAIR and not plan.failed:
         return dataclasses.replace(job, spares=plan.spares_left)
@@ -90,8 +90,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
         while True:
             rnd = RecoveryRound.open(job.channel, deadline)  # type: ignore[arg-type]
             job = synced(job, rnd.record)
-            offered = [r for r in rnd.offers if r not in set(job.domain)]
-            if rank not in job.domain and rank not in offered:
+            offered = [r for r in rnd.offers if not job.counts_on(r)]
+            if not job.counts_on(rank) and rank not in offered:
                 why = [line for line in (rnd.record.gone if rnd.record else ()) if line.startswith(f"rank {rank}:")]
                 raise ExcludedByRecovery(
                     f"hypergrid: rank {rank} is no longer a rank of the job: the survivors recovered without "
@@ -169,7 +169,7 @@ def plan_for(job: Any, verdict: FailureVerdict, gpus_per_node: int, replica_dim:
     """The placement after ``verdict``, alike on every participant."""
     failed = set(verdict.failed)
     lost = [r for r in verdict.failed if job.layout.contains(r)]
-    offered = [r for r in verdict.present if r not in set(job.domain)]
+    offered = [r for r in verdict.present if not job.counts_on(r)]
     spares = [s for s in job.spares if s not in failed] + offered
     if lost:
         plan = plan_recovery(job.layout, lost, spares, replica_dim=replica_dim, gpus_per_node=gpus_per_node)
@@ -203,8 +203,11 @@ def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any,
     """``job`` after ``plan`` committed, with this rank's new ``state``."""
     spares = committed.spares if committed is not None else tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
     recoveries = job.recoveries if plan.kind is RecoveryKind.REPAIR else job.recoveries + (plan,)
+    if job._world is not None and plan.new != job.layout:
+        job._world.destroy()  # the old placement's world group: the new one is made when asked for
+    world = job._world if plan.new == job.layout else None
     job = dataclasses.replace(job, layout=plan.new, spares=spares, state=state, recoveries=recoveries,
-                              generation=job.generation + 1, step=verdict.step)
+                              generation=job.generation + 1, step=verdict.step, _world=world)
     if job.channel is not None:
         watch_collectives(job)
     return job
@@ -217,8 +220,10 @@ def synced(job: Any, committed: Optional[JobRecord]) -> Any:
     layout = GridLayout(committed.shape, committed.dim_names, rank_map=RankMap(committed.runs))
     logger.warning("rank %d: the job moved on without this rank's knowledge: now on %s", dist.get_rank(),
                    describe_ranks(list(layout.ranks)))
+    if job._world is not None:
+        job._world.destroy()
     return dataclasses.replace(job, layout=layout, spares=committed.spares, generation=committed.generation,
-                               step=committed.step)
+                               step=committed.step, _world=None)
 
 
 _collective_watch: Optional[CollectiveWatch] = None

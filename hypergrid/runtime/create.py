@@ -41,7 +41,7 @@ from ..layout.describe import describe_ranks
 from .agreement import explain_creation_failure
 from .modes import CreationMode
 from .request import GroupRequest
-from .torch_compat import group_name_override, new_group_keeps_order
+from .torch_compat import group_name_override, new_group_keeps_order, unsplit
 from .wire import RoundId
 
 __all__ = ["create", "enumerate_before_init", "require_initialized"]
@@ -49,6 +49,23 @@ __all__ = ["create", "enumerate_before_init", "require_initialized"]
 
 def _local(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callable[[], Any]]:
     members = list(request.members or ())
+    return members, lambda: _new_member_group(request, members, timeout, request.options.pg_options)
+
+
+def _fresh(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callable[[], Any]]:
+    # A member-only group with torch kept from splitting it off the world's communicator: no rank
+    # outside it takes part (the world's may hold a dead rank, or spares that make no group).
+    members = list(request.members or ())
+    options = request.options
+
+    def make() -> Any:
+        with unsplit(options.pg_options, options.backend) as pg_options:
+            return _new_member_group(request, members, timeout, pg_options)
+
+    return members, make
+
+
+def _new_member_group(request: GroupRequest, members: list[int], timeout: timedelta, pg_options: Any) -> Any:
     options = request.options
     # A grid placed over other ranks lists a group in its members' positions, which need not
     # ascend; torch sorts unless told not to, and the group's rank order is its members' roles.
@@ -60,11 +77,11 @@ def _local(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callab
                 f"positions' order, and this torch's new_group has no sort_ranks=False to keep it"
             )
         in_order["sort_ranks"] = False
-    return members, lambda: dist.new_group(
+    return dist.new_group(
         ranks=members,
         timeout=timeout,
         backend=options.backend,
-        pg_options=options.pg_options,
+        pg_options=pg_options,
         use_local_synchronization=True,
         group_desc=options.group_desc,
         **in_order,
@@ -93,7 +110,8 @@ def _enumerated(request: GroupRequest, timeout: timedelta) -> tuple[list[int], C
     )[0]
 
 
-_MODES = {CreationMode.LOCAL: _local, CreationMode.SPLIT: _split, CreationMode.ENUMERATE: _enumerated}
+_MODES = {CreationMode.LOCAL: _local, CreationMode.FRESH: _fresh, CreationMode.SPLIT: _split,
+          CreationMode.ENUMERATE: _enumerated}
 
 
 def create(request: GroupRequest, *, name: Optional[str], timeout: timedelta,

@@ -22,6 +22,15 @@ decided from how the job was started, which every rank of the world sees alike:
 ``enumerate``
     Megatron-Core's exact call pattern: every rank calls ``new_subgroups_by_enumeration`` with
     every group of the request. O(world) per rank; for tests that patch torch's constructors.
+``fresh``
+    Only the members of a group make it, as a communicator of its own, even where the world
+    splits: torch is kept from splitting it off the world's (by the request's ``lazy_init``
+    option where torch honours it, else by leaving the default group unbound for the call), so no
+    rank outside the group takes part. What a resilient job uses on a world that splits: its
+    spares make no group, and after a loss the world's communicator holds a dead rank. A fresh
+    communicator costs its members a full initialization (a split is cheaper); elsewhere it is
+    ``local``. Refused where torch offers no way to keep the split off (TorchComms making every
+    ``new_group`` a world-wide split).
 
 The process-wide default is ``auto``; :func:`set_default_strategy` or the environment variable
 ``HYPERGRID_STRATEGY`` change it for grids and adapters that are not given a strategy.
@@ -76,6 +85,7 @@ class Strategy(str, enum.Enum):
     LOCAL = "local"
     SPLIT = "split"
     ENUMERATE = "enumerate"
+    FRESH = "fresh"
 
 
 class CreationMode(str, enum.Enum):
@@ -84,6 +94,18 @@ class CreationMode(str, enum.Enum):
     LOCAL = "local"
     SPLIT = "split"
     ENUMERATE = "enumerate"
+    FRESH = "fresh"
+
+    @property
+    def members_only(self) -> bool:
+        """Whether only the members of a group take part in making it.
+
+        Example::
+
+            >>> CreationMode.FRESH.members_only, CreationMode.SPLIT.members_only
+            (True, False)
+        """
+        return self in (CreationMode.LOCAL, CreationMode.FRESH)
 
 
 _NAMES = [s.value for s in Strategy]
@@ -100,7 +122,7 @@ def parse_strategy(value: Union[str, Strategy]) -> Strategy:
         >>> parse_strategy("fast")
         Traceback (most recent call last):
         ...
-        ValueError: strategy must be one of ['auto', 'local', 'split', 'enumerate'], got 'fast'
+        ValueError: strategy must be one of ['auto', 'local', 'split', 'enumerate', 'fresh'], got 'fast'
     """
     if isinstance(value, Strategy):
         return value
@@ -245,16 +267,28 @@ def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None,
         <CreationMode.LOCAL: 'local'>
         >>> creation_mode("split", job=JobSetup(backend="gloo"))
         <CreationMode.LOCAL: 'local'>
+        >>> creation_mode("fresh", job=bound_nccl), creation_mode("fresh", job=JobSetup(backend="gloo"))
+        (<CreationMode.FRESH: 'fresh'>, <CreationMode.LOCAL: 'local'>)
         >>> creation_mode("local", job=bound_nccl)
         Traceback (most recent call last):
         ...
-        ValueError: strategy 'local' cannot create a 'nccl' group here: the default group is bound to a device ('cuda') whose 'nccl' backend splits (init_process_group(..., device_id=...), or a backend that binds itself such as torch 2.15's nccl2), so torch makes every new 'nccl' communicator by splitting the world's, which every rank of the world must join; a member-only new_group would wait for ranks that never come. Use strategy 'auto' or 'split'.
+        ValueError: strategy 'local' cannot create a 'nccl' group here: the default group is bound to a device ('cuda') whose 'nccl' backend splits (init_process_group(..., device_id=...), or a backend that binds itself such as torch 2.15's nccl2), so torch makes every new 'nccl' communicator by splitting the world's, which every rank of the world must join; a member-only new_group would wait for ranks that never come. Use strategy 'auto', 'split' or 'fresh'.
     """
     chosen = parse_strategy(strategy)
     job = job_setup() if job is None else job
     if chosen is Strategy.ENUMERATE:
         return CreationMode.ENUMERATE
     must_split = job.must_split(backend)
+    if chosen is Strategy.FRESH and must_split:
+        if job.torchcomms is TorchCommsSubgroups.WORLD_SPLIT:
+            shown = backend if backend is not None else job.backend
+            raise ValueError(
+                f"strategy 'fresh' cannot create a {shown!r} group here: TorchComms is enabled "
+                f"(TORCH_DISTRIBUTED_USE_TORCHCOMMS) and this torch makes every new_group a split_group of the "
+                f"world's, which every rank of the world must join; there is no way to make a group among its "
+                f"members only. Unset TORCH_DISTRIBUTED_USE_TORCHCOMMS, or use strategy 'auto' or 'split'."
+            )
+        return CreationMode.FRESH
     if chosen is Strategy.LOCAL and must_split:
         if job.torchcomms is TorchCommsSubgroups.WORLD_SPLIT:
             why = (
@@ -270,7 +304,7 @@ def creation_mode(strategy: Union[str, Strategy], backend: Optional[str] = None,
                 f"world must join; a member-only new_group would wait for ranks that never come"
             )
         shown = backend if backend is not None else job.backend
-        raise ValueError(f"strategy 'local' cannot create a {shown!r} group here: {why}. Use strategy 'auto' or 'split'.")
+        raise ValueError(f"strategy 'local' cannot create a {shown!r} group here: {why}. Use strategy 'auto', 'split' or 'fresh'.")
     if chosen in (Strategy.AUTO, Strategy.SPLIT) and must_split:
         return CreationMode.SPLIT
     return CreationMode.LOCAL

@@ -159,7 +159,7 @@ class GroupRegistry:
             if request.mode is CreationMode.ENUMERATE:
                 return enumerate_before_init(request)
             require_initialized(request.label)
-        if request.mode is CreationMode.LOCAL and request.members is None:
+        if request.mode.members_only and request.members is None:
             # Nothing to create here; others may wait on this rank, so say where it stands.
             if request.agreement is not None:
                 publish_position(request.agreement)

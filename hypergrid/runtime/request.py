@@ -200,7 +200,7 @@ class GroupRequest:
         modes by the request's identity, which every rank of the world computes alike."""
         if self.private:
             return None
-        if self.mode is CreationMode.LOCAL:
+        if self.mode.members_only:
             return None if self.members is None else ByMembers(self.ordered_members, self.options.identity)
         return ByRequest(self.identity, self.options.identity)
 

@@ -53,6 +53,9 @@ __all__ = [
     "default_group",
     "forget_empty_tags",
     "new_group_keeps_order",
+    "Unsplit",
+    "unsplit_mechanism",
+    "unsplit",
     "fake_store",
 ]
 
@@ -258,6 +261,96 @@ def bound_split_device() -> Optional[str]:
     except RuntimeError:  # no backend registered for the bound device
         return None
     return device.type if getattr(backend, "supports_splitting", False) else None
+
+
+class Unsplit(str, enum.Enum):
+    """How this torch is kept from splitting a new group off the world's communicator."""
+
+    LAZY_INIT = "lazy_init"  # the group's backend options say lazy_init (torch 2.15 reads it)
+    UNBOUND = "unbound"  # the default group is left unbound for the call (every torch binding by attribute)
+    NONE = "none"  # no way: torch splits whatever hypergrid does
+
+
+def unsplit_mechanism(pg_options: Any = None, backend: Optional[str] = None) -> Unsplit:
+    """How a group of ``backend`` with ``pg_options`` can be made among its members only on a world
+    that splits: by its options' ``lazy_init`` where torch's group creation reads it and the
+    options have it (``pg_options``, or a fresh ``ProcessGroupNCCL.Options`` for an NCCL backend),
+    else by leaving the default group unbound for the call where its ``bound_device_id`` can be set.
+
+    Example::
+
+        >>> unsplit_mechanism() in (Unsplit.LAZY_INIT, Unsplit.UNBOUND)
+        True
+    """
+    if _honours_lazy_init() and _options_for(pg_options, backend) is not None:
+        return Unsplit.LAZY_INIT
+    setter = getattr(getattr(dist.ProcessGroup, "bound_device_id", None), "fset", None)
+    return Unsplit.UNBOUND if setter is not None else Unsplit.NONE
+
+
+def _honours_lazy_init() -> bool:
+    """Whether torch's group creation leaves a group with ``lazy_init`` options unsplit (it says so
+    in its source: no version is compared)."""
+    helper = getattr(dist.distributed_c10d, "_new_process_group_helper", None)
+    try:
+        return helper is not None and "lazy_init" in inspect.getsource(helper)
+    except (OSError, TypeError):
+        return False
+
+
+def _options_for(pg_options: Any, backend: Optional[str]) -> Any:
+    """The options object to set ``lazy_init`` on: ``pg_options`` if it has the attribute; for an NCCL
+    backend with none given, torch's default ``ProcessGroupNCCL.Options``; else None."""
+    if pg_options is not None:
+        return pg_options if hasattr(pg_options, "lazy_init") else None
+    name = str(backend if backend is not None else (dist.get_backend() if dist.is_initialized() else "")).lower()
+    options_type = getattr(getattr(dist, "ProcessGroupNCCL", None), "Options", None)
+    if "nccl" not in name or options_type is None:
+        return None
+    options = options_type()
+    options.is_high_priority_stream = False  # what torch gives an NCCL group given no options
+    return options if hasattr(options, "lazy_init") else None
+
+
+@contextlib.contextmanager
+def unsplit(pg_options: Any = None, backend: Optional[str] = None) -> Iterator[Any]:
+    """For the block, keep torch from splitting a new group of ``backend`` off the world's
+    communicator; yields the ``pg_options`` to pass to ``new_group``. The group is made among its
+    members only, as a communicator of its own (see :func:`unsplit_mechanism`). Callers hold the
+    registry's creation lock: nothing else makes a group meanwhile.
+
+    Example::
+
+        >>> with unsplit() as options:      # no process group: nothing to keep from splitting
+        ...     options is None
+        True
+    """
+    if not dist.is_available() or not dist.is_initialized() or bound_split_device() is None:
+        yield pg_options
+        return
+    mechanism = unsplit_mechanism(pg_options, backend)
+    if mechanism is Unsplit.LAZY_INIT:
+        options = _options_for(pg_options, backend)
+        before = options.lazy_init
+        options.lazy_init = True
+        try:
+            yield options
+        finally:
+            options.lazy_init = before
+        return
+    if mechanism is Unsplit.NONE:
+        raise UnsupportedTorchError(
+            f"torch {torch.__version__} can make no group among its members only on a default group bound to a "
+            f"device: its group creation reads no lazy_init option and ProcessGroup.bound_device_id cannot be set "
+            f"(tested on torch {TESTED_TORCH})"
+        )
+    world = default_group()
+    bound = world.bound_device_id
+    world.bound_device_id = None
+    try:
+        yield pg_options
+    finally:
+        world.bound_device_id = bound
 
 
 def _takes_requested_backend(helper: Any) -> bool:
