@@ -36,7 +36,8 @@ pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "recovery.md"
 STEPS = 7
-COLLECTIVE_MIN = 0.1  # Megatron's distributed_timeout_minutes: 6 s
+COLLECTIVE_MIN = 0.1  # Megatron's distributed_timeout_minutes: 6 s, and the default group's timeout too
+COLLECTIVE_S = COLLECTIVE_MIN * 60
 SIZES = dict(tensor_model_parallel_size=model.TP, pipeline_model_parallel_size=model.PP,
              create_gloo_process_groups=False, distributed_timeout_minutes=COLLECTIVE_MIN,
              timeout=timedelta(seconds=20))
@@ -88,7 +89,7 @@ def _run_docs_loop(rank: int, world: int, spares: list[int], kill: Optional[tupl
         if freeze is not None and step == grow_every - 1 and rank != freeze[0]:
             # Before the growth: the frozen rank has run again, learnt it is out and offered itself.
             store.wait(["frozen_at"], timedelta(seconds=60))
-            while time.time() < float(store.get("frozen_at").decode()) + freeze[2] + 3 * COLLECTIVE_MIN * 60:
+            while time.time() < float(store.get("frozen_at").decode()) + freeze[2] + 3 * COLLECTIVE_S:
                 time.sleep(0.2)
         loss = model._step(params, step, on_forward=on_forward)
         if loss is not None:
@@ -127,7 +128,7 @@ def _compare_with_a_fresh_run(results: list, world: int, start: int) -> dict:
     ranks = next(iter(members.values()))["ranks"]
     assert sorted(members) == sorted(ranks) and all(v["ranks"] == ranks for v in members.values()), results
     states = {v["position"]: v["at"][start] for v in members.values()}
-    fresh = run_gloo(_fresh, world, ranks, start, states, timeout=240, pg_timeout_s=10, leave_at_once=True)
+    fresh = run_gloo(_fresh, world, ranks, start, states, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
     for rank, value in members.items():
         after = {s: loss for s, loss in value["losses"].items() if s >= start}
         assert after == fresh[rank]["losses"], (rank, after, fresh[rank]["losses"])
@@ -137,7 +138,7 @@ def _compare_with_a_fresh_run(results: list, world: int, start: int) -> dict:
 
 def test_the_docs_loop_through_a_kill_with_a_spare():
     world = 10
-    results = run_gloo(_run_docs_loop, world, [8, 9], (5, 3), None, 100, timeout=300, pg_timeout_s=10,
+    results = run_gloo(_run_docs_loop, world, [8, 9], (5, 3), None, 100, timeout=300, pg_timeout_s=COLLECTIVE_S,
                        expect_failure=True, leave_at_once=True)
     assert results[5][0] == "dead", results[5]
     members = _compare_with_a_fresh_run(results, world, start=3)
@@ -147,7 +148,7 @@ def test_the_docs_loop_through_a_kill_with_a_spare():
 
 def test_the_docs_loop_shrinks_without_a_spare_and_grows_back():
     world = 8
-    results = run_gloo(_run_docs_loop, world, [], None, (5, 2, 8.0), 4, timeout=300, pg_timeout_s=10,
+    results = run_gloo(_run_docs_loop, world, [], None, (5, 2, 10.0), 4, timeout=300, pg_timeout_s=COLLECTIVE_S,
                        expect_failure=True, leave_at_once=True)
     members = _compare_with_a_fresh_run(results, world, start=4)
     assert sorted(members) == list(range(8)), results

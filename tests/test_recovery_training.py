@@ -162,7 +162,7 @@ def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: i
         _copy_from_peer(job, params)
         return _train_on(job, params, KILL_STEP, rank, recovered_at=time.monotonic())
     if second_victim is not None and rank == second_victim:
-        import hypergrid.recovery.job as recovery_job
+        import hypergrid.recovery.rounds as recovery_job
 
         original = recovery_job.plan_recovery
 

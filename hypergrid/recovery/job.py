@@ -50,7 +50,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..errors import ExcludedByRecovery, RecoveryError
+from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
 from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.checks import as_int, check_timeout
@@ -386,7 +386,8 @@ class ResilientJob:
         """On a spare: wait until a recovery (or a growth) needs this rank, take part in it, and
         return the job once this rank holds a position (or unchanged, still outside, after
         ``timeout`` with no recovery, or once the job releases its spares). Rounds that use other
-        spares are taken part in too, and waited on after. The wait blocks on the store: no CPU.
+        spares are taken part in too, and waited on after; a recovery that fails (the survivors
+        get its error, and retry) is waited on after too. The wait blocks on the store: no CPU.
 
         Example, with no process group (nobody to recover with)::
 
@@ -399,10 +400,18 @@ class ResilientJob:
         job = self
         if not agreement_possible() or job.channel is None:
             return job  # nobody to recover with: a simulated rank, or no process group
+        end = time.monotonic() + timeout.total_seconds()
         while not job.in_grid:
-            if not wait_for_round(job.channel, timeout=timeout):
+            left = end - time.monotonic()
+            if left <= 0 or not wait_for_round(job.channel, timeout=timedelta(seconds=left)):
                 return job
-            job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+            try:
+                job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
+                                 replica_dim=replica_dim)
+            except (RecoveryError, RecoveryRefused) as exc:
+                # The survivors failed this recovery too, and retry (or give up, and release the
+                # spares): this rank waits on, as it was.
+                logger.info("rank %d: a recovery this spare took part in failed; waiting on: %s", dist.get_rank(), exc)
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
@@ -433,6 +442,10 @@ class ResilientJob:
                                   replica_dim=replica_dim)
             except ExcludedByRecovery:
                 continue  # the job moved on before this offer was seen: offer again, to the job as it is
+            except (RecoveryError, RecoveryRefused) as exc:
+                logger.info("rank %d: a recovery this rank offered itself to failed; offering again: %s",
+                            dist.get_rank(), exc)
+                continue
             left = timedelta(seconds=max(0.001, end - time.monotonic()))
             return job.wait_as_spare(timeout=left, recovery_timeout=recovery_timeout, gpus_per_node=gpus_per_node,
                                      replica_dim=replica_dim)

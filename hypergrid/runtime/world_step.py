@@ -207,7 +207,7 @@ def _wait_watching(store: StoreClient, step: WorldRound, key: str, seen: str) ->
             return True
         if store.remaining() <= 0:
             return False
-        lost = dead_among(_not_in(store, step, seen), store)
+        lost = dead_among(_not_in(store, step, seen, extend=False), store)
         if lost:
             raise GroupTimeoutError(
                 f"hypergrid: {step.label}: ranks {describe_ranks(lost)} stopped their heartbeat (died or froze) "
@@ -215,9 +215,11 @@ def _wait_watching(store: StoreClient, step: WorldRound, key: str, seen: str) ->
             )
 
 
-def _not_in(store: StoreClient, step: WorldRound, name: str) -> list[int]:
-    """The participants of ``step`` missing from the comma-separated list at its key ``name``."""
-    store.extend(1.0)  # one more answer, to name them
+def _not_in(store: StoreClient, step: WorldRound, name: str, extend: bool = True) -> list[int]:
+    """The participants of ``step`` missing from the comma-separated list at its key ``name``;
+    ``extend``: allow one more answer past the deadline (to name them in an error)."""
+    if extend:
+        store.extend(1.0)
     key = step.key(name)
     seen = {int(r) for r in store.get(key).decode().split(",") if r} if store.check([key]) else set()
     return step.missing(seen)
