@@ -213,8 +213,8 @@ class ResilientJob:
     def _started(self) -> "ResilientJob":
         """The job with its world group made, its heartbeat running, its channel opened and its
         collective watch started."""
-        if not agreement_possible():
-            return self
+        if not agreement_possible() or not self.counts_on(dist.get_rank()):
+            return self  # nobody to recover with, or this rank is not one of the job's
         if running_heartbeat() is None:
             start_heartbeat(DEFAULT_HEARTBEAT_S)
         job = dataclasses.replace(self, channel=open_channel(self.domain, timeout=self.timeout))
