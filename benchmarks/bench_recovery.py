@@ -125,6 +125,13 @@ def _worker(side: str, grid: int, rank: int, bound: bool) -> None:
     if not _init_fake(rank, world if side == "hypergrid" else grid, bound):
         print(json.dumps({"skipped": "this torch does not bind the fake backend to a device and split there"}))
         return
+    if bound and side == "megatron-core":
+        # On a bound world torch has a rank outside a new group take part in its split (a no-color
+        # split of the world's communicator, world-wide on NCCL); the fake backend has no such call:
+        # a no-op stands in for it, and the count of world-wide calls says how many there were.
+        fake = type(dist.distributed_c10d._get_default_group()._get_backend(dist.distributed_c10d._get_default_group().bound_device_id))
+        if not hasattr(fake, "perform_nocolor_split"):
+            fake.perform_nocolor_split = lambda self, device: None
     from megatron.core import parallel_state as ps
 
     import hypergrid
