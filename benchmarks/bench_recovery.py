@@ -18,6 +18,9 @@ of 8 ranks; node 1 (ranks 8-15) is lost.
 Printed per world: time, torch group constructors called, groups the rank holds afterwards, and
 the ratio of times.
 
+A whole job of real processes (8 gloo ranks, one SIGKILLed), timed from the kill to every rank back
+in a working placement beside a full restart of the job: benchmarks/bench_recovery_job.py.
+
 Run::
 
     python benchmarks/bench_recovery.py                 # 65,536 and 1,048,576 ranks
