@@ -38,9 +38,10 @@ copy, see docs/recovery.md), and nothing is rescheduled.
 The launcher is this script's own (no tests/harness.py): the job's TCPStore is hosted by this
 process on a free port (as torchrun's agent hosts it), the ranks are ``python`` processes of this
 file (``--worker``) that report through the store, every wait has a deadline, and every process
-still running at the end of a case is killed. On a machine with few cores the restart's processes
-compete for the CPU while they import torch and megatron-core: each rank's own phases are printed
-below the table.
+still running at the end of a case is killed (the ranks' output is kept in a temporary folder
+only when a case fails). On a machine with few cores the restart's processes compete for the CPU
+while they import torch and megatron-core: each rank's own phases are printed below the table,
+and so are the same imports in one process with the machine to itself.
 
 Run::
 
@@ -55,6 +56,7 @@ import datetime
 import importlib.metadata
 import json
 import os
+import shutil
 import signal
 import socket
 import statistics
@@ -117,7 +119,17 @@ def _restart_rank(rank: int, port: int, marks: dict) -> dict:
         dist.all_reduce(torch.ones(1), group=group)
     marks["step"] = time.time()
     _report(store, rank, {"marks": marks})
-    return {}
+
+
+def _imports_alone(port: int, marks: dict) -> None:
+    """The restart's imports in one process with the machine to itself."""
+    import torch.distributed  # noqa: F401
+
+    marks["import torch"] = time.time()
+    from megatron.core import parallel_state  # noqa: F401
+
+    marks["import megatron-core"] = time.time()
+    _report(_store(port, 1), 0, {"marks": marks})
 
 
 def _job_rank(rank: int, port: int, case: str) -> None:
@@ -194,6 +206,8 @@ def _worker(kind: str, rank: int, port: int, case: str) -> None:
     try:
         if kind == "restart":
             _restart_rank(rank, port, marks)
+        elif kind == "imports":
+            _imports_alone(port, marks)
         else:
             _job_rank(rank, port, case)
     except BaseException as exc:  # reported, then this rank leaves
@@ -268,7 +282,7 @@ class _Launch:
         with open(os.path.join(self.logs, f"rank{rank}.log")) as f:
             return f"--- rank {rank}\n" + "".join(f.readlines()[-30:])
 
-    def close(self) -> None:
+    def close(self, keep_logs: bool) -> None:
         for proc in self.procs:
             if proc.poll() is None:
                 proc.kill()
@@ -277,6 +291,8 @@ class _Launch:
                 proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        if not keep_logs:
+            shutil.rmtree(self.logs, ignore_errors=True)
 
 
 def _errors(results: dict[int, dict], launch: _Launch) -> None:
@@ -291,11 +307,20 @@ def run_restart() -> dict:
     """The anchor: 6 fresh processes, init_process_group, Megatron-Core's initialize_model_parallel, one step."""
     n = WORLD - len(SPARES)
     launch = _Launch(ANCHOR, n, n, ANCHOR)
+    ok = False
     try:
         results = launch.results(list(range(n)), START_S + 60)
         _errors(results, launch)
+        ok = True
     finally:
-        launch.close()
+        launch.close(keep_logs=not ok)
+    alone = _Launch("imports", 1, 1, "imports")
+    ok = False
+    try:
+        marks = alone.results([0], START_S)[0]["marks"]
+        ok = True
+    finally:
+        alone.close(keep_logs=not ok)
     phases: dict[str, list[float]] = {}
     ends = []
     for value in results.values():
@@ -305,7 +330,8 @@ def run_restart() -> dict:
             phases.setdefault(name, []).append(at - previous)
             previous = at
         ends.append(marks["step"])
-    return {"seconds": max(ends) - launch.launched, "phases": phases}
+    return {"seconds": max(ends) - launch.launched, "phases": phases,
+            "imports_alone_s": marks["import megatron-core"] - marks["started"]}
 
 
 def run_case(case: str) -> dict:
@@ -313,12 +339,14 @@ def run_case(case: str) -> dict:
     _backend, collective_s = CASES[case]
     launch = _Launch("job", WORLD, WORLD, case)
     survivors = [r for r in range(WORLD) if r != VICTIM]
+    ok = False
     try:
         results = launch.results(survivors, START_S + collective_s + RECOVERY_S + 60)
         _errors(results, launch)
         victim = launch.procs[VICTIM].wait(timeout=10)
+        ok = True
     finally:
-        launch.close()
+        launch.close(keep_logs=not ok)
     members = {r: v for r, v in results.items() if v["role"] in ("survivor", "spare")}
     plans = {v["plan"] for v in members.values()}
     placements = {tuple(v["ranks"]) for v in members.values()}
@@ -338,7 +366,7 @@ def run_case(case: str) -> dict:
 
 # ---------------------------------------------------------------------------------------- main
 def _spread(values: list[float]) -> str:
-    return f"{min(values):.1f}-{max(values):.1f} s" if len(values) > 1 else "-"
+    return f"{min(values):.2f}-{max(values):.2f} s" if len(values) > 1 else "-"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -377,7 +405,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     print(f"8-rank job on loopback (tp 2 x dp 3 on ranks 0-5, spares 6 and 7); rank {VICTIM} SIGKILLed at step "
           f"{KILL_STEP}; torch {torch.__version__}, megatron-core {mcore_version}, Python "
           f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; median of {args.repeats} run(s)")
-    header = (f"{'case':<14} {'collective timeout':>18} {'time':>9} {'spread':>12} {'vs restart':>11}"
+    header = (f"{'case':<14} {'collective timeout':>18} {'time':>9} {'spread':>14} {'vs restart':>11}"
               f" {'error seen':>11} {'spare back':>11}")
     print(header)
     print("-" * len(header))
@@ -387,11 +415,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         median = statistics.median(times)
         ratio = f"{median / anchor:10.2f}x" if anchor else f"{'-':>11}"
         if case == ANCHOR:
-            print(f"{'restart':<14} {'-':>18} {median:7.1f} s {_spread(times):>12} {'1.00x':>11} {'-':>11} {'-':>11}")
+            print(f"{'restart':<14} {'-':>18} {median:7.1f} s {_spread(times):>14} {'1.00x':>11} {'-':>11} {'-':>11}")
             continue
         error = statistics.median(r["error_s"] for r in runs[case])
         spare = statistics.median(r["spare_s"] for r in runs[case] if r["spare_s"] is not None)
-        print(f"{case:<14} {CASES[case][1]:16.0f} s {median:7.1f} s {_spread(times):>12} {ratio}"
+        print(f"{case:<14} {CASES[case][1]:16.0f} s {median:7.1f} s {_spread(times):>14} {ratio}"
               f" {error:9.1f} s {spare:9.1f} s")
     print("time: restart, from launching 6 fresh processes to the last rank's end of its first step (imports, "
           "init_process_group, Megatron-Core's initialize_model_parallel); recovery cases, from the kill to the "
@@ -412,6 +440,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print("restart, per rank (median over ranks and runs): " + ", ".join(
             f"{'interpreter start' if name == 'started' else name} {statistics.median(v):.1f} s"
             for name, v in phases.items()))
+        alone = [run["imports_alone_s"] for run in runs[ANCHOR]]
+        print(f"one process alone on this machine imports torch and megatron-core in {statistics.median(alone):.1f} s "
+              f"(spread {_spread(alone)}): a restart whose ranks each have their own cores pays about that, not "
+              f"the imports of {WORLD - len(SPARES)} processes sharing {os.cpu_count()} CPUs")
     if args.json:
         print(json.dumps({"torch": torch.__version__, "megatron_core": mcore_version, "runs": runs}, indent=1))
     return 0
