@@ -41,7 +41,9 @@ file (``--worker``) that report through the store, every wait has a deadline, an
 still running at the end of a case is killed (the ranks' output is kept in a temporary folder
 only when a case fails). On a machine with few cores the restart's processes compete for the CPU
 while they import torch and megatron-core: each rank's own phases are printed below the table,
-and so are the same imports in one process with the machine to itself.
+and so are the same imports in one process with the machine to itself. A run that fails (an error
+on some rank, or a rank that does not report in time) is counted in the ``failed`` column, with
+each rank's error below the table, and the other runs go on; the exit status is then 1.
 
 Run::
 
@@ -295,12 +297,24 @@ class _Launch:
             shutil.rmtree(self.logs, ignore_errors=True)
 
 
+class CaseFailed(RuntimeError):
+    """A run of a case ended in an error on some rank (or some rank never reported)."""
+
+
 def _errors(results: dict[int, dict], launch: _Launch) -> None:
     bad = {r: v for r, v in results.items() if "error" in v}
     if bad:
         first = min(bad)
-        raise RuntimeError(f"ranks {sorted(bad)} failed; rank {first}: {bad[first]['error']}\n"
-                           f"{bad[first]['traceback']}(logs in {launch.logs})")
+        each = "".join(f"  rank {r}: {v['error']}\n" for r, v in sorted(bad.items()))
+        raise CaseFailed(f"ranks {sorted(bad)} failed:\n{each}rank {first}'s traceback:\n{bad[first]['traceback']}"
+                         f"(the ranks' output is in {launch.logs})")
+
+
+def _results(launch: _Launch, expect: list[int], deadline_s: float) -> dict[int, dict]:
+    try:
+        return launch.results(expect, deadline_s)
+    except RuntimeError as exc:
+        raise CaseFailed(str(exc)) from exc
 
 
 def run_restart() -> dict:
@@ -309,7 +323,7 @@ def run_restart() -> dict:
     launch = _Launch(ANCHOR, n, n, ANCHOR)
     ok = False
     try:
-        results = launch.results(list(range(n)), START_S + 60)
+        results = _results(launch, list(range(n)), START_S + 60)
         _errors(results, launch)
         ok = True
     finally:
@@ -341,7 +355,7 @@ def run_case(case: str) -> dict:
     survivors = [r for r in range(WORLD) if r != VICTIM]
     ok = False
     try:
-        results = launch.results(survivors, START_S + collective_s + RECOVERY_S + 60)
+        results = _results(launch, survivors, START_S + collective_s + RECOVERY_S + 60)
         _errors(results, launch)
         victim = launch.procs[VICTIM].wait(timeout=10)
         ok = True
@@ -399,28 +413,39 @@ def main(argv: Optional[list[str]] = None) -> int:
     for repeat in range(args.repeats):
         for case in cases:
             progress(f"run {repeat + 1}/{args.repeats}: {case} ...")
-            runs[case].append(run_restart() if case == ANCHOR else run_case(case))
+            try:
+                runs[case].append(run_restart() if case == ANCHOR else run_case(case))
+            except CaseFailed as exc:  # recorded, reported below the table; the other runs go on
+                runs[case].append({"failed": str(exc), "run": repeat + 1})
+                progress(f"run {repeat + 1}/{args.repeats}: {case} FAILED (reported below the table)")
     progress("")
+    ok = {case: [r for r in results if "failed" not in r] for case, results in runs.items()}
+    failed = {case: [r for r in results if "failed" in r] for case, results in runs.items()}
 
     print(f"8-rank job on loopback (tp 2 x dp 3 on ranks 0-5, spares 6 and 7); rank {VICTIM} SIGKILLed at step "
           f"{KILL_STEP}; torch {torch.__version__}, megatron-core {mcore_version}, Python "
           f"{sys.version.split()[0]}, {os.cpu_count()} CPUs; median of {args.repeats} run(s)")
     header = (f"{'case':<14} {'collective timeout':>18} {'time':>9} {'spread':>14} {'vs restart':>11}"
-              f" {'error seen':>11} {'spare back':>11}")
+              f" {'error seen':>11} {'spare back':>11} {'failed':>7}")
     print(header)
     print("-" * len(header))
-    anchor = statistics.median(r["seconds"] for r in runs[ANCHOR]) if ANCHOR in runs else None
+    anchor = statistics.median(r["seconds"] for r in ok[ANCHOR]) if ok.get(ANCHOR) else None
     for case in cases:
-        times = [r["seconds"] for r in runs[case]]
+        count = f"{len(failed[case])}/{len(runs[case])}"
+        times = [r["seconds"] for r in ok[case]]
+        if not times:
+            print(f"{case:<14} {'every run failed':^79} {count:>7}")
+            continue
         median = statistics.median(times)
         ratio = f"{median / anchor:10.2f}x" if anchor else f"{'-':>11}"
         if case == ANCHOR:
-            print(f"{'restart':<14} {'-':>18} {median:7.1f} s {_spread(times):>14} {'1.00x':>11} {'-':>11} {'-':>11}")
+            print(f"{'restart':<14} {'-':>18} {median:7.1f} s {_spread(times):>14} {'1.00x':>11} {'-':>11} {'-':>11}"
+                  f" {count:>7}")
             continue
-        error = statistics.median(r["error_s"] for r in runs[case])
-        spare = statistics.median(r["spare_s"] for r in runs[case] if r["spare_s"] is not None)
+        error = statistics.median(r["error_s"] for r in ok[case])
+        spare = statistics.median(r["spare_s"] for r in ok[case] if r["spare_s"] is not None)
         print(f"{case:<14} {CASES[case][1]:16.0f} s {median:7.1f} s {_spread(times):>14} {ratio}"
-              f" {error:9.1f} s {spare:9.1f} s")
+              f" {error:9.1f} s {spare:9.1f} s {count:>7}")
     print("time: restart, from launching 6 fresh processes to the last rank's end of its first step (imports, "
           "init_process_group, Megatron-Core's initialize_model_parallel); recovery cases, from the kill to the "
           "last rank of the new placement's end of its first step after hypergrid.recover. error seen: the last "
@@ -429,24 +454,27 @@ def main(argv: Optional[list[str]] = None) -> int:
           "job again, the collective timeout or launcher watchdog before the failure is seen, and the checkpoint "
           "load. Not counted in the recovery either: copying the lost rank's state from a peer.")
     for case in cases:
-        plans = {r["plan"] for r in runs[case] if "plan" in r}
+        plans = {r["plan"] for r in ok[case] if "plan" in r}
         if plans:
             print(f"{case}: {'; '.join(sorted(plans))}")
-    if ANCHOR in runs:
+    if ok.get(ANCHOR):
         phases: dict[str, list[float]] = {}
-        for run in runs[ANCHOR]:
+        for run in ok[ANCHOR]:
             for name, values in run["phases"].items():
                 phases.setdefault(name, []).extend(values)
         print("restart, per rank (median over ranks and runs): " + ", ".join(
             f"{'interpreter start' if name == 'started' else name} {statistics.median(v):.1f} s"
             for name, v in phases.items()))
-        alone = [run["imports_alone_s"] for run in runs[ANCHOR]]
+        alone = [run["imports_alone_s"] for run in ok[ANCHOR]]
         print(f"one process alone on this machine imports torch and megatron-core in {statistics.median(alone):.1f} s "
               f"(spread {_spread(alone)}): a restart whose ranks each have their own cores pays about that, not "
               f"the imports of {WORLD - len(SPARES)} processes sharing {os.cpu_count()} CPUs")
+    for case in cases:
+        for run in failed[case]:
+            print(f"{case}, run {run['run']} of {args.repeats} failed: {run['failed']}")
     if args.json:
         print(json.dumps({"torch": torch.__version__, "megatron_core": mcore_version, "runs": runs}, indent=1))
-    return 0
+    return 1 if any(failed.values()) else 0
 
 
 if __name__ == "__main__":
