@@ -466,9 +466,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{'interpreter start' if name == 'started' else name} {statistics.median(v):.1f} s"
             for name, v in phases.items()))
         alone = [run["imports_alone_s"] for run in ok[ANCHOR]]
-        print(f"one process alone on this machine imports torch and megatron-core in {statistics.median(alone):.1f} s "
-              f"(spread {_spread(alone)}): a restart whose ranks each have their own cores pays about that, not "
-              f"the imports of {WORLD - len(SPARES)} processes sharing {os.cpu_count()} CPUs")
+        print(f"one process alone (no other rank of this benchmark running) imports torch and megatron-core in "
+              f"{statistics.median(alone):.1f} s (spread {_spread(alone)}): what a restarted rank pays for them where "
+              f"the ranks do not share CPUs, as {WORLD - len(SPARES)} processes on {os.cpu_count()} CPUs do here")
     for case in cases:
         for run in failed[case]:
             print(f"{case}, run {run['run']} of {args.repeats} failed: {run['failed']}")
