@@ -26,6 +26,9 @@ it does not. There hypergrid makes the changed groups ``fresh`` (among their mem
 splitting); every group Megatron-Core makes is split off the world's, which the lost ranks would
 have to join (a real job would hang there; the fake backend only counts it).
 
+A whole job of real processes (8 gloo ranks, one SIGKILLed), timed from the kill to every rank back
+in a working placement beside a full restart of the job: benchmarks/bench_recovery_job.py.
+
 Run::
 
     python benchmarks/bench_recovery.py                 # 65,536 and 1,048,576 ranks
