@@ -32,6 +32,11 @@ class _Work(dist.Work):
         self._future = future
 
     def wait(self, timeout: Any = None) -> bool:
+        if timeout is not None and timeout.total_seconds() > 0:
+            done = threading.Event()
+            self._future.add_done_callback(lambda _: done.set())
+            if not done.wait(timeout.total_seconds()):
+                raise RuntimeError(f"abortable: the operation did not complete within {timeout}")
         self._future.wait()  # raises the operation's error
         return True
 

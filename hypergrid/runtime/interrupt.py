@@ -48,6 +48,9 @@ _ABORTING = {"nccl", "nccl2", "nccl-lazy", "nccl-legacy"}
 _registered: set[str] = set()
 _lock = threading.Lock()
 _aborted: list[tuple[int, ...]] = []
+#: Held by a watch through a whole pass of aborts, and by :func:`take_aborted`: a rank that a first
+#: abort released into the recovery names every group of the pass, not those aborted by then.
+_pass = threading.Lock()
 _recovering = threading.Event()
 
 
@@ -125,7 +128,7 @@ def take_aborted() -> list[tuple[int, ...]]:
         >>> take_aborted()
         []
     """
-    with _lock:
+    with _pass, _lock:
         out = sorted(set(_aborted))
         _aborted.clear()
     return out
@@ -202,9 +205,10 @@ class CollectiveWatch:
                 continue
             logger.warning("rank %d: %s: aborting %d communicators to leave any collective in flight",
                            dist.get_rank(), reason, len(targets))
-            for pg in targets:
-                self._done[id(pg)] = pg
-                abort_group(pg)
+            with _pass:
+                for pg in targets:
+                    self._done[id(pg)] = pg
+                    abort_group(pg)
 
     def _reason(self) -> Optional[str]:
         store = StoreClient(time.monotonic() + max(1.0, self._interval_s))
