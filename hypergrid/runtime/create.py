@@ -31,8 +31,9 @@ Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no othe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 

@@ -29,7 +29,8 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch.distributed as dist
 

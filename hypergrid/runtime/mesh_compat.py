@@ -49,9 +49,10 @@ import logging
 import math
 import threading
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -457,7 +458,7 @@ def _requests(layout: Any, names: Optional[Sequence[str]], overrides: Sequence[A
 
 # ---------------------------------------------------------------------------- meshes in O(ndims)
 # Rank maps known to hold consecutive ascending ranks: id -> (the tensor, its first rank).
-_spans: dict[int, tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
+_spans: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
 _torch_init: Optional[Callable[..., Any]] = None
 # Set by torch's constructor after its process groups, in this order.
 _LATE_STATE = ("_rank", "_coordinate_on_dim", "_hash")

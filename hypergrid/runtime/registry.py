@@ -38,8 +38,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -222,7 +223,7 @@ class GroupRegistry:
                 destroyed += 1
         return destroyed
 
-    def destroy_foreign(self, groups: "list[Optional[dist.ProcessGroup]]") -> int:
+    def destroy_foreign(self, groups: list[Optional[dist.ProcessGroup]]) -> int:
         """Destroy each distinct group of ``groups`` that hypergrid does not hold; returns how many.
 
         For groups a caller put beside hypergrid's (Megatron-Core lets code write ``grid._pgs``):

@@ -19,8 +19,9 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable, Optional, Union
+from typing import Optional, Union
 
 from ..layout import Partition
 from .modes import CreationMode
@@ -132,7 +133,7 @@ class GroupRequest:
             object.__setattr__(self, "private", True)
 
     @classmethod
-    def for_partition(cls, label: str, partition: Partition, rank: Optional[int], **decided: object) -> "GroupRequest":
+    def for_partition(cls, label: str, partition: Partition, rank: Optional[int], **decided: object) -> GroupRequest:
         """The groups of ``partition`` as seen by global ``rank`` (None: not known yet): O(group size).
 
         Every request for the same partition (a grid's dims, a view's, a DeviceMesh's flattened
@@ -151,7 +152,7 @@ class GroupRequest:
 
     @classmethod
     def derived(cls, label: str, members: Optional[tuple[int, ...]],
-                groups: Optional[Callable[[], list[list[int]]]] = None, **decided: object) -> "GroupRequest":
+                groups: Optional[Callable[[], list[list[int]]]] = None, **decided: object) -> GroupRequest:
         """A group a rule derives, given by this rank's ``members`` (None: in none) and, for the
         ``enumerate`` mode, every group of the request (``groups``).
 
@@ -215,7 +216,7 @@ class GroupRequest:
             raise ValueError(f"group {self.label!r} was requested by its members alone; its other groups are unknown")
         return self.enumeration()
 
-    def without_check(self) -> "GroupRequest":
+    def without_check(self) -> GroupRequest:
         """The same request, made without the agreement check.
 
         Example::

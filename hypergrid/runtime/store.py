@@ -25,8 +25,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -83,7 +84,7 @@ class _Connection:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._calls: "queue.SimpleQueue[tuple[Callable[[Any], Any], list, threading.Event]]" = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], list, threading.Event]] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="hypergrid-store", daemon=True).start()
 
     def _serve(self) -> None:

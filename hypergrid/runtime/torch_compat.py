@@ -29,14 +29,14 @@ import contextlib
 import enum
 import inspect
 import logging
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedTorchError
-
 
 __all__ = [
     "TESTED_TORCH",
