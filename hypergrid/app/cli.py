@@ -27,15 +27,16 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from ..errors import UsageError
+from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
+from ..planning.plan import MAX_LISTED_WORLD
 from . import argtypes
 from .console import OutputError, Progress, drop_stdout, out
 from .store import add_store_parser, run_store
-from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
-from ..planning.plan import MAX_LISTED_WORLD
 
 __all__ = ["main", "build_parser"]
 
@@ -211,11 +212,10 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..planning.arguments import failure_from_args
     from ..planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
     from ..planning.text import only_kinds, plan_csv, plan_table
     from ..planning.viz import picture, write_picture
-
-    from ..planning.arguments import failure_from_args
 
     plan = _plan_from_args(args, follow_release=True)  # a launch line's torchrun may set --gpus-per-node
     args.gpus_per_node = args.gpus_per_node or DEFAULT_GPUS_PER_NODE

@@ -34,9 +34,10 @@ import random
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 from ..planning.plan import Plan
 from ..planning.torchtitan import Source, TorchtitanParallelism, TorchtitanRelease, plan_torchtitan, read_parallelism

@@ -161,7 +161,7 @@ def _load_nccl_cfgs(config: MegatronConfig) -> dict[str, dict]:
             ) from None
         path = config.nccl_communicator_config_path
         try:
-            with open(path, "r") as stream:
+            with open(path) as stream:
                 cfgs = yaml.safe_load(stream) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(

@@ -25,10 +25,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from ..errors import ParallelStateError
 from ..runtime.modes import resolve_strategy
 from ..runtime.options import GroupOptions
 from .build import build_state
-from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
 from .spec.features import MegatronFeatures
 from .spec.plan import MegatronPlan
 from .state import MegatronGrids, active_grids, set_active

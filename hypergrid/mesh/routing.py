@@ -76,8 +76,8 @@ class MeshRouting:
 class _Root:
     """A root mesh's rank map, and the grid whose door serves every group of its meshes."""
 
-    grid: "HyperCommGrid"
-    rank_map: "weakref.ReferenceType[torch.Tensor]"
+    grid: HyperCommGrid
+    rank_map: weakref.ReferenceType[torch.Tensor]
 
 
 _roots: dict[int, _Root] = {}
@@ -90,7 +90,7 @@ def _forget(key: int) -> None:
         _roots.pop(key, None)
 
 
-def register_mesh_root(mesh: Any, grid: "HyperCommGrid") -> None:
+def register_mesh_root(mesh: Any, grid: HyperCommGrid) -> None:
     """Serve every group torch makes for ``mesh`` (a root) and the meshes derived from it
     through ``grid``'s door. :func:`hypergrid.device_mesh` calls it for the roots it builds.
 
@@ -126,7 +126,7 @@ def register_mesh_root(mesh: Any, grid: "HyperCommGrid") -> None:
         _roots[key] = _Root(grid, weakref.ref(rank_map, lambda _, key=key: _forget(key)))
 
 
-def grid_of(mesh: Any) -> Optional["HyperCommGrid"]:
+def grid_of(mesh: Any) -> Optional[HyperCommGrid]:
     """The grid whose door serves ``mesh``'s groups, or None for a mesh hypergrid does not serve.
 
     A mesh from :func:`hypergrid.device_mesh`, anything sliced, flattened or unflattened from it,
@@ -208,7 +208,7 @@ def _route(rank_map: torch.Tensor, requests: tuple[MeshDimRequest, ...]) -> Opti
     return served
 
 
-def _grid_for(rank_map: torch.Tensor) -> Optional["HyperCommGrid"]:
+def _grid_for(rank_map: torch.Tensor) -> Optional[HyperCommGrid]:
     with _lock:
         root = _roots.get(id(rank_map))
         if root is not None and root.rank_map() is rank_map:
@@ -233,7 +233,7 @@ def _grid_for(rank_map: torch.Tensor) -> Optional["HyperCommGrid"]:
     return grid
 
 
-def _group_name(grid: "HyperCommGrid", request: MeshDimRequest) -> Optional[str]:
+def _group_name(grid: HyperCommGrid, request: MeshDimRequest) -> Optional[str]:
     """This rank's group for one mesh dim, made through the grid's door; None off the mesh."""
     partition = Partition.of(grid.rank_offset, grid.size, request.modes)
     if not partition.contains(dist.get_rank()):
@@ -248,7 +248,7 @@ def _group_name(grid: "HyperCommGrid", request: MeshDimRequest) -> Optional[str]
     return None if pg is None else pg.group_name
 
 
-def _options(grid: "HyperCommGrid", request: MeshDimRequest) -> dict[str, Any]:
+def _options(grid: HyperCommGrid, request: MeshDimRequest) -> dict[str, Any]:
     return {
         "backend": request.backend if request.backend is not None else grid.backend,
         "timeout": request.timeout if request.timeout is not None else grid.default_timeout,

@@ -384,7 +384,7 @@ def _figure(pic: Picture) -> Any:
             domains = _edges(lambda r: r // pic.nvlink_domain, cols, first, end, False)
             lines.append((domains, "black", 2.6, "solid", "domains"))
         if panel.highlight:
-            outline = _edges(lambda r: r in panel.highlight, cols, first, end, True)
+            outline = _edges(panel.highlight.__contains__, cols, first, end, True)
             lines += [(outline, "black", 3.0, "solid", f"highlight-{panel.name}"),
                       (outline, "white", 1.4, (0, (2, 2)), None)]
         for segments, colour, lw, style, gid in lines:
@@ -397,7 +397,7 @@ def _figure(pic: Picture) -> Any:
     return fig
 
 
-def write_picture(pic: Picture, path: Union[str, "os.PathLike[str]"], format: Optional[str] = None) -> int:
+def write_picture(pic: Picture, path: Union[str, os.PathLike[str]], format: Optional[str] = None) -> int:
     """Draw ``pic`` into ``path`` as PNG or SVG (``format``, else the file's suffix); return its bytes.
 
     ImportError with an install hint when matplotlib is missing; OSError when ``path`` cannot
