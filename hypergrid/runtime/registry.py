@@ -68,7 +68,7 @@ class _Entry:
     pg: Optional[dist.ProcessGroup]
     #: The keys under which the registry finds this entry for sharing (none for private groups).
     keys: tuple[SharingKey, ...] = ()
-    holders: set = field(default_factory=set)
+    holders: set[tuple[Owner, str]] = field(default_factory=set)
     #: Made outside hypergrid and adopted (see GroupRegistry.adopt): shared, never destroyed.
     adopted: bool = False
 

@@ -390,7 +390,8 @@ def decode(cls: type[R], raw: Union[bytes, str]) -> R:
         Verdict(outcome=<RoundOutcome.OK: 'ok'>, message='')
     """
     text = raw.decode() if isinstance(raw, bytes) else raw
-    return _build(cls, json.loads(text))
+    record: R = _build(cls, json.loads(text))
+    return record
 
 
 def _build(kind: Any, value: Any) -> Any:
