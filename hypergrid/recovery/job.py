@@ -265,12 +265,14 @@ class ResilientJob:
         layout = self.layout
         if layout.rank_map is None and layout.rank_offset == 0 and layout.size == dist.get_world_size():
             return dist.group.WORLD
-        if self._world is None:
-            object.__setattr__(self, "_world", world_grid(layout))
+        world = self._world
+        if world is None:
+            world = world_grid(layout)
+            object.__setattr__(self, "_world", world)
         try:
-            return self._world.get_pg("world")
+            return world.get_pg("world")
         except KeyError:
-            return self._world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
+            return world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
 
     @property
     def in_grid(self) -> bool:
@@ -515,7 +517,7 @@ def _ranks_arg(name: str, values: object, world: int, *, keep_order: bool = Fals
     """``values`` as distinct ranks of a world of ``world`` (sorted unless ``keep_order``)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ranks, got {type(values).__name__} {values!r}")
-    ranks = [as_int(v, f"a rank in {name}") for v in values]  # type: ignore[union-attr]
+    ranks = [as_int(v, f"a rank in {name}") for v in values]
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise ValueError(f"{name} must be ranks of the world [0, {world}), got {bad}")
