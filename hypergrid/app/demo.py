@@ -150,7 +150,7 @@ class GroupResult:
     kind: str
     key: str
     count: int
-    size: int
+    size: Optional[int]
     members: list[int]
     verified: bool
     create_s: Optional[float]  # None: made with the other kinds of its source in one call, timed as a phase

@@ -42,7 +42,7 @@ import math
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
@@ -153,6 +153,7 @@ def _flatten_requests(layout: GridLayout, flatten: Flatten) -> list[tuple[str, l
     """``flatten=`` as (name, dims in mesh order) pairs, checked against the layout."""
     if flatten is None:
         return []
+    items: list[tuple[Optional[str], Dims]]
     if isinstance(flatten, Mapping):
         items = list(flatten.items())
     elif isinstance(flatten, (list, tuple)):
@@ -300,7 +301,8 @@ def _root_for(
                 f"rank {dist.get_rank()} is in some but not all dim groups of {grid!r} "
                 f"(view {view!r}): {dict(zip(names, groups))}; a grid's ranks are in all or none"
             )
-        root = compat.mesh_from_groups(device, tuple(reversed(layout.shape)), names, groups if member else None,
+        made = cast(list[dist.ProcessGroup], groups) if member else None  # member: no None among them
+        root = compat.mesh_from_groups(device, tuple(reversed(layout.shape)), names, made,
                                        first_rank=layout.rank_offset,
                                        ranks=None if layout.rank_map is None else list(layout.ranks))
         register_mesh_root(root, grid)
@@ -379,9 +381,9 @@ def _dims_of_group(layout: GridLayout, members: list[int], rank: int, preferred:
                 continue
             if sorted(layout.group_ranks(list(subset), rank)) == target:
                 matches.append(list(subset))
-    for subset in matches:
-        if "_".join(subset) == preferred:
-            return subset
+    for match in matches:
+        if "_".join(match) == preferred:
+            return match
     return matches[0] if matches else None
 
 

@@ -235,8 +235,8 @@ class Plan:
         layout = self.layout if view is None else self.views[view]
         return dict(zip(layout.dim_names, layout.coords(rank)))
 
-    def groups_of(self, rank: int) -> dict[str, list[int]]:
-        """Every group ``rank`` is in, by kind name; O(sum of group sizes)."""
+    def groups_of(self, rank: int) -> dict[str, Optional[list[int]]]:
+        """Every group ``rank`` is in, by kind name (None: in none of that kind); O(sum of group sizes)."""
         self.check_rank(rank)
         return {kind.name: kind.members(rank) for kind in self.kinds}
 
