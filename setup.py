@@ -45,6 +45,9 @@ setup(
             "sphinx>=8",
             "myst-parser>=4",
         ],
+        # The checks .ci/run makes before the tests: `ruff check .` (settings in ruff.toml) and
+        # `mypy` (settings in setup.cfg, [mypy]); pinned, as a newer release may find new things.
+        "lint": ["ruff==0.17.6", "mypy==2.4.1"],
     },
     entry_points={"console_scripts": ["hypergrid=hypergrid.app.cli:main"]},
     classifiers=[

@@ -124,7 +124,7 @@ def main() -> None:
         mega = anchor["times"][0] if anchor else None
         ratio = f"{mega / best:.0f}x / {mega / cold:.0f}x" if mega else "skipped"
         print(
-            f"{world:>9} {('%.3f' % mega) if mega else 'skipped':>11} {f'{cold * 1e3:.1f} / {best * 1e3:.1f} ms':>24} "
+            f"{world:>9} {f'{mega:.3f}' if mega else 'skipped':>11} {f'{cold * 1e3:.1f} / {best * 1e3:.1f} ms':>24} "
             f"{ratio:>18} {(anchor['groups'] if anchor else '-')!s:>17} {shared['groups']:>10} "
             f"{private['groups']:>11}  {min(private['times']) * 1e3:>9.1f} ms"
         )

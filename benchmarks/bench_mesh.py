@@ -105,15 +105,15 @@ def _worker(workload: str, side: str, world: int, rank: int) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    # torch 2.15 imports torch._dynamo (and with it DTensor and FSDP, about a second) at a
+    # mesh's first slice; a training job has imported them long before it builds meshes.
+    import torch._dynamo  # noqa: F401
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     # Imported before the clock, like torch's modules (hypergrid's top level imports lazily).
     import hypergrid.grid  # noqa: F401
     import hypergrid.mesh  # noqa: F401
-    # torch 2.15 imports torch._dynamo (and with it DTensor and FSDP, about a second) at a
-    # mesh's first slice; a training job has imported them long before it builds meshes.
-    import torch._dynamo  # noqa: F401
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     titan: Any = None

@@ -41,7 +41,7 @@ AGREEMENT_PREFIX = "hypergrid/agree"
 class CountingStore(dist.Store):
     """Forwards every call to ``inner`` and counts it, split by whether the key is hypergrid's agreement's."""
 
-    def __init__(self, inner: dist.Store, counts: "Counter | None" = None) -> None:
+    def __init__(self, inner: dist.Store, counts: Counter | None = None) -> None:
         super().__init__()
         self.inner = inner
         self.counts: Counter = Counter() if counts is None else counts
@@ -104,7 +104,7 @@ class CountingStore(dist.Store):
         return self.inner.set_timeout(timeout)
 
 
-def _rank(rank: int, port: int, workload: str, side: str, results: "mp.Queue") -> None:
+def _rank(rank: int, port: int, workload: str, side: str, results: mp.Queue) -> None:
     warnings.filterwarnings("ignore")
     timeout = datetime.timedelta(seconds=120)
     tcp = dist.TCPStore("127.0.0.1", port, WORLD, is_master=False, timeout=timeout)

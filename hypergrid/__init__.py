@@ -19,11 +19,11 @@ from .errors import (
     GridDestroyedError,
     GridMismatchError,
     GridTooLargeError,
-    ShapeTypeError,
-    UnsupportedTorchError,
     GroupCreationError,
     GroupTimeoutError,
     HypergridError,
+    ShapeTypeError,
+    UnsupportedTorchError,
 )
 from .layout import GridLayout, Partition
 

@@ -14,8 +14,9 @@ aborts), then ``dist.init_process_group("abortable", store=..., rank=..., world_
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any
 
 import torch.distributed as dist
 from torch.futures import Future

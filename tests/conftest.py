@@ -8,7 +8,7 @@ start a job for a test not marked ``gloo``. So ``-m "not gloo"`` never starts on
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -26,7 +26,8 @@ import os
 import queue
 import time
 import traceback
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -67,7 +68,7 @@ def _child(
     port: int,
     fn: Callable[..., Any],
     args: tuple,
-    results: "mp.Queue",
+    results: mp.Queue,
     pg_timeout_s: float,
     env: dict[str, str],
     init_kwargs: dict[str, Any],

@@ -17,11 +17,10 @@ from xml.etree import ElementTree
 import pytest
 
 from hypergrid import HyperCommGrid
-from hypergrid.app import cli
-from hypergrid.app import console
-from hypergrid.planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
-from hypergrid.megatron import choose_megatron_core, plan_model_parallel
+from hypergrid.app import cli, console
 from hypergrid.layout.describe import describe_members
+from hypergrid.megatron import choose_megatron_core, plan_model_parallel
+from hypergrid.planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
 from hypergrid.planning.plan import plan_grid, plan_megatron
 from hypergrid.planning.text import only_kinds
 

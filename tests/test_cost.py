@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 
-from hypergrid.planning.cost import max_cost, rank_cost
 from hypergrid.layout.kinds import box_modes
 from hypergrid.megatron.spec.features import MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, choose_megatron_core
+from hypergrid.planning.cost import max_cost, rank_cost
 from hypergrid.planning.megatron_args import parse_megatron_args, plan_from_megatron_args
-from hypergrid.releases import ReleaseChoice
 from hypergrid.planning.plan import plan_grid, plan_megatron
+from hypergrid.releases import ReleaseChoice
 
 dist = pytest.importorskip("torch.distributed")
 pytest.importorskip("megatron.core")

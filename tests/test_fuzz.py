@@ -26,8 +26,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from hypergrid import GridLayout, HyperCommGrid, device_mesh
-from hypergrid.layout import RESERVED_NAME_CHARACTERS
 from hypergrid.errors import GridTooLargeError, HypergridError
+from hypergrid.layout import RESERVED_NAME_CHARACTERS
 
 from .harness import fake_world
 

@@ -106,7 +106,7 @@ def job_grids_and_strategies(rank, world_size):
 
     # A 4-D grid with a size-1 dim: keys with the same members share one communicator.
     grid4 = HyperCommGrid([2, 1, 2, 2], ["tp", "cp", "pp", "dp"])
-    made4, n = create_and_verify_all(grid4, rank, all_subsets(["tp", "cp", "pp", "dp"]))
+    _, n = create_and_verify_all(grid4, rank, all_subsets(["tp", "cp", "pp", "dp"]))
     checked += n
     assert grid4.get_pg(["cp", "tp"]) is grid4.get_pg("tp")
     assert grid4.get_pg(["cp", "pp", "dp"]) is grid4.get_pg(["pp", "dp"])

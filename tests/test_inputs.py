@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from hypergrid import GridLayout, HyperCommGrid, device_mesh
-from hypergrid.layout.checks import MAX_TIMEOUT, MIN_TIMEOUT
 from hypergrid.layout import MAX_ENUMERATED_RANKS
+from hypergrid.layout.checks import MAX_TIMEOUT, MIN_TIMEOUT
 
 from .harness import fake_world
 

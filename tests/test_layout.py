@@ -407,15 +407,15 @@ def test_rank_offset_validation(offset, exc, needle):
 
 
 REQUEST_CALLS = {
-    "order_dims": lambda l, d: l.order_dims(d),
-    "key": lambda l, d: l.key(d),
-    "enumerate": lambda l, d: l.enumerate(d),
-    "gen_rank_enum": lambda l, d: l.gen_rank_enum(d if isinstance(d, list) else [d]),
-    "group_ranks": lambda l, d: l.group_ranks(d, 0),
-    "group_index": lambda l, d: l.group_index(d, 0),
-    "group_size": lambda l, d: l.group_size(d),
-    "num_groups": lambda l, d: l.num_groups(d),
-    "partition": lambda l, d: l.partition(d),
+    "order_dims": lambda layout, d: layout.order_dims(d),
+    "key": lambda layout, d: layout.key(d),
+    "enumerate": lambda layout, d: layout.enumerate(d),
+    "gen_rank_enum": lambda layout, d: layout.gen_rank_enum(d if isinstance(d, list) else [d]),
+    "group_ranks": lambda layout, d: layout.group_ranks(d, 0),
+    "group_index": lambda layout, d: layout.group_index(d, 0),
+    "group_size": lambda layout, d: layout.group_size(d),
+    "num_groups": lambda layout, d: layout.num_groups(d),
+    "partition": lambda layout, d: layout.partition(d),
 }
 
 

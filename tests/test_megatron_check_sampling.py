@@ -17,8 +17,8 @@ import warnings
 import pytest
 
 from hypergrid.app import cli
-from hypergrid.planning import parity
 from hypergrid.layout import GridLayout
+from hypergrid.planning import parity
 from hypergrid.planning.plan import plan_megatron
 
 with warnings.catch_warnings():

@@ -9,7 +9,6 @@ import pytest
 import torch.distributed as dist
 
 import hypergrid.megatron as hm
-from hypergrid.runtime.registry import REGISTRY
 from hypergrid.megatron import (
     MEGATRON_CORE_0_16,
     SUPPORTED_PROFILES,
@@ -17,6 +16,7 @@ from hypergrid.megatron import (
     ParallelStateError,
     plan_model_parallel,
 )
+from hypergrid.runtime.registry import REGISTRY
 from tests.harness import fake_world
 
 # Set by the fixture below when the first test here runs: importing megatron-core takes seconds,

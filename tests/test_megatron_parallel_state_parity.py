@@ -19,8 +19,9 @@ from __future__ import annotations
 import inspect
 import itertools
 import random
+from collections.abc import Callable, Iterator
 from dataclasses import fields
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Optional
 
 import pytest
 import torch.distributed as dist

@@ -13,7 +13,6 @@ import sys
 import pytest
 
 from hypergrid.layout.kinds import Singletons
-
 from hypergrid.megatron import COMMON_FEATURES, MEGATRON_CORE_0_16, MEGATRON_CORE_0_19, plan_model_parallel
 
 # (world size, the megatron-core planned for, keywords)

@@ -157,7 +157,7 @@ def megatron_empty_state(config: Any) -> dict[str, Any]:
         parity.ps = collection_module.parallel_state = installed
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _fresh_parallel_state() -> Any:
     installed = parity.ps
     spec = importlib.util.spec_from_file_location(f"{installed.__package__}._never_initialized_parallel_state",
@@ -178,7 +178,7 @@ class Recovered:
     answers: dict[str, Any]
 
 
-def hypergrid_state(case: "Case", rank: int) -> Recovered:
+def hypergrid_state(case: Case, rank: int) -> Recovered:
     """Play ``rank`` of ``case``'s world: build the job, recover it as the case says, and record
     what ``parallel_state`` answers."""
     with fake_world(rank, case.world):

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from hypergrid import REGISTRY, GridDestroyedError, GridLayout, HyperCommGrid
-from hypergrid.runtime import mesh_compat as compat
-from hypergrid.runtime.torch_compat import TESTED_TORCH, process_group_count
 from hypergrid.errors import UnsupportedTorchError
 from hypergrid.mesh import device_mesh, flattened_name, grid_from_device_mesh, grid_from_process_groups, mesh_tensor
+from hypergrid.runtime import mesh_compat as compat
+from hypergrid.runtime.torch_compat import TESTED_TORCH, process_group_count
 from tests.harness import fake_world
 
 warnings.filterwarnings("ignore", message="Slicing a flattened dim")

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -305,8 +305,8 @@ def _megatron_job(rank: int, world_size: int) -> Optional[dict]:
         return None
     import torch.distributed._functional_collectives as funcol
 
-    from hypergrid.runtime.torch_compat import process_group_count
     from hypergrid.megatron import active_grids, destroy_model_parallel, initialize_model_parallel
+    from hypergrid.runtime.torch_compat import process_group_count
 
     initialize_model_parallel(tensor_model_parallel_size=2, pipeline_model_parallel_size=2)
     grids = active_grids()
@@ -418,7 +418,7 @@ def test_flattened_dims_and_slices_use_grid_groups(parity, case):
 
 
 def test_dtensor_on_grid_meshes(dtensor):
-    for rank, rec in enumerate(dtensor):
+    for rec in dtensor:
         assert rec["local_shape"] == (4, 4)
         assert rec["full_3d"] and rec["redistributed_full"]
         assert rec["redistributed_shape"] == (4, 8)

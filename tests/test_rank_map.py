@@ -11,7 +11,7 @@ import random
 
 import pytest
 
-from hypergrid.layout import GridLayout, Partition
+from hypergrid.layout import GridLayout
 from hypergrid.layout.rank_map import RankMap
 
 SHAPES = [((2, 2, 2), ("tp", "dp", "pp")), ((4, 3), ("tp", "dp")), ((2, 1, 3, 2), ("tp", "cp", "dp", "pp"))]

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch.distributed as dist

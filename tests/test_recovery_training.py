@@ -145,8 +145,9 @@ def _copy_from_peer(job: Any, params: list[torch.Tensor]) -> None:
 
 # ---------------------------------------------------------------------- the jobs
 def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: int, second_victim: Optional[int]) -> dict:
-    import hypergrid
     from megatron.core import parallel_state as ps
+
+    import hypergrid
 
     hypergrid.start_heartbeat(interval_s=0.5)
     job = hypergrid.ResilientJob.of_megatron(spares=spares, **SIZES)

@@ -54,8 +54,9 @@ def test_grids_and_views_re_created_20_times_with_late_ranks_succeed_on_every_ra
 
 
 def _job_megatron_cycles_with_late_ranks(rank: int, world_size: int, seed: int) -> list:
-    import hypergrid.megatron as hm
     from megatron.core import parallel_state as ps
+
+    import hypergrid.megatron as hm
 
     delays = random.Random(seed * 1000 + rank)
     outcomes = []
@@ -114,7 +115,7 @@ def test_the_rank_whose_request_differs_learns_it_as_soon_as_the_others() -> Non
     results = run_gloo(_job_differing_request, 4, timeout=240, expect_failure=True)
     outcomes = [r[1] for r in results]
     # The timeout is 120 s: everyone, rank 3 included, must know long before it (measured: 3.3 s).
-    for rank, (kind, message, seconds) in enumerate(outcomes):
+    for rank, (kind, _message, seconds) in enumerate(outcomes):
         if rank in (2, 3):  # rank 3 asked for dp, whose group {1, 3} holds rank 1; tp's {2, 3}
             assert kind == "GridMismatchError", (rank, outcomes[rank])
         assert seconds < 60.0, f"rank {rank} learned after {seconds:.1f} s: {outcomes[rank]}"

@@ -108,8 +108,9 @@ def test_after_one_rank_failed_alone_an_identical_retry_succeeds_on_every_rank()
 
 
 def _megatron_fails_alone_then_retries(rank: int, world: int) -> dict:
-    import hypergrid.megatron as hm
     from megatron.core import parallel_state as ps
+
+    import hypergrid.megatron as hm
 
     kwargs = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, distributed_timeout_minutes=0.1,
                   create_gloo_process_groups=False)

@@ -15,7 +15,8 @@ so; the simulated bound world of ``test_split_strategy.py`` covers those torches
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -11,14 +11,14 @@ import functools
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
 from hypergrid.app import cli
 from hypergrid.planning.cost import rank_cost
-from hypergrid.releases import ReleaseChoice
 from hypergrid.planning.torchtitan import (
     SpmdBackend,
     TorchtitanParallelism,
@@ -30,6 +30,7 @@ from hypergrid.planning.torchtitan import (
     torchtitan_groups_per_rank,
     torchtitan_meshes,
 )
+from hypergrid.releases import ReleaseChoice
 
 V02, V03 = TorchtitanRelease.V0_2, TorchtitanRelease.V0_3
 
@@ -440,7 +441,7 @@ def test_the_cost_table_names_torchtitan(job, capsys):
 # ---------------------------------------------------------------------------- against torchtitan itself
 # The installed torchtitan's parallel_dims.py runs alone, with the few torchtitan names it imports
 # stubbed (its package import pulls in a whole training stack): check --torchtitan's own loader.
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _load_parallel_dims(release: str) -> Any:
     """The installed torchtitan's ParallelDims module, or a pytest.skip saying why there is none."""
     from hypergrid.app.torchtitan_parity import TorchtitanUnavailable, load_parallel_dims, release_of
@@ -632,7 +633,7 @@ def test_check_compares_torchtitan_s_own_meshes_rank_by_rank(argv, compared, cap
 def test_check_reports_where_torchtitan_s_meshes_differ_and_exits_1(capsys, monkeypatch):
     from hypergrid.app import torchtitan_parity
 
-    version, release = _installed_release()
+    version, _ = _installed_release()
     real = torchtitan_parity.plan_torchtitan
 
     def wrong(config, *args, **kwargs):  # a plan with tp 4 where the job has tp 2

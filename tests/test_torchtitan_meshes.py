@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 import torch.distributed as dist

@@ -27,15 +27,16 @@ import subprocess
 import sys
 import time
 import traceback
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional
 
 from ..errors import UsageError
+from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
+from ..planning.plan import MAX_LISTED_WORLD
 from . import argtypes
 from .console import OutputError, Progress, drop_stdout, out
 from .store import add_store_parser, run_store
-from ..planning.parity import FULL_COMPARISON_RANKS, SAMPLED_GROUPS
-from ..planning.plan import MAX_LISTED_WORLD
 
 __all__ = ["main", "build_parser"]
 
@@ -53,11 +54,13 @@ DEFAULT_GPUS_PER_NODE = 8
 
 
 class _Parser(argparse.ArgumentParser):
+    commands: dict[str, argparse.ArgumentParser]  # the top parser's subcommands, by name
+
     def error(self, message: str) -> None:  # type: ignore[override]
         # argparse prints the whole usage block; one line says what is wrong and where to look.
         raise UsageError(f"{message} (see: {self.prog} --help)")
 
-    def print_help(self, file=None) -> None:  # type: ignore[no-untyped-def]
+    def print_help(self, file: Any = None) -> None:
         # argparse drops a failed write; --help on a full disk is an error like any other output.
         if file is not None and file is not sys.stdout:
             return super().print_help(file)
@@ -107,7 +110,7 @@ def _plan_from_args(args: argparse.Namespace, follow_release: bool = False):
     return plan_from_args(args, follow_release)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> _Parser:
     """The ``hypergrid`` argument parser (exposed for the docs and tests).
 
     Example::
@@ -190,7 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("names", nargs="*", metavar="NAME", help=f"benchmarks to run: {', '.join(BENCH_SCRIPTS)} (default all)")
     b.add_argument("--bench-dir", type=Path, default=BENCH_DIR, help=argparse.SUPPRESS)
     s = add_store_parser(sub)  # python -m hypergrid store: hypergrid.app.store
-    parser.commands = {"plan": p, "check": c, "demo": d, "bench": b, "store": s}  # type: ignore[attr-defined]
+    parser.commands = {"plan": p, "check": c, "demo": d, "bench": b, "store": s}
     return parser
 
 
@@ -211,11 +214,10 @@ def _picture_paths(args: argparse.Namespace) -> list[tuple[str, str]]:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
+    from ..planning.arguments import failure_from_args
     from ..planning.cost import DEFAULT_COMM_MEMORY_MB, max_cost, rank_cost
     from ..planning.text import only_kinds, plan_csv, plan_table
     from ..planning.viz import picture, write_picture
-
-    from ..planning.arguments import failure_from_args
 
     plan = _plan_from_args(args, follow_release=True)  # a launch line's torchrun may set --gpus-per-node
     args.gpus_per_node = args.gpus_per_node or DEFAULT_GPUS_PER_NODE

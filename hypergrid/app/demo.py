@@ -31,19 +31,28 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import importlib
 import logging
 import os
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from .launcher import (
-    LaunchInterrupted, LaunchOutcome, LocalLimit, Machine, RankCost, launch, local_rank_limit, probe_machine,
-)
 from ..layout.describe import describe_members
 from ..planning.plan import Plan, plan_megatron
+from .launcher import (
+    LaunchInterrupted,
+    LaunchOutcome,
+    LocalLimit,
+    Machine,
+    RankCost,
+    launch,
+    local_rank_limit,
+    probe_machine,
+)
 
 __all__ = [
     "DEFAULT_WORLD_SIZE",
@@ -141,7 +150,7 @@ class GroupResult:
     kind: str
     key: str
     count: int
-    size: int
+    size: Optional[int]
     members: list[int]
     verified: bool
     create_s: Optional[float]  # None: made with the other kinds of its source in one call, timed as a phase
@@ -239,7 +248,7 @@ def _grid_groups(grid: Any, plan: Plan, world: int, rank: int) -> list[GroupResu
             continue  # cut from grid groups by Megatron's rules: verified in the megatron section
         dims = list(kind.dims)
         # get_or_create: an expert kind made only of dims shared with the grid (pp) is the grid's.
-        pg, seconds = _timed(lambda: grid.get_or_create_pg(dims, view=kind.view))
+        pg, seconds = _timed(functools.partial(grid.get_or_create_pg, dims, view=kind.view))
         expected = grid.ranks(dims, view=kind.view)
         ok, detail = _verify(pg, expected, world)
         results.append(GroupResult("grid", kind.name, kind.key if kind.view is None else f"{kind.view}:{kind.key}",
@@ -253,9 +262,9 @@ def _megatron_groups(config: DemoConfig, plan: Plan, world: int, notes: list[str
         with _quiet_imports():
             adapter = importlib.import_module("hypergrid.megatron")
             importlib.import_module("hypergrid.megatron.initialize")
-        initialize = getattr(adapter, "initialize_model_parallel")
-        active_grids = getattr(adapter, "active_grids")
-        destroy = getattr(adapter, "destroy_model_parallel")
+        initialize = adapter.initialize_model_parallel
+        active_grids = adapter.active_grids
+        destroy = adapter.destroy_model_parallel
         from megatron.core import parallel_state
     except (ImportError, AttributeError) as exc:
         notes.append(f"megatron: skipped ({type(exc).__name__}: {exc})")

@@ -34,9 +34,10 @@ import random
 import sys
 import types
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Optional, Union
 
 from ..planning.plan import Plan
 from ..planning.torchtitan import Source, TorchtitanParallelism, TorchtitanRelease, plan_torchtitan, read_parallelism
@@ -253,15 +254,16 @@ def compare_with_torchtitan(config: Union[TorchtitanParallelism, Source, None], 
             dims = module.ParallelDims(**degrees, world_size=world_size)
             built = dims.build_mesh()
             named = {n: sorted(dist.get_process_group_ranks(m.get_group())) for n, m in _named(dims, built, names).items()}
-        expected = [(tuple(sorted(k.members(rank))), k.creation.backend.value == "fake") for k in plan.kinds
+        expected = [(tuple(sorted(k.members(rank) or ())), k.creation.backend.value == "fake") for k in plan.kinds
                     if k.size != world_size or k.creation.backend.value != "default"]  # the world's: the default group
         if made != expected:
             result.differences.append(f"rank {rank}: torchtitan's DeviceMeshes make {_groups(made)}; the plan's kinds "
                                       f"{[k.name for k in plan.kinds]} make {_groups(expected)}")
         mine = plan.groups_of(rank)
         for name, members in named.items():
-            if members != sorted(mine[name]):
-                result.differences.append(f"rank {rank}: {name}: torchtitan {members}, hypergrid {sorted(mine[name])}")
+            ours = sorted(mine[name] or ())
+            if members != ours:
+                result.differences.append(f"rank {rank}: {name}: torchtitan {members}, hypergrid {ours}")
         result.groups_per_rank = max(result.groups_per_rank, len(made))
         result.named_meshes = max(result.named_meshes, len(named))
     result.ranks_compared, result.seconds = len(compared), time.perf_counter() - start

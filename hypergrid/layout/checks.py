@@ -32,9 +32,9 @@ Example::
 from __future__ import annotations
 
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Optional
+from typing import Optional
 
 __all__ = [
     "MIN_TIMEOUT",

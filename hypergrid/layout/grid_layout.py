@@ -401,7 +401,7 @@ class GridLayout:
         return Partition(self.rank_offset, self.size, canonical_modes(modes), self.rank_map)
 
     # ---------------------------------------------------------------- views
-    def check_view(self, view: "GridLayout", shared_dims: Sequence[str] = (), name: str = "view") -> None:
+    def check_view(self, view: GridLayout, shared_dims: Sequence[str] = (), name: str = "view") -> None:
         """Check that ``view`` (registered as ``name``) is another factorization of the same ranks.
 
         ``shared_dims`` are dims the view claims to have in common with this grid: each must

@@ -26,8 +26,9 @@ Example::
 from __future__ import annotations
 
 import enum
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 from .grid_layout import GridLayout
 from .partition import canonical_modes

@@ -15,7 +15,6 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-
 from typing import Optional
 
 from .checks import as_int
@@ -76,7 +75,7 @@ class Partition:
 
     @classmethod
     def of(cls, rank_offset: int, span: int, modes: Sequence[tuple[int, int]],
-           rank_map: Optional[RankMap] = None) -> "Partition":
+           rank_map: Optional[RankMap] = None) -> Partition:
         """The partition of ``span`` ranks from ``rank_offset`` made by ``modes`` (any order, any
         size-1 modes), checked to split the span into equal, disjoint groups. O(number of modes).
         With ``rank_map``, the modes step over positions and the groups are their ranks.

@@ -56,12 +56,12 @@ class RankMap:
                 raise ValueError(f"rank map maps two positions to rank {nxt}: {self.runs}")
 
     @classmethod
-    def contiguous(cls, first_rank: int, size: int) -> "RankMap":
+    def contiguous(cls, first_rank: int, size: int) -> RankMap:
         """Positions ``0 .. size-1`` on ranks ``first_rank .. first_rank + size - 1``."""
         return cls(((0, first_rank, size),))
 
     @classmethod
-    def of(cls, ranks: Iterable[int]) -> "RankMap":
+    def of(cls, ranks: Iterable[int]) -> RankMap:
         """The map that puts position ``i`` on ``ranks[i]``, compressed into runs. O(len(ranks)).
 
         Example::
@@ -198,7 +198,7 @@ class RankMap:
     def __len__(self) -> int:
         return self.size
 
-    def replaced(self, substitutes: Mapping[int, int]) -> "RankMap":
+    def replaced(self, substitutes: Mapping[int, int]) -> RankMap:
         """This map with the positions of some ranks given to others: ``{old rank: new rank}``.
 
         Example::
@@ -229,7 +229,7 @@ class RankMap:
                 pieces.append((start, rank + start - first, end - start))
         return RankMap(_merged(pieces))
 
-    def restricted(self, intervals: Iterable[tuple[int, int]]) -> "RankMap":
+    def restricted(self, intervals: Iterable[tuple[int, int]]) -> RankMap:
         """The map of new positions ``0, 1, ...`` onto the ranks of these ``(first position,
         length)`` intervals of this map, taken in order. O(intervals + runs they touch).
 

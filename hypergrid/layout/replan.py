@@ -235,8 +235,8 @@ def _replace(layout: GridLayout, lost: list[int], pool: list[int], gpus_per_node
         substitutes[old] = new
         free.remove(new)
     placement = (layout.rank_map or RankMap.contiguous(layout.rank_offset, layout.size)).replaced(substitutes)
-    new = GridLayout(layout.shape, layout.dim_names, rank_map=placement)
-    return RecoveryPlan(RecoveryKind.REPLACE, layout, new, tuple(lost), tuple(sorted(substitutes.items())),
+    replaced = GridLayout(layout.shape, layout.dim_names, rank_map=placement)
+    return RecoveryPlan(RecoveryKind.REPLACE, layout, replaced, tuple(lost), tuple(sorted(substitutes.items())),
                         spares_left=tuple(free))
 
 

@@ -69,7 +69,7 @@ class RankView:
         shared_dims: Optional[Union[str, Sequence[str]]],
         base: GridLayout,
         taken: Collection[str],
-    ) -> "RankView":
+    ) -> RankView:
         """The view ``name`` of the grid ``base``, after Megatron-Core's checks in its order.
 
         ``taken``: the names already registered (the grid's own ``"base"`` included).

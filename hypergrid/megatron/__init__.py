@@ -22,7 +22,8 @@ Example::
 from __future__ import annotations
 
 from .._lazy import lazy_attributes
-from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from ..errors import ParallelStateError
+from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
 from .spec.features import (
     COMMON_FEATURES,
     MEGATRON_CORE_0_16,

@@ -161,7 +161,7 @@ def _load_nccl_cfgs(config: MegatronConfig) -> dict[str, dict]:
             ) from None
         path = config.nccl_communicator_config_path
         try:
-            with open(path, "r") as stream:
+            with open(path) as stream:
                 cfgs = yaml.safe_load(stream) or {}
         except (OSError, yaml.YAMLError) as exc:
             raise ValueError(
@@ -303,8 +303,8 @@ def _fill_parallel_state(grids: MegatronGrids) -> None:
         rank_lists["_GTP_WEIGHT_REMAT_GLOBAL_RANKS"] = "gtp_remat"
     if plan.features.expert_gtp_remat:
         rank_lists["_EXPERT_GTP_WEIGHT_REMAT_GLOBAL_RANKS"] = "expt_gtp_remat"
-    for glob, kind in rank_lists.items():
-        values[glob] = grids.ranks(kind)
+    for name, kind_name in rank_lists.items():
+        values[name] = grids.ranks(kind_name)
     if config.virtual_pipeline_model_parallel_size is not None:
         values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_RANK"] = 0
         values["_VIRTUAL_PIPELINE_MODEL_PARALLEL_WORLD_SIZE"] = config.virtual_pipeline_model_parallel_size
@@ -320,8 +320,8 @@ def _fill_parallel_state(grids: MegatronGrids) -> None:
             f"megatron-core 0.16.1 to 0.19.2"
         )
     # Groups this configuration (or version) does not make: None, where the version has them.
-    for glob in _OPTIONAL_GLOBALS:
-        if hasattr(ps, glob):
-            values.setdefault(glob, None)
+    for name in _OPTIONAL_GLOBALS:
+        if hasattr(ps, name):
+            values.setdefault(name, None)
     for name, value in values.items():
         setattr(ps, name, value)

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from .spec.config import ParallelStateError
+from ..errors import ParallelStateError
 from .state import MegatronGrids, active_grids
 
 __all__ = ["process_group_collection", "COLLECTION_FIELDS"]

@@ -17,6 +17,7 @@ from its version number.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 from datetime import timedelta
@@ -25,10 +26,11 @@ from typing import Any, Optional
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
+from ..errors import ParallelStateError
 from ..runtime.modes import resolve_strategy
 from ..runtime.options import GroupOptions
 from .build import build_state
-from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError, ParallelStateError
+from .spec.config import MEGATRON_KEYWORDS, MegatronConfig, ParallelConfigError
 from .spec.features import MegatronFeatures
 from .spec.plan import MegatronPlan
 from .state import MegatronGrids, active_grids, set_active
@@ -302,7 +304,8 @@ def create_all_gather_groups(
     grids.check_alive()
     cfgs = nccl_comm_cfgs or {}
     index = len(grids.all_gather_groups)
-    wanted = [("dp_cp", "dense", ("dp", "cp"), "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP_AG")]
+    wanted: list[tuple[str, str, tuple[str, ...], str, str]] = [
+        ("dp_cp", "dense", ("dp", "cp"), "dp_cp", "DATA_PARALLEL_GROUP_WITH_CP_AG")]
     if for_expert_parallelism and grids.config.ep > 1:
         wanted.append(("expt_dp", "expert", ("dp",), "ep_dp", "EXPERT_DATA_PARALLEL_GROUP_AG"))
     made: list[Optional[dist.ProcessGroup]] = []
@@ -315,7 +318,7 @@ def create_all_gather_groups(
         grid_layout = grids.plan.layout(layout)
         members = grid_layout.group_ranks(list(dims), grids.rank) if grid_layout.contains(grids.rank) else None
         pg = grids.grid.create_derived_pg(
-            f"{kind}_ag#{index}", members, groups=lambda g=grid_layout, d=list(dims): g.enumerate(d),
+            f"{kind}_ag#{index}", members, groups=functools.partial(grid_layout.enumerate, list(dims)),
             owner=grids.owner, private=True, timeout=options.timeout, pg_options=options.pg_options,
             group_desc=options.group_desc,
         )

@@ -23,7 +23,7 @@ __all__ = ["MegatronGrids", "active_grids", "set_active"]
 _owner_ids = itertools.count()
 
 #: The state made by the last ``initialize_model_parallel`` not yet destroyed.
-_ACTIVE: Optional["MegatronGrids"] = None
+_ACTIVE: Optional[MegatronGrids] = None
 
 
 class MegatronGrids:

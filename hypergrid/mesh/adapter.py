@@ -42,17 +42,17 @@ import math
 import threading
 import weakref
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union, cast
 
 import torch
 import torch.distributed as dist
 
-from ..runtime import mesh_compat as compat
 from ..errors import HypergridError
-from ..runtime.options import GroupOptions
-from ..runtime.registry import REGISTRY
 from ..layout import Dims, GridLayout
 from ..layout.checks import backend_parts
+from ..runtime import mesh_compat as compat
+from ..runtime.options import GroupOptions
+from ..runtime.registry import REGISTRY
 from .routing import register_mesh_root
 
 if TYPE_CHECKING:
@@ -75,7 +75,7 @@ Flatten = Union[Sequence[Dims], Mapping[str, Dims], None]
 
 # One root mesh per (grid, view, device type), so that every call hands out meshes that share a
 # root and therefore its flattened dims; dropped with the grid.
-_roots: "weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple, Any]]]" = weakref.WeakKeyDictionary()
+_roots: weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple, Any]]] = weakref.WeakKeyDictionary()
 _roots_lock = threading.Lock()
 
 
@@ -153,6 +153,7 @@ def _flatten_requests(layout: GridLayout, flatten: Flatten) -> list[tuple[str, l
     """``flatten=`` as (name, dims in mesh order) pairs, checked against the layout."""
     if flatten is None:
         return []
+    items: list[tuple[Optional[str], Dims]]
     if isinstance(flatten, Mapping):
         items = list(flatten.items())
     elif isinstance(flatten, (list, tuple)):
@@ -179,7 +180,7 @@ def _flatten_requests(layout: GridLayout, flatten: Flatten) -> list[tuple[str, l
     return requests
 
 
-def _existing_multi_dim_groups(grid: "HyperCommGrid", layout: GridLayout, view: Optional[str]) -> list[list[str]]:
+def _existing_multi_dim_groups(grid: HyperCommGrid, layout: GridLayout, view: Optional[str]) -> list[list[str]]:
     """Every multi-dim group over ``layout``'s dims that the grid has created, in mesh order."""
     names = list(reversed(layout.dim_names))
     found = []
@@ -194,13 +195,13 @@ def _existing_multi_dim_groups(grid: "HyperCommGrid", layout: GridLayout, view: 
 
 
 def device_mesh(
-    grid: "HyperCommGrid",
+    grid: HyperCommGrid,
     dims: Optional[Dims] = None,
     *,
     view: Optional[str] = None,
     device_type: Optional[str] = None,
     flatten: Flatten = None,
-) -> "DeviceMesh":
+) -> DeviceMesh:
     """A DeviceMesh over the grid (or its view ``view``) that uses the grid's process groups.
 
     The root mesh has one dim per grid dim, slowest first (``mesh_dim_names`` is the reversed
@@ -280,13 +281,13 @@ def device_mesh(
 
 
 def _root_for(
-    grid: "HyperCommGrid",
+    grid: HyperCommGrid,
     layout: GridLayout,
     view: Optional[str],
     device: str,
     names: tuple[str, ...],
     groups: list[Optional[dist.ProcessGroup]],
-) -> "DeviceMesh":
+) -> DeviceMesh:
     key = (view, device)
     with _roots_lock:
         cached = _roots.setdefault(grid, {}).get(key)
@@ -300,7 +301,8 @@ def _root_for(
                 f"rank {dist.get_rank()} is in some but not all dim groups of {grid!r} "
                 f"(view {view!r}): {dict(zip(names, groups))}; a grid's ranks are in all or none"
             )
-        root = compat.mesh_from_groups(device, tuple(reversed(layout.shape)), names, groups if member else None,
+        made = cast(list[dist.ProcessGroup], groups) if member else None  # member: no None among them
+        root = compat.mesh_from_groups(device, tuple(reversed(layout.shape)), names, made,
                                        first_rank=layout.rank_offset,
                                        ranks=None if layout.rank_map is None else list(layout.ranks))
         register_mesh_root(root, grid)
@@ -310,8 +312,8 @@ def _root_for(
 
 
 def _register(
-    root: "DeviceMesh",
-    grid: "HyperCommGrid",
+    root: DeviceMesh,
+    grid: HyperCommGrid,
     view: Optional[str],
     name: str,
     dims: list[str],
@@ -340,7 +342,7 @@ def _register(
 
 
 # ---------------------------------------------------------------------------- adoption
-def _adopt_into(grid: "HyperCommGrid", adopted: list[tuple[list[str], dist.ProcessGroup]]) -> None:
+def _adopt_into(grid: HyperCommGrid, adopted: list[tuple[list[str], dist.ProcessGroup]]) -> None:
     """Make each (dims, pg) the grid's group for dims without creating anything."""
     token = ("hypergrid.mesh.adopt", id(grid))
     options = GroupOptions(backend=grid.backend)
@@ -379,13 +381,13 @@ def _dims_of_group(layout: GridLayout, members: list[int], rank: int, preferred:
                 continue
             if sorted(layout.group_ranks(list(subset), rank)) == target:
                 matches.append(list(subset))
-    for subset in matches:
-        if "_".join(subset) == preferred:
-            return subset
+    for match in matches:
+        if "_".join(match) == preferred:
+            return match
     return matches[0] if matches else None
 
 
-def grid_from_device_mesh(mesh: "DeviceMesh", *, backend: Optional[str] = None, grid_type: Optional[type] = None) -> "HyperCommGrid":
+def grid_from_device_mesh(mesh: DeviceMesh, *, backend: Optional[str] = None, grid_type: Optional[type] = None) -> HyperCommGrid:
     """A grid over ``mesh``'s ranks that adopts its groups instead of creating any.
 
     The grid's ``dim_names`` are ``mesh.mesh_dim_names`` reversed (the first mesh dim is the
@@ -465,7 +467,7 @@ def grid_from_process_groups(
     *,
     backend: Optional[str] = None,
     grid_type: Optional[type] = None,
-) -> "HyperCommGrid":
+) -> HyperCommGrid:
     """A grid whose dims are existing process groups, given slowest first as for a DeviceMesh.
 
     ``groups[i]`` is this rank's group along mesh dim ``mesh_dim_names[i]`` (the order of

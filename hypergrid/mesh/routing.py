@@ -38,6 +38,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Optional
@@ -49,6 +50,7 @@ from ..layout import Partition
 from ..runtime.mesh_compat import MeshDimRequest, consecutive_first_rank, install_mesh_router, rank_map_of
 from ..runtime.modes import resolve_strategy
 from ..runtime.options import GroupOptions, same_as_world
+from ..runtime.torch_compat import default_group
 
 if TYPE_CHECKING:
     from ..grid import HyperCommGrid
@@ -76,8 +78,8 @@ class MeshRouting:
 class _Root:
     """A root mesh's rank map, and the grid whose door serves every group of its meshes."""
 
-    grid: "HyperCommGrid"
-    rank_map: "weakref.ReferenceType[torch.Tensor]"
+    grid: HyperCommGrid
+    rank_map: weakref.ReferenceType[torch.Tensor]
 
 
 _roots: dict[int, _Root] = {}
@@ -90,7 +92,12 @@ def _forget(key: int) -> None:
         _roots.pop(key, None)
 
 
-def register_mesh_root(mesh: Any, grid: "HyperCommGrid") -> None:
+def _forgetting(key: int) -> Callable[[object], None]:
+    """The callback that forgets root ``key`` once its rank map is collected."""
+    return lambda _: _forget(key)
+
+
+def register_mesh_root(mesh: Any, grid: HyperCommGrid) -> None:
     """Serve every group torch makes for ``mesh`` (a root) and the meshes derived from it
     through ``grid``'s door. :func:`hypergrid.device_mesh` calls it for the roots it builds.
 
@@ -123,10 +130,10 @@ def register_mesh_root(mesh: Any, grid: "HyperCommGrid") -> None:
             if known.grid is not grid:
                 raise ValueError(f"{mesh} already belongs to {known.grid!r}, not {grid!r}")
             return
-        _roots[key] = _Root(grid, weakref.ref(rank_map, lambda _, key=key: _forget(key)))
+        _roots[key] = _Root(grid, weakref.ref(rank_map, _forgetting(key)))
 
 
-def grid_of(mesh: Any) -> Optional["HyperCommGrid"]:
+def grid_of(mesh: Any) -> Optional[HyperCommGrid]:
     """The grid whose door serves ``mesh``'s groups, or None for a mesh hypergrid does not serve.
 
     A mesh from :func:`hypergrid.device_mesh`, anything sliced, flattened or unflattened from it,
@@ -208,7 +215,7 @@ def _route(rank_map: torch.Tensor, requests: tuple[MeshDimRequest, ...]) -> Opti
     return served
 
 
-def _grid_for(rank_map: torch.Tensor) -> Optional["HyperCommGrid"]:
+def _grid_for(rank_map: torch.Tensor) -> Optional[HyperCommGrid]:
     with _lock:
         root = _roots.get(id(rank_map))
         if root is not None and root.rank_map() is rank_map:
@@ -228,12 +235,12 @@ def _grid_for(rank_map: torch.Tensor) -> Optional["HyperCommGrid"]:
                          check_agreement=settings.check_agreement)
     key = id(rank_map)
     with _lock:
-        _roots[key] = _Root(grid, weakref.ref(rank_map, lambda _, key=key: _forget(key)))
+        _roots[key] = _Root(grid, weakref.ref(rank_map, _forgetting(key)))
     logger.debug("DeviceMesh over ranks [%d, %d) routed through %r", start, start + size, grid)
     return grid
 
 
-def _group_name(grid: "HyperCommGrid", request: MeshDimRequest) -> Optional[str]:
+def _group_name(grid: HyperCommGrid, request: MeshDimRequest) -> Optional[str]:
     """This rank's group for one mesh dim, made through the grid's door; None off the mesh."""
     partition = Partition.of(grid.rank_offset, grid.size, request.modes)
     if not partition.contains(dist.get_rank()):
@@ -243,12 +250,12 @@ def _group_name(grid: "HyperCommGrid", request: MeshDimRequest) -> Optional[str]
     options = _options(grid, request)
     if partition.group_size == dist.get_world_size() and request.backend is None and request.pg_options is None:
         if same_as_world(GroupOptions(backend=options["backend"], timeout=options["timeout"])):
-            return dist.group.WORLD.group_name  # as torch does for a dim spanning the world
+            return default_group().group_name  # as torch does for a dim spanning the world
     pg = grid.create_derived_pg(request.name, partition=partition, **options)
     return None if pg is None else pg.group_name
 
 
-def _options(grid: "HyperCommGrid", request: MeshDimRequest) -> dict[str, Any]:
+def _options(grid: HyperCommGrid, request: MeshDimRequest) -> dict[str, Any]:
     return {
         "backend": request.backend if request.backend is not None else grid.backend,
         "timeout": request.timeout if request.timeout is not None else grid.default_timeout,

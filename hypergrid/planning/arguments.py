@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -222,8 +223,7 @@ def failure_from_args(args: argparse.Namespace, plan: Plan) -> Optional[Failure]
     span = f"[{layout.rank_offset}, {layout.rank_offset + layout.size})"
     for flag, ranks in (("--fail", args.fail), ("--spare-ranks", args.spare_ranks or [])):
         text = ",".join(str(a) if a == b else f"{a}-{b}" for a, b in member_runs(ranks))  # as given: runs as ranges
-        seen: set[int] = set()
-        twice = sorted({r for r in ranks if r in seen or seen.add(r)})
+        twice = sorted(r for r, times in Counter(ranks).items() if times > 1)
         if twice:
             raise LayoutArgumentError(f"{flag} {text}: rank {twice[0]} is given twice; expected distinct ranks")
         wrong = [r for r in ranks if layout.contains(r) != (flag == "--fail")]

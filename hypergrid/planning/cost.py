@@ -40,11 +40,12 @@ Example::
 from __future__ import annotations
 
 import random
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Hashable, Optional, Sequence
+from typing import Optional
 
-from ..layout.kinds import BackendChoice, GroupKind, box_modes
 from ..layout.checks import positive_int
+from ..layout.kinds import BackendChoice, GroupKind, box_modes
 from .plan import Anchor, Plan
 
 __all__ = ["DEFAULT_COMM_MEMORY_MB", "EXACT_MAX_RANKS", "RankCost", "MaxCost", "rank_cost", "max_cost", "cost_lines"]

@@ -383,7 +383,7 @@ def _with_flag_names(message: str, launch: MegatronLaunch, world: int) -> tuple[
     defaults = MegatronLaunch()
     culprits = [k for k in named if getattr(launch, k) != getattr(defaults, k) and getattr(launch, k) not in (1, None)]
     misfits = [k for k in culprits if isinstance(getattr(launch, k), int) and world % getattr(launch, k)]
-    chosen = (misfits or culprits or named or [None])[0]
+    chosen = next(iter(misfits or culprits or named), None)
     return text, None if chosen is None else _KEYWORD_FLAGS[chosen]
 
 
@@ -403,7 +403,7 @@ def launch_world_size(launch: MegatronLaunch, world_size: Optional[int] = None,
         ...
         hypergrid.errors.MegatronArgsError: --world-size 2048 differs from the launch line's torchrun --nnodes 128 --nproc-per-node 8, which starts 1024 ranks; give one world size
     """
-    known = []
+    known: list[tuple[int, str, Optional[str]]] = []
     if world_size is not None:
         known.append((world_size, world_size_from or f"world size {world_size}", None))
     if launch.world_size is not None:
@@ -455,11 +455,13 @@ def plan_from_megatron_args(
     launch = args if isinstance(args, MegatronLaunch) else parse_megatron_args(args)
     world = launch_world_size(launch, world_size, world_size_from)
     try:
-        plan = plan_megatron(world, **launch.megatron_kwargs(), **({} if features is None else {"features": features}))
+        given: dict[str, Any] = {} if features is None else {"features": features}
+        plan = plan_megatron(world, **launch.megatron_kwargs(), **given)
     except ValueError as exc:
         message, flag = _with_flag_names(str(exc), launch, world)
         raise MegatronArgsError(message, flag) from None
     batch, micro = launch.global_batch_size, launch.micro_batch_size or 1
+    assert plan.megatron is not None  # a Megatron plan has its sizes
     if batch is not None and "rampup-batch-size" not in launch.ignored and batch % (micro * plan.megatron.dp):
         raise MegatronArgsError(
             f"--global-batch-size ({batch}) is not divisible by --micro-batch-size ({micro}) x the data-parallel "

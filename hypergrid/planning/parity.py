@@ -35,13 +35,14 @@ import math
 import os
 import types
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Optional
 
-from ..layout.kinds import GroupKind, PipelineSubset
 from ..layout import GridLayout
-from ..megatron.spec.plan import default_embedding_ranks, default_position_embedding_ranks
 from ..layout.describe import describe_members
+from ..layout.kinds import GroupKind, PipelineSubset
+from ..megatron.spec.plan import default_embedding_ranks, default_position_embedding_ranks
 from .plan import MAX_LISTED_WORLD, Plan
 
 __all__ = [

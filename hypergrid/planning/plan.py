@@ -22,9 +22,9 @@ Example::
 
 from __future__ import annotations
 
+import difflib
 import enum
 import logging
-import difflib
 import math
 import random
 from collections.abc import Sequence
@@ -203,7 +203,7 @@ class Plan:
     follows: Optional[Followed] = None
     #: The Megatron-Core configuration a Megatron plan was made from (None: another layout): a
     #: recovery plans Megatron-Core's groups again from it (:mod:`hypergrid.planning.recovery`).
-    megatron_config: Optional["MegatronConfig"] = None
+    megatron_config: Optional[MegatronConfig] = None
     #: A Megatron-LM launch line's ``--global-batch-size`` and ``--micro-batch-size`` (None: not
     #: given): a shrink of dp warns where the global batch no longer divides.
     global_batch_size: Optional[int] = None
@@ -235,8 +235,8 @@ class Plan:
         layout = self.layout if view is None else self.views[view]
         return dict(zip(layout.dim_names, layout.coords(rank)))
 
-    def groups_of(self, rank: int) -> dict[str, list[int]]:
-        """Every group ``rank`` is in, by kind name; O(sum of group sizes)."""
+    def groups_of(self, rank: int) -> dict[str, Optional[list[int]]]:
+        """Every group ``rank`` is in, by kind name (None: in none of that kind); O(sum of group sizes)."""
         self.check_rank(rank)
         return {kind.name: kind.members(rank) for kind in self.kinds}
 
@@ -502,7 +502,7 @@ def plan_megatron(
     ))
 
 
-def plan_of_megatron(mplan: "MegatronPlan") -> Plan:
+def plan_of_megatron(mplan: MegatronPlan) -> Plan:
     """The :class:`Plan` of Megatron-Core's groups as :func:`~hypergrid.megatron.spec.plan.plan_model_parallel`
     plans them: its dense grid, kinds and expert view, laid where its placement says.
 

@@ -204,8 +204,8 @@ def _counts(old: GroupKind, new: GroupKind, before: Plan, recovery: RecoveryPlan
     elif isinstance(old.derivation, _PER_GRID_GROUP) and old.derivation == new.derivation and old.dims == new.dims:
         if old.layout not in shrunk:  # a view: its own replicas holding the dropped failed ranks dropped
             try:
-                own = plan_recovery(old.layout, recovery.dropped_failed, replica_dim=replica_dim)
-                shrunk[old.layout] = _with_replacements(own, recovery.replaced)
+                planned = plan_recovery(old.layout, recovery.dropped_failed, replica_dim=replica_dim)
+                shrunk[old.layout] = _with_replacements(planned, recovery.replaced)
             except ValueError:  # no such dim, or every replica holds a failed rank
                 shrunk[old.layout] = None
         own = shrunk[old.layout]

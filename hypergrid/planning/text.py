@@ -12,8 +12,8 @@ import csv
 import io
 import math
 
-from .cost import cost_lines
 from ..layout.describe import describe_members, member_runs
+from .cost import cost_lines
 from .plan import MAX_LISTED_WORLD, Plan, plan_grid  # noqa: F401 (plan_grid: examples)
 
 __all__ = ["plan_table", "plan_csv", "recovery_table", "only_kinds"]
@@ -100,7 +100,7 @@ def _table(rows: list[list[str]], right: set[int]) -> str:
     return "\n".join(lines)
 
 
-def plan_table(plan: "Plan", data: dict) -> str:
+def plan_table(plan: Plan, data: dict) -> str:
     """The ``plan`` command's table: sizes, grid, one row per kind, placement, cost, ``--rank``'s groups.
 
     ``data`` is ``plan.as_dict(...)`` with its ``cost`` (what ``--format json`` prints).

@@ -57,13 +57,14 @@ import difflib
 import enum
 import logging
 import os
-import tomllib
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
-from ..layout.kinds import BackendChoice, Creation, GroupKind
+import tomllib
+
 from ..layout import GridLayout
 from ..layout.checks import positive_int
+from ..layout.kinds import BackendChoice, Creation, GroupKind
 from ..releases import Followed, ReleaseChoice, installed_version
 from .plan import Anchor, Plan
 
@@ -245,7 +246,7 @@ class TorchtitanParallelism:
         """
         return {short: getattr(self, name) for name, short in _SHORT.items()}
 
-    def resolved(self, world_size: int) -> "TorchtitanParallelism":
+    def resolved(self, world_size: int) -> TorchtitanParallelism:
         """These degrees for ``world_size`` ranks: -1 filled in, the release chosen, checked as
         that release's ``ParallelDims`` checks them.
 

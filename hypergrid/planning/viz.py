@@ -316,7 +316,8 @@ def _figure(pic: Picture) -> Any:
     from matplotlib.figure import Figure
     from matplotlib.patches import Rectangle
 
-    tab20 = colormaps["tab20"].colors
+    tab20_map: Any = colormaps["tab20"]  # a ListedColormap, whose colors are its 20 entries
+    tab20 = tab20_map.colors
     palette = [tab20[i] for i in range(0, 20, 2)] + [tab20[i] for i in range(1, 20, 2)]
     cols, first, end = pic.gpus_per_node, pic.first_rank, pic.end_rank
     rows = -(-(end - first) // cols)
@@ -379,16 +380,16 @@ def _figure(pic: Picture) -> Any:
             ax.add_collection(PatchCollection(cells, facecolors=faces, edgecolors=(0, 0, 0, 0.3),
                                               linewidths=0.4, hatch=HATCHES[hatch] or None))
         ax.add_collection(LineCollection([[(0, n), (cols, n)] for n in range(1, rows)], colors="#777", linewidths=1.0))
-        lines = []
+        lines: list[tuple[list[list[tuple[int, int]]], str, float, Any, Optional[str]]] = []
         if pic.nvlink_domain != cols:
             domains = _edges(lambda r: r // pic.nvlink_domain, cols, first, end, False)
             lines.append((domains, "black", 2.6, "solid", "domains"))
         if panel.highlight:
-            outline = _edges(lambda r: r in panel.highlight, cols, first, end, True)
+            outline = _edges(panel.highlight.__contains__, cols, first, end, True)
             lines += [(outline, "black", 3.0, "solid", f"highlight-{panel.name}"),
                       (outline, "white", 1.4, (0, (2, 2)), None)]
-        for segments, colour, lw, style, gid in lines:
-            collection = LineCollection(segments, colors=colour, linewidths=lw, linestyles=style, gid=gid)
+        for segments, line_colour, lw, style, gid in lines:
+            collection = LineCollection(segments, colors=line_colour, linewidths=lw, linestyles=style, gid=gid)
             collection.set_clip_on(False)
             ax.add_collection(collection)
         if pic.rank is not None and first <= pic.rank < end and not labels:
@@ -397,7 +398,7 @@ def _figure(pic: Picture) -> Any:
     return fig
 
 
-def write_picture(pic: Picture, path: Union[str, "os.PathLike[str]"], format: Optional[str] = None) -> int:
+def write_picture(pic: Picture, path: Union[str, os.PathLike[str]], format: Optional[str] = None) -> int:
     """Draw ``pic`` into ``path`` as PNG or SVG (``format``, else the file's suffix); return its bytes.
 
     ImportError with an install hint when matplotlib is missing; OSError when ``path`` cannot
@@ -423,8 +424,8 @@ def write_picture(pic: Picture, path: Union[str, "os.PathLike[str]"], format: Op
     except ImportError:
         raise ImportError(_INSTALL_HINT) from None
     # Text stays text in SVG; no date, version or random ids, so the same picture gives the same bytes.
-    rc = {"svg.fonttype": "none", "svg.hashsalt": "hypergrid", "hatch.linewidth": 0.5, "font.family": "DejaVu Sans"}
-    with matplotlib.rc_context(rc):
+    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": "hypergrid", "hatch.linewidth": 0.5,
+                                "font.family": "DejaVu Sans"}):
         fig = _figure(pic)
         if fmt == "svg":
             fig.savefig(path, format="svg", metadata={"Date": None, "Creator": None})

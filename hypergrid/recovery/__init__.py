@@ -18,8 +18,9 @@ Example, with no process group: nothing to recover with, so a spare's wait retur
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Optional, Sequence
+from typing import Optional
 
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
 from ..runtime.interrupt import register_abortable_backend

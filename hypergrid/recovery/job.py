@@ -60,8 +60,8 @@ from ..runtime.failures import JobChannel, offer, open_channel, release_spares, 
 from ..runtime.liveness import running_heartbeat, start_heartbeat
 from ..runtime.modes import job_setup
 from ..runtime.store import agreement_possible
-from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
 from .rebuild import world_grid
+from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
 from .rounds import recover_known, run_rounds, watch_collectives
 
 __all__ = ["ResilientJob", "GridRecipe", "MegatronRecipe", "DEFAULT_TIMEOUT"]
@@ -118,7 +118,7 @@ class ResilientJob:
     # ------------------------------------------------------------------ making one
     @classmethod
     def of_grid(cls, grid: HyperCommGrid, *, spares: Sequence[int] = (),
-                timeout: timedelta = DEFAULT_TIMEOUT) -> "ResilientJob":
+                timeout: timedelta = DEFAULT_TIMEOUT) -> ResilientJob:
         """A job whose groups are ``grid``'s ``create_pg`` calls (those made before this call; a
         recovery repeats them, in order). Call it on every rank of the job, spares included,
         with the same grid and calls (a rank outside the grid gets None from each); the ranks
@@ -156,7 +156,7 @@ class ResilientJob:
         strategy: Optional[str] = None,
         check_agreement: bool = True,
         **megatron_kwargs: Any,
-    ) -> "ResilientJob":
+    ) -> ResilientJob:
         """Initialize Megatron-Core's ``parallel_state`` on every rank but ``spares``, as
         :func:`hypergrid.megatron.initialize_model_parallel` would on a world of those ranks, and
         return the job. Call it on every rank; on a spare it builds nothing (state None) and the
@@ -210,7 +210,7 @@ class ResilientJob:
                   collective_timeout=longest_collective(recipe.longest_timeout()))
         return job._started()
 
-    def _started(self) -> "ResilientJob":
+    def _started(self) -> ResilientJob:
         """The job with its world group made, its heartbeat running, its channel opened and its
         collective watch started."""
         if not agreement_possible() or not self.counts_on(dist.get_rank()):
@@ -265,12 +265,14 @@ class ResilientJob:
         layout = self.layout
         if layout.rank_map is None and layout.rank_offset == 0 and layout.size == dist.get_world_size():
             return dist.group.WORLD
-        if self._world is None:
-            object.__setattr__(self, "_world", world_grid(layout))
+        world = self._world
+        if world is None:
+            world = world_grid(layout)
+            object.__setattr__(self, "_world", world)
         try:
-            return self._world.get_pg("world")
+            return world.get_pg("world")
         except KeyError:
-            return self._world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
+            return world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
 
     @property
     def in_grid(self) -> bool:
@@ -330,7 +332,7 @@ class ResilientJob:
         step: Optional[int] = None,
         gpus_per_node: int = 8,
         replica_dim: str = "dp",
-    ) -> "ResilientJob":
+    ) -> ResilientJob:
         """The job after the failure that just happened, on every surviving rank (spares too).
 
         ``failed``: the failed ranks where they are known alike on every rank (a test, one rank
@@ -361,7 +363,7 @@ class ResilientJob:
         return run_rounds(self, timeout, step, "recover", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
 
     def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None, gpus_per_node: int = 8,
-             replica_dim: str = "dp") -> "ResilientJob":
+             replica_dim: str = "dp") -> ResilientJob:
         """Add replicas of waiting spares back along ``replica_dim``, up to the size the job was
         made with, after a shrink: one call on every rank of the grid, at the same point (say,
         every few hundred steps); the spares take part from :meth:`wait_as_spare`. Unchanged
@@ -382,7 +384,7 @@ class ResilientJob:
         return run_rounds(self, timeout, step, "grow", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
-                      gpus_per_node: int = 8, replica_dim: str = "dp") -> "ResilientJob":
+                      gpus_per_node: int = 8, replica_dim: str = "dp") -> ResilientJob:
         """On a spare: wait until a recovery (or a growth) needs this rank, take part in it, and
         return the job once this rank holds a position (or unchanged, still outside, after
         ``timeout`` with no recovery, or once the job releases its spares). Rounds that use other
@@ -415,7 +417,7 @@ class ResilientJob:
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
-              gpus_per_node: int = 8, replica_dim: str = "dp") -> "ResilientJob":
+              gpus_per_node: int = 8, replica_dim: str = "dp") -> ResilientJob:
         """On a rank the job counted out (it raised :class:`~hypergrid.errors.ExcludedByRecovery`:
         it hung, or froze, and is fit again): offer it to the job as a spare and wait like one
         (:meth:`wait_as_spare`); the next round takes it in (a :meth:`grow` uses it). Returns the
@@ -515,7 +517,7 @@ def _ranks_arg(name: str, values: object, world: int, *, keep_order: bool = Fals
     """``values`` as distinct ranks of a world of ``world`` (sorted unless ``keep_order``)."""
     if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) and not hasattr(values, "__iter__"):
         raise TypeError(f"{name} must be a sequence of ranks, got {type(values).__name__} {values!r}")
-    ranks = [as_int(v, f"a rank in {name}") for v in values]  # type: ignore[union-attr]
+    ranks = [as_int(v, f"a rank in {name}") for v in values]
     bad = [r for r in ranks if not 0 <= r < world]
     if bad:
         raise ValueError(f"{name} must be ranks of the world [0, {world}), got {bad}")

@@ -15,9 +15,9 @@ Example::
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from datetime import timedelta
-import time
 from typing import Any, Optional
 
 import torch.distributed as dist
@@ -31,8 +31,8 @@ from ..runtime.health import broken_groups
 from ..runtime.interrupt import abort_group, can_abort
 from ..runtime.liveness import stale_after_default, watching_members
 from ..runtime.modes import job_setup
-from ..runtime.torch_compat import TorchCommsSubgroups, Unsplit, unsplit_mechanism
 from ..runtime.registry import REGISTRY
+from ..runtime.torch_compat import TorchCommsSubgroups, Unsplit, unsplit_mechanism
 from ..runtime.wire import FailureVerdict
 from ..runtime.world_step import world_checkpoint, world_start
 from .recipes import GridRecipe, MegatronRecipe, Recipe

@@ -44,7 +44,7 @@ class GridRecipe:
     made: tuple[MadeGroup, ...]
 
     @classmethod
-    def of(cls, grid: HyperCommGrid) -> "GridRecipe":
+    def of(cls, grid: HyperCommGrid) -> GridRecipe:
         views = tuple((name, layout.shape, layout.dim_names, tuple(grid._views[name].shared))
                       for name, layout in grid.views.items())
         return cls(tuple(grid.dim_names), grid.backend, grid.strategy, grid.default_timeout,

@@ -88,7 +88,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
     first = True
     with recovering():
         while True:
-            rnd = RecoveryRound.open(job.channel, deadline)  # type: ignore[arg-type]
+            rnd = RecoveryRound.open(job.channel, deadline)
             job = synced(job, rnd.record)
             offered = [r for r in rnd.offers if not job.counts_on(r)]
             if not job.counts_on(rank) and rank not in offered:
@@ -112,7 +112,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
                 raise RecoveryRefused(end.message)
             logger.warning("rank %d: %s did not commit: %s", rank, rnd.name, end.message)
             if time.monotonic() >= deadline:
-                abandon(job.channel, rnd.number + 1, f"rank {rank} reached its deadline")  # type: ignore[arg-type]
+                abandon(job.channel, rnd.number + 1, f"rank {rank} reached its deadline")
                 raise RecoveryError(
                     f"hypergrid: the recovery did not commit a placement within its timeout "
                     f"({timeout.total_seconds():g} s after the survivors first agreed); the last attempt "

@@ -74,8 +74,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Optional, Sequence
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -88,10 +89,10 @@ from .wire import (
     Agreement,
     Asked,
     Entry,
-    GridFacts,
+    GridFacts,  # noqa: F401 (the examples)
     LastState,
-    Position,
-    RequestFacts,
+    Position,  # noqa: F401 (the examples)
+    RequestFacts,  # noqa: F401 (the examples)
     RoundId,
     RoundOutcome,
     State,

@@ -31,8 +31,9 @@ Example, as rank 5 of an 8-rank job on torch's fake backend, which needs no othe
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional
+from typing import Any, Optional, cast
 
 import torch.distributed as dist
 
@@ -101,7 +102,8 @@ def _split(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callab
 def _enumerated(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callable[[], Any]]:
     enumeration = request.enumerate()
     options = request.options
-    return list(request.members or ()), lambda: dist.new_subgroups_by_enumeration(
+    # torch 2.13 leaves new_subgroups_by_enumeration unannotated; 2.15 types it.
+    return list(request.members or ()), lambda: dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call,unused-ignore]
         enumeration,
         timeout=timeout,
         backend=options.backend,
@@ -144,7 +146,8 @@ def create(request: GroupRequest, *, name: Optional[str], timeout: timedelta,
         ) from exc
     if request.members is None or pg is None or pg == dist.GroupMember.NON_GROUP_MEMBER:
         return None
-    return pg
+    made: dist.ProcessGroup = pg
+    return made
 
 
 def _refused_options(request: GroupRequest, exc: BaseException) -> None:
@@ -180,7 +183,8 @@ def enumerate_before_init(request: GroupRequest) -> Optional[dist.ProcessGroup]:
     """
     options = request.options
     try:
-        pg, _ = dist.new_subgroups_by_enumeration(
+        # torch 2.13 leaves new_subgroups_by_enumeration unannotated; 2.15 types it.
+        pg, _ = dist.new_subgroups_by_enumeration(  # type: ignore[no-untyped-call,unused-ignore]
             request.enumerate(),
             timeout=options.timeout,
             backend=options.backend,
@@ -189,7 +193,7 @@ def enumerate_before_init(request: GroupRequest) -> Optional[dist.ProcessGroup]:
         )
     except ValueError as exc:
         raise RuntimeError(_not_initialized(request.label)) from exc
-    return pg
+    return cast(Optional[dist.ProcessGroup], pg)  # torch's type adds the non-member sentinel, never returned here
 
 
 def _not_initialized(label: str) -> str:

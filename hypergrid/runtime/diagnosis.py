@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-from typing import Any, Mapping, Optional
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import torch.distributed as dist
 

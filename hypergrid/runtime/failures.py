@@ -99,7 +99,7 @@ class JobChannel:
     instance: int
 
     @classmethod
-    def of(cls, origin: Sequence[int], instance: int) -> "JobChannel":
+    def of(cls, origin: Sequence[int], instance: int) -> JobChannel:
         return cls(members_digest(sorted(set(origin))), instance)
 
     def key(self, *parts: object) -> str:
@@ -151,7 +151,7 @@ class RecoveryRound:
     offers: tuple[int, ...] = ()
 
     @classmethod
-    def open(cls, channel: JobChannel, deadline: float) -> "RecoveryRound":
+    def open(cls, channel: JobChannel, deadline: float) -> RecoveryRound:
         """This rank's view of the job's open round (nothing is written yet)."""
         store = StoreClient(deadline)
         try:

@@ -28,8 +28,8 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Sequence
-from typing import Iterator, Optional
+from collections.abc import Callable, Iterator, Sequence
+from typing import Optional
 
 import torch.distributed as dist
 

@@ -29,7 +29,8 @@ import contextlib
 import logging
 import threading
 import time
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -103,7 +104,7 @@ def start_heartbeat(interval_s: float = 1.0) -> Optional[Heartbeat]:
         if _current is not None and _current.running and _current.rank == rank:
             return _current
         base = default_store()
-        store = base.clone() if hasattr(base, "clone") else base  # its own connection: never waits behind others
+        store = base.clone() if base is not None and hasattr(base, "clone") else base  # its own connection: never waits behind others
         _current = Heartbeat(store, rank, float(interval_s))
         return _current
 

@@ -49,9 +49,10 @@ import logging
 import math
 import threading
 import weakref
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -116,6 +117,7 @@ def _detect() -> tuple[str, ...]:
             list(_MeshLayout.from_sizes_strides((2,), (1,))[0].sizes_and_strides)
         except (AttributeError, TypeError):
             missing.append("_FlatLayout.sizes_and_strides")
+    params: Mapping[str, inspect.Parameter]
     try:
         params = inspect.signature(DeviceMesh.__init__).parameters
     except (TypeError, ValueError):
@@ -201,7 +203,7 @@ def mesh_from_groups(
     shape = tuple(int(size) for size in shape)
     size = math.prod(shape)
     consecutive = ranks is None
-    rank_map = torch.arange(first_rank, first_rank + size, dtype=torch.int) if consecutive else torch.tensor(
+    rank_map = torch.arange(first_rank, first_rank + size, dtype=torch.int) if ranks is None else torch.tensor(
         list(ranks), dtype=torch.int)
     result = DeviceMesh.__new__(DeviceMesh)
     layout = _MeshLayout.from_sizes_strides(shape)  # a contiguous tensor's strides
@@ -350,7 +352,8 @@ def rank_map_of(mesh: Any) -> torch.Tensor:
         >>> dist.destroy_process_group()
     """
     require_mesh_support()
-    return root_mesh(mesh)._rank_map
+    rank_map: torch.Tensor = root_mesh(mesh)._rank_map
+    return rank_map
 
 
 # ---------------------------------------------------------------------------- torch's own creation
@@ -436,7 +439,7 @@ def install_mesh_router(router: Optional[MeshRouter]) -> None:
             return creator(*args, **kwargs)
 
         init_process_groups.__wrapped__ = creator  # type: ignore[attr-defined]
-        DeviceMesh._init_process_groups = staticmethod(init_process_groups)
+        DeviceMesh._init_process_groups = staticmethod(init_process_groups)  # type: ignore[method-assign]
         _torch_creator = creator
 
 
@@ -457,7 +460,7 @@ def _requests(layout: Any, names: Optional[Sequence[str]], overrides: Sequence[A
 
 # ---------------------------------------------------------------------------- meshes in O(ndims)
 # Rank maps known to hold consecutive ascending ranks: id -> (the tensor, its first rank).
-_spans: dict[int, tuple["weakref.ReferenceType[torch.Tensor]", int]] = {}
+_spans: dict[int, tuple[weakref.ReferenceType[torch.Tensor], int]] = {}
 _torch_init: Optional[Callable[..., Any]] = None
 # Set by torch's constructor after its process groups, in this order.
 _LATE_STATE = ("_rank", "_coordinate_on_dim", "_hash")
@@ -502,7 +505,10 @@ def _forget_span(key: int) -> None:
 def _record(rank_map: torch.Tensor, first: int) -> None:
     _install_fast_init()
     key = id(rank_map)
-    _spans[key] = (weakref.ref(rank_map, lambda _, key=key: _forget_span(key)), first)
+    def forget(_: object) -> None:
+        _forget_span(key)
+
+    _spans[key] = (weakref.ref(rank_map, forget), first)
 
 
 @functools.lru_cache(maxsize=1)
@@ -620,7 +626,7 @@ def _derive(mesh: Any, arguments: dict[str, Any]) -> bool:
     state = vars(root)
     first = _first_rank(rank_map) if rank_map is not None and state.get("_rank_map") is rank_map else None
     ranks = state.get("_flatten_rank_map")
-    if first is None or ranks is None or arguments.get("_rank") is not None:
+    if first is None or rank_map is None or ranks is None or arguments.get("_rank") is not None:
         return False
     return _build(mesh, arguments["device_type"], layout, rank_map, first, arguments.get("mesh_dim_names"), root,
                   arguments.get("preserve_rank_order", False), ranks, arguments.get("_init_backend", True),
@@ -659,5 +665,5 @@ def _install_fast_init() -> None:
                         return
             original(self, *args, **kwargs)
 
-        DeviceMesh.__init__ = __init__
+        DeviceMesh.__init__ = __init__  # type: ignore[method-assign]
         _torch_init = original

@@ -221,7 +221,7 @@ class JobSetup:
         TorchComms with world-wide ``new_group`` every group but a ``fake`` one of a real world splits.
         """
         if self.torchcomms is TorchCommsSubgroups.WORLD_SPLIT:
-            return not (_backend_on("fake", backend) and self.backend != "fake")
+            return not (backend is not None and _backend_on("fake", backend) and self.backend != "fake")
         if self.torchcomms is TorchCommsSubgroups.MEMBERS_ONLY or self.split_device is None:
             return False
         requested = self.split_backend if backend is None else _backend_on(self.split_device, backend)

@@ -17,14 +17,15 @@ Example::
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Hashable, Optional
+from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .torch_compat import default_group_timeout, new_group_default_timeout
 from ..layout.checks import backend_names, check_timeout
+from .torch_compat import default_group_timeout, new_group_default_timeout
 
 __all__ = ["GroupOptions", "effective_timeout", "same_as_world"]
 
@@ -97,7 +98,7 @@ def _check_backend_known(backend: str) -> None:
     backend_names(backend, [name for name in dist.Backend.backend_list if name != "undefined"])
 
 
-def effective_timeout(options: "GroupOptions") -> timedelta:
+def effective_timeout(options: GroupOptions) -> timedelta:
     """The timeout a group is created, and agreed on, with: the request's, else the job's.
 
     With none given, the default group's timeout (``init_process_group(timeout=...)``) rules,

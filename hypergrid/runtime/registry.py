@@ -38,8 +38,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Hashable, Optional
+from typing import Optional
 
 import torch.distributed as dist
 
@@ -67,7 +68,7 @@ class _Entry:
     pg: Optional[dist.ProcessGroup]
     #: The keys under which the registry finds this entry for sharing (none for private groups).
     keys: tuple[SharingKey, ...] = ()
-    holders: set = field(default_factory=set)
+    holders: set[tuple[Owner, str]] = field(default_factory=set)
     #: Made outside hypergrid and adopted (see GroupRegistry.adopt): shared, never destroyed.
     adopted: bool = False
 
@@ -222,7 +223,7 @@ class GroupRegistry:
                 destroyed += 1
         return destroyed
 
-    def destroy_foreign(self, groups: "list[Optional[dist.ProcessGroup]]") -> int:
+    def destroy_foreign(self, groups: list[Optional[dist.ProcessGroup]]) -> int:
         """Destroy each distinct group of ``groups`` that hypergrid does not hold; returns how many.
 
         For groups a caller put beside hypergrid's (Megatron-Core lets code write ``grid._pgs``):

@@ -19,8 +19,9 @@ Example::
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field, replace
-from typing import Callable, Hashable, Optional, Union
+from typing import Any, Optional, Union
 
 from ..layout import Partition
 from .modes import CreationMode
@@ -132,7 +133,7 @@ class GroupRequest:
             object.__setattr__(self, "private", True)
 
     @classmethod
-    def for_partition(cls, label: str, partition: Partition, rank: Optional[int], **decided: object) -> "GroupRequest":
+    def for_partition(cls, label: str, partition: Partition, rank: Optional[int], **decided: Any) -> GroupRequest:
         """The groups of ``partition`` as seen by global ``rank`` (None: not known yet): O(group size).
 
         Every request for the same partition (a grid's dims, a view's, a DeviceMesh's flattened
@@ -146,12 +147,12 @@ class GroupRequest:
             ((0, 2, 8, 10), True)
         """
         members = tuple(partition.group_ranks(rank)) if rank is not None and partition.contains(rank) else None
-        return cls(label, members, partition, enumeration=partition.enumerate,  # type: ignore[arg-type]
+        return cls(label, members, partition, enumeration=partition.enumerate,
                    keep_order=partition.rank_map is not None, **decided)
 
     @classmethod
     def derived(cls, label: str, members: Optional[tuple[int, ...]],
-                groups: Optional[Callable[[], list[list[int]]]] = None, **decided: object) -> "GroupRequest":
+                groups: Optional[Callable[[], list[list[int]]]] = None, **decided: Any) -> GroupRequest:
         """A group a rule derives, given by this rank's ``members`` (None: in none) and, for the
         ``enumerate`` mode, every group of the request (``groups``).
 
@@ -160,7 +161,7 @@ class GroupRequest:
             >>> GroupRequest.derived("embd", (0, 7)).identity
             DerivedGroup(label='embd')
         """
-        return cls(label, members, DerivedGroup(label), enumeration=groups, **decided)  # type: ignore[arg-type]
+        return cls(label, members, DerivedGroup(label), enumeration=groups, **decided)
 
     @functools.cached_property
     def ordered_members(self) -> tuple[int, ...]:
@@ -215,7 +216,7 @@ class GroupRequest:
             raise ValueError(f"group {self.label!r} was requested by its members alone; its other groups are unknown")
         return self.enumeration()
 
-    def without_check(self) -> "GroupRequest":
+    def without_check(self) -> GroupRequest:
         """The same request, made without the agreement check.
 
         Example::

@@ -53,7 +53,7 @@ class Round:
         self.base = member_set_key(self.round_id.members)
 
     @classmethod
-    def opened(cls, store: StoreClient, label: str, members: list[int], agreement: Agreement) -> "Round":
+    def opened(cls, store: StoreClient, label: str, members: list[int], agreement: Agreement) -> Round:
         """This rank's round of ``members``: the epoch is read, and the rank is in it from now on."""
         epoch = int(store.add(f"{member_set_key(members_digest(members))}/epoch", 0))
         return cls(store, label, members, agreement, dist.get_rank(), RoundId.of(members, epoch))

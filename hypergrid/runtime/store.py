@@ -25,8 +25,9 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, Optional, TypeVar, cast
 
 import torch.distributed as dist
 
@@ -83,7 +84,7 @@ class _Connection:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._calls: "queue.SimpleQueue[tuple[Callable[[Any], Any], list, threading.Event]]" = queue.SimpleQueue()
+        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], list[Any], threading.Event]] = queue.SimpleQueue()
         threading.Thread(target=self._serve, name="hypergrid-store", daemon=True).start()
 
     def _serve(self) -> None:
@@ -97,7 +98,7 @@ class _Connection:
 
     def call(self, fn: Callable[[Any], R], seconds: float) -> tuple[bool, Any]:
         """``(finished, (ok, value or exception))``: not finished when ``seconds`` ran out first."""
-        box: list = []
+        box: list[Any] = []
         done = threading.Event()
         self._calls.put((fn, box, done))
         if not done.wait(seconds):
@@ -127,7 +128,7 @@ class StoreClient:
     def _open(self, base: Any) -> Optional[_Connection]:
         cached = getattr(_connections, "by_store", None)
         if cached is not None and cached[0] is base:
-            return cached[1]
+            return cast(Optional[_Connection], cached[1])
         connection = _Connection(base)  # cloning may block on a frozen host too: on its thread
         finished, result = connection.call(lambda store: store.clone(), max(MIN_CALL_S, self.remaining()))
         if not finished:
@@ -157,10 +158,10 @@ class StoreClient:
         ok, value = result
         if not ok:
             raise value
-        return value
+        return cast(R, value)
 
     def get(self, key: str) -> bytes:
-        return self._call("get", lambda store: store.get(key))
+        return cast(bytes, self._call("get", lambda store: store.get(key)))
 
     def get_within(self, key: str, seconds: float) -> Optional[bytes]:
         """``key``'s value once it is set, waiting at most ``seconds``; None if it is not set by then.
@@ -172,7 +173,7 @@ class StoreClient:
         def getting(store: Any) -> Optional[bytes]:
             store.set_timeout(timedelta(seconds=seconds))  # how long the store waits for the key
             try:
-                return store.get(key)
+                return cast(bytes, store.get(key))
             except dist.DistNetworkError:
                 raise
             except RuntimeError:  # not set in time
@@ -187,13 +188,13 @@ class StoreClient:
         self._call("multi_set", lambda store: store.multi_set(keys, values))
 
     def multi_get(self, keys: list[str]) -> list[bytes]:
-        return self._call("multi_get", lambda store: store.multi_get(keys))
+        return cast(list[bytes], self._call("multi_get", lambda store: store.multi_get(keys)))
 
     def check(self, keys: list[str]) -> bool:
-        return self._call("check", lambda store: store.check(keys))
+        return cast(bool, self._call("check", lambda store: store.check(keys)))
 
     def add(self, key: str, amount: int) -> int:
-        return self._call("add", lambda store: store.add(key, amount))
+        return cast(int, self._call("add", lambda store: store.add(key, amount)))
 
     def append(self, key: str, value: str) -> None:
         self._call("append", lambda store: store.append(key, value))
@@ -202,7 +203,7 @@ class StoreClient:
         self._call("delete", lambda store: store.delete_key(key))
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
-        return self._call("compare_set", lambda store: store.compare_set(key, expected, desired))
+        return cast(bytes, self._call("compare_set", lambda store: store.compare_set(key, expected, desired)))
 
     def wait(self, keys: list[str], seconds: float) -> bool:
         """Block until every key is set, for at most ``seconds``: one store call either way."""

@@ -29,14 +29,14 @@ import contextlib
 import enum
 import inspect
 import logging
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
 from ..errors import UnsupportedTorchError
-
 
 __all__ = [
     "TESTED_TORCH",
@@ -132,9 +132,10 @@ def group_name_override(name: str, ranks: Sequence[int]) -> Iterator[None]:
         if use_hashed_name and len(group_ranks) == len(wanted) and (
                 group_ranks == wanted or sorted(group_ranks) == wanted):
             return c10d.GroupName(name) if hasattr(c10d, "GroupName") else name
-        return original(group_ranks, use_hashed_name)
+        torch_name: str = original(group_ranks, use_hashed_name)
+        return torch_name
 
-    c10d._process_group_name = named
+    c10d._process_group_name = named  # type: ignore[assignment]  # torch's hook returns its GroupName (a str)
     try:
         yield
     finally:
@@ -159,9 +160,10 @@ def default_store() -> Optional[dist.Store]:
     if getter is None or not dist.is_initialized():
         return None
     try:
-        return getter()
+        store: dist.Store = getter()
     except (RuntimeError, ValueError):
         return None
+    return store
 
 
 def default_group_timeout() -> Optional[timedelta]:
@@ -187,7 +189,7 @@ def default_group_timeout() -> Optional[timedelta]:
             backend_options = default._get_backend(device).options
         except Exception:  # no backend for this device type
             continue
-        timeout = getattr(backend_options, "_timeout", None)
+        timeout: Optional[timedelta] = getattr(backend_options, "_timeout", None)
         if timeout is not None:
             return timeout
     return None
@@ -206,7 +208,8 @@ def new_group_default_timeout(backend: str) -> timedelta:
         from torch.distributed.constants import default_pg_timeout
 
         return default_pg_timeout
-    return getter(dist.Backend(backend))
+    timeout: timedelta = getter(dist.Backend(backend))
+    return timeout
 
 
 def default_group() -> dist.ProcessGroup:

@@ -28,8 +28,9 @@ import enum
 import functools
 import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, Sequence, Type, TypeVar, Union, get_args, get_origin, get_type_hints
+from typing import Any, Optional, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from ..layout.describe import describe_ranks
 
@@ -111,7 +112,7 @@ class GridFacts:
 
     @classmethod
     def of(cls, shape: Sequence[int], dim_names: Sequence[str], rank_offset: int, views: Sequence[ViewFacts] = (),
-           placement: str = "") -> "GridFacts":
+           placement: str = "") -> GridFacts:
         return cls(tuple(shape), tuple(dim_names), rank_offset, tuple(views), placement)
 
     @property
@@ -172,7 +173,7 @@ class RoundId:
     epoch: int
 
     @classmethod
-    def of(cls, members: Sequence[int], epoch: int) -> "RoundId":
+    def of(cls, members: Sequence[int], epoch: int) -> RoundId:
         return cls(members_digest(members), describe_ranks(sorted(members)), epoch)
 
     @property
@@ -380,7 +381,7 @@ def encode(record: Any) -> str:
     return _json(asdict(record))
 
 
-def decode(cls: Type[R], raw: Union[bytes, str]) -> R:
+def decode(cls: type[R], raw: Union[bytes, str]) -> R:
     """The record of type ``cls`` that :func:`encode` wrote as ``raw``.
 
     Example::
@@ -389,7 +390,8 @@ def decode(cls: Type[R], raw: Union[bytes, str]) -> R:
         Verdict(outcome=<RoundOutcome.OK: 'ok'>, message='')
     """
     text = raw.decode() if isinstance(raw, bytes) else raw
-    return _build(cls, json.loads(text))
+    record: R = _build(cls, json.loads(text))
+    return record
 
 
 def _build(kind: Any, value: Any) -> Any:
@@ -414,6 +416,6 @@ def _build(kind: Any, value: Any) -> Any:
     return value
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
     return get_type_hints(cls)

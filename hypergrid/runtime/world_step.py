@@ -18,10 +18,10 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from collections.abc import Sequence
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch.distributed as dist
 

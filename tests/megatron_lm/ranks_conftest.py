@@ -31,9 +31,9 @@ What it does, from outside the test files:
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
-from typing import Iterator
 from unittest import mock
 
 import pytest

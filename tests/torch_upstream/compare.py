@@ -30,9 +30,10 @@ import subprocess
 import sys
 import tempfile
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Optional
 
 from tests.junit import Outcome, read_report
 from tests.torch_upstream.plugin import ROUTE_ENV

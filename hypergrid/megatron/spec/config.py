@@ -22,10 +22,11 @@ Example::
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-from ...errors import ParallelConfigError, ParallelStateError, UnknownOrderNameError
+from ...errors import ParallelConfigError, UnknownOrderNameError
 from ...layout.checks import MAX_TIMEOUT_MS, int_at_least
 from .features import COMMON_FEATURES, MegatronFeatures
 
@@ -554,7 +555,7 @@ class MegatronConfig:
     @classmethod
     def from_megatron_kwargs(
         cls, world_size: int, kwargs: dict[str, Any], features: MegatronFeatures = COMMON_FEATURES
-    ) -> "MegatronConfig":
+    ) -> MegatronConfig:
         """Build from the keywords of a Megatron-Core call, rejecting any ``features`` lacks.
 
         Example::

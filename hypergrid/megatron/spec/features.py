@@ -28,9 +28,10 @@ import ast
 import functools
 import importlib.util
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Optional
 
 from ...releases import Followed, ReleaseChoice, installed_version
 

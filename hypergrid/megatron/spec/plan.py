@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass
 from functools import cached_property
 from typing import Any, Optional
 
+from ...layout import GridLayout
 from ...layout.kinds import (
     GRID_GROUPS,
     BackendChoice,
@@ -50,7 +51,6 @@ from ...layout.kinds import (
     Singletons,
     Span,
 )
-from ...layout import GridLayout
 from ...layout.rank_map import RankMap
 from .config import GTP_REMAT_TOKEN, MegatronConfig
 from .features import COMMON_FEATURES, MegatronFeatures
