@@ -401,9 +401,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from progress import progress  # benchmarks/progress.py, beside this script
-
     import torch
+    from progress import progress  # benchmarks/progress.py, beside this script
 
     try:
         mcore_version = importlib.metadata.version("megatron-core")  # without importing it here
