@@ -42,6 +42,10 @@ R = TypeVar("R")
 PREFIX = "hypergrid/agree"
 #: The least a store call is given, so that a call made at the deadline still gets an answer.
 MIN_CALL_S = 0.05
+#: Beyond the time a blocking call (a wait, a get of a key not set yet) may wait by design, how
+#: long its answer may take to come back before the store counts as not answering. A loaded
+#: machine (more ranks than cores, the store hosted in a busy process) answers seconds late.
+ANSWER_SLACK_S = 5.0
 
 
 def member_set_key(members_digest: str) -> str:
@@ -174,7 +178,7 @@ class StoreClient:
             except RuntimeError:  # not set in time
                 return None
 
-        return self._call("get", getting, seconds + 1.0)
+        return self._call("get", getting, seconds + ANSWER_SLACK_S)
 
     def set(self, key: str, value: str) -> None:
         self._call("set", lambda store: store.set(key, value))
@@ -216,7 +220,7 @@ class StoreClient:
             return True
 
         # A wait that runs out is normal; one that does not come back at all is the store.
-        return self._call("wait", waiting, seconds + 1.0)
+        return self._call("wait", waiting, seconds + ANSWER_SLACK_S)
 
 
 def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
