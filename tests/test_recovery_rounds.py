@@ -70,6 +70,32 @@ def _spare(job: Any) -> dict:
     return out
 
 
+def _rank_3_dies(job: Any, rank: int, *, settle_s: float = 0.5, retry: bool = False) -> dict:
+    """Rank 3 SIGKILLs itself; the others, a moment later (``settle_s``), find it in a step and
+    recover (``retry``: once more after a ``RecoveryError``, as the docs' loop would), then step on
+    the new groups and release the spares. What each ends on."""
+    from hypergrid.errors import RecoveryError
+
+    first = None
+    try:
+        if rank == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+        time.sleep(settle_s)
+        _step(job)
+    except RuntimeError:
+        try:
+            job = recover(job, gpus_per_node=2)
+        except RecoveryError as exc:
+            if not retry:
+                raise
+            first = type(exc).__name__
+            job = recover(job, gpus_per_node=2)
+    _step(job)
+    job.release_spares()
+    out = {"ranks": list(job.layout.ranks), "plan": job.last.describe()}
+    return dict(out, first=first) if retry else out
+
+
 # ---------------------------------------------------------------------- nobody failed
 def _nobody_then_a_death(rank: int, world: int) -> dict:
     job = _job(world)
@@ -124,16 +150,7 @@ def _spare_dies_when_used(rank: int, world: int) -> dict:
         rounds.attempt = dying
     if not job.in_grid:
         return _spare(job)
-    try:
-        if rank == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.5)
-        _step(job)
-    except RuntimeError:
-        job = recover(job, gpus_per_node=2)
-    _step(job)
-    job.release_spares()
-    return {"ranks": list(job.layout.ranks), "plan": job.last.describe()}
+    return _rank_3_dies(job, rank)
 
 
 @pytest.mark.gloo
@@ -151,8 +168,6 @@ def test_the_spare_a_plan_uses_dies_and_the_same_call_recovers_onto_the_other():
 
 # ---------------------------------------------------------------------- an error, then a retry
 def _fail_then_retry(rank: int, world: int) -> dict:
-    from hypergrid.errors import RecoveryError
-
     job = _job(world)
     if rank == 1:
         from hypergrid.recovery import rounds
@@ -168,21 +183,7 @@ def _fail_then_retry(rank: int, world: int) -> dict:
         rounds.build = slow
     if not job.in_grid:
         return _spare(job)
-    first = None
-    try:
-        if rank == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(0.5)
-        _step(job)
-    except RuntimeError:
-        try:
-            job = recover(job, gpus_per_node=2)
-        except RecoveryError as exc:
-            first = type(exc).__name__
-            job = recover(job, gpus_per_node=2)  # the retry the docs' loop makes
-    _step(job)
-    job.release_spares()
-    return {"first": first, "ranks": list(job.layout.ranks), "plan": job.last.describe()}
+    return _rank_3_dies(job, rank, retry=True)
 
 
 @pytest.mark.gloo
@@ -209,16 +210,8 @@ def _two_jobs(rank: int, world: int) -> dict:
     assert second.channel != first.channel
     if not second.in_grid:
         return _spare(second)
-    try:
-        if rank == 3:
-            os.kill(os.getpid(), signal.SIGKILL)
-        time.sleep(2.0)  # the spares are waiting by now: the first job's release must not end their wait
-        _step(second)
-    except RuntimeError:
-        second = recover(second, gpus_per_node=2)
-    _step(second)
-    second.release_spares()
-    return {"ranks": list(second.layout.ranks), "plan": second.last.describe()}
+    # The spares are waiting by the time rank 3 is missed: the first job's release must not end their wait.
+    return _rank_3_dies(second, rank, settle_s=2.0)
 
 
 @pytest.mark.gloo

@@ -6,12 +6,10 @@ skips, saying why)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -456,27 +454,6 @@ def _load_parallel_dims(release: str) -> Any:
     return module
 
 
-@contextlib.contextmanager
-def _mesh_groups(rank: int) -> Iterator[list[tuple[tuple[int, ...], bool]]]:
-    """Records the groups DeviceMesh asks torch for that hold ``rank``: (sorted members, fake backend)."""
-    import torch.distributed.device_mesh as device_mesh
-
-    made: list[tuple[tuple[int, ...], bool]] = []
-    original = device_mesh.new_group
-
-    def recording(*args: Any, **kwargs: Any) -> Any:
-        ranks = kwargs.get("ranks", args[0] if args else None)
-        if ranks is not None and rank in ranks:
-            made.append((tuple(sorted(ranks)), kwargs.get("backend") == "fake"))
-        return original(*args, **kwargs)
-
-    device_mesh.new_group = recording
-    try:
-        yield made
-    finally:
-        device_mesh.new_group = original
-
-
 def _build(module: Any, rank: int, world: int, parallel_dims: dict) -> tuple[int, list, dict[str, list[int]]]:
     """torchtitan's own ParallelDims(...).build_mesh() as ``rank`` of a fake world: the process groups
     it added to torch's map, the groups DeviceMesh asked for, and the members of every mesh dim
@@ -484,9 +461,10 @@ def _build(module: Any, rank: int, world: int, parallel_dims: dict) -> tuple[int
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from hypergrid.app.torchtitan_parity import recorded_mesh_groups
     from tests.harness import fake_world
 
-    with fake_world(rank, world), warnings.catch_warnings(), _mesh_groups(rank) as made:
+    with fake_world(rank, world), warnings.catch_warnings(), recorded_mesh_groups(rank) as made:
         warnings.simplefilter("ignore")  # torch: slicing a flattened dim from the root mesh will change
         before = len(c10d._world.pg_map)
         dims = module.ParallelDims(**parallel_dims, world_size=world)

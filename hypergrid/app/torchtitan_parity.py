@@ -153,13 +153,18 @@ class TorchtitanResult:
 
 
 @contextlib.contextmanager
-def _fake_rank(rank: int, world_size: int) -> Iterator[list[tuple[tuple[int, ...], bool]]]:
-    """Play ``rank`` of ``world_size`` on torch's fake backend; yields the groups holding the rank
-    that DeviceMesh asks torch for, as (sorted members, on the fake backend), in order."""
-    import torch.distributed as dist
-    import torch.distributed.device_mesh as device_mesh
+def recorded_mesh_groups(rank: int) -> Iterator[list[tuple[tuple[int, ...], bool]]]:
+    """While the block runs, the groups holding ``rank`` that DeviceMesh asks torch for, in order,
+    as (sorted members, on the fake backend).
 
-    from ..runtime.torch_compat import fake_store
+    Example::
+
+        >>> with recorded_mesh_groups(0) as made:
+        ...     pass
+        >>> made
+        []
+    """
+    import torch.distributed.device_mesh as device_mesh
 
     made: list[tuple[tuple[int, ...], bool]] = []
     original = device_mesh.new_group
@@ -170,14 +175,27 @@ def _fake_rank(rank: int, world_size: int) -> Iterator[list[tuple[tuple[int, ...
             made.append((tuple(sorted(ranks)), kwargs.get("backend") == "fake"))
         return original(*args, **kwargs)
 
-    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
     device_mesh.new_group = recording
     try:
-        with warnings.catch_warnings():
+        yield made
+    finally:
+        device_mesh.new_group = original
+
+
+@contextlib.contextmanager
+def _fake_rank(rank: int, world_size: int) -> Iterator[list[tuple[tuple[int, ...], bool]]]:
+    """Play ``rank`` of ``world_size`` on torch's fake backend; yields the groups holding the rank
+    that DeviceMesh asks torch for, as (sorted members, on the fake backend), in order."""
+    import torch.distributed as dist
+
+    from ..runtime.torch_compat import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=rank, world_size=world_size)
+    try:
+        with warnings.catch_warnings(), recorded_mesh_groups(rank) as made:
             warnings.simplefilter("ignore")  # torch: slicing a flattened dim from the root mesh will change
             yield made
     finally:
-        device_mesh.new_group = original
         dist.destroy_process_group()
 
 
