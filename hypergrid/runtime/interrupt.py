@@ -36,6 +36,7 @@ import torch.distributed as dist
 from ..errors import StoreUnresponsiveError
 from .failures import JobChannel, current_round
 from .liveness import LivenessWatch
+from .shutdown import register
 from .store import StoreClient, agreement_possible
 
 __all__ = ["register_abortable_backend", "abortable_backends", "can_abort", "abort_group", "CollectiveWatch",
@@ -185,6 +186,7 @@ class CollectiveWatch:
         self._done: dict[int, dist.ProcessGroup] = {}
         self._thread = threading.Thread(target=self._run, name="hypergrid-collective-watch", daemon=True)
         self._thread.start()
+        register("the collective watch", self.stop, self._thread.join)
 
     def stop(self) -> None:
         self._stop.set()

@@ -34,6 +34,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from .shutdown import register
 from .store import PREFIX, StoreClient, agreement_possible
 from .torch_compat import default_store
 
@@ -61,6 +62,7 @@ class Heartbeat:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"hypergrid-heartbeat-{rank}", daemon=True)
         self._thread.start()
+        register("the heartbeat", self.stop, self._thread.join)
 
     def _run(self) -> None:
         key = heartbeat_key(self.rank)

@@ -32,6 +32,7 @@ from typing import Any, Optional, TypeVar, cast
 import torch.distributed as dist
 
 from ..errors import StoreUnresponsiveError
+from .shutdown import register
 from .torch_compat import default_store
 from .wire import LastState, decode
 
@@ -84,12 +85,20 @@ class _Connection:
 
     def __init__(self, store: Any) -> None:
         self.store = store
-        self._calls: queue.SimpleQueue[tuple[Callable[[Any], Any], list[Any], threading.Event]] = queue.SimpleQueue()
-        threading.Thread(target=self._serve, name="hypergrid-store", daemon=True).start()
+        self._calls: queue.SimpleQueue[Optional[tuple[Callable[[Any], Any], list[Any], threading.Event]]] = (
+            queue.SimpleQueue())
+        thread = threading.Thread(target=self._serve, name="hypergrid-store", daemon=True)
+        thread.start()
+        # Ended before the interpreter finalizes: a call in flight then must not come back into
+        # a finalizing interpreter (hypergrid.runtime.shutdown says why).
+        register("a store connection", lambda: self._calls.put(None), thread.join)
 
     def _serve(self) -> None:
         while True:
-            fn, box, done = self._calls.get()
+            call = self._calls.get()
+            if call is None:
+                return
+            fn, box, done = call
             try:
                 box.append((True, fn(self.store)))
             except BaseException as exc:  # handed to the caller
