@@ -54,7 +54,7 @@ def main() -> None:
     rank = args.rank
     store = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=rank, world_size=args.world, timeout=COLLECTIVE)
-    hypergrid.start_heartbeat(interval_s=0.25)
+    hypergrid.start_heartbeat(interval_s=0.25, progress_timeout_s=3.0)  # frozen past it: counted out as hung
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=args.world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)

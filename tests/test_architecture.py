@@ -28,9 +28,11 @@ LAYERS = {
     # Megatron-Core's rules as pure values; the runtime, the only code that makes groups
     "megatron.spec": 2,
     "runtime": 2,
-    # the public grid; the offline planning tool (pure)
+    # the public grid; the offline planning tool (pure); the recovery's control plane: monitors,
+    # the board of losses, the rounds' waits
     "grid": 3,
     "planning": 3,
+    "control": 3,
     # adapters over the grid
     "mesh": 4,
     "megatron": 4,
@@ -45,7 +47,7 @@ LAYERS = {
 
 #: Folders and modules that must not import torch at all: planning works without a process group.
 PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console",
-        "app.argtypes")
+        "app.argtypes", "control.keys", "control.ring", "control.tcpstore", "control.monitor", "control.verdict")
 
 #: The only modules that may touch torch's private names: c10d's, and DeviceMesh's.
 COMPAT = {"runtime.torch_compat", "runtime.mesh_compat"}

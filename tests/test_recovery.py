@@ -144,18 +144,22 @@ def test_parallel_state_after_a_recovery_is_what_a_fresh_start_on_that_placement
 
 # ---------------------------------------------------------------------- multi-process pieces
 def _agree(rank: int, world: int) -> tuple:
-    from hypergrid import start_heartbeat
+    from hypergrid.control.board import LossView, publish
+    from hypergrid.control.keys import JobChannel
+    from hypergrid.control.plane import control_plane
+    from hypergrid.control.rounds import RecoveryRound
     from hypergrid.errors import ExcludedByRecovery
-    from hypergrid.runtime.failures import JobChannel, RecoveryRound
-    from hypergrid.runtime.wire import Arrival
+    from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind
 
-    beat = start_heartbeat(interval_s=0.2)
-    if rank == 3:
-        beat.stop()  # looks dead: no heartbeat, and arrives only after the verdict
-        time.sleep(6)
-    rnd = RecoveryRound.open(JobChannel.of(range(world), 0), time.monotonic() + 20)
+    plane = control_plane()
+    channel = JobChannel.of(range(world), 0, plane.namespace)
+    if rank == 2:  # its monitor would say so: its process ended (it still arrives, late, to learn it)
+        publish(channel, plane, BoardEvent(EventKind.LOST, 2, "its process ended", by=2))
+    if rank in (2, 3):
+        time.sleep(6)  # rank 3 is alive, but does not come within the bound: it hangs
+    rnd = RecoveryRound.open(channel, plane, time.monotonic() + 20)
     try:
-        verdict = rnd.agree(range(world), Arrival(rank), bound_s=30, stale_after_s=1.0, settle_s=0.4)
+        verdict = rnd.agree(range(world), Arrival(rank), bound_s=2.0, board=LossView(channel, plane))
     except ExcludedByRecovery as exc:
         return ("excluded", str(exc))
     return ("failed", verdict.failed)
@@ -164,9 +168,10 @@ def _agree(rank: int, world: int) -> tuple:
 @pytest.mark.gloo
 def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out():
     results = run_gloo(_agree, 4, timeout=90)
-    assert results[:3] == [("failed", (3,))] * 3, results
-    assert results[3][0] == "excluded" and "itself among them" in results[3][1], results[3]
-    assert "its heartbeat stopped" in results[3][1], results[3]
+    assert results[:2] == [("failed", (2, 3))] * 2, results
+    for rank, why in ((2, "its process ended before it arrived"), (3, "it hangs")):
+        assert results[rank][0] == "excluded" and "itself among them" in results[rank][1], results[rank]
+        assert why in results[rank][1], results[rank]
 
 
 def _spares_released(rank: int, world: int) -> tuple:

@@ -6,10 +6,10 @@ parallel 2, pipeline 2, data parallel 2) as ``model_step``:
 
 - a rank is SIGKILLed in the middle of a step, a spare takes its place, learns from the job
   which step to resume from, copies its shard, and training goes on;
-- with no spare, a rank is frozen (SIGSTOP) until the others count it out: its replica is
-  dropped and training goes on on the other; the replica's survivors wait as spares, the frozen
-  rank, once it runs again, learns it is out and offers itself; a growth then puts the replica
-  back, and training goes on at data parallel 2.
+- with no spare, a rank is frozen (SIGSTOP) past its progress timeout, so the others count it
+  out as hung: its replica is dropped and training goes on on the other; the replica's
+  survivors wait as spares, the frozen rank, once it runs again, learns it is out and offers
+  itself; a growth then puts the replica back, and training goes on at data parallel 2.
 
 Each time, on every rank, the losses after the recovery (or the growth) are bit-equal to those of
 a fresh job started on the new placement from the parameters every position had at that step.
@@ -62,7 +62,7 @@ def _run_docs_loop(rank: int, world: int, spares: list[int], kill: Optional[tupl
     by rank 0 once it reaches that step."""
     import hypergrid
 
-    hypergrid.start_heartbeat(interval_s=0.5)
+    hypergrid.start_heartbeat(interval_s=0.5, progress_timeout_s=4.0)  # frozen past it: hung
     store = job_store()
     store.set(f"pid/{rank}", str(os.getpid()))
     if freeze is not None and rank == 0:

@@ -3,9 +3,10 @@
 Five whole processes (``tests/exit_worker.py``, each a fresh interpreter that ends by its own
 exit, as a training script under a launcher does; the gloo harness's ranks leave by ``os._exit``
 and so never reach the interpreter's teardown): a grid tp 2 x dp 2 on ranks 0-3 and spare 4.
-Rank 3 is frozen until it is counted out, the survivors recover onto the spare, rank 3 thaws and
-learns it is out, and every rank ends as a finished job's does. Every rank's exit status must be
-0: the spare that joined, the survivors, and the rank counted out.
+Rank 3 is frozen past its progress timeout (3 s), so it is counted out as hung; the survivors
+recover onto the spare, rank 3 thaws and learns it is out, and every rank ends as a finished
+job's does. Every rank's exit status must be 0: the spare that joined, the survivors, and the
+rank counted out.
 
 The ranks reach their store through a proxy that holds every answer back 20 ms, as a busy store
 host does: a hypergrid thread that is inside a store call when the interpreter finalizes then

@@ -72,7 +72,7 @@ def _field_job(rank: int, world: int, victim: int, during: Optional[int]) -> dic
     before = {dims: grid.get_pg(dims) for dims in ("tp", "dp")}
     job = ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY)
     if during is not None and rank == during:
-        from hypergrid.runtime import failures
+        from hypergrid.control import rounds
         from hypergrid.runtime.wire import Arrival, encode
 
         def arrive_and_die(self: Any, domain: Any, arrival: Any, **kwargs: Any) -> Any:
@@ -80,7 +80,7 @@ def _field_job(rank: int, world: int, victim: int, during: Optional[int]) -> dic
             self.store.add(self.key("count"), 1)
             _die(store)
 
-        failures.RecoveryRound.agree = arrive_and_die
+        rounds.RecoveryRound.agree = arrive_and_die
     if not job.in_grid:
         job = job.wait_as_spare(timeout=timedelta(seconds=90), gpus_per_node=2)
         if not job.in_grid:

@@ -173,6 +173,12 @@ def _run_job(out: Path, victim: int, survivors: list[int]) -> dict[str, Any]:
         else:
             pytest.fail(f"the survivors {survivors} did not finish within {DEADLINE_S:.0f} s\n{_logs(out)}")
         finished = time.monotonic() - started
+        # The survivors may be done before the lost node's agent has ended its node (its workers'
+        # losses reach the job at once): give it the time it takes, to see it end.
+        settle = time.monotonic() + 30
+        while not ended and time.monotonic() < settle:
+            ended.update({node: time.time() for node, a in enumerate(agents) if a.poll() is not None})
+            time.sleep(0.2)
         starts = {r: _read(out / f"started-{r}.json") for r in range(NODES * PER_NODE)}
         # The survivors' processes end on their own once their outcome is written (up to 30 s).
         pids = [starts[r]["pid"] for r in survivors if starts[r]]

@@ -22,9 +22,9 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Optional
 
+from ..control.abort import register_abortable_backend
+from ..control.heartbeat import start_heartbeat
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
-from ..runtime.interrupt import register_abortable_backend
-from ..runtime.liveness import start_heartbeat
 from .job import GridRecipe, MegatronRecipe, ResilientJob
 
 __all__ = [
@@ -48,7 +48,7 @@ def recover(
     failed: Optional[Sequence[int]] = None,
     timeout: Optional[timedelta] = None,
     step: Optional[int] = None,
-    gpus_per_node: int = 8,
+    gpus_per_node: Optional[int] = None,
     replica_dim: str = "dp",
 ) -> ResilientJob:
     """The job after a failure, on every surviving rank: :meth:`ResilientJob.recover`.
@@ -75,7 +75,7 @@ def recover(
 
 
 def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
-         gpus_per_node: int = 8, replica_dim: str = "dp") -> ResilientJob:
+         gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
     """The job grown back towards the size it was made with, on every rank of its grid
     (:meth:`ResilientJob.grow`); spares take part from :meth:`ResilientJob.wait_as_spare`.
 

@@ -5,10 +5,11 @@ alike: the current placement of the grid, the spares, how to build the job's gro
 Megatron-Core configuration, or a grid's ``create_pg`` calls) and the job's channel in the store.
 After a failure every surviving rank calls :meth:`ResilientJob.recover` (spares wait in
 :meth:`ResilientJob.wait_as_spare`), and the recovery runs in *rounds*
-(:mod:`hypergrid.runtime.failures`) until one commits:
+(:mod:`hypergrid.control.rounds`) until one commits:
 
-1. every rank of the job arrives, or is found failed: its heartbeat stopped, or it ran but the
-   rank did not arrive within the job's longest collective timeout and a margin (it hangs);
+1. every rank of the job arrives, or is found failed: the job's board says it was lost (its
+   process ended, its node stopped beating, or it made no progress for the progress timeout), or
+   it is alive but did not arrive within the job's longest collective timeout and a margin (it hangs);
 2. each participant computes the same new placement (:func:`~hypergrid.layout.replan.plan_recovery`):
    spares take the failed ranks' positions, or the replicas holding them are dropped; a round
    in which nobody failed keeps the placement (a repair), and one started by :meth:`grow` adds
@@ -42,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,19 +52,21 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..control.heartbeat import running_heartbeat, start_heartbeat
+from ..control.keys import JobChannel
+from ..control.plane import control_plane
+from ..control.rounds import offer, open_channel, release_spares, wait_for_round
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
 from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.checks import as_int, check_timeout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryPlan
-from ..runtime.failures import JobChannel, offer, open_channel, release_spares, wait_for_round
-from ..runtime.liveness import running_heartbeat, start_heartbeat
 from ..runtime.modes import job_setup
 from ..runtime.store import agreement_possible
 from .rebuild import world_grid
 from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
-from .rounds import recover_known, run_rounds, watch_collectives
+from .rounds import attach, detach, recover_known, run_rounds
 
 __all__ = ["ResilientJob", "GridRecipe", "MegatronRecipe", "DEFAULT_TIMEOUT"]
 
@@ -70,6 +74,25 @@ logger = logging.getLogger(__name__)
 
 #: The heartbeat interval a job starts with where none runs yet.
 DEFAULT_HEARTBEAT_S = 1.0
+#: Ranks per node where neither the job nor the launcher (torchrun's LOCAL_WORLD_SIZE) says.
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def node_size(gpus_per_node: Optional[int]) -> int:
+    """Ranks per node: ``gpus_per_node``, else torchrun's ``LOCAL_WORLD_SIZE``, else 8.
+
+    Example::
+
+        >>> node_size(4)
+        4
+    """
+    if gpus_per_node is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE", "")
+        return int(local) if local.isdigit() and int(local) > 0 else DEFAULT_GPUS_PER_NODE
+    number = as_int(gpus_per_node, "gpus_per_node")
+    if number < 1:
+        raise ValueError(f"gpus_per_node must be a positive number of ranks, got {number}")
+    return number
 
 
 @dataclass(frozen=True)
@@ -106,6 +129,9 @@ class ResilientJob:
     collective_timeout: Optional[timedelta] = None
     #: The number of replicas along each dim when the job was made (what :meth:`grow` returns to).
     made_shape: tuple[int, ...] = ()
+    #: Ranks per node: a lost node's ranks go to a spare node local rank for local rank, and each
+    #: rank's heartbeat is watched from another node.
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     #: The grid whose one group is :attr:`world` for this placement, made when first asked for.
     _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -118,12 +144,13 @@ class ResilientJob:
     # ------------------------------------------------------------------ making one
     @classmethod
     def of_grid(cls, grid: HyperCommGrid, *, spares: Sequence[int] = (),
-                timeout: timedelta = DEFAULT_TIMEOUT) -> ResilientJob:
+                timeout: timedelta = DEFAULT_TIMEOUT, gpus_per_node: Optional[int] = None) -> ResilientJob:
         """A job whose groups are ``grid``'s ``create_pg`` calls (those made before this call; a
         recovery repeats them, in order). Call it on every rank of the job, spares included,
         with the same grid and calls (a rank outside the grid gets None from each); the ranks
         meet in the store once, to name the job, and each starts its heartbeat if none runs.
-        ``timeout``: how long :meth:`recover` takes by default.
+        ``timeout``: how long :meth:`recover` takes by default. ``gpus_per_node``: ranks per node
+        (default: torchrun's ``LOCAL_WORLD_SIZE``, else 8), the default of :meth:`recover`'s.
 
         Example::
 
@@ -142,7 +169,7 @@ class ResilientJob:
         # every group (enumerate) cannot be kept once ranks are lost.
         recipe = dataclasses.replace(GridRecipe.of(grid), strategy=rebuild_strategy(grid.strategy))
         job = cls(grid.layout, spare_ranks, recipe, grid, timeout=timeout,
-                  collective_timeout=longest_collective(recipe.longest_timeout()))
+                  collective_timeout=longest_collective(recipe.longest_timeout()), gpus_per_node=node_size(gpus_per_node))
         return job._started()
 
     @classmethod
@@ -155,6 +182,7 @@ class ResilientJob:
         share_groups: bool = True,
         strategy: Optional[str] = None,
         check_agreement: bool = True,
+        gpus_per_node: Optional[int] = None,
         **megatron_kwargs: Any,
     ) -> ResilientJob:
         """Initialize Megatron-Core's ``parallel_state`` on every rank but ``spares``, as
@@ -207,7 +235,7 @@ class ResilientJob:
         )
         recipe = MegatronRecipe(config, share_groups, resolved, check_agreement)
         job = cls(layout, spare_ranks, recipe, state, timeout=timeout,
-                  collective_timeout=longest_collective(recipe.longest_timeout()))
+                  collective_timeout=longest_collective(recipe.longest_timeout()), gpus_per_node=node_size(gpus_per_node))
         return job._started()
 
     def _started(self) -> ResilientJob:
@@ -218,7 +246,7 @@ class ResilientJob:
         if running_heartbeat() is None:
             start_heartbeat(DEFAULT_HEARTBEAT_S)
         job = dataclasses.replace(self, channel=open_channel(self.domain, timeout=self.timeout))
-        watch_collectives(job)
+        attach(job)
         return job
 
     # ------------------------------------------------------------------ facts
@@ -330,7 +358,7 @@ class ResilientJob:
         failed: Optional[Sequence[int]] = None,
         timeout: Optional[timedelta] = None,
         step: Optional[int] = None,
-        gpus_per_node: int = 8,
+        gpus_per_node: Optional[int] = None,
         replica_dim: str = "dp",
     ) -> ResilientJob:
         """The job after the failure that just happened, on every surviving rank (spares too).
@@ -355,6 +383,7 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", self.timeout if timeout is None else timeout)
         step = None if step is None else _nonnegative("step", step)
+        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
         if failed is not None:
             return recover_known(self, self._failed_arg(failed), timeout, gpus_per_node, replica_dim)
         if not agreement_possible() or self.channel is None:
@@ -362,8 +391,8 @@ class ResilientJob:
                                 "with ResilientJob.of_grid or of_megatron, not the fake backend); pass failed= instead")
         return run_rounds(self, timeout, step, "recover", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
 
-    def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None, gpus_per_node: int = 8,
-             replica_dim: str = "dp") -> ResilientJob:
+    def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
+             gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
         """Add replicas of waiting spares back along ``replica_dim``, up to the size the job was
         made with, after a shrink: one call on every rank of the grid, at the same point (say,
         every few hundred steps); the spares take part from :meth:`wait_as_spare`. Unchanged
@@ -379,12 +408,13 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", self.timeout if timeout is None else timeout)
         step = None if step is None else _nonnegative("step", step)
+        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
         if not agreement_possible() or self.channel is None:
             return self
         return run_rounds(self, timeout, step, "grow", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
-                      gpus_per_node: int = 8, replica_dim: str = "dp") -> ResilientJob:
+                      gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
         """On a spare: wait until a recovery (or a growth) needs this rank, take part in it, and
         return the job once this rank holds a position (or unchanged, still outside, after
         ``timeout`` with no recovery, or once the job releases its spares). Rounds that use other
@@ -399,13 +429,15 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", timeout)
         recovery_timeout = _checked_timeout("recovery_timeout", recovery_timeout or self.timeout)
+        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
         job = self
-        if not agreement_possible() or job.channel is None:
+        plane = control_plane()
+        if plane is None or job.channel is None:
             return job  # nobody to recover with: a simulated rank, or no process group
         end = time.monotonic() + timeout.total_seconds()
         while not job.in_grid:
             left = end - time.monotonic()
-            if left <= 0 or not wait_for_round(job.channel, timeout=timedelta(seconds=left)):
+            if left <= 0 or not wait_for_round(job.channel, plane, timeout=timedelta(seconds=left)):
                 return job
             try:
                 job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
@@ -417,7 +449,7 @@ class ResilientJob:
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
-              gpus_per_node: int = 8, replica_dim: str = "dp") -> ResilientJob:
+              gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
         """On a rank the job counted out (it raised :class:`~hypergrid.errors.ExcludedByRecovery`:
         it hung, or froze, and is fit again): offer it to the job as a spare and wait like one
         (:meth:`wait_as_spare`); the next round takes it in (a :meth:`grow` uses it). Returns the
@@ -431,13 +463,15 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", timeout)
         recovery_timeout = _checked_timeout("recovery_timeout", recovery_timeout or self.timeout)
-        if not agreement_possible() or self.channel is None:
+        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
+        plane = control_plane()
+        if plane is None or self.channel is None:
             return self
         rank, end = dist.get_rank(), time.monotonic() + timeout.total_seconds()
-        job = self
+        job, channel = self, self.channel
         while time.monotonic() < end:
-            offer(job.channel, rank)  # type: ignore[arg-type]
-            if not wait_for_round(job.channel, timeout=timedelta(seconds=end - time.monotonic())):  # type: ignore[arg-type]
+            offer(channel, plane, rank)
+            if not wait_for_round(channel, plane, timeout=timedelta(seconds=end - time.monotonic())):
                 return job
             try:
                 job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
@@ -468,6 +502,8 @@ class ResilientJob:
         """
         if self._world is not None:
             self._world.destroy()
+        if self.channel is not None:
+            detach()
         if isinstance(self.state, HyperCommGrid):
             self.state.destroy()
         elif self.state is not None:
@@ -485,8 +521,10 @@ class ResilientJob:
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6), spares=[4, 5])
             >>> job.release_spares()
         """
-        if self.channel is not None:
-            release_spares(self.channel)
+        plane = control_plane()
+        if self.channel is not None and plane is not None:
+            release_spares(self.channel, plane)
+            detach()  # the job is over for this rank: its end is nobody's loss
 
     # ------------------------------------------------------------------ inputs
     def _failed_arg(self, failed: Sequence[int]) -> tuple[int, ...]:

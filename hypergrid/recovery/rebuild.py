@@ -16,20 +16,22 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..control.abort import abort_group, can_abort
+from ..control.board import LossView
+from ..control.ring import from_runs
 from ..errors import RecoveryError, RecoveryRefused
 from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryKind, RecoveryPlan
 from ..runtime.health import broken_groups
-from ..runtime.interrupt import abort_group, can_abort
-from ..runtime.liveness import stale_after_default, watching_members
+from ..runtime.losses import watching
 from ..runtime.modes import job_setup
 from ..runtime.registry import REGISTRY
 from ..runtime.torch_compat import TorchCommsSubgroups, Unsplit, unsplit_mechanism
@@ -41,10 +43,12 @@ __all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_
            "world_grid"]
 
 
-def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str]) -> Any:
+def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str],
+          board: Optional[LossView] = None) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement, for
     ``job``; the state from before is still held (and, for a Megatron job, no longer current).
-    ``scope`` names the probe of the surviving groups (a recovery round's name).
+    ``scope`` names the probe of the surviving groups (a recovery round's name); ``board``: the
+    job's board, whose losses end every wait for a lost rank at once (None: waits run their course).
 
     On a world whose communicator new groups are split from (NCCL bound to a device, torch 2.15's
     ``nccl2``), the changed groups are made as communicators of their own among their members
@@ -56,9 +60,9 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
     """
     strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
-    with watching_members(stale_after_default(left(deadline).total_seconds())):
+    with watching(board):
         if dist.get_rank() in members:
-            evict_broken(members, verdict.aborted, left(deadline), scope)
+            evict_broken(members, frozenset(from_runs(verdict.aborted_by)), left(deadline), scope)
         if isinstance(job.recipe, MegatronRecipe):
             from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
 
@@ -135,12 +139,13 @@ def let_go(state: Any, *, keep: Any) -> None:
         state.release()
 
 
-def evict_broken(members: list[int], aborted: Sequence[tuple[int, ...]], timeout: timedelta,
-                  scope: Optional[str]) -> None:
+def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: timedelta, scope: Optional[str]) -> None:
     """Stop sharing the groups of living members that the failure broke (or that a member
-    aborted), so that they are made anew."""
+    aborted: a rank that aborted, aborted every abortable group it held), so that they are made anew."""
     alive = set(members)
     candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
+    aborted = [tuple(dist.get_process_group_ranks(pg)) for pg in candidates
+               if can_abort(pg) and not aborted_by.isdisjoint(dist.get_process_group_ranks(pg))]
     broken = broken_groups(candidates, participants=members, timeout=timeout, scope=scope, known=aborted)
     for pg in candidates:
         if tuple(dist.get_process_group_ranks(pg)) in broken:

@@ -1,7 +1,7 @@
 """A recovery as rounds: each participant arrives, agrees, attempts the plan, until a round commits.
 
 Every participant of a job's recovery (the survivors of its grid, its spares, ranks offering
-themselves) runs :func:`run_rounds`. Round after round (:mod:`hypergrid.runtime.failures`) it
+themselves) runs :func:`run_rounds`. Round after round (:mod:`hypergrid.control.rounds`) it
 arrives, reads the round's one verdict, computes the same plan from it (:func:`plan_for`: spares
 replace the failed ranks or the replicas holding them are dropped, nobody lost is a repair, and a
 round a grid member started with :meth:`~hypergrid.recovery.ResilientJob.grow` adds replicas),
@@ -10,16 +10,16 @@ is recorded once: committed, every participant goes on with the job after it (:f
 not, the next round starts from the state from before, with the failed set as it is then, until
 the deadline. A rank that missed an end reads the job from the store's record (:func:`synced`).
 
-How long a round waits: a rank whose heartbeat runs may be blocked in a collective with a peer
-that left, until that collective's timeout; so it is waited for up to the job's longest
-collective timeout, :data:`ARRIVAL_MARGIN_S` and the staleness bound, before it is counted out as
-hung. That wait comes on top of the recovery's timeout, in the first round only.
+How long a round waits: a rank that is alive (not lost on the job's board) may be blocked in a
+collective with a peer that left, until that collective's timeout; so it is waited for up to
+the job's longest collective timeout, :data:`ARRIVAL_MARGIN_S` and the staleness bound, before it
+is counted out as hung. That wait comes on top of the recovery's timeout, in the first round only.
 
 Example, with no process group (the failed set given, as one simulated rank knows it)::
 
     >>> from hypergrid import HyperCommGrid, ResilientJob
     >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6), spares=[4, 5])
-    >>> plan_for(job, FailureVerdict((3,), 0, present=(0, 1, 2, 4, 5)), 2, "dp").describe()
+    >>> plan_for(job, FailureVerdict((3,), 0), 2, "dp").describe()
     'replace: rank 3 -> 4; 1 spares left'
 """
 
@@ -33,29 +33,46 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..control.abort import recovering, take_aborted
+from ..control.board import LossView
+from ..control.heartbeat import running_heartbeat
+from ..control.keys import JobChannel
+from ..control.monitor import JobSpec
+from ..control.plane import ControlPlane, control_plane
+from ..control.ring import as_runs
+from ..control.rounds import RecoveryRound, current_round
+from ..control.watch import CollectiveWatch
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
 from ..layout import GridLayout
 from ..layout.describe import describe_ranks, one_line
 from ..layout.rank_map import RankMap
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
-from ..runtime.failures import JobChannel, RecoveryRound
-from ..runtime.interrupt import CollectiveWatch, recovering, take_aborted
-from ..runtime.liveness import running_heartbeat, stale_after_default
 from ..runtime.registry import REGISTRY
-from ..runtime.store import StoreClient
 from ..runtime.wire import Arrival, FailureVerdict, JobRecord, RoundEnd
 from .rebuild import build, let_go, reset_megatron_if, restore
 from .recipes import GridRecipe, longest_collective
 
-__all__ = ["run_rounds", "recover_known", "plan_for", "after", "synced", "watch_collectives", "ARRIVAL_MARGIN_S"]
+__all__ = ["run_rounds", "recover_known", "plan_for", "after", "synced", "attach", "detach", "staleness_bound",
+           "ARRIVAL_MARGIN_S"]
 
 logger = logging.getLogger(__name__)
 
-#: Beyond the job's longest collective timeout, how long a rank whose heartbeat runs may take to
-#: reach a round (it leaves its collective at that timeout, then calls the recovery).
+#: Beyond the job's longest collective timeout, how long a rank that is alive may take to reach a
+#: round (it leaves its collective at that timeout, then calls the recovery).
 ARRIVAL_MARGIN_S = 5.0
-#: A heartbeat quiet for this many intervals (not yet stale) is waited for to settle before a verdict.
-SETTLE_BEATS = 2
+
+
+def staleness_bound(default_s: float) -> float:
+    """How long after a node is lost its ranks are on the job's board at the latest: the staleness
+    bound of this rank's heartbeat and one interval (``default_s`` where no heartbeat runs).
+
+    Example::
+
+        >>> staleness_bound(30.0)          # no heartbeat runs here
+        30.0
+    """
+    beat = running_heartbeat()
+    return (beat.stale_beats + 1) * beat.interval_s if beat is not None else default_s
 
 
 def recover_known(job: Any, lost: tuple[int, ...], timeout: timedelta, gpus_per_node: int,
@@ -78,17 +95,18 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
     ``reason``: why this rank comes (``"recover"``, ``"grow"`` or ``"wait"``, a spare).
     """
     assert job.channel is not None
+    plane = control_plane()
+    assert plane is not None
     rank = dist.get_rank()
-    stale_after = stale_after_default(timeout.total_seconds())
-    beat = running_heartbeat()
-    settle = SETTLE_BEATS * beat.interval_s if beat is not None else stale_after / 2
-    bound = longest_collective(job.collective_timeout).total_seconds() + ARRIVAL_MARGIN_S + stale_after
+    bound = (longest_collective(job.collective_timeout).total_seconds() + ARRIVAL_MARGIN_S
+             + staleness_bound(timeout.total_seconds()))
     # The first round may wait for ranks blocked in a collective: on top of the recovery's timeout.
     deadline = time.monotonic() + timeout.total_seconds() + bound
     first = True
+    board = LossView(job.channel, plane)
     with recovering():
         while True:
-            rnd = RecoveryRound.open(job.channel, deadline)
+            rnd = RecoveryRound.open(job.channel, plane, deadline)
             job = synced(job, rnd.record)
             offered = [r for r in rnd.offers if not job.counts_on(r)]
             if not job.counts_on(rank) and rank not in offered:
@@ -99,12 +117,11 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
                     f"{describe_ranks(list(job.layout.ranks))}, spares {describe_ranks(job.spares)}); "
                     f"ResilientJob.offer() offers it again")
             arrival = Arrival(rank, step, reason, tuple(take_aborted()))
-            verdict = rnd.agree(sorted(set(job.domain) | set(offered)), arrival, bound_s=bound,
-                                stale_after_s=stale_after, settle_s=settle)
+            verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered)
             if first:
                 deadline, first = time.monotonic() + timeout.total_seconds(), False
                 rnd.store.deadline = deadline
-            end, state = attempt(job, rnd, verdict, gpus_per_node, replica_dim, deadline)
+            end, state = attempt(job, rnd, verdict, gpus_per_node, replica_dim, deadline, board)
             rnd.close()
             if end.committed:
                 return state
@@ -112,7 +129,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
                 raise RecoveryRefused(end.message)
             logger.warning("rank %d: %s did not commit: %s", rank, rnd.name, end.message)
             if time.monotonic() >= deadline:
-                abandon(job.channel, rnd.number + 1, f"rank {rank} reached its deadline")
+                abandon(job.channel, plane, rnd.number + 1, f"rank {rank} reached its deadline")
                 raise RecoveryError(
                     f"hypergrid: the recovery did not commit a placement within its timeout "
                     f"({timeout.total_seconds():g} s after the survivors first agreed); the last attempt "
@@ -120,7 +137,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
 
 
 def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node: int, replica_dim: str,
-             deadline: float) -> tuple[RoundEnd, Any]:
+            deadline: float, board: LossView) -> tuple[RoundEnd, Any]:
     """One attempt at the round's plan: (how it ended, the new job where it committed)."""
     rank = dist.get_rank()
     try:
@@ -131,14 +148,14 @@ def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node
     # A growth that found no replica to add, where nobody failed or came after a failure: nothing
     # is broken and nothing moves, so nothing is rebuilt.
     quiet = (plan.kind is RecoveryKind.REPAIR and verdict.grow and not verdict.recovering and not verdict.failed
-             and not verdict.aborted)
+             and not verdict.aborted_by)
     members = set(plan.new.ranks)
     new_state: Any = None
     if quiet:
         new_state = job.state  # a growth that found no replica to add: nothing to rebuild
     elif rank in members:
         try:
-            new_state = build(job, plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}")
+            new_state = build(job, plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}", board=board)
         except RecoveryRefused as exc:
             restore(job)
             return rnd.end(RoundEnd(False, str(exc), refused=True)), None
@@ -169,7 +186,7 @@ def plan_for(job: Any, verdict: FailureVerdict, gpus_per_node: int, replica_dim:
     """The placement after ``verdict``, alike on every participant."""
     failed = set(verdict.failed)
     lost = [r for r in verdict.failed if job.layout.contains(r)]
-    offered = [r for r in verdict.present if not job.counts_on(r)]
+    offered = [r for r in verdict.offered if not job.counts_on(r)]
     spares = [s for s in job.spares if s not in failed] + offered
     if lost:
         plan = plan_recovery(job.layout, lost, spares, replica_dim=replica_dim, gpus_per_node=gpus_per_node)
@@ -209,7 +226,7 @@ def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any,
     job = dataclasses.replace(job, layout=plan.new, spares=spares, state=state, recoveries=recoveries,
                               generation=job.generation + 1, step=verdict.step, _world=world)
     if job.channel is not None:
-        watch_collectives(job)
+        attach(job)
     return job
 
 
@@ -229,24 +246,36 @@ def synced(job: Any, committed: Optional[JobRecord]) -> Any:
 _collective_watch: Optional[CollectiveWatch] = None
 
 
-def watch_collectives(job: Any) -> None:
-    """(Re)start the watch that aborts this rank's abortable communicators when the job needs it."""
+def attach(job: Any) -> None:
+    """Serve ``job`` on this rank's control plane: its monitor watches in the job's ring and
+    forwards its board's events, and the collective watch aborts on those that concern it."""
     global _collective_watch
     if _collective_watch is not None:
-        _collective_watch.stop()
-    beat = running_heartbeat()
-    if job.channel is None or beat is None:
+        _collective_watch.active = False
+    beat, plane = running_heartbeat(), control_plane()
+    if job.channel is None or beat is None or plane is None:
         _collective_watch = None
         return
-    rank = dist.get_rank()
-    peers = [r for r in job.domain if r != rank]
-    _collective_watch = CollectiveWatch(job.channel, REGISTRY.groups, peers=peers, interval_s=beat.interval_s,
-                                        stale_after_s=stale_after_default(job.timeout.total_seconds()))
+    beat.attach(JobSpec(job.channel, tuple(as_runs(job.domain)), job.gpus_per_node))
+    _collective_watch = CollectiveWatch(job.channel, ranks=job.domain, first_round=current_round(job.channel, plane),
+                                        groups=REGISTRY.groups)
+    beat.listen("collective watch", _collective_watch)
 
 
-def abandon(channel: JobChannel, number: int, why: str) -> None:
+def detach() -> None:
+    """This rank no longer serves its job: its end is nobody's loss, and no event aborts anything."""
+    global _collective_watch
+    if _collective_watch is not None:
+        _collective_watch.active = False
+        _collective_watch = None
+    beat = running_heartbeat()
+    if beat is not None:
+        beat.release()
+
+
+def abandon(channel: JobChannel, plane: ControlPlane, number: int, why: str) -> None:
     """Give up round ``number`` for everyone who waits in it (they raise too), and close it, so that
     a retry after this error meets in a round of its own."""
-    rnd = RecoveryRound(channel, number, StoreClient(time.monotonic() + 5.0), None)
+    rnd = RecoveryRound(channel, plane, number, plane.client(time.monotonic() + 5.0), None)
     rnd.abandon(why)
     rnd.close()

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, shorten
-from .liveness import dead_among
+from .losses import lost_among
 from .round import Round
 from .store import StoreClient, member_set_key, read_last
 from .wire import Entry, LastState, RoundOutcome, State, Verdict, decode, encode
@@ -105,11 +105,11 @@ def entries_of(rnd: Round, ranks: list[int]) -> dict[int, Entry]:
 
 def judge_absent(rnd: Round, absent: list[int]) -> None:
     """Raise now if an absent member can never arrive; otherwise it is late, and waited for."""
-    lost = dead_among(absent, rnd.store)
+    lost = lost_among(absent)
     if lost:
         raise GroupTimeoutError(
-            f"hypergrid: {rnd.where()} cannot be created: ranks {describe_ranks(lost)} stopped their heartbeat "
-            f"(died or froze) while the others waited for them"
+            f"hypergrid: {rnd.where()} cannot be created: ranks {describe_ranks(lost)} were lost (the job's board "
+            f"says so) while the others waited for them"
         )
     failed = failed_step(rnd.store) if absent else None
     if failed is not None:

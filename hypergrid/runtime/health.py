@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from ..errors import RecoveryError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks
-from .liveness import dead_among, watching
+from .losses import lost_among, watching_now
 from .store import PREFIX, StoreClient, agreement_possible
 from .wire import members_digest
 
@@ -96,20 +96,20 @@ def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence
         else:
             base, epoch, here = "", 0, f"{PREFIX}/health/{scope}"
         reports = f"{here}/reports"
-        store.append(reports, json.dumps(bad) + "\n")
+        if bad:  # only what was found broken is pooled: every participant reads the pool
+            store.append(reports, json.dumps(bad) + "\n")
         if store.add(f"{here}/count", 1) == len(ranks):
             if scope is None:
                 store.compare_set(f"{base}/epoch", str(epoch), str(epoch + 1))  # everyone has read it
             store.set(f"{here}/ready", "")
-        while not store.wait([f"{here}/ready"], min(1.0, store.remaining()) if watching() else store.remaining()):
-            lost = dead_among(ranks, store) if store.remaining() > 0 else []
+        while not store.wait([f"{here}/ready"], min(1.0, store.remaining()) if watching_now() else store.remaining()):
+            lost = lost_among(ranks) if store.remaining() > 0 else []
             if store.remaining() <= 0 or lost:
                 raise RecoveryError(
                     f"hypergrid: ranks {describe_ranks(ranks)} did not all report which groups still work within "
-                    f"{timeout.total_seconds():g} s" + (f": ranks {describe_ranks(lost)} stopped their heartbeat"
-                                                        if lost else "")
+                    f"{timeout.total_seconds():g} s" + (f": ranks {describe_ranks(lost)} were lost" if lost else "")
                 )
-        pooled = store.get(reports).decode().splitlines()
+        pooled = store.get(reports).decode().splitlines() if store.check([reports]) else []
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise RecoveryError(f"hypergrid: the job's store did not answer while checking groups: {exc}") from exc
     found = {tuple(members) for line in pooled if line for members in json.loads(line)}

@@ -126,8 +126,8 @@ class StoreClient:
     ``wait`` that runs out is not: the keys are simply not there yet (False).
     """
 
-    def __init__(self, deadline: float) -> None:
-        base = default_store()
+    def __init__(self, deadline: float, base: Optional[Any] = None) -> None:
+        base = default_store() if base is None else base
         if base is None:
             raise RuntimeError("the job has no store to meet in (see agreement_possible)")
         self.deadline = deadline
@@ -135,9 +135,11 @@ class StoreClient:
         self._connection = self._open(base)
 
     def _open(self, base: Any) -> Optional[_Connection]:
-        cached = getattr(_connections, "by_store", None)
+        cache: dict[int, tuple[Any, Optional[_Connection]]] = getattr(_connections, "by_store", None) or {}
+        _connections.by_store = cache
+        cached = cache.get(id(base))
         if cached is not None and cached[0] is base:
-            return cast(Optional[_Connection], cached[1])
+            return cached[1]
         connection = _Connection(base)  # cloning may block on a frozen host too: on its thread
         finished, result = connection.call(lambda store: store.clone(), max(MIN_CALL_S, self.remaining()))
         if not finished:
@@ -145,8 +147,8 @@ class StoreClient:
         ok, clone = result
         if ok:
             connection.store = clone  # its thread now calls the clone
-        _connections.by_store = (base, connection if ok else None)
         # A store that cannot clone (a custom one): calls go to it directly.
+        cache[id(base)] = (base, connection if ok else None)
         return connection if ok else None
 
     def remaining(self) -> float:
@@ -162,7 +164,7 @@ class StoreClient:
         budget = max(MIN_CALL_S, self.remaining() if seconds is None else seconds)
         finished, result = self._connection.call(fn, budget)
         if not finished:
-            _connections.by_store = None  # this connection is stuck: the next use opens another
+            getattr(_connections, "by_store", {}).pop(id(self._base), None)  # stuck: the next use opens another
             raise StoreUnresponsiveError(f"the job's store did not answer a {what} within {budget:.1f} s")
         ok, value = result
         if not ok:

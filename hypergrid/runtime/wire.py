@@ -52,6 +52,8 @@ __all__ = [
     "FailureVerdict",
     "JobRecord",
     "RoundEnd",
+    "EventKind",
+    "BoardEvent",
     "encode",
     "decode",
     "members_digest",
@@ -302,14 +304,17 @@ class Arrival:
 @dataclass(frozen=True)
 class FailureVerdict:
     """How one recovery round of a job ended its wait, as every participant reads it: the ranks
-    found failed (with why, one line each), the ranks that came, the step to resume from (the
-    least any participant said), whether some participant came to grow the job (``grow``) or after
-    a failure (``recovering``), and the communicators some participant aborted. ``abandoned`` non-empty: a participant gave up (its deadline passed), and
-    the recovery ends in an error on every participant.
+    found failed (with why, one line each), the ranks outside the job that came to offer
+    themselves (``offered``), the step to resume from (the least any participant said), whether
+    some participant came to grow the job (``grow``) or after a failure (``recovering``), and the
+    ranks that aborted their communicators to come (``aborted_by``, as ``(first, count)`` runs:
+    every abortable group one of them is in is broken). ``abandoned`` non-empty: a participant gave
+    up (its deadline passed), and the recovery ends in an error on every participant. Its size
+    grows with the failures and offers, not with the job: every participant reads it.
 
     Example::
 
-        >>> verdict = FailureVerdict((3,), 0, reasons=("rank 3: its heartbeat stopped",), present=(0, 1, 2))
+        >>> verdict = FailureVerdict((3,), 0, reasons=("rank 3: its process ended",), aborted_by=((0, 3),))
         >>> decode(FailureVerdict, encode(verdict)) == verdict
         True
     """
@@ -317,11 +322,11 @@ class FailureVerdict:
     failed: tuple[int, ...]
     epoch: int
     reasons: tuple[str, ...] = ()
-    present: tuple[int, ...] = ()
+    offered: tuple[int, ...] = ()
     step: Optional[int] = None
     grow: bool = False
     recovering: bool = False
-    aborted: tuple[tuple[int, ...], ...] = ()
+    aborted_by: tuple[tuple[int, int], ...] = ()
     abandoned: str = ""
 
 
@@ -363,6 +368,35 @@ class RoundEnd:
     message: str = ""
     refused: bool = False
     job: Optional[JobRecord] = None
+
+
+class EventKind(str, enum.Enum):
+    """What a job's board says: a rank was lost, a rank counted out offers itself again, or a
+    recovery round was opened (by a survivor after a failure, or to grow the job)."""
+
+    LOST = "lost"
+    BACK = "back"
+    ROUND = "round"
+
+
+@dataclass(frozen=True)
+class BoardEvent:
+    """One entry of a job's board of events, which every rank's monitor waits on: ``rank`` lost
+    (with ``reason``), back, or round ``number`` opened (``reason``: why its first arrival came).
+    ``by``: the rank that published it (a lost rank's own monitor, or the one watching it).
+
+    Example::
+
+        >>> event = BoardEvent(EventKind.LOST, 5, "its process ended", by=5)
+        >>> decode(BoardEvent, encode(event)) == event
+        True
+    """
+
+    kind: EventKind
+    rank: int
+    reason: str = ""
+    number: int = -1
+    by: int = -1
 
 
 # ---------------------------------------------------------------------- the one serializer

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
-from .liveness import dead_among, watching
+from .losses import lost_among, watching_now
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
@@ -199,18 +199,23 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
 
 
 def _wait_watching(store: StoreClient, step: WorldRound, key: str, seen: str) -> bool:
-    """Wait for the step's ``key`` until the deadline; inside :func:`watching_members`, in slices,
-    ending with :class:`~hypergrid.errors.GroupTimeoutError` as soon as a participant not yet in
-    the list at ``seen`` has a stopped heartbeat (it died: waiting longer is waiting for nobody)."""
+    """Wait for the step's ``key`` until the deadline; inside a recovery's scope
+    (:func:`~hypergrid.runtime.losses.watching`), in slices, ending with
+    :class:`~hypergrid.errors.GroupTimeoutError` as soon as a participant not yet in the list at
+    ``seen`` is lost (waiting longer is waiting for nobody). A slice costs one look at the job's
+    board; the list is read only once a participant is lost."""
+    participants = step.ranks or range(dist.get_world_size())
     while True:
-        if store.wait([step.key(key)], min(_WATCH_SLICE_S, store.remaining()) if watching() else store.remaining()):
+        if store.wait([step.key(key)], min(_WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()):
             return True
         if store.remaining() <= 0:
             return False
-        lost = dead_among(_not_in(store, step, seen, extend=False), store)
+        lost = lost_among(participants)
+        if lost:
+            lost = sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
         if lost:
             raise GroupTimeoutError(
-                f"hypergrid: {step.label}: ranks {describe_ranks(lost)} stopped their heartbeat (died or froze) "
+                f"hypergrid: {step.label}: ranks {describe_ranks(lost)} were lost (the job's board says so) "
                 f"before they got here; the others stop waiting for them"
             )
 

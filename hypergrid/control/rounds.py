@@ -1,12 +1,13 @@
 """Agreeing on who is gone: a job's recovery rounds, each decided once and read by every participant.
 
-A resilient job (its grid's ranks and its spares) has a *channel* in the job's store, named by
-what every rank of it shares: the job's first ranks (a digest) and the job's *instance*, which
-all of them read together when the job is made (:func:`open_channel`, a world step over those
-ranks), so a second job on the same ranks has a channel of its own. In it the store counts the
-job's recovery *rounds*; round ``n`` is open until its participants close it, whatever it ended
-in (a recovery committed, nobody found failed, an attempt that failed or was refused), so the
-next recovery, a retry after an error and a spare's next wait always meet in a new round:
+A resilient job (its grid's ranks and its spares) has a *channel* in the control plane
+(:class:`~hypergrid.control.keys.JobChannel`), named by what every rank of it shares: the job's
+first ranks (a digest) and the job's *instance*, which all of them read together when the job is
+made (:func:`open_channel`, a world step over those ranks), so a second job on the same ranks has
+a channel of its own. In it the store counts the job's recovery *rounds*; round ``n`` is open
+until its participants close it, whatever it ended in (a recovery committed, nobody found failed,
+an attempt that failed or was refused), so the next recovery, a retry after an error and a
+spare's next wait always meet in a new round:
 
 ``round``
     the number of the round now open (or next); advanced once per round (compare-and-set).
@@ -21,36 +22,38 @@ next recovery, a retry after an error and a spare's next wait always meet in a n
 ``<n>/here``, ``<n>/count``, ``<n>/wake``
     the arrivals (:class:`~hypergrid.runtime.wire.Arrival`), their count, and the key spares
     block on, set by every arrival (and by a release).
+``<n>/leader``, ``<n>/leader_beat``
+    the participant that decides the round (the first to arrive; another takes its place when
+    its beat stands still), and the counter it advances as it works.
 ``<n>/verdict``
     the round's one :class:`~hypergrid.runtime.wire.FailureVerdict` (compare-and-set: the first
     proposal stands).
 ``<n>/end``
     how the attempt that followed ended (:class:`~hypergrid.runtime.wire.RoundEnd`), likewise once.
 
-**Who is failed.** A participant waits until every rank of the job has arrived, or has a stopped
-heartbeat (:mod:`hypergrid.runtime.liveness`). A rank whose heartbeat runs is never counted as
-failed while it can still arrive: it may be blocked in a collective with a peer that left for
-the recovery, and leaves it when that collective times out, so it is waited for up to
-``bound_s`` (the job's longest collective timeout and a margin), then counted out as hung, with
-that reason. A rank that arrived and then stopped beating (a launcher ending a node's workers
-one after the other) is failed too; while any heartbeat has just gone quiet (for a few beats,
-not yet stale) the proposal waits for it to settle, so a node lost over a second or two is one
-verdict. A participant whose deadline passes before anything can be decided abandons the round:
-every participant then raises :class:`~hypergrid.errors.RecoveryError` alike.
+**Who is failed** is decided by the leader alone (:func:`hypergrid.control.verdict.decide`), from
+the arrivals and the job's board of losses (:class:`~hypergrid.control.board.LossView`); the
+others block on the verdict's key, one slice at a time, and look at the leader's beat between
+slices. So a participant's store work per slice is the same at 8 ranks and at 16,384, and the
+leader reads the arrivals only when they may be complete.
 
-Example, in a one-rank gloo world whose store is a ``HashStore``: of the job ``[0, 1]``, rank 1
-never comes and has no heartbeat, and is found failed once it counts as stale::
+Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
+and its process ended (its monitor published it)::
 
     >>> import time
     >>> import torch.distributed as dist
-    >>> from hypergrid.runtime.wire import Arrival
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> channel = JobChannel.of([0, 1], 0)
-    >>> rnd = RecoveryRound.open(channel, time.monotonic() + 5)
-    >>> verdict = rnd.agree([0, 1], Arrival(0, step=3), bound_s=30, stale_after_s=0.3, settle_s=0.1)
-    >>> verdict.failed, verdict.present, verdict.step, verdict.reasons[0]
-    ((1,), (0,), 3, 'rank 1: its heartbeat stopped (died or frozen) before it arrived')
-    >>> rnd.close(); current_round(channel)
+    >>> from hypergrid.control.board import LossView, publish
+    >>> from hypergrid.control.plane import control_plane
+    >>> from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind
+    >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    >>> dist.init_process_group("gloo", store=server, rank=0, world_size=1)
+    >>> plane = control_plane(); channel = JobChannel.of([0, 1], 0, plane.namespace)
+    >>> publish(channel, plane, BoardEvent(EventKind.LOST, 1, "its process ended", by=1))
+    >>> rnd = RecoveryRound.open(channel, plane, time.monotonic() + 5)
+    >>> verdict = rnd.agree([0, 1], Arrival(0, step=3), bound_s=30, board=LossView(channel, plane))
+    >>> verdict.failed, verdict.step, verdict.reasons[0]
+    ((1,), 3, 'rank 1: its process ended before it arrived')
+    >>> rnd.close(); current_round(channel, plane)
     1
     >>> dist.destroy_process_group()
 """
@@ -61,7 +64,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
 
@@ -69,41 +72,27 @@ import torch.distributed as dist
 
 from ..errors import ExcludedByRecovery, RecoveryError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
-from .liveness import LivenessWatch
-from .store import PREFIX, StoreClient, agreement_possible, end_round
-from .wire import Arrival, FailureVerdict, JobRecord, RoundEnd, decode, encode, members_digest
-from .world_step import world_checkpoint, world_start
+from ..runtime.store import StoreClient, end_round
+from ..runtime.wire import Arrival, BoardEvent, EventKind, FailureVerdict, JobRecord, RoundEnd, decode, encode
+from ..runtime.world_step import world_checkpoint, world_start
+from .board import LossView, publish
+from .keys import JobChannel
+from .plane import ControlPlane, control_plane
+from .verdict import ABANDON_MARGIN_S, RoundView, decide
 
-__all__ = ["JobChannel", "RecoveryRound", "open_channel", "current_round", "read_record", "wait_for_round",
-           "release_spares", "offer"]
+__all__ = ["RecoveryRound", "open_channel", "current_round", "read_record", "wait_for_round", "release_spares",
+           "offer"]
 
 logger = logging.getLogger(__name__)
 
-#: How long a participant pauses between looks at the verdict, the arrivals and the heartbeats.
+#: How long the leader pauses between looks at the arrivals and the board.
 _POLL_S = 0.1
+#: How long a participant that is not the leader blocks on the verdict at a time.
+_FOLLOW_SLICE_S = 2.0
+#: How long the leader's beat may stand still before another participant decides in its place.
+_LEADER_QUIET_S = 4.0
 #: How long a waiting spare blocks on the store at a time (a release also wakes it at once).
 _SPARE_SLICE_S = 30.0
-
-
-@dataclass(frozen=True)
-class JobChannel:
-    """Where one job's rounds live in the store: its first ranks (a digest) and its instance.
-
-    Example::
-
-        >>> JobChannel.of([1, 0], 2).key("round") == JobChannel.of([0, 1], 2).key("round")
-        True
-    """
-
-    origin: str
-    instance: int
-
-    @classmethod
-    def of(cls, origin: Sequence[int], instance: int) -> JobChannel:
-        return cls(members_digest(sorted(set(origin))), instance)
-
-    def key(self, *parts: object) -> str:
-        return "/".join([PREFIX, "job", self.origin, str(self.instance), *map(str, parts)])
 
 
 def open_channel(origin: Sequence[int], *, timeout: timedelta) -> JobChannel:
@@ -114,21 +103,22 @@ def open_channel(origin: Sequence[int], *, timeout: timedelta) -> JobChannel:
     Example::
 
         >>> open_channel([0, 1], timeout=timedelta(seconds=5))      # no process group: instance 0
-        JobChannel(origin='fa5836450376bf4bf592', instance=0)
+        JobChannel(namespace='hypergrid/control', origin='fa5836450376bf4bf592', instance=0)
     """
     ranks = sorted(set(origin))
-    if not agreement_possible():
+    plane = control_plane()
+    if plane is None:
         return JobChannel.of(ranks, 0)
     step = world_start("a resilient job's start", timeout=timeout, ranks=ranks)
     world_checkpoint(step, None, timeout=timeout)
-    return JobChannel.of(ranks, step.epoch if step is not None else 0)
+    return JobChannel.of(ranks, step.epoch if step is not None else 0, plane.namespace)
 
 
-def current_round(channel: JobChannel, store: Optional[StoreClient] = None) -> int:
+def current_round(channel: JobChannel, plane: ControlPlane, store: Optional[StoreClient] = None) -> int:
     """The number of the job's round now open (or next).
 
     Example: see the module's."""
-    store = store or StoreClient(time.monotonic() + 30.0)
+    store = store or plane.client(time.monotonic() + 30.0)
     return int(store.add(channel.key("round"), 0))
 
 
@@ -139,10 +129,29 @@ def read_record(channel: JobChannel, store: StoreClient) -> Optional[JobRecord]:
 
 
 @dataclass
+class _Waiting:
+    """One participant's state while it waits for a round's verdict."""
+
+    rank: int
+    domain: list[int]
+    offers: list[int]
+    since: float
+    arrivals: dict[int, Arrival] = field(default_factory=dict)
+    read_at: int = -1
+    leader_beat: int = -1
+    leader_since: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.leader_since = self.since
+        self.ranks = set(self.domain) | set(self.offers)
+
+
+@dataclass
 class RecoveryRound:
     """One participant's view of round ``number`` of a job, with the store calls bounded by a deadline."""
 
     channel: JobChannel
+    plane: ControlPlane
     number: int
     store: StoreClient
     #: The job as the latest committed round left it, read when the round was opened.
@@ -151,13 +160,14 @@ class RecoveryRound:
     offers: tuple[int, ...] = ()
 
     @classmethod
-    def open(cls, channel: JobChannel, deadline: float) -> RecoveryRound:
+    def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float) -> RecoveryRound:
         """This rank's view of the job's open round (nothing is written yet)."""
-        store = StoreClient(deadline)
+        store = plane.client(deadline)
         try:
-            number = current_round(channel, store)
+            number = current_round(channel, plane, store)
             record = read_record(channel, store)
-            return cls(channel, number, store, record, _offers(channel, store, record.generation if record else 0))
+            return cls(channel, plane, number, store, record,
+                       _offers(channel, store, record.generation if record else 0))
         except (dist.DistError, StoreUnresponsiveError) as exc:
             raise _store_failed("open a recovery round", exc) from exc
 
@@ -169,49 +179,36 @@ class RecoveryRound:
         return f"round {self.number} of the job"
 
     # ------------------------------------------------------------------ the wait
-    def agree(self, domain: Sequence[int], arrival: Arrival, *, bound_s: float, stale_after_s: float,
-              settle_s: float) -> FailureVerdict:
+    def agree(self, domain: Sequence[int], arrival: Arrival, *, bound_s: float, board: LossView,
+              offers: Sequence[int] = ()) -> FailureVerdict:
         """Arrive with ``arrival`` and return the round's verdict, as every participant reads it.
 
         ``domain``: every rank the job counts on (those that do not come are found failed);
-        ranks outside it that arrive (ranks offering themselves) are among ``present``.
-        ``bound_s``: how long a rank whose heartbeat runs is waited for; ``stale_after_s``: how
-        long a stopped heartbeat means gone; ``settle_s``: how long a heartbeat may have been
-        quiet and still count as running while the others settle. The store's deadline bounds
-        the whole wait: past it, this rank abandons the round.
+        ``offers``: ranks outside it that offered themselves, waited for alike and taken as spares
+        if they come. ``bound_s``: how long a rank that is alive but absent is waited for; the
+        store's deadline bounds the whole wait: past it, this rank abandons the round.
 
         Raises:
             ExcludedByRecovery: this rank is in the verdict's failed set (it came too late).
             RecoveryError: the round was abandoned, or the store stopped answering.
         """
         store, rank = self.store, arrival.rank
-        ranks = sorted(set(domain))
         try:
             store.append(self.key("here"), encode(arrival) + "\n")
-            store.add(self.key("count"), 1)
+            if store.add(self.key("count"), 1) == 1:
+                publish(self.channel, self.plane, BoardEvent(EventKind.ROUND, rank, arrival.reason,
+                                                             number=self.number, by=rank), store)
             store.set(self.key("wake"), "")
-            watch = LivenessWatch(stale_after_s)
-            started = time.monotonic()
-            seen, arrivals = -1, {}
-            others = [r for r in ranks if r != rank]
+            leader = int(store.compare_set(self.key("leader"), "", str(rank)))
+            waiting = _Waiting(rank, sorted(set(domain)), sorted(set(offers) - set(domain)), time.monotonic())
             while True:
-                # A look, not a blocking get: a store get that runs out costs the client a
-                # cancellation round trip (and a warning in its log) each time.
-                if store.check([self.key("verdict")]):
-                    verdict = decode(FailureVerdict, store.get(self.key("verdict")))
+                if leader == rank:
+                    decided = self._lead(waiting, board, bound_s)
+                else:
+                    decided, leader = self._follow(waiting, leader)
+                if decided is not None:
+                    verdict = decided
                     break
-                count = int(store.add(self.key("count"), 0))
-                if count != seen:
-                    seen, arrivals = count, self._arrivals()
-                silence = watch.silence(others, store)
-                proposal = self._proposal(ranks, arrivals, silence, time.monotonic() - started, bound_s,
-                                          stale_after_s, settle_s)
-                if proposal is None:
-                    time.sleep(_POLL_S)
-                    continue
-                store.compare_set(self.key("verdict"), "", encode(proposal))
-                verdict = decode(FailureVerdict, store.get(self.key("verdict")))
-                break
         except StoreUnresponsiveError as exc:
             if store.remaining() <= 0:
                 self.abandon(f"rank {rank} reached its deadline before the participants agreed on who failed")
@@ -221,35 +218,55 @@ class RecoveryRound:
             raise _store_failed("agree on who failed", exc) from exc
         return _checked(verdict, rank, self.name)
 
+    def _standing(self) -> Optional[FailureVerdict]:
+        key = self.key("verdict")
+        return decode(FailureVerdict, self.store.get(key)) if self.store.check([key]) else None
+
+    def _lead(self, waiting: _Waiting, board: LossView, bound_s: float) -> Optional[FailureVerdict]:
+        """One look of the leader: the verdict once it can be decided (None: look again)."""
+        store = self.store
+        standing = self._standing()  # a participant that gave up at its deadline decided already
+        if standing is not None:
+            return standing
+        store.add(self.key("leader_beat"), 1)
+        count = int(store.add(self.key("count"), 0))
+        lost = board.refresh(store)
+        waited = time.monotonic() - waiting.since
+        expected = len(waiting.domain) + len(waiting.offers) - sum(1 for r in lost if r in waiting.ranks)
+        if count != waiting.read_at and (count >= expected or waited >= bound_s
+                                         or store.remaining() <= ABANDON_MARGIN_S + _POLL_S):
+            waiting.arrivals, waiting.read_at = self._arrivals(), count  # the whole list: only when it may do
+        proposal = decide(RoundView(self.number, waiting.domain, waiting.arrivals, lost, waited, waiting.offers),
+                          bound_s=bound_s, remaining_s=store.remaining())
+        if proposal is None:
+            time.sleep(_POLL_S)
+            return None
+        store.compare_set(self.key("verdict"), "", encode(proposal))
+        return decode(FailureVerdict, store.get(self.key("verdict")))
+
+    def _follow(self, waiting: _Waiting, leader: int) -> tuple[Optional[FailureVerdict], int]:
+        """One slice of a participant that is not the leader: (the verdict or None, the leader now:
+        this rank, where it took over from a leader whose beat stood still)."""
+        store = self.store
+        if store.wait([self.key("verdict")], min(_FOLLOW_SLICE_S, max(0.0, store.remaining()))):
+            return decode(FailureVerdict, store.get(self.key("verdict"))), leader
+        if store.remaining() <= 0:
+            raise StoreUnresponsiveError("the recovery's deadline passed before a verdict")
+        beat, now = int(store.add(self.key("leader_beat"), 0)), time.monotonic()
+        if beat != waiting.leader_beat:
+            waiting.leader_beat, waiting.leader_since = beat, now
+            return None, leader
+        if now - waiting.leader_since < _LEADER_QUIET_S:
+            return None, leader
+        taken = int(store.compare_set(self.key("leader"), str(leader), str(waiting.rank)))
+        logger.warning("rank %d: the leader of %s (rank %d) stopped deciding; rank %d decides now",
+                       waiting.rank, self.name, leader, taken)
+        waiting.leader_since = now
+        return None, taken
+
     def _arrivals(self) -> dict[int, Arrival]:
         lines = self.store.get(self.key("here")).decode().splitlines()
         return {a.rank: a for a in (decode(Arrival, line) for line in lines if line)}
-
-    def _proposal(self, ranks: list[int], arrivals: dict[int, Arrival], silence: dict[int, float], waited: float,
-                  bound_s: float, stale_after_s: float, settle_s: float) -> Optional[FailureVerdict]:
-        stale = {r for r, quiet in silence.items() if quiet >= stale_after_s}
-        settling = {r for r, quiet in silence.items() if settle_s <= quiet < stale_after_s}
-        absent = [r for r in ranks if r not in arrivals]
-        live_absent = [r for r in absent if r not in stale]
-        reasons = {r: "its heartbeat stopped (died or frozen) before it arrived" for r in absent if r in stale}
-        reasons.update({r: "it arrived, then its heartbeat stopped (died or frozen)" for r in arrivals if r in stale})
-        if live_absent or settling:
-            if waited < bound_s:
-                if self.store.remaining() <= 0.2:
-                    return FailureVerdict((), self.number, abandoned=(
-                        f"ranks {describe_ranks(live_absent or sorted(settling))} neither arrived nor stopped "
-                        f"their heartbeat before the recovery's deadline"))
-                return None
-            reasons.update({r: f"its heartbeat runs, but it did not arrive within {bound_s:g} s (the job's "
-                               f"longest collective timeout and a margin): it hangs" for r in live_absent})
-        failed = tuple(sorted(reasons))
-        present = {r: a for r, a in arrivals.items() if r not in reasons}
-        steps = [a.step for a in present.values() if a.step is not None]
-        aborted = sorted({tuple(g) for a in present.values() for g in a.aborted})
-        return FailureVerdict(failed, self.number, tuple(f"rank {r}: {reasons[r]}" for r in failed),
-                              tuple(sorted(present)), min(steps) if steps else None,
-                              any(a.reason == "grow" for a in present.values()),
-                              any(a.reason == "recover" for a in present.values()), tuple(aborted))
 
     def abandon(self, message: str) -> None:
         """End this round's wait for every participant with an error (this rank gives up)."""
@@ -277,9 +294,8 @@ class RecoveryRound:
         whose replica was dropped): until the deadline, then this rank ends it as failed."""
         try:
             while True:
-                if self.store.check([self.key("end")]):
+                if self.store.wait([self.key("end")], min(_FOLLOW_SLICE_S, max(0.0, self.store.remaining()))):
                     return decode(RoundEnd, self.store.get(self.key("end")))
-                time.sleep(min(_POLL_S, max(0.0, self.store.remaining())))
                 if self.store.remaining() <= 0:
                     return self.end(RoundEnd(False, "the ranks of the new placement did not finish before the "
                                                     "recovery's deadline"))
@@ -327,45 +343,37 @@ def _offers(channel: JobChannel, store: StoreClient, generation: int) -> tuple[i
     return tuple(sorted({int(r) for r, g in (line.split(":") for line in lines) if int(g) == generation}))
 
 
-def offer(channel: JobChannel, rank: int) -> int:
+def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
     """Offer ``rank`` (outside the job: counted out earlier, now fit again) to the job as it stands:
-    the next round that commits waits for it and takes it as a spare. An offer holds for the job
-    as its latest committed round left it; returns that round's generation (0: none committed).
+    the next round that commits waits for it and takes it as a spare, and the job's board says it
+    is back (it was lost). An offer holds for the job as its latest committed round left it;
+    returns that round's generation (0: none committed).
 
-    Example::
-
-        >>> offer(JobChannel.of([0, 1], 0), 3)      # no process group: nothing to offer to
-        0
+    Example: see ``ResilientJob.offer``.
     """
-    if not agreement_possible():
-        return 0
-    store = StoreClient(time.monotonic() + 30.0)
+    store = plane.client(time.monotonic() + 30.0)
     try:
         record = read_record(channel, store)
         generation = record.generation if record is not None else 0
+        publish(channel, plane, BoardEvent(EventKind.BACK, rank, "it offers itself again", by=rank), store)
         store.append(channel.key("offers"), f"{rank}:{generation}\n")
         return generation
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise _store_failed("offer this rank", exc) from exc
 
 
-def wait_for_round(channel: JobChannel, *, timeout: timedelta) -> bool:
+def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedelta) -> bool:
     """Block (a spare, outside the grid) until a recovery round of the job opens (True), or the job
     releases its spares (:func:`release_spares`) or ``timeout`` passes (False). One blocking store
     wait at a time: a waiting spare costs the store a call every half a minute, and no CPU.
 
-    Example::
-
-        >>> wait_for_round(JobChannel.of([0, 1], 0), timeout=timedelta(seconds=0.1))   # no process group
-        False
+    Example: see ``ResilientJob.wait_as_spare``.
     """
-    if not agreement_possible():
-        return False
     end = time.monotonic() + timeout.total_seconds()
-    store = StoreClient(end + 5.0)
+    store = plane.client(end + 5.0)
     try:
         while True:
-            wake = channel.key(current_round(channel, store), "wake")
+            wake = channel.key(current_round(channel, plane, store), "wake")
             left = end - time.monotonic()
             if left <= 0:
                 return False
@@ -379,20 +387,16 @@ def wait_for_round(channel: JobChannel, *, timeout: timedelta) -> bool:
         raise _store_failed("wait for a recovery", exc) from exc
 
 
-def release_spares(channel: JobChannel) -> None:
+def release_spares(channel: JobChannel, plane: ControlPlane) -> None:
     """Tell the spares of the job that wait in :func:`wait_for_round` that the job is over: they
     return (False) at once. Any rank may call it, any number of times; a later job on the same
     ranks has a channel of its own, which this does not touch.
 
-    Example::
-
-        >>> release_spares(JobChannel.of([0, 1], 0))   # no process group: nobody waits
+    Example: see ``ResilientJob.release_spares``.
     """
-    if not agreement_possible():
-        return
-    store = StoreClient(time.monotonic() + 30.0)
+    store = plane.client(time.monotonic() + 30.0)
     try:
         store.set(channel.key("released"), "1")
-        store.set(channel.key(current_round(channel, store), "wake"), "")
+        store.set(channel.key(current_round(channel, plane, store), "wake"), "")
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise _store_failed("release the spares", exc) from exc

@@ -1,0 +1,321 @@
+"""This rank's side of the control plane: its monitor process, and the thread that talks to it.
+
+:func:`start_heartbeat` starts the rank's monitor (:mod:`hypergrid.control.monitor`), a process
+that beats for the rank in the job's store, watches one other rank and publishes losses; it
+returns once the monitor has reached the store, or raises naming why it could not. A thread of
+the rank's own (it needs the GIL, which is the point) sends the monitor a tick every interval:
+a rank whose interpreter is paused for longer than the progress timeout is published as hung,
+and no sooner. The same thread hears the events of the job's board that the monitor forwards
+and hands them to the listeners (the collective watch, :mod:`hypergrid.control.watch`).
+
+A job attaches itself (:meth:`Heartbeat.attach`): its board, its ranks and the ranks per node,
+which place the monitor in the job's ring. When the interpreter exits (hypergrid stops its
+threads first, :mod:`hypergrid.runtime.shutdown`), the monitor is told how: ``bye`` (the rank
+leaves cleanly: its job was released, or its default group destroyed, or it served none), or
+``gone`` (the process ends while a job still counts on it: the job learns at once). A process
+that ends without its interpreter's exit (SIGKILL, ``os._exit``) is seen by the monitor itself.
+
+On the fake backend there is no store to beat in, and nothing starts; in a world of one rank,
+nobody could learn of its loss, and nothing starts either.
+
+Example, with no process group::
+
+    >>> start_heartbeat() is None, running_heartbeat() is None
+    (True, True)
+    >>> start_heartbeat(interval_s=0)
+    Traceback (most recent call last):
+        ...
+    ValueError: interval_s must be a positive number of seconds, got 0
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..runtime.shutdown import register
+from ..runtime.wire import BoardEvent, decode
+from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
+from .plane import ControlPlane, control_plane
+
+__all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
+
+logger = logging.getLogger(__name__)
+
+#: The directory that holds the hypergrid package this process runs: the monitor runs the same.
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
+#: The monitor's command: no site packages (it needs none), this hypergrid first on its path.
+_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.control.monitor import main; "
+         "sys.exit(main())")
+#: How long a new monitor may take to reach the store and say it is ready.
+START_TIMEOUT_S = 60.0
+
+
+class Heartbeat:
+    """This rank's monitor process and the thread that ticks it and hears its events."""
+
+    def __init__(self, plane: ControlPlane, rank: int, interval_s: float, progress_timeout_s: float,
+                 stale_beats: int) -> None:
+        if plane.address is None:
+            raise RuntimeError(
+                f"hypergrid: a heartbeat's monitor reaches the job's store by address, and this job's store is a "
+                f"{type(plane.store).__name__}, which another process cannot reach: start the default group over a "
+                f"TCPStore (init_method='env://' or 'tcp://', or torchrun)")
+        self.rank = rank
+        self.interval_s = interval_s
+        self.progress_timeout_s = progress_timeout_s
+        self.stale_beats = stale_beats
+        self.plane = plane
+        self.config = MonitorConfig(plane.address[0], plane.address[1], plane.namespace, rank, interval_s,
+                                    stale_beats, progress_timeout_s, parent_pid=os.getpid())
+        self.job: Optional[JobSpec] = None
+        #: Whether the attached job still counts on this rank (False once it released its spares).
+        self.job_running = False
+        self._listeners: dict[str, Callable[[BoardEvent], None]] = {}
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._proc = self._start_monitor()
+        self._thread = threading.Thread(target=self._run, name=f"hypergrid-heartbeat-{rank}", daemon=True)
+        self._thread.start()
+        self._service = register("the heartbeat", self.stop, self._thread.join)
+
+    # ------------------------------------------------------------------ the monitor process
+    def _start_monitor(self) -> subprocess.Popen:
+        proc = subprocess.Popen(
+            [sys.executable, "-S", "-c", _BOOT, _PACKAGE_ROOT, json.dumps(asdict(self.config))],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
+        assert proc.stdout is not None
+        line = _read_line(proc.stdout.fileno(), START_TIMEOUT_S)
+        if line != "ready":
+            proc.kill()
+            proc.wait()
+            why = line[len("error "):] if line and line.startswith("error ") else (
+                f"it said {line!r}" if line else f"it did not say it was ready within {START_TIMEOUT_S:g} s "
+                                                 f"(exit status {proc.returncode})")
+            raise RuntimeError(f"hypergrid: rank {self.rank}'s heartbeat monitor could not start: {why}")
+        os.set_blocking(proc.stdout.fileno(), False)
+        return proc
+
+    @property
+    def pid(self) -> int:
+        """The monitor process's pid."""
+        return int(self._proc.pid)
+
+    @property
+    def running(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def _send(self, line: str) -> None:
+        with self._lock:
+            stdin = self._proc.stdin
+            if stdin is None:
+                return
+            try:
+                stdin.write(line.encode() + b"\n")
+                stdin.flush()
+            except (BrokenPipeError, ValueError, OSError):
+                pass  # the monitor ended: the thread restarts it
+
+    # ------------------------------------------------------------------ the job
+    def attach(self, spec: JobSpec) -> None:
+        """Serve ``spec``'s job: watch in its ring, publish on its board, forward its events."""
+        self.job, self.job_running = spec, True
+        self._send("job " + spec.to_json())
+
+    def release(self) -> None:
+        """The job no longer counts on this rank: its end is nobody's loss, and nothing is watched."""
+        self.job_running = False
+        self._send("detach")
+
+    def listen(self, name: str, callback: Callable[[BoardEvent], None]) -> None:
+        """Call ``callback`` (on the heartbeat's thread) with every event of the attached job's board,
+        in place of the listener ``name`` had."""
+        with self._lock:
+            self._listeners = {**self._listeners, name: callback}
+
+    # ------------------------------------------------------------------ the thread
+    def _run(self) -> None:
+        next_tick = 0.0
+        inbox = b""
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if now >= next_tick:
+                self._send("p")
+                next_tick = now + self.interval_s
+            out = self._proc.stdout
+            assert out is not None
+            ready, _, _ = select.select([out.fileno(), self._wake_r], [], [], max(0.0, next_tick - now))
+            if self._stopping.is_set():
+                return
+            if out.fileno() not in ready:
+                continue
+            chunk = _read_some(out.fileno())
+            if chunk is None:
+                continue
+            if not chunk:
+                self._restart()
+                inbox = b""
+                continue
+            lines, _, inbox = (inbox + chunk).rpartition(b"\n")
+            for line in lines.split(b"\n") if lines else []:
+                self._heard(line.decode())
+
+    def _heard(self, line: str) -> None:
+        word, _, rest = line.partition(" ")
+        if word == "event":
+            event = decode(BoardEvent, rest)
+            for listener in self._listeners.values():
+                try:
+                    listener(event)
+                except Exception:  # a listener's failure must not stop the heartbeat
+                    logger.exception("rank %d: a listener of the job's events failed on %s", self.rank, event)
+        elif word == "error":
+            logger.error("rank %d: heartbeat monitor: %s", self.rank, rest)
+
+    def _restart(self) -> None:
+        """The monitor ended while this rank runs (killed, or it lost the store): start another."""
+        status = self._proc.wait()
+        logger.error("rank %d: its heartbeat monitor ended (status %s); starting another", self.rank, status)
+        time.sleep(min(1.0, self.interval_s))
+        try:
+            self._proc = self._start_monitor()
+        except RuntimeError as exc:
+            logger.error("%s; retrying", exc)
+            return
+        if self.job is not None and self.job_running:
+            self._send("job " + self.job.to_json())
+
+    # ------------------------------------------------------------------ the end
+    def stop(self, clean: Optional[bool] = None) -> None:
+        """Stop the thread and the monitor. ``clean``: the rank leaves cleanly (default: unless a job
+        still counts on it and its default group is still up)."""
+        if self._stopping.is_set():
+            return
+        if clean is None:
+            clean = not (self.job_running and dist.is_initialized())
+        self._stopping.set()
+        os.write(self._wake_w, b"x")
+        self._thread.join(timeout=5.0)
+        self._send("bye" if clean else "gone its process is exiting while the job runs (an exception, or "
+                                       "sys.exit, before the job was released)")
+        with self._lock:
+            if self._proc.stdin is not None:
+                try:
+                    self._proc.stdin.close()
+                except OSError:
+                    pass
+        try:
+            self._proc.wait(timeout=5.0)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        for fd in (self._wake_r, self._wake_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+
+
+def _read_line(fd: int, timeout_s: float) -> Optional[str]:
+    """One line from ``fd`` within ``timeout_s`` (None: none came, or the writer ended)."""
+    end, data = time.monotonic() + timeout_s, b""
+    while b"\n" not in data:
+        left = end - time.monotonic()
+        if left <= 0 or not select.select([fd], [], [], left)[0]:
+            return None
+        chunk = os.read(fd, 1)
+        if not chunk:
+            return None
+        data += chunk
+    return data.decode().strip()
+
+
+def _read_some(fd: int) -> Optional[bytes]:
+    try:
+        return os.read(fd, 65536)
+    except BlockingIOError:
+        return None
+
+
+_current: Optional[Heartbeat] = None
+_start_lock = threading.Lock()
+
+
+def _positive(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")
+    return float(value)
+
+
+def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
+                    stale_beats: int = STALE_BEATS) -> Optional[Heartbeat]:
+    """Start (or keep) this rank's heartbeat: its monitor process beats every ``interval_s``
+    seconds; the rank counts as gone once its heartbeat stood still for ``stale_beats`` intervals
+    (its node, or its monitor, lost), at once when its process ends, and as hung once its
+    interpreter made no progress for ``progress_timeout_s`` (minutes by default: a GIL held for
+    seconds, a long pickling, is not a failure). Call it on every rank, spares included, once
+    ``init_process_group`` has run; :class:`~hypergrid.recovery.ResilientJob` starts one with the
+    defaults where none runs. Returns it (None where there is no store to beat in, or in a world
+    of one rank).
+
+    Raises:
+        ValueError: an interval, timeout or count that is not a positive number.
+        RuntimeError: the monitor could not start (the store cannot be reached by address, or
+            the process could not be started), naming why.
+
+    Example::
+
+        >>> start_heartbeat(progress_timeout_s=-1)
+        Traceback (most recent call last):
+            ...
+        ValueError: progress_timeout_s must be a positive number of seconds, got -1
+    """
+    global _current
+    interval = _positive("interval_s", interval_s)
+    progress = _positive("progress_timeout_s", progress_timeout_s)
+    if isinstance(stale_beats, bool) or not isinstance(stale_beats, int) or stale_beats < 2:
+        raise ValueError(f"stale_beats must be an int of at least 2 intervals, got {stale_beats!r}")
+    if progress < stale_beats * interval:
+        raise ValueError(f"progress_timeout_s ({progress:g} s) must be at least the staleness bound, stale_beats "
+                         f"x interval_s ({stale_beats * interval:g} s): a paused rank is not to be taken for a lost one")
+    plane = control_plane()
+    if plane is None or dist.get_world_size() == 1:
+        return None
+    with _start_lock:
+        rank = dist.get_rank()
+        current = _current
+        if current is not None and current.running and current.rank == rank and current.plane is plane:
+            return current
+        if current is not None:
+            current.stop(clean=True)
+        try:
+            _current = Heartbeat(plane, rank, interval, progress, stale_beats)
+        except OSError as exc:
+            raise RuntimeError(f"hypergrid: rank {rank}'s heartbeat monitor could not start: {exc}") from exc
+        return _current
+
+
+def running_heartbeat() -> Optional[Heartbeat]:
+    """This rank's heartbeat if it runs, else None.
+
+    Example::
+
+        >>> running_heartbeat() is None
+        True
+    """
+    beat = _current
+    return beat if beat is not None and beat.running else None

@@ -1,0 +1,381 @@
+"""A rank's monitor: the process that beats for it, watches one other rank, and publishes losses.
+
+Each rank of a resilient job runs one (:func:`hypergrid.start_heartbeat` starts it); it is a
+process of its own, in a session of its own, that imports no torch (some 15 MB), so that nothing
+the rank's interpreter does (a C call holding the GIL for seconds, a SIGSTOP, a launcher ending
+the rank's process group) stops it. Every ``interval_s`` it makes two store requests (one
+``add`` each, one round trip), whatever the job's size:
+
+- it adds 1 to its rank's heartbeat counter;
+- it reads the counter of the one rank it watches, its successor in the job's ring
+  (:mod:`hypergrid.control.ring`); a counter that stood still for ``stale_beats`` intervals of
+  the monitor's own clock (no clocks are compared across hosts) means that rank's node, or its
+  monitor, is gone: it publishes the loss, and watches the next rank too.
+
+It sees its own rank's death from outside: the process it watches (its parent) ending is
+published at once (a ``pidfd`` becomes readable; where there is none, its parent pid is looked
+at every 0.1 s), before the monitor leaves. It tells a paused rank from a dead one: the rank's
+interpreter sends it a tick every interval (it needs the GIL to), and only when no tick came for
+``progress_timeout_s`` (minutes by default) is the rank published as hung. A rank that leaves
+cleanly says so (``bye``): its counter is marked as left (:data:`~hypergrid.control.keys.DEPARTED`)
+and nobody counts it lost.
+
+Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
+:class:`~hypergrid.control.keys.JobChannel`): the publisher adds 1 to ``events`` and sets the
+event's key. Every monitor keeps one wait pending on the board's next key, which costs nothing
+until an event is published; it then reads the event, forwards it to its rank (which aborts its
+communicators, :mod:`hypergrid.control.watch`) and waits on the next.
+
+:class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
+the monitor process, or the control-plane benchmark's, which runs thousands of them against one
+real store.
+
+Example, one rank's monitor against a store of torch's, its parent played by this process::
+
+    >>> import torch.distributed as dist
+    >>> from hypergrid.control.keys import JobChannel
+    >>> from hypergrid.runtime.wire import BoardEvent, EventKind
+    >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    >>> config = MonitorConfig("127.0.0.1", server.port, "ns", rank=0, interval_s=1.0)
+    >>> seen = []
+    >>> monitor = RankMonitor(config, forward=seen.append, now=0.0)
+    >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), node_size=1)
+    >>> monitor.attach(job); monitor.tick(now=0.0)                 # beats; rank 1 never beat
+    >>> monitor.tick(now=6.0)                                      # 5 beats later: rank 1 is gone
+    >>> monitor.on_board(); [(e.kind.value, e.rank, e.by) for e in seen]
+    [('lost', 1, 0)]
+    >>> monitor.close()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from ..runtime.wire import BoardEvent, EventKind, decode, encode
+from .keys import DEPARTED, JobChannel, beat_key
+from .ring import Ring, from_runs
+from .tcpstore import StoreProtocolError, StoreTimeout, WireStore
+
+__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
+
+#: How long a rank's interpreter may make no progress before it counts as hung (as NVIDIA
+#: Resiliency Extension's in-process restart, minutes: pauses of seconds are routine at scale).
+DEFAULT_PROGRESS_TIMEOUT_S = 180.0
+#: How many heartbeat intervals a counter may stand still before its rank counts as gone.
+STALE_BEATS = 5
+
+
+@dataclass(frozen=True)
+class MonitorConfig:
+    """What a monitor needs: the store's address, the world's control namespace, its rank, the
+    heartbeat interval, the staleness bound in intervals and the progress timeout."""
+
+    host: str
+    port: int
+    namespace: str
+    rank: int
+    interval_s: float = 1.0
+    stale_beats: int = STALE_BEATS
+    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S
+    connect_timeout_s: float = 30.0
+    parent_pid: int = 0
+
+    @property
+    def stale_after_s(self) -> float:
+        return self.stale_beats * self.interval_s
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The job a monitor serves: its channel (where its board is), its ranks as ``(first, count)``
+    runs, and the ranks per node (what the ring keeps apart)."""
+
+    channel: JobChannel
+    runs: tuple[tuple[int, int], ...]
+    node_size: int
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> JobSpec:
+        raw = json.loads(text)
+        return cls(JobChannel(**raw["channel"]), tuple((int(a), int(b)) for a, b in raw["runs"]), int(raw["node_size"]))
+
+
+@dataclass
+class _Watched:
+    value: int
+    since: float
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    ring: Ring
+    next_event: int
+    lost: dict[int, str] = field(default_factory=dict)
+    watched: dict[int, _Watched] = field(default_factory=dict)
+
+
+class RankMonitor:
+    """One rank's control-plane work (see the module): :meth:`tick` every interval,
+    :meth:`on_board` when the board connection is readable, :meth:`progress` on each tick of the
+    rank's interpreter, :meth:`parent_ended` when the rank's process is gone.
+
+    ``forward`` receives every event of the board (in the monitor process: sent to the rank).
+    """
+
+    def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
+                 connect: Optional[Callable[[], WireStore]] = None) -> None:
+        self.config = config
+        self._forward = forward
+        self._connect = connect or (lambda: WireStore.connect(config.host, config.port,
+                                                              timeout_s=config.connect_timeout_s))
+        self.store = self._connect()  # beats, reads and publications: one round trip each
+        self.board: Optional[WireStore] = None  # one wait pending on the board's next event
+        self.job: Optional[_Job] = None
+        self.last_progress = now
+        self.hung_published = False
+        self.closed = False
+
+    # ------------------------------------------------------------------ the job
+    def attach(self, spec: JobSpec) -> None:
+        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery)."""
+        if self.job is not None and self.job.spec.channel == spec.channel:
+            self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), self.job.next_event, self.job.lost)
+            return
+        if self.board is not None:
+            self.board.close()
+        self.board = self._connect()
+        first = self.store.add(spec.channel.events(), 0)
+        self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), first)
+        self.board.start_wait([spec.channel.event(first)])
+
+    def detach(self) -> None:
+        """Serve no job (the rank left it)."""
+        self.job = None
+        if self.board is not None:
+            self.board.close()
+            self.board = None
+
+    # ------------------------------------------------------------------ every interval
+    def tick(self, *, now: float) -> None:
+        """Beat, look at the watched ranks, and judge the rank's own progress."""
+        self.store.add(beat_key(self.config.namespace, self.config.rank), 1)
+        job = self.job
+        if job is None:
+            return
+        self._watch(job, now)
+        quiet = now - self.last_progress
+        if quiet >= self.config.progress_timeout_s and not self.hung_published:
+            self.hung_published = True
+            self.publish(BoardEvent(EventKind.LOST, self.config.rank, (
+                f"it made no progress for {quiet:.0f} s (the progress timeout is "
+                f"{self.config.progress_timeout_s:g} s): its interpreter is stopped, or stuck holding the GIL"),
+                by=self.config.rank))
+
+    def progress(self, *, now: float) -> None:
+        """The rank's interpreter ran (it sent its tick)."""
+        self.last_progress = now
+        self.hung_published = False
+
+    def _watch(self, job: _Job, now: float) -> None:
+        """Read the successor's counter; past a lost or departed one, the next one's too."""
+        me, ring, stale_after = self.config.rank, job.ring, self.config.stale_after_s
+        if me not in ring or len(ring) < 2:
+            job.watched.clear()
+            return
+        visited = set()
+        candidate = ring.successor(me)
+        while candidate != me and candidate not in visited:
+            visited.add(candidate)
+            if candidate in job.lost:
+                candidate = ring.successor(candidate)
+                continue
+            value = self.store.add(beat_key(self.config.namespace, candidate), 0)
+            seen = job.watched.get(candidate)
+            if value < 0:  # it left cleanly: nobody's loss
+                candidate = ring.successor(candidate)
+                continue
+            if seen is None or seen.value != value:
+                job.watched[candidate] = _Watched(value, now)
+                break
+            if now - seen.since < stale_after:
+                break
+            job.lost[candidate] = "stale"
+            self.publish(BoardEvent(EventKind.LOST, candidate, (
+                f"its heartbeat stopped for {now - seen.since:.1f} s (the bound is {stale_after:g} s): its node, or "
+                f"its monitor, is gone"), by=me))
+            candidate = ring.successor(candidate)
+        for rank in [r for r in job.watched if r not in visited]:
+            del job.watched[rank]
+
+    # ------------------------------------------------------------------ the board
+    def publish(self, event: BoardEvent) -> None:
+        """Put ``event`` on the job's board (nothing where no job is served)."""
+        job = self.job
+        if job is None:
+            return
+        index = self.store.add(job.spec.channel.events(), 1) - 1
+        self.store.set(job.spec.channel.event(index), encode(event).encode())
+
+    def on_board(self) -> None:
+        """The board connection is readable: read every new event, forward it, wait for the next."""
+        job, board = self.job, self.board
+        if job is None or board is None:
+            return
+        if board.waiting:
+            board.finish_wait()
+        channel = job.spec.channel
+        while True:
+            key = channel.event(job.next_event)
+            if not board.check([key]):
+                board.start_wait([key])
+                return
+            event = decode(BoardEvent, board.get(key))
+            job.next_event += 1
+            if event.kind is EventKind.LOST:
+                job.lost[event.rank] = event.reason
+            elif event.kind is EventKind.BACK:
+                job.lost.pop(event.rank, None)
+            self._forward(event)
+
+    # ------------------------------------------------------------------ the end
+    def parent_ended(self, reason: str = "its process ended") -> None:
+        """The rank's process is gone (or going while the job counts on it): publish it, mark it left."""
+        if not self.closed:
+            self.publish(BoardEvent(EventKind.LOST, self.config.rank, reason, by=self.config.rank))
+            self.depart()
+
+    def depart(self) -> None:
+        """Mark the rank as left (nobody counts it lost) and stop."""
+        if not self.closed:
+            self.store.add(beat_key(self.config.namespace, self.config.rank), DEPARTED)
+            self.close()
+
+    def close(self) -> None:
+        self.closed = True
+        self.store.close()
+        if self.board is not None:
+            self.board.close()
+
+
+# ---------------------------------------------------------------------- the process
+class _ParentPipe:
+    """Lines to the rank (its stdout pipe), never blocking the monitor: a rank that holds the GIL
+    reads nothing, and what does not fit waits here."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.pending = b""
+
+    def send(self, line: str) -> None:
+        self.pending += line.encode() + b"\n"
+        self.flush()
+
+    def flush(self) -> None:
+        while self.pending:
+            try:
+                sent = os.write(self.fd, self.pending)
+            except BlockingIOError:
+                return
+            except OSError:  # the rank is gone: nobody to tell
+                self.pending = b""
+                return
+            self.pending = self.pending[sent:]
+
+
+def _parent_watch(pid: int) -> Optional[int]:
+    """A file descriptor that becomes readable when process ``pid`` ends (None: not on this system)."""
+    opener = getattr(os, "pidfd_open", None)
+    if opener is None:
+        return None
+    try:
+        return int(opener(pid))
+    except OSError:
+        return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The monitor process: ``python -c 'from hypergrid.control.monitor import main; main()' CONFIG``,
+    started by :func:`hypergrid.control.heartbeat.start_heartbeat` with pipes to and from its rank."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = MonitorConfig(**json.loads(args[0]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C ends the rank, which ends this
+    out = _ParentPipe(sys.stdout.fileno())
+    try:
+        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic())
+    except (OSError, StoreProtocolError) as exc:
+        out.send(f"error the monitor could not reach the job's store at {config.host}:{config.port}: "
+                 f"{type(exc).__name__}: {exc}")
+        return 2
+    parent = _parent_watch(config.parent_pid)
+    stdin: Optional[int] = sys.stdin.fileno()
+    inbox = b""
+    next_tick = time.monotonic()
+    out.send("ready")
+    try:
+        while True:
+            now = time.monotonic()
+            if now >= next_tick:
+                monitor.tick(now=now)
+                next_tick = now + config.interval_s
+            if parent is None and os.getppid() != config.parent_pid:  # no pidfd: reparented means ended
+                monitor.parent_ended()
+                return 0
+            board = monitor.board.fileno() if monitor.board is not None else None
+            readers = [fd for fd in (parent, stdin, board) if fd is not None]
+            wait_s = max(0.0, next_tick - time.monotonic())
+            ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
+                                        wait_s if parent is not None else min(wait_s, 0.1))
+            if parent is not None and parent in ready:
+                monitor.parent_ended()
+                return 0
+            if board is not None and board in ready:
+                monitor.on_board()
+            out.flush()
+            if stdin is not None and stdin in ready:
+                chunk = os.read(stdin, 65536)
+                if not chunk:
+                    stdin = None  # the rank closed it (or ended): its end is seen by its pid
+                    continue
+                lines, _, inbox = (inbox + chunk).rpartition(b"\n")
+                for line in lines.split(b"\n") if lines else []:
+                    if _handle(monitor, line.decode(), time.monotonic()):
+                        return 0
+    except (StoreTimeout, StoreProtocolError, OSError) as exc:
+        out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "
+                 f"{exc}")
+        return 3
+
+
+def _handle(monitor: RankMonitor, line: str, now: float) -> bool:
+    """One line from the rank; True when the monitor is done."""
+    word, _, rest = line.partition(" ")
+    if word == "p":
+        monitor.progress(now=now)
+    elif word == "job":
+        monitor.attach(JobSpec.from_json(rest))
+    elif word == "detach":
+        monitor.detach()
+    elif word == "bye":
+        monitor.depart()
+        return True
+    elif word == "gone":
+        monitor.parent_ended(rest or "its process ended")
+        return True
+    return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Where a world's control plane lives: the root store, its address and the world's namespace.
+
+torch hands each process group a ``PrefixStore`` over the job's store (torchrun adds its own
+layer), and a monitor process, which imports no torch, can only reach the store underneath, by
+address. So the control plane's keys live in that root store, below a namespace that the world's
+ranks agree on the first time one of them needs it: the first rank to ask writes a fresh token
+under the default group's own prefix (which is the world's alone: a restarted world under
+torchrun has another), and every rank reads the same one back (``compare_set``). Two worlds on
+one store, or one world after a restart, never share keys.
+
+Example, in a one-rank gloo world over a ``TCPStore``::
+
+    >>> from datetime import timedelta
+    >>> import torch.distributed as dist
+    >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    >>> dist.init_process_group("gloo", store=server, rank=0, world_size=1)
+    >>> plane = control_plane()
+    >>> plane.namespace.startswith("hypergrid/control/"), plane.address == ("127.0.0.1", server.port)
+    (True, True)
+    >>> control_plane() is plane
+    True
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch.distributed as dist
+
+from ..errors import StoreUnresponsiveError
+from ..runtime.store import StoreClient, agreement_possible
+from ..runtime.torch_compat import default_store
+from .keys import ROOT
+
+__all__ = ["ControlPlane", "control_plane", "root_store"]
+
+#: Under the default group's prefix: the token every rank of the world reads back.
+_TOKEN_KEY = f"{ROOT}/namespace"
+
+
+@dataclass(frozen=True)
+class ControlPlane:
+    """A world's control plane: its ``namespace`` in the root ``store``, and the store's address
+    (None: it cannot be reached by address, a ``HashStore`` or a ``FileStore``, so no monitor can)."""
+
+    namespace: str
+    store: Any
+    address: Optional[tuple[str, int]]
+
+    def client(self, deadline: float) -> StoreClient:
+        """The root store over a connection of this thread's own, calls bounded by ``deadline``."""
+        return StoreClient(deadline, base=self.store)
+
+
+def root_store(store: Any) -> Any:
+    """The store under every ``PrefixStore`` layer of ``store``.
+
+    Example::
+
+        >>> import torch.distributed as dist
+        >>> inner = dist.HashStore()
+        >>> root_store(dist.PrefixStore("a", dist.PrefixStore("b", inner))) is inner
+        True
+    """
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return store
+
+
+_lock = threading.Lock()
+_cached: Optional[tuple[Any, ControlPlane]] = None
+
+
+def control_plane(timeout_s: float = 60.0) -> Optional[ControlPlane]:
+    """This world's control plane (agreed once, then cached), or None with no store to meet in.
+
+    Raises:
+        RuntimeError: the store did not answer within ``timeout_s``.
+    """
+    global _cached
+    if not agreement_possible():
+        return None
+    base = default_store()
+    with _lock:
+        if _cached is not None and _cached[0] is base:
+            return _cached[1]
+        try:
+            token = StoreClient(time.monotonic() + timeout_s).compare_set(_TOKEN_KEY, "", uuid.uuid4().hex[:12])
+        except (dist.DistError, StoreUnresponsiveError) as exc:
+            raise RuntimeError(f"hypergrid: the job's store did not answer while naming the control plane: {exc}") from exc
+        root = root_store(base)
+        address = (str(root.host), int(root.port)) if isinstance(root, dist.TCPStore) else None
+        plane = ControlPlane(f"{ROOT}/{token.decode()}", root, address)
+        _cached = (base, plane)
+        return plane

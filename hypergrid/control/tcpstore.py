@@ -1,0 +1,227 @@
+"""A client of torch's TCPStore that needs no torch: the monitor process's connection to the store.
+
+A rank's monitor (:mod:`hypergrid.control.monitor`) is a process of its own so that a paused
+interpreter cannot stop its heartbeat; importing torch would cost it 216 MB (torch 2.13, CPU
+build) to 523 MB (torch 2.15, CUDA build) of memory of its own, against 12 MB for a bare Python.
+So it speaks the store's wire protocol itself, the few messages it needs, exactly as torch's own
+client frames them (read off torch 2.13.0 and 2.15.0 clients talking to both of torch's servers,
+the libuv one and the classic one): one byte naming the query, strings and byte strings as a
+little-endian 64-bit length and the bytes, numbers as little-endian 64-bit integers, and every
+key behind a ``/``, as torch's client puts it, so that both reach the same keys. A connection
+opens as torch's does, with the validation number and a ping the server echoes; a store that
+does not echo it is refused at once, naming its address, rather than misread later.
+``tests/test_control_tcpstore.py`` checks every message against the installed torch's server and
+client.
+
+Example, against a server of torch's (here started by torch in this process)::
+
+    >>> from datetime import timedelta
+    >>> import torch.distributed as dist
+    >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    >>> wire = WireStore.connect("127.0.0.1", server.port, timeout_s=5.0)
+    >>> wire.add("count", 2), wire.add("count", 0), server.get("count")
+    (2, 2, b'2')
+    >>> server.set("name", "x"); wire.get("name"), wire.check(["name", "absent"])
+    (b'x', False)
+    >>> wire.requests, wire.bytes_sent > 0
+    (6, True)
+    >>> wire.close()
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Optional
+
+__all__ = ["WireStore", "StoreProtocolError", "StoreTimeout"]
+
+_VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
+_APPEND, _CANCEL_WAIT, _PING = 9, 12, 13
+_MAGIC = 0x3C85F7CE
+_STOP_WAITING, _WAIT_CANCELED = 0, 1
+_READY = 0
+
+
+class StoreProtocolError(RuntimeError):
+    """The store answered something torch's own client would not have accepted either."""
+
+
+class StoreTimeout(TimeoutError):
+    """The store did not answer within the connection's timeout."""
+
+
+def _string(data: bytes) -> bytes:
+    return struct.pack("<Q", len(data)) + data
+
+
+class WireStore:
+    """One connection to a TCPStore server; every call waits for its answer up to ``timeout_s``.
+
+    ``requests``, ``bytes_sent`` and ``bytes_received`` count what crossed it (for the
+    control-plane benchmark, and to check the monitor's cost).
+    """
+
+    def __init__(self, sock: socket.socket, address: tuple[str, int], timeout_s: float) -> None:
+        self.address = address
+        self._sock = sock
+        self._timeout_s = timeout_s
+        self.requests = 0
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self._waiting = False
+
+    @classmethod
+    def connect(cls, host: str, port: int, *, timeout_s: float) -> WireStore:
+        """Open a connection and check that the store answers as torch's TCPStore does.
+
+        Raises:
+            OSError: nothing accepts connections at ``host:port`` within ``timeout_s``.
+            StoreProtocolError: something answers, but not as a TCPStore.
+        """
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        store = cls(sock, (host, port), timeout_s)
+        nonce = os.getpid() & 0xFFFFFFFF
+        store._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
+        try:
+            echoed = struct.unpack("<I", store._recv(4))[0]
+        except (StoreTimeout, StoreProtocolError) as exc:
+            store.close()
+            raise StoreProtocolError(f"the store at {host}:{port} did not answer a TCPStore's ping: {exc}") from exc
+        if echoed != nonce:
+            store.close()
+            raise StoreProtocolError(f"the store at {host}:{port} answered a ping with {echoed}, not {nonce}: "
+                                     f"it does not speak torch's TCPStore protocol")
+        store.requests = 1
+        return store
+
+    # ------------------------------------------------------------------ the bytes
+    def fileno(self) -> int:
+        return self._sock.fileno()
+
+    def close(self) -> None:
+        try:
+            self._sock.close()
+        except OSError:
+            pass
+
+    def _send(self, data: bytes) -> None:
+        self._sock.settimeout(self._timeout_s)
+        try:
+            self._sock.sendall(data)
+        except TimeoutError as exc:
+            raise StoreTimeout(f"the store at {self._where()} took more than {self._timeout_s:g} s to take a "
+                               f"request") from exc
+        self.requests += 1
+        self.bytes_sent += len(data)
+
+    def _recv(self, size: int) -> bytes:
+        self._sock.settimeout(self._timeout_s)
+        chunks, got = [], 0
+        while got < size:
+            try:
+                chunk = self._sock.recv(size - got)
+            except TimeoutError as exc:
+                raise StoreTimeout(f"the store at {self._where()} did not answer within {self._timeout_s:g} s") from exc
+            if not chunk:
+                raise StoreProtocolError(f"the store at {self._where()} closed the connection")
+            chunks.append(chunk)
+            got += len(chunk)
+        self.bytes_received += size
+        return b"".join(chunks)
+
+    def _recv_bytes(self) -> bytes:
+        (size,) = struct.unpack("<Q", self._recv(8))
+        return self._recv(size) if size else b""
+
+    def _where(self) -> str:
+        return f"{self.address[0]}:{self.address[1]}"
+
+    @staticmethod
+    def _key(key: str) -> bytes:
+        return _string(("/" + key).encode())
+
+    # ------------------------------------------------------------------ the calls
+    def add(self, key: str, amount: int) -> int:
+        """Add ``amount`` to the counter at ``key`` (made at 0); its new value. ``add(key, 0)`` reads it."""
+        self._send(bytes([_ADD]) + self._key(key) + struct.pack("<q", amount))
+        return int(struct.unpack("<q", self._recv(8))[0])
+
+    def set(self, key: str, value: bytes) -> None:
+        """Set ``key`` (no answer comes back: torch's client does not wait for one either)."""
+        self._send(bytes([_SET]) + self._key(key) + _string(value))
+
+    def append(self, key: str, value: bytes) -> None:
+        """Append ``value`` to ``key``'s value (made empty)."""
+        self._send(bytes([_APPEND]) + self._key(key) + _string(value))
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
+        """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is
+        empty); the value it holds afterwards."""
+        self._send(bytes([_COMPARE_SET]) + self._key(key) + _string(expected) + _string(desired))
+        return self._recv_bytes()
+
+    def check(self, keys: Sequence[str]) -> bool:
+        """Whether every key is set."""
+        self._send(bytes([_CHECK]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
+        return self._recv(1)[0] == _READY
+
+    def get(self, key: str) -> bytes:
+        """``key``'s value, waiting (up to the timeout) until it is set, as torch's client does."""
+        if not self.wait([key], self._timeout_s):
+            raise StoreTimeout(f"{key!r} was not set within {self._timeout_s:g} s")
+        self._send(bytes([_GET]) + self._key(key))
+        return self._recv_bytes()
+
+    def wait(self, keys: Sequence[str], seconds: float) -> bool:
+        """Block until every key is set (True), or ``seconds`` pass (False)."""
+        self.start_wait(keys)
+        self._sock.settimeout(max(seconds, 0.001))
+        try:
+            answer = self._sock.recv(1)
+        except TimeoutError:
+            self.cancel_wait()
+            return False
+        return self._waited(answer)
+
+    # ------------------------------------------------------------------ a wait left pending
+    def start_wait(self, keys: Sequence[str]) -> None:
+        """Ask the store to answer once every key is set, and return at once: the answer (one
+        byte) comes when it comes; :meth:`finish_wait` reads it once :meth:`fileno` is readable.
+        A pending wait costs the store nothing until the keys are set, and the client no request."""
+        if self._waiting:
+            raise StoreProtocolError("a wait is already pending on this connection")
+        self._send(bytes([_WAIT]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
+        self._waiting = True
+
+    @property
+    def waiting(self) -> bool:
+        return self._waiting
+
+    def finish_wait(self) -> bool:
+        """Read the pending wait's answer (the connection is readable): True, the keys are set."""
+        return self._waited(self._recv(1))
+
+    def cancel_wait(self) -> None:
+        """Withdraw the pending wait (its keys may have been set meanwhile: that answer is read too)."""
+        if not self._waiting:
+            return
+        self._send(bytes([_CANCEL_WAIT]))
+        answer = self._recv(1)[0]
+        if answer == _STOP_WAITING:
+            answer = self._recv(1)[0]
+        self._waiting = False
+        if answer != _WAIT_CANCELED:
+            raise StoreProtocolError(f"the store answered a cancelled wait with {answer}")
+
+    def _waited(self, answer: Optional[bytes]) -> bool:
+        if not answer:
+            raise StoreProtocolError(f"the store at {self._where()} closed the connection")
+        self.bytes_received += 1
+        self._waiting = False
+        if answer[0] != _STOP_WAITING:
+            raise StoreProtocolError(f"the store answered a wait with {answer[0]}")
+        return True

@@ -1,0 +1,84 @@
+"""Who failed, decided from what a recovery round's leader sees: a pure function, no store.
+
+A round's leader (:mod:`hypergrid.control.rounds`) gathers the arrivals, the job's board of
+losses and how long it has waited, and asks :func:`decide`; the store only carries those inputs
+and the one verdict. The rule:
+
+- a rank of the job that has not arrived and is lost on the board (its process ended, its node
+  stopped beating, it made no progress for the progress timeout) is failed, with the board's
+  reason; so is one that arrived and was lost afterwards;
+- a rank that has not arrived and is not lost is alive: it may sit in a collective with a peer
+  that left for the recovery until that collective times out. It is waited for up to ``bound_s``
+  (the job's longest collective timeout, a margin and the staleness bound), then counted out as
+  hung. A round whose deadline comes first is abandoned, naming those it waited for;
+- the verdict's size grows with what failed and who offered itself, not with the job.
+
+Example: of the job ``[0, 1, 2, 3]``, ranks 0 and 1 arrived and rank 2's process ended::
+
+    >>> from hypergrid.runtime.wire import Arrival
+    >>> arrivals = {0: Arrival(0, step=5), 1: Arrival(1, step=4, aborted=((0, 1),))}
+    >>> seen = RoundView(0, (0, 1, 2, 3), arrivals, {2: "its process ended"}, waited_s=1.0)
+    >>> decide(seen, bound_s=30.0, remaining_s=60.0) is None     # rank 3 is alive: waited for
+    True
+    >>> verdict = decide(seen, bound_s=0.5, remaining_s=60.0)
+    >>> verdict.failed, verdict.step, verdict.aborted_by, verdict.reasons[0]
+    ((2, 3), 4, ((1, 1),), 'rank 2: its process ended before it arrived')
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from ..layout.describe import describe_ranks
+from ..runtime.wire import Arrival, FailureVerdict
+from .ring import as_runs
+
+__all__ = ["RoundView", "decide", "ABANDON_MARGIN_S"]
+
+#: A leader this close to its deadline abandons the round rather than be cut off mid-proposal.
+ABANDON_MARGIN_S = 0.2
+
+
+@dataclass(frozen=True)
+class RoundView:
+    """What a round's leader sees: the round's ``number``, every rank the job counts on
+    (``domain``), the arrivals by rank, the ranks lost on the board with why, how long it has
+    waited, and the ranks outside the job that offered themselves (waited for like the job's)."""
+
+    number: int
+    domain: Sequence[int]
+    arrivals: Mapping[int, Arrival]
+    lost: Mapping[int, str]
+    waited_s: float
+    offers: Sequence[int] = ()
+
+
+def decide(seen: RoundView, *, bound_s: float, remaining_s: float) -> Optional[FailureVerdict]:
+    """The round's verdict, or None to wait longer (see the module)."""
+    absent = [r for r in (*seen.domain, *seen.offers) if r not in seen.arrivals]
+    live_absent = [r for r in absent if r not in seen.lost]
+    reasons = {r: f"{seen.lost[r]} before it arrived" for r in absent if r in seen.lost}
+    reasons.update({r: f"it arrived, then {seen.lost[r]}" for r in seen.arrivals if r in seen.lost})
+    if live_absent:
+        if seen.waited_s < bound_s:
+            if remaining_s <= ABANDON_MARGIN_S:
+                return FailureVerdict((), seen.number, abandoned=(
+                    f"ranks {describe_ranks(live_absent)} neither arrived nor were lost before the recovery's "
+                    f"deadline"))
+            return None
+        reasons.update({r: f"it is alive, but did not arrive within {bound_s:g} s (the job's longest collective "
+                           f"timeout and a margin): it hangs" for r in live_absent})
+    failed = tuple(sorted(reasons))
+    present = {r: a for r, a in seen.arrivals.items() if r not in reasons}
+    offers = set(seen.offers)
+    steps = [a.step for a in present.values() if a.step is not None]
+    return FailureVerdict(
+        failed, seen.number, tuple(f"rank {r}: {reasons[r]}" for r in failed),
+        offered=tuple(sorted(r for r in present if r in offers)),
+        step=min(steps) if steps else None,
+        grow=any(a.reason == "grow" for a in present.values()),
+        recovering=any(a.reason == "recover" for a in present.values()),
+        aborted_by=tuple(as_runs(r for r, a in present.items() if a.aborted)),
+    )

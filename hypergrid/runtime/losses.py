@@ -1,0 +1,63 @@
+"""Waits that end when a rank they wait for is lost: the scope a recovery's rebuild runs in.
+
+Inside a recovery, a rank that dies while the others wait for it (in a world step, a group's
+agreement, the pooled probe of the groups that survived) must not be waited for until the
+timeout. The recovery runs its rebuild inside :func:`watching` with a :class:`LossCheck`, the
+job's board as this rank reads it (:class:`hypergrid.control.board.LossView`), and each of those
+waits asks :func:`lost_among` once per slice: one store request, whatever the job's size.
+Outside the scope nothing is looked at, and the waits wait as they would.
+
+Example::
+
+    >>> class Board:
+    ...     def lost_among(self, ranks):
+    ...         return [r for r in ranks if r == 3]
+    >>> lost_among([1, 3])
+    []
+    >>> with watching(Board()):
+    ...     watching_now(), lost_among([1, 3])
+    (True, [3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Collection, Iterator
+from typing import Optional, Protocol
+
+__all__ = ["LossCheck", "watching", "watching_now", "lost_among"]
+
+
+class LossCheck(Protocol):
+    """Says which of some ranks are lost (the job's board, read with one store request a look)."""
+
+    def lost_among(self, ranks: Collection[int]) -> list[int]: ...
+
+
+_scope = threading.local()
+
+
+@contextlib.contextmanager
+def watching(check: Optional[LossCheck]) -> Iterator[None]:
+    """While the block runs, this thread's waits for other ranks end as soon as one they wait for
+    is lost (``check``); None: they wait as they would."""
+    previous = getattr(_scope, "check", None)
+    _scope.check = check
+    try:
+        yield
+    finally:
+        _scope.check = previous
+
+
+def watching_now() -> bool:
+    """Whether this thread is inside :func:`watching` (with a check)."""
+    return getattr(_scope, "check", None) is not None
+
+
+def lost_among(ranks: Collection[int]) -> list[int]:
+    """Those of ``ranks`` that are lost, inside :func:`watching` (else none), ascending."""
+    check: Optional[LossCheck] = getattr(_scope, "check", None)
+    if check is None or not ranks:
+        return []
+    return sorted(check.lost_among(ranks))
