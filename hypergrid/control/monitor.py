@@ -135,12 +135,14 @@ class RankMonitor:
     """
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
-                 connect: Optional[Callable[[], WireStore]] = None) -> None:
+                 connect: Optional[Callable[[], WireStore]] = None, store: Optional[WireStore] = None) -> None:
         self.config = config
         self._forward = forward
         self._connect = connect or (lambda: WireStore.connect(config.host, config.port,
                                                               timeout_s=config.connect_timeout_s))
-        self.store = self._connect()  # beats, reads and publications: one round trip each
+        # Beats, reads and publications: one round trip each (``store``: a connection given, the
+        # benchmark's, which lets ranks share one where a machine has too few file descriptors).
+        self.store = store if store is not None else self._connect()
         self.board: Optional[WireStore] = None  # one wait pending on the board's next event
         self.job: Optional[_Job] = None
         self.last_progress = now
@@ -148,17 +150,21 @@ class RankMonitor:
         self.closed = False
 
     # ------------------------------------------------------------------ the job
-    def attach(self, spec: JobSpec) -> None:
-        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery)."""
+    def attach(self, spec: JobSpec, *, wait_on_board: bool = True) -> None:
+        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery).
+        ``wait_on_board=False``: another hands this monitor the board's events (:meth:`deliver`;
+        the benchmark's ranks that share a connection)."""
         if self.job is not None and self.job.spec.channel == spec.channel:
             self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), self.job.next_event, self.job.lost)
             return
         if self.board is not None:
             self.board.close()
-        self.board = self._connect()
+            self.board = None
         first = self.store.add(spec.channel.events(), 0)
         self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), first)
-        self.board.start_wait([spec.channel.event(first)])
+        if wait_on_board:
+            self.board = self._connect()
+            self.board.start_wait([spec.channel.event(first)])
 
     def detach(self) -> None:
         """Serve no job (the rank left it)."""
@@ -243,11 +249,18 @@ class RankMonitor:
                 return
             event = decode(BoardEvent, board.get(key))
             job.next_event += 1
-            if event.kind is EventKind.LOST:
-                job.lost[event.rank] = event.reason
-            elif event.kind is EventKind.BACK:
-                job.lost.pop(event.rank, None)
-            self._forward(event)
+            self.deliver(event)
+
+    def deliver(self, event: BoardEvent) -> None:
+        """Take in one event of the job's board and forward it to the rank."""
+        job = self.job
+        if job is None:
+            return
+        if event.kind is EventKind.LOST:
+            job.lost[event.rank] = event.reason
+        elif event.kind is EventKind.BACK:
+            job.lost.pop(event.rank, None)
+        self._forward(event)
 
     # ------------------------------------------------------------------ the end
     def parent_ended(self, reason: str = "its process ended") -> None:

@@ -33,15 +33,19 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Optional
 
 __all__ = ["WireStore", "StoreProtocolError", "StoreTimeout"]
 
 _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
-_APPEND, _CANCEL_WAIT, _PING = 9, 12, 13
+_APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 9, 10, 12, 13
 _MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
+#: How long one try at a connection waits for the ping's echo before it connects again (torch's
+#: servers take a new connection seconds late now and then: one in about 50 waited 5 s, here).
+_PING_TRY_S = 10.0
 _READY = 0
 
 
@@ -81,22 +85,35 @@ class WireStore:
             OSError: nothing accepts connections at ``host:port`` within ``timeout_s``.
             StoreProtocolError: something answers, but not as a TCPStore.
         """
-        sock = socket.create_connection((host, port), timeout=timeout_s)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        store = cls(sock, (host, port), timeout_s)
-        nonce = os.getpid() & 0xFFFFFFFF
-        store._send(struct.pack("<BI", _VALIDATE, _MAGIC) + struct.pack("<BI", _PING, nonce))
-        try:
-            echoed = struct.unpack("<I", store._recv(4))[0]
-        except (StoreTimeout, StoreProtocolError) as exc:
-            store.close()
-            raise StoreProtocolError(f"the store at {host}:{port} did not answer a TCPStore's ping: {exc}") from exc
-        if echoed != nonce:
-            store.close()
-            raise StoreProtocolError(f"the store at {host}:{port} answered a ping with {echoed}, not {nonce}: "
-                                     f"it does not speak torch's TCPStore protocol")
-        store.requests = 1
-        return store
+        deadline = time.monotonic() + timeout_s
+        attempt = 0
+        while True:
+            attempt += 1
+            sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            store = cls(sock, (host, port), min(timeout_s, _PING_TRY_S))
+            nonce = (os.getpid() * 7919 + attempt) & 0xFFFFFFFF
+            try:
+                # As torch's client: the validation number, then a ping the server echoes, each a
+                # message of its own (a store host may take the two in one read and lose the ping;
+                # torch's client then connects again, and so does this one).
+                store._send(struct.pack("<BI", _VALIDATE, _MAGIC))
+                store._send(struct.pack("<BI", _PING, nonce))
+                echoed = struct.unpack("<I", store._recv(4))[0]
+            except (StoreTimeout, StoreProtocolError, OSError) as exc:
+                store.close()
+                if time.monotonic() + 0.05 < deadline:
+                    time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))
+                    continue
+                raise StoreProtocolError(f"the store at {host}:{port} did not answer a TCPStore's ping within "
+                                         f"{timeout_s:g} s ({attempt} tries): {exc}") from exc
+            if echoed != nonce:
+                store.close()
+                raise StoreProtocolError(f"the store at {host}:{port} answered a ping with {echoed}, not {nonce}: "
+                                         f"it does not speak torch's TCPStore protocol")
+            store._timeout_s = timeout_s
+            store.requests = 1
+            return store
 
     # ------------------------------------------------------------------ the bytes
     def fileno(self) -> int:
@@ -175,6 +192,13 @@ class WireStore:
             raise StoreTimeout(f"{key!r} was not set within {self._timeout_s:g} s")
         self._send(bytes([_GET]) + self._key(key))
         return self._recv_bytes()
+
+    def multi_get(self, keys: Sequence[str]) -> list[bytes]:
+        """The values of ``keys``, waiting (up to the timeout) until all are set, as torch's client does."""
+        if not self.wait(keys, self._timeout_s):
+            raise StoreTimeout(f"{len(keys)} keys were not all set within {self._timeout_s:g} s")
+        self._send(bytes([_MULTI_GET]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
+        return [self._recv_bytes() for _ in keys]
 
     def wait(self, keys: Sequence[str], seconds: float) -> bool:
         """Block until every key is set (True), or ``seconds`` pass (False)."""

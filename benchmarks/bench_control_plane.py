@@ -1,0 +1,482 @@
+"""The recovery's control plane at the sizes where failures are routine: N simulated ranks'
+monitors, hypergrid's own code, against one real TCPStore.
+
+Each simulated rank is a :class:`hypergrid.control.monitor.RankMonitor` (the code a rank's monitor
+process runs) with its own store connections, hosted by a few worker processes (no torch in
+them, as in a monitor); the data plane is not simulated: a rank "aborts" when its monitor hands
+it a loss of the job's board. The store is torch's own TCPStore server (libuv), in this process.
+Ranks are on nodes of 8; each watches its successor in the job's ring.
+
+Measured, per size:
+
+* the steady state: store requests and bytes per rank per interval, in total per second, and
+  how long a plain ``get`` by another client takes meanwhile (median, p99);
+* the time from a rank's process ending (its monitor sees it and publishes) to every other
+  rank having it (rank 0, rank 1,500, the last rank), and from a whole node going silent
+  (monitors and all) to every other rank having all of its ranks;
+* one recovery round of every rank (hypergrid's ``RecoveryRound.agree``, every participant a
+  thread with its own connection): the time until every participant has the verdict, the
+  store's own CPU time for it, and its requests.
+
+Beside it, the design it replaced ("scan": every rank adds to its heartbeat and reads up to 1,024
+other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
+the same client.
+
+This machine allows a process 20,000 file descriptors (a hard limit), and the design keeps two
+connections per rank (one for its beats, one for its pending wait on the board): at 16,384 ranks
+the store would need 32,768. There, every 16 ranks of a node pair share one connection for their
+beats (their requests and bytes are counted the same; only the store's socket count differs),
+and each keeps its own board connection. 65,536 ranks do not fit at all.
+
+Run::
+
+    python benchmarks/bench_control_plane.py                          # 1,024, 4,096, 16,384
+    python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import os
+import resource
+import selectors
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+NODE = 8
+FD_LIMIT = 20_000
+
+
+# ---------------------------------------------------------------------- worker side (no torch)
+def _worker(spec: dict) -> None:
+    """Host ``spec["ranks"]``'s monitors (or, ``scan``, the replaced design's traffic); obey stdin."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from hypergrid.control.keys import JobChannel, beat_key
+    from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
+    from hypergrid.control.tcpstore import WireStore
+
+    host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
+    ranks: list[int] = spec["ranks"]
+    groups = sorted({r // share for r in ranks})
+    ring = spec["design"] == "ring"
+    # Two at a time per worker: torch's server here takes about 10 new connections a second, and
+    # a crowd of connections waiting for it only times out and comes back.
+    with ThreadPoolExecutor(2) as pool:
+        opened = list(pool.map(lambda _: WireStore.connect(host, port, timeout_s=600.0),
+                               range(len(groups) * (2 if ring else 1))))
+    beat_conn = {g: opened[i] for i, g in enumerate(groups)}
+    board_conn = {g: opened[len(groups) + i] for i, g in enumerate(groups)} if ring else {}
+    conns = list(opened)
+
+    received: dict[int, dict[int, float]] = {}  # victim -> rank -> when it heard
+    monitors: dict[int, Any] = {}
+    leaders: dict[int, int] = {}  # group -> the rank whose monitor waits on the board for the group
+    if ring:
+        channel = JobChannel(spec["namespace"], "bench", 0)
+        job = JobSpec(channel, ((0, n),), NODE)
+        for rank in ranks:
+            group = rank // share
+            leader = leaders.setdefault(group, rank)
+
+            def hear(event: Any, rank: int = rank, group: int = group) -> None:
+                if event.kind.value == "lost":
+                    received.setdefault(event.rank, {}).setdefault(rank, time.time())
+                if rank == leaders[group]:  # the group's board wait serves its other ranks too
+                    for other in members[group]:
+                        if other != rank and other not in halted:
+                            monitors[other].deliver(event)
+
+            monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
+                                  now=time.monotonic(), connect=lambda group=group: board_conn[group],
+                                  store=beat_conn[group])
+            monitor.attach(job, wait_on_board=rank == leader)
+            monitors[rank] = monitor
+    members: dict[int, list[int]] = {}
+    for rank in ranks:
+        members.setdefault(rank // share, []).append(rank)
+    selector = selectors.DefaultSelector()
+    for leader in leaders.values():
+        selector.register(monitors[leader].board.fileno(), selectors.EVENT_READ, leader)
+    selector.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
+    print("ready", flush=True)
+    ticks: list[tuple[float, int]] = []
+    halted: set[int] = set()
+    passes = {"done": 0, "late": 0.0}
+
+    def scan(rank: int) -> None:
+        conn = beat_conn[rank // share]
+        conn.add(beat_key(spec["namespace"], rank), 1)
+        peers = [beat_key(spec["namespace"], r) for r in range(min(n, 1025)) if r != rank][:1024]
+        if conn.check(peers):
+            conn.multi_get(peers)
+        passes["done"] += 1
+
+    def stop(rank: int) -> None:
+        halted.add(rank)
+        group = rank // share
+        if leaders.get(group) == rank:  # another rank of the group takes the board wait over
+            selector.unregister(monitors[rank].board.fileno())
+            heirs = [r for r in members[group] if r not in halted]
+            if heirs:
+                leaders[group] = heirs[0]
+                monitors[heirs[0]].board = monitors[rank].board
+                monitors[rank].board = None
+                selector.register(monitors[heirs[0]].board.fileno(), selectors.EVENT_READ, heirs[0])
+
+    inbox = b""
+    while True:
+        now = time.monotonic()
+        while ticks and ticks[0][0] <= now:
+            due, rank = heapq.heappop(ticks)
+            if rank in halted:
+                continue
+            passes["late"] = max(passes["late"], now - due)
+            if ring:
+                monitors[rank].tick(now=now)
+                monitors[rank].progress(now=now)
+            else:
+                scan(rank)
+            passes["done"] += ring
+            heapq.heappush(ticks, (due + interval, rank))
+        timeout = max(0.0, ticks[0][0] - time.monotonic()) if ticks else 0.5
+        for key, _ in selector.select(timeout):
+            if key.data is not None:
+                monitors[key.data].on_board()
+                continue
+            chunk = os.read(sys.stdin.fileno(), 65536)
+            if not chunk:
+                return
+            lines, _, inbox = (inbox + chunk).rpartition(b"\n")
+            for line in lines.decode().split("\n") if lines else []:
+                word, _, rest = line.partition(" ")
+                if word == "go":
+                    start = time.monotonic()
+                    ticks = [(start + interval * i / len(ranks), r) for i, r in enumerate(ranks)]
+                    heapq.heapify(ticks)
+                elif word == "counters":
+                    print(json.dumps({"requests": sum(c.requests for c in conns),
+                                      "bytes": sum(c.bytes_sent + c.bytes_received for c in conns),
+                                      "passes": passes["done"], "late": passes["late"]}), flush=True)
+                    passes["late"] = 0.0
+                elif word == "die":
+                    rank = int(rest)
+                    if rank in monitors and rank not in halted:
+                        stop(rank)
+                        publisher = monitors[rank]
+                        publisher.publish(_lost(rank))  # what its monitor does when its process ends
+                elif word == "halt":
+                    for rank in map(int, rest.split()):
+                        if rank in monitors and rank not in halted:
+                            stop(rank)  # the whole node: its monitors beat no more
+                elif word == "report":
+                    victims = [int(v) for v in rest.split()]
+                    live = [r for r in ranks if r not in halted]
+                    out = {}
+                    for v in victims:
+                        heard = received.get(v, {})
+                        times = [heard[r] for r in live if r in heard]
+                        out[v] = [len(times), len(live), max(times) if times else None]
+                    print(json.dumps(out), flush=True)
+                elif word == "round":
+                    selector.close()
+                    ticks = []
+                    _round(spec, ranks, board_conn, share, rest)
+                    return
+                elif word == "quit":
+                    return
+
+
+def _lost(rank: int) -> Any:
+    from hypergrid.runtime.wire import BoardEvent, EventKind
+
+    return BoardEvent(EventKind.LOST, rank, "its process ended", by=rank)
+
+
+def _round(spec: dict, ranks: list[int], conns: dict, share: int, namespace: str) -> None:
+    """Every hosted rank takes part in one recovery round, a thread each, through the real
+    ``RecoveryRound.agree`` (its store calls over this worker's connections, bounded by a deadline;
+    ranks that share a connection take turns on it)."""
+    from hypergrid.control.board import LossView
+    from hypergrid.control.keys import JobChannel
+    from hypergrid.control.plane import ControlPlane
+    from hypergrid.control.rounds import RecoveryRound
+    from hypergrid.runtime.wire import Arrival
+
+    threading.stack_size(256 * 1024)
+    for conn in conns.values():
+        if conn.waiting:
+            conn.cancel_wait()  # the monitors' pending waits on the board: their phase is over
+    channel = JobChannel(namespace, "round", 0)
+    plane = ControlPlane(namespace, None, (spec["host"], spec["port"]))
+    locks = {g: threading.Lock() for g in conns}
+    before = sum(c.requests for c in conns.values()), sum(c.bytes_sent + c.bytes_received for c in conns.values())
+    go = threading.Event()
+    results: list[Any] = []
+
+    def participant(rank: int) -> None:
+        store = _Bounded(conns[rank // share], locks[rank // share], time.monotonic() + 300)
+        go.wait()
+        rnd = RecoveryRound(channel, plane, 0, store, None)  # type: ignore[arg-type]
+        verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=120, board=LossView(channel, plane))
+        results.append((time.time(), verdict.failed))
+
+    threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in ranks]
+    for thread in threads:
+        thread.start()
+    print("ready", flush=True)
+    sys.stdin.readline()
+    go.set()
+    for thread in threads:
+        thread.join()
+    print(json.dumps({"last": max(t for t, _ in results), "failed": list(results[0][1]),
+                      "requests": sum(c.requests for c in conns.values()) - before[0],
+                      "bytes": sum(c.bytes_sent + c.bytes_received for c in conns.values()) - before[1]}), flush=True)
+
+
+class _Bounded:
+    """The pure client with the few methods a round's store needs (StoreClient's, over str values)."""
+
+    def __init__(self, conn: Any, lock: threading.Lock, deadline: float) -> None:
+        self.conn, self.lock, self.deadline = conn, lock, deadline
+
+    def remaining(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def extend(self, seconds: float) -> None:
+        self.deadline = max(self.deadline, time.monotonic() + seconds)
+
+    def add(self, key: str, amount: int) -> int:
+        with self.lock:
+            return self.conn.add(key, amount)
+
+    def set(self, key: str, value: str) -> None:
+        with self.lock:
+            self.conn.set(key, value.encode())
+
+    def append(self, key: str, value: str) -> None:
+        with self.lock:
+            self.conn.append(key, value.encode())
+
+    def get(self, key: str) -> bytes:
+        with self.lock:
+            return self.conn.get(key)
+
+    def check(self, keys: list[str]) -> bool:
+        with self.lock:
+            return self.conn.check(keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self.lock:
+            return self.conn.compare_set(key, expected.encode(), desired.encode())
+
+    def wait(self, keys: list[str], seconds: float) -> bool:
+        # A connection's turn lasts a wait's slice: its other ranks wait behind it (a short one here).
+        with self.lock:
+            return self.conn.wait(keys, min(seconds, 0.05))
+
+
+# ---------------------------------------------------------------------- main side
+class Workers:
+    """The worker processes hosting one size's simulated ranks."""
+
+    def __init__(self, spec: dict, count: int) -> None:
+        n = spec["n"]
+        bounds = [n * i // count for i in range(count + 1)]
+        self.procs = []
+        for i in range(count):
+            part = dict(spec, ranks=list(range(bounds[i], bounds[i + 1])))
+            proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(part)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            self.procs.append(proc)
+        for proc in self.procs:
+            line = proc.stdout.readline().strip()
+            if line != "ready":
+                raise RuntimeError(f"a worker did not start: {line!r}")
+
+    def send(self, line: str) -> None:
+        for proc in self.procs:
+            proc.stdin.write(line + "\n")
+            proc.stdin.flush()
+
+    def ask(self, line: str) -> list[Any]:
+        self.send(line)
+        return [json.loads(proc.stdout.readline()) for proc in self.procs]
+
+    def close(self) -> None:
+        self.send("quit")
+        for proc in self.procs:
+            proc.wait(timeout=30)
+
+
+def _probe(host: str, port: int, seconds: float) -> tuple[float, float]:
+    """Median and p99 of a plain ``get`` by a client of its own, in ms, over ``seconds``."""
+    from hypergrid.control.tcpstore import WireStore
+
+    conn = WireStore.connect(host, port, timeout_s=30.0)
+    conn.set("bench/probe", b"x")
+    took = []
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        start = time.perf_counter()
+        conn.get("bench/probe")
+        took.append((time.perf_counter() - start) * 1000)
+        time.sleep(0.01)
+    conn.close()
+    took.sort()
+    return statistics.median(took), took[int(len(took) * 0.99)]
+
+
+def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str, port: int) -> dict:
+    workers.send("go")
+    time.sleep(3 * interval)
+    before = workers.ask("counters")
+    start = time.monotonic()
+    median, p99 = _probe(host, port, seconds)
+    after = workers.ask("counters")
+    elapsed = time.monotonic() - start
+    requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
+    sent = sum(a["bytes"] - b["bytes"] for a, b in zip(after, before))
+    done = sum(a["passes"] - b["passes"] for a, b in zip(after, before))
+    return {"req_rank_interval": requests / n / (elapsed / interval), "bytes_rank_interval": sent / n / (elapsed / interval),
+            "req_s": requests / elapsed, "bytes_s": sent / elapsed, "probe_ms": (median, p99),
+            "passes": done / n / (elapsed / interval), "late_s": max(a["late"] for a in after)}
+
+
+def _detect(workers: Workers, command: str, victims: list[int], limit_s: float) -> Optional[float]:
+    """Seconds from ``command`` (die/halt) to every live rank having a loss of every victim."""
+    killed = time.time()
+    workers.send(f"{command} {' '.join(map(str, victims))}" if command == "halt" else f"die {victims[0]}")
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        time.sleep(0.2)
+        reports = workers.ask("report " + " ".join(map(str, victims)))
+        done = True
+        last = 0.0
+        for v in victims:
+            heard = sum(r[str(v)][0] for r in reports)
+            live = sum(r[str(v)][1] for r in reports)
+            times = [r[str(v)][2] for r in reports if r[str(v)][2] is not None]
+            if heard < live:
+                done = False
+                break
+            last = max([last, *times])
+        if done:
+            return last - killed
+    return None
+
+
+def _round_all(workers: Workers, namespace: str) -> dict:
+    """One recovery round of every simulated rank (see the workers' _round); the store's CPU time
+    is this process's (it runs nothing else meanwhile)."""
+    workers.send(f"round {namespace}")
+    for proc in workers.procs:
+        assert proc.stdout.readline().strip() == "ready"
+    cpu = time.process_time()
+    start = time.time()
+    workers.send("go")
+    outs = [json.loads(proc.stdout.readline()) for proc in workers.procs]
+    store_cpu = time.process_time() - cpu
+    for proc in workers.procs:
+        proc.wait(timeout=60)
+    return {"seconds": max(o["last"] for o in outs) - start, "store_cpu_s": store_cpu,
+            "requests": sum(o["requests"] for o in outs), "bytes": sum(o["bytes"] for o in outs),
+            "failed": {tuple(o["failed"]) for o in outs}}
+
+
+def _namespace() -> str:
+    import uuid
+
+    return f"hypergrid/control/{uuid.uuid4().hex[:12]}"  # as long as a world's own
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--scan-sizes", type=int, nargs="+", default=[8, 64, 256, 1024])
+    parser.add_argument("--interval", type=float, default=1.0)
+    parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument("--no-round", action="store_true")
+    parser.add_argument("--connections", type=int, default=1024,
+                        help="simulated ranks share connections past this many per kind (see the module)")
+    args = parser.parse_args()
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    import torch
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    host, port = "127.0.0.1", server.port
+    print(f"torch {torch.__version__}; one TCPStore (libuv) on {host}:{port}; heartbeat every {args.interval:g} s, "
+          f"stale after 5 beats; nodes of {NODE}; {os.cpu_count()} cores")
+    rows = []
+    for n in args.scan_sizes:
+        share = max(1, n // args.connections)
+        spec = {"host": host, "port": port, "n": n, "interval": args.interval, "namespace": _namespace(),
+                "design": "scan", "share": share}
+        workers = Workers(spec, min(args.workers, n))
+        steady = _steady(workers, n, args.interval, args.steady, host, port)
+        workers.close()
+        rows.append(("scan (replaced)", n, steady, {}, None, share))
+        print(f"scan {n}: {steady}", flush=True)
+    for n in args.sizes:
+        share = max(1, n // args.connections)
+        spec = {"host": host, "port": port, "n": n, "interval": args.interval, "namespace": _namespace(),
+                "design": "ring", "share": share}
+        started = time.monotonic()
+        workers = Workers(spec, args.workers)
+        print(f"ring {n}: {2 * n // share} connections made in {time.monotonic() - started:.0f} s", flush=True)
+        steady = _steady(workers, n, args.interval, args.steady, host, port)
+        detect = {}
+        for label, command, victims in (("rank 0 dies", "die", [0]), ("rank 1,500 dies", "die", [min(1500, n - 2)]),
+                                        ("the last rank dies", "die", [n - 1]),
+                                        ("node 5 lost", "halt", list(range(5 * NODE, 6 * NODE)))):
+            detect[label] = _detect(workers, command, victims, limit_s=60)
+            print(f"ring {n}: {label}: {detect[label]}", flush=True)
+        rnd = None
+        if args.no_round:
+            workers.close()
+        else:
+            rnd = _round_all(workers, _namespace())
+        rows.append(("ring (hypergrid)", n, steady, detect, rnd, share))
+        print(f"ring {n}: {steady} {rnd}", flush=True)
+    _table(rows, args.interval)
+
+
+def _table(rows: list, interval: float) -> None:
+    print()
+    print("| design | ranks | requests / rank / interval | bytes / rank / interval | store requests/s | store bytes/s | "
+          "plain get meanwhile (median, p99) |")
+    print("|---|---|---|---|---|---|---|")
+    for design, n, s, _, _, _ in rows:
+        behind = "" if s["passes"] >= 0.95 else f" (only {s['passes']:.2f} of the passes due were made)"
+        print(f"| {design} | {n:,} | {s['req_rank_interval']:.2f} | {s['bytes_rank_interval']:.0f} | {s['req_s']:,.0f} | "
+              f"{s['bytes_s']:,.0f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
+    print()
+    print("| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | one recovery round: all have "
+          "the verdict | store CPU | round requests |")
+    print("|---|---|---|---|---|---|---|---|")
+    for design, n, _, d, r, _ in rows:
+        if design.startswith("scan"):
+            continue
+        cell = lambda v: f"{v:.2f} s" if v is not None else "not within 60 s"  # noqa: E731
+        round_cells = (f"{r['seconds']:.2f} s | {r['store_cpu_s']:.2f} s | {r['requests']:,}" if r else "- | - | -")
+        print(f"| {n:,} | {cell(d['rank 0 dies'])} | {cell(d['rank 1,500 dies'])} | {cell(d['the last rank dies'])} | "
+              f"{cell(d['node 5 lost'])} | {round_cells} |")
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 2 and sys.argv[1] == "--worker":
+        _worker(json.loads(sys.argv[2]))
+    else:
+        main()

@@ -1,0 +1,141 @@
+"""A rank's monitor as a process of its own: it sees its rank's end from outside, tells a paused
+interpreter from a dead one, and refuses clearly to start where it cannot work.
+
+Each scenario runs ``tests/control_rank.py`` (a whole process with its monitor, serving the job
+``[0, 1]``) against a store this test hosts, and reads the job's board as every other rank would.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch.distributed as dist
+
+from hypergrid.control.heartbeat import Heartbeat, start_heartbeat
+from hypergrid.control.keys import JobChannel, beat_key
+from hypergrid.control.plane import ControlPlane
+from hypergrid.runtime.wire import BoardEvent, decode
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _env() -> dict[str, str]:
+    path = os.environ.get("PYTHONPATH", "")
+    return {**os.environ, "PYTHONPATH": str(ROOT) + (os.pathsep + path if path else "")}
+
+
+def _board(store: dist.TCPStore, namespace: str) -> list[BoardEvent]:
+    channel = JobChannel.of([0, 1], 0, namespace)
+    count = store.add(channel.events(), 0)
+    return [decode(BoardEvent, store.get(channel.event(i))) for i in range(count)]
+
+
+def _run(scenario: str, *args: str, settle_s: float = 1.5) -> tuple[dist.TCPStore, str, int, subprocess.Popen,
+                                                                    Optional[float]]:
+    """Run the rank through ``scenario``; (store, namespace, monitor pid, process, when it ended)."""
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    proc = subprocess.Popen([sys.executable, "-m", "tests.control_rank", "--store", f"127.0.0.1:{store.port}",
+                             "--scenario", scenario, *args], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
+    assert proc.stdout is not None
+    namespace, monitor = proc.stdout.readline().split()
+    try:
+        proc.wait(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ended = time.monotonic()
+    time.sleep(settle_s)
+    return store, namespace, int(monitor), proc, ended
+
+
+def _gone(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
+pytestmark = pytest.mark.slow
+
+
+def test_a_rank_killed_is_published_by_its_monitor_which_then_leaves():
+    store, namespace, monitor, proc, _ = _run("kill")
+    assert proc.returncode == -9
+    events = _board(store, namespace)
+    assert [(e.kind.value, e.rank, e.reason, e.by) for e in events] == [("lost", 0, "its process ended", 0)]
+    assert store.add(beat_key(namespace, 0), 0) < 0  # marked as left: its watcher reports nothing more
+    assert _gone(monitor)
+
+
+def test_a_rank_that_releases_its_job_leaves_cleanly_nobody_s_loss():
+    store, namespace, monitor, proc, _ = _run("bye")
+    assert proc.returncode == 0
+    assert _board(store, namespace) == []
+    assert store.add(beat_key(namespace, 0), 0) < 0 and _gone(monitor)
+
+
+def test_a_rank_exiting_while_its_job_counts_on_it_is_published():
+    store, namespace, monitor, proc, _ = _run("exit")
+    assert proc.returncode == 3
+    events = _board(store, namespace)
+    assert len(events) == 1 and events[0].rank == 0 and "exiting while the job runs" in events[0].reason
+    assert _gone(monitor)
+
+
+def test_a_rank_holding_the_gil_beats_on_and_is_not_taken_for_lost():
+    # 4 s in one C call, against a progress timeout of 10 s: the monitor, a process of its own,
+    # beats on (20 beats of 0.2 s; 5 standing still would count as lost) and publishes nothing.
+    store, namespace, monitor, proc, _ = _run("gil", "--progress", "10", "--hold", "4")
+    assert proc.returncode == 0
+    assert _board(store, namespace) == []
+    assert store.add(beat_key(namespace, 0), 0) < 0  # it left cleanly afterwards
+
+
+def test_a_rank_held_past_its_progress_timeout_is_published_as_hung_once():
+    store, namespace, monitor, proc, _ = _run("gil", "--progress", "2", "--hold", "5")
+    assert proc.returncode == 0
+    events = _board(store, namespace)
+    assert len(events) == 1 and events[0].rank == 0, events
+    assert events[0].reason.startswith("it made no progress for 2 s (the progress timeout is 2 s)"), events[0]
+
+
+# ---------------------------------------------------------------------- inputs
+@pytest.mark.parametrize("kwargs, message", [
+    ({"interval_s": 0}, "interval_s must be a positive number of seconds, got 0"),
+    ({"interval_s": float("nan")}, "interval_s must be a positive number of seconds, got nan"),
+    ({"interval_s": "1"}, "interval_s must be a positive number of seconds, got '1'"),
+    ({"interval_s": True}, "interval_s must be a positive number of seconds, got True"),
+    ({"progress_timeout_s": -5}, "progress_timeout_s must be a positive number of seconds, got -5"),
+    ({"progress_timeout_s": float("inf")}, "progress_timeout_s must be a positive number of seconds, got inf"),
+    ({"stale_beats": 1}, "stale_beats must be an int of at least 2 intervals, got 1"),
+    ({"interval_s": 2.0, "progress_timeout_s": 5.0},
+     r"progress_timeout_s \(5 s\) must be at least the staleness bound, stale_beats x interval_s \(10 s\)"),
+])
+def test_bad_heartbeat_settings_are_refused_naming_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        start_heartbeat(**kwargs)
+
+
+def test_a_monitor_that_cannot_reach_the_store_is_an_error_at_the_call():
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]  # nothing listens there once the probe is closed
+    plane = ControlPlane("hypergrid/control/test", object(), ("127.0.0.1", port))
+    with pytest.raises(RuntimeError, match=f"rank 0's heartbeat monitor could not start: the monitor could not "
+                                           f"reach the job's store at 127.0.0.1:{port}"):
+        Heartbeat(plane, 0, interval_s=0.5, progress_timeout_s=60, stale_beats=5)
+
+
+def test_a_store_another_process_cannot_reach_is_an_error_naming_it():
+    plane = ControlPlane("hypergrid/control/test", dist.HashStore(), None)
+    with pytest.raises(RuntimeError, match="this job's store is a HashStore, which another process cannot reach"):
+        Heartbeat(plane, 0, interval_s=0.5, progress_timeout_s=60, stale_beats=5)

@@ -1,0 +1,256 @@
+"""The recovery's control plane, piece by piece (hypergrid/control/): who watches whom, who is
+failed, the monitor's own store client against torch's, and the monitor's work against a real
+TCPStore with time given (no sleeping), up to a job of 2,048 simulated ranks.
+
+The whole processes (a monitor seeing its rank die, a held GIL, a clean exit) are in
+tests/test_control_monitor.py; jobs of 8 and 16 ranks in tests/test_control_jobs.py.
+"""
+
+from __future__ import annotations
+
+import math
+import select
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from hypergrid.control.keys import DEPARTED, JobChannel, beat_key
+from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
+from hypergrid.control.ring import Ring, as_runs, from_runs
+from hypergrid.control.tcpstore import StoreProtocolError, WireStore
+from hypergrid.control.verdict import RoundView, decide
+from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind
+
+
+# ---------------------------------------------------------------------- the ring
+@pytest.mark.parametrize("ranks, node", [
+    (range(8), 4), (range(16), 8), (range(2048), 8), (range(12), 8),           # whole and partial nodes
+    ([0, 1, 2, 3, 8, 9, 10, 11, 13], 4), ([5], 8), (range(7), 1), (range(10), 16),
+])
+def test_the_ring_watches_every_rank_exactly_once_and_from_another_node(ranks, node):
+    ring = Ring.of(ranks, node)
+    ranks = sorted(set(ranks))
+    successors = {r: ring.successor(r) for r in ranks}
+    assert sorted(successors.values()) == ranks  # a permutation: everyone is watched by one
+    seen, rank = [], ranks[0]
+    for _ in ranks:  # one cycle through all of them
+        seen.append(rank)
+        rank = successors[rank]
+    assert sorted(seen) == ranks and rank == ranks[0]
+    assert ring.order() == seen
+    nodes = {r // node for r in ranks}
+    if len(nodes) > 1:
+        # With two nodes or more, only a rank whose local index exists on one node alone can be
+        # watched from its own node (the ring moves on to the next local index there).
+        same = [r for r, s in successors.items() if r // node == s // node]
+        lonely = {r % node for r in ranks if sum(1 for o in ranks if o % node == r % node) == 1}
+        assert all(r % node in lonely for r in same), same
+
+
+def test_runs_round_trip():
+    ranks = [0, 1, 2, 7, 9, 10, 2047]
+    assert list(from_runs(as_runs(ranks))) == ranks and as_runs([]) == []
+    with pytest.raises(ValueError, match="node_size must be a positive number of ranks, got 0"):
+        Ring.of([0, 1], 0)
+
+
+# ---------------------------------------------------------------------- the verdict
+def _view(arrived, lost=None, waited=0.0, domain=range(4), offers=()):
+    arrivals = {r: (a if isinstance(a, Arrival) else Arrival(r, step=a)) for r, a in arrived.items()}
+    return RoundView(0, list(domain), arrivals, lost or {}, waited, list(offers))
+
+
+def test_a_rank_lost_on_the_board_is_failed_whether_it_arrived_or_not():
+    verdict = decide(_view({0: 4, 1: 3, 2: 5}, {2: "its process ended", 3: "its heartbeat stopped"}),
+                     bound_s=60, remaining_s=60)
+    assert verdict.failed == (2, 3) and verdict.step == 3
+    assert verdict.reasons == ("rank 2: it arrived, then its process ended",
+                               "rank 3: its heartbeat stopped before it arrived")
+
+
+def test_an_alive_absent_rank_is_waited_for_up_to_the_bound_then_counted_out_as_hung():
+    assert decide(_view({0: 1, 1: 1, 2: 1}, waited=5.0), bound_s=10, remaining_s=60) is None
+    verdict = decide(_view({0: 1, 1: 1, 2: 1}, waited=10.0), bound_s=10, remaining_s=60)
+    assert verdict.failed == (3,) and "it hangs" in verdict.reasons[0]
+
+
+def test_a_round_whose_deadline_comes_first_is_abandoned_naming_whom_it_waited_for():
+    verdict = decide(_view({0: 1}, {1: "gone"}, waited=5.0), bound_s=10, remaining_s=0.1)
+    assert verdict.failed == () and verdict.abandoned.startswith("ranks [2, 3] neither arrived nor were lost")
+
+
+def test_offers_are_waited_for_and_reported_and_aborts_are_runs_of_ranks():
+    arrived = {0: Arrival(0, 1, aborted=((0, 1),)), 1: Arrival(1, 1, aborted=((0, 1),)), 2: Arrival(2, 1),
+               3: Arrival(3, 2, "grow"), 6: Arrival(6, None, "wait")}
+    assert decide(_view(arrived, offers=[6, 7]), bound_s=60, remaining_s=60) is None  # offer 7 is waited for
+    verdict = decide(_view(arrived, {7: "its process ended"}, offers=[6, 7]), bound_s=60, remaining_s=60)
+    assert verdict.offered == (6,) and verdict.failed == (7,) and verdict.grow and verdict.recovering
+    assert verdict.aborted_by == ((0, 2),)
+
+
+# ---------------------------------------------------------------------- the monitor's client
+@pytest.fixture(params=[True, False], ids=["libuv", "classic"])
+def server(request):
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=request.param,
+                         timeout=timedelta(seconds=30))
+
+
+def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_message(server):
+    wire = WireStore.connect("127.0.0.1", server.port, timeout_s=10)
+    assert wire.add("n/count", 2) == 2 and server.add("n/count", 1) == 3 and wire.add("n/count", 0) == 3
+    wire.set("n/set", b"v"); assert server.get("n/set") == b"v"
+    server.set("n/torch", "t"); assert wire.get("n/torch") == b"t"
+    assert wire.check(["n/set", "n/torch"]) and not wire.check(["n/set", "n/absent"])
+    assert wire.compare_set("n/cas", b"", b"a") == b"a" and wire.compare_set("n/cas", b"x", b"b") == b"a"
+    wire.append("n/log", b"1"); server.append("n/log", "2"); assert wire.get("n/log") == b"12"
+    assert wire.multi_get(["n/set", "n/torch"]) == [b"v", b"t"]
+    assert not wire.wait(["n/never"], 0.2)
+    wire.start_wait(["n/later"])
+    server.set("n/later", "1")
+    assert wire.finish_wait() and not wire.waiting
+    wire.start_wait(["n/never"]); wire.cancel_wait(); assert wire.add("n/count", 0) == 3  # still in step
+    dist.PrefixStore("outer", dist.PrefixStore("inner", server)).set("k", "p")
+    assert wire.get("inner/outer/k") == b"p"  # each layer puts its prefix in front, the innermost first
+    wire.close()
+
+
+def test_something_that_is_not_a_tcpstore_is_refused_naming_its_address():
+    import socket
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    with pytest.raises(StoreProtocolError, match=f"127.0.0.1:{port} did not answer a TCPStore's ping"):
+        WireStore.connect("127.0.0.1", port, timeout_s=0.5)
+    listener.close()
+    with pytest.raises(OSError):
+        WireStore.connect("127.0.0.1", port, timeout_s=0.5)  # nothing listens any more
+
+
+# ---------------------------------------------------------------------- the monitor's work
+class _Sim:
+    """``count`` ranks' monitors in this process against ``server``, ``share`` of them per
+    connection of each kind (a job of thousands within this machine's descriptors), on a clock
+    this test advances: no sleeping."""
+
+    def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8):
+        self.heard = {r: [] for r in range(count)}
+        self.channel = JobChannel("sim", "job", 0)
+        conns = {}
+
+        def conn(key):
+            if key not in conns:
+                conns[key] = WireStore.connect("127.0.0.1", server.port, timeout_s=30)
+            return conns[key]
+
+        self.monitors = {}
+        for rank in range(count):
+            group = rank // share
+            config = MonitorConfig("127.0.0.1", server.port, "sim", rank, interval,
+                                   progress_timeout_s=progress if math.isfinite(progress) else 1e9)
+            leader = rank % share == 0
+            monitor = RankMonitor(config, forward=self._hear(rank, group, share), now=0.0,
+                                  connect=lambda group=group: conn(("board", group)), store=conn(("beat", group)))
+            monitor.attach(JobSpec(self.channel, ((0, count),), node), wait_on_board=leader)
+            self.monitors[rank] = monitor
+        self.share, self.halted = share, set()
+
+    def _hear(self, rank, group, share):
+        def hear(event):
+            self.heard[rank].append(event)
+            if rank % share == 0:  # the group's board wait serves its other ranks
+                for other in range(rank + 1, rank + share):
+                    if other in self.monitors and other not in self.halted:
+                        self.monitors[other].deliver(event)
+        return hear
+
+    def tick(self, now):
+        for rank, monitor in self.monitors.items():
+            if rank not in self.halted:
+                monitor.tick(now=now)
+                monitor.progress(now=now)
+        self.drain()
+
+    def drain(self, quiet_s=0.2):
+        """Read what the board's waits were answered, until none is answered for ``quiet_s``."""
+        while True:
+            boards = {m.board.fileno(): m for r, m in self.monitors.items()
+                      if r not in self.halted and m.board is not None}
+            ready = select.select(list(boards), [], [], quiet_s)[0] if boards else []
+            if not ready:
+                return
+            for fd in ready:
+                boards[fd].on_board()
+
+    def lost_heard_by_all(self, victims):
+        live = [r for r in self.monitors if r not in self.halted]
+        return all({e.rank for e in self.heard[r] if e.kind is EventKind.LOST} >= set(victims) for r in live)
+
+
+def test_a_successor_that_stops_beating_is_published_once_after_the_staleness_bound(server):
+    sim = _Sim(server, 4, node=2)  # the ring: 0 -> 2 -> 1 -> 3 -> 0
+    sim.tick(0.0)  # rank 0 looked at rank 2's counter before rank 2 beat
+    sim.halted.add(2)  # rank 2's node (its monitor too) is gone
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):  # at 1.0 rank 0 sees the one beat rank 2 made
+        sim.tick(now)
+        assert not any(sim.heard[r] for r in (0, 1, 3)), now  # standing still for less than 5 beats of 1 s
+    sim.tick(6.0)
+    events = [e for r in (0, 1, 3) for e in sim.heard[r]]
+    assert {(e.kind, e.rank, e.by) for e in events} == {(EventKind.LOST, 2, 0)}, events  # by its watcher
+    assert len(sim.heard[1]) == 1 and "its heartbeat stopped for 5.0 s" in sim.heard[1][0].reason
+    sim.tick(7.0)
+    assert len(sim.heard[1]) == 1  # published once; rank 0 now watches rank 2's successor
+
+
+def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(server):
+    sim = _Sim(server, 4, node=2)
+    sim.tick(0.0)
+    sim.monitors[2].depart()
+    sim.halted.add(2)
+    for now in range(1, 12):
+        sim.tick(float(now))
+    assert not any(sim.heard[r] for r in (0, 1, 3))
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key("sim", 2), 0) < 0
+    assert DEPARTED < 0
+
+
+def test_a_process_that_ended_is_published_at_once_and_a_quiet_interpreter_only_after_the_progress_timeout(server):
+    sim = _Sim(server, 4, node=2, progress=3.0)
+    sim.tick(0.0)
+    sim.monitors[1].parent_ended()
+    sim.halted.add(1)
+    sim.drain()
+    assert all([(e.rank, e.reason) for e in sim.heard[r]] == [(1, "its process ended")] for r in (0, 2, 3))
+    # Rank 3's interpreter stops ticking (the GIL held, or SIGSTOP); its monitor beats on.
+    monitor = sim.monitors[3]
+    for now in (1.0, 2.0):
+        for rank in (0, 2):
+            sim.monitors[rank].tick(now=now); sim.monitors[rank].progress(now=now)
+        monitor.tick(now=now)
+        sim.drain()
+        assert len(sim.heard[0]) == 1
+    monitor.tick(now=3.5)
+    monitor.tick(now=4.5)  # published once
+    sim.drain()
+    hung = [e for e in sim.heard[0] if e.rank == 3]
+    assert len(hung) == 1 and hung[0].reason.startswith("it made no progress for 4 s (the progress timeout is 3 s)")
+
+
+@pytest.mark.slow
+def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank_2047():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    sim = _Sim(server, 2048, share=64)
+    sim.tick(0.0)
+    # Rank 1,500's process ends (its monitor sees it and publishes), and rank 2,047's whole node
+    # (ranks 2,040-2,047, monitors and all) goes silent.
+    sim.monitors[1500].publish(BoardEvent(EventKind.LOST, 1500, "its process ended", by=1500))
+    sim.halted.update([1500, *range(2040, 2048)])
+    sim.drain()
+    assert sim.lost_heard_by_all([1500]) and not sim.lost_heard_by_all([2047])
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):
+        sim.tick(now)
+        assert not sim.lost_heard_by_all([2047]), now
+    sim.tick(6.0)  # 5 beats of silence: each of node 255's ranks is published by its watcher
+    assert sim.lost_heard_by_all([1500, *range(2040, 2048)])
+    publishers = {e.rank: e.by for e in sim.heard[0]}
+    assert {publishers[r] for r in range(2040, 2048)} == set(range(2032, 2040))  # each from node 254
