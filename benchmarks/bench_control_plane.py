@@ -28,10 +28,14 @@ the store would need 32,768. There, every 16 ranks of a node pair share one conn
 beats (their requests and bytes are counted the same; only the store's socket count differs),
 and each keeps its own board connection. 65,536 ranks do not fit at all.
 
+And ``--monitor-cost SECONDS``: real monitor processes of a 4-rank gloo job, their unique set size
+and their share of a core in the steady state, read from /proc.
+
 Run::
 
     python benchmarks/bench_control_plane.py                          # 1,024, 4,096, 16,384
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
+    python benchmarks/bench_control_plane.py --monitor-cost 60
 """
 
 from __future__ import annotations
@@ -63,7 +67,7 @@ def _worker(spec: dict) -> None:
 
     from hypergrid.control.keys import JobChannel, beat_key
     from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
-    from hypergrid.control.tcpstore import WireStore
+    from hypergrid.control.tcpstore import StoreProtocolError, StoreTimeout, WireStore
 
     host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
     ranks: list[int] = spec["ranks"]
@@ -111,7 +115,7 @@ def _worker(spec: dict) -> None:
     print("ready", flush=True)
     ticks: list[tuple[float, int]] = []
     halted: set[int] = set()
-    passes = {"done": 0, "late": 0.0}
+    passes = {"done": 0, "late": 0.0, "dropped": 0}
 
     def scan(rank: int) -> None:
         conn = beat_conn[rank // share]
@@ -145,7 +149,12 @@ def _worker(spec: dict) -> None:
                 monitors[rank].tick(now=now)
                 monitors[rank].progress(now=now)
             else:
-                scan(rank)
+                try:
+                    scan(rank)
+                except (OSError, StoreTimeout, StoreProtocolError):  # the store gave up on it
+                    passes["dropped"] += 1
+                    halted.add(rank)
+                    continue
             passes["done"] += ring
             heapq.heappush(ticks, (due + interval, rank))
         timeout = max(0.0, ticks[0][0] - time.monotonic()) if ticks else 0.5
@@ -166,7 +175,8 @@ def _worker(spec: dict) -> None:
                 elif word == "counters":
                     print(json.dumps({"requests": sum(c.requests for c in conns),
                                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns),
-                                      "passes": passes["done"], "late": passes["late"]}), flush=True)
+                                      "passes": passes["done"], "late": passes["late"],
+                                      "dropped": passes["dropped"]}), flush=True)
                     passes["late"] = 0.0
                 elif word == "die":
                     rank = int(rest)
@@ -349,7 +359,8 @@ def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str
     done = sum(a["passes"] - b["passes"] for a, b in zip(after, before))
     return {"req_rank_interval": requests / n / (elapsed / interval), "bytes_rank_interval": sent / n / (elapsed / interval),
             "req_s": requests / elapsed, "bytes_s": sent / elapsed, "probe_ms": (median, p99),
-            "passes": done / n / (elapsed / interval), "late_s": max(a["late"] for a in after)}
+            "passes": done / n / (elapsed / interval), "late_s": max(a["late"] for a in after),
+            "dropped": sum(a.get("dropped", 0) for a in after)}
 
 
 def _detect(workers: Workers, command: str, victims: list[int], limit_s: float) -> Optional[float]:
@@ -393,6 +404,60 @@ def _round_all(workers: Workers, namespace: str) -> dict:
             "failed": {tuple(o["failed"]) for o in outs}}
 
 
+def _monitor_cost(seconds: float, interval: float) -> None:
+    """A real job of 4 gloo ranks with their monitors (the heartbeat at ``interval``) for
+    ``seconds``: each monitor's unique set size and its share of a core, from /proc."""
+    import tempfile
+
+    code = f"""
+import os, sys, time, datetime
+import torch.distributed as dist
+sys.path.insert(0, {ROOT!r})
+import hypergrid
+from hypergrid import HyperCommGrid, ResilientJob
+rank = int(sys.argv[1])
+store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), is_master=False)
+dist.init_process_group("gloo", store=store, rank=rank, world_size=4)
+beat = hypergrid.start_heartbeat(interval_s={interval})
+job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]), spares=[])
+print(beat.pid, flush=True)
+time.sleep({seconds} + 5)
+job.release_spares()
+"""
+    import torch.distributed as dist
+
+    server = dist.TCPStore("127.0.0.1", 0, 4, is_master=True, wait_for_workers=False)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as script:
+        script.write(code)
+    ranks = [subprocess.Popen([sys.executable, script.name, str(r), str(server.port)], stdout=subprocess.PIPE,
+                              text=True) for r in range(4)]
+    pids = [int(p.stdout.readline()) for p in ranks]
+    time.sleep(2.0)
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def cpu(pid: int) -> float:
+        fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    def uss(pid: int) -> float:
+        total = 0
+        for line in open(f"/proc/{pid}/smaps_rollup"):
+            if line.startswith(("Private_Clean", "Private_Dirty")):
+                total += int(line.split()[1])
+        return total / 1024
+
+    before, start = [cpu(p) for p in pids], time.monotonic()
+    time.sleep(seconds)
+    elapsed = time.monotonic() - start
+    shares = [(cpu(p) - b) / elapsed * 100 for p, b in zip(pids, before)]
+    sizes = [uss(p) for p in pids]
+    for p in ranks:
+        p.wait(timeout=120)
+    os.unlink(script.name)
+    print(f"monitor of each of 4 ranks over {seconds:g} s (heartbeat {interval:g} s): unique set size "
+          f"{min(sizes):.1f}-{max(sizes):.1f} MB, CPU {min(shares):.2f}-{max(shares):.2f}% of a core")
+
+
 def _namespace() -> str:
     import uuid
 
@@ -407,9 +472,14 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--no-round", action="store_true")
+    parser.add_argument("--monitor-cost", type=float, default=0.0, metavar="SECONDS",
+                        help="only measure real monitors' memory and CPU over SECONDS (a 4-rank gloo job)")
     parser.add_argument("--connections", type=int, default=1024,
                         help="simulated ranks share connections past this many per kind (see the module)")
     args = parser.parse_args()
+    if args.monitor_cost:
+        _monitor_cost(args.monitor_cost, args.interval)
+        return
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     import torch
@@ -460,6 +530,8 @@ def _table(rows: list, interval: float) -> None:
     print("|---|---|---|---|---|---|---|")
     for design, n, s, _, _, _ in rows:
         behind = "" if s["passes"] >= 0.95 else f" (only {s['passes']:.2f} of the passes due were made)"
+        if s.get("dropped"):
+            behind += f" ({s['dropped']} ranks' connections reset by the store)"
         print(f"| {design} | {n:,} | {s['req_rank_interval']:.2f} | {s['bytes_rank_interval']:.0f} | {s['req_s']:,.0f} | "
               f"{s['bytes_s']:,.0f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
     print()

@@ -92,14 +92,14 @@ def test_a_rank_exiting_while_its_job_counts_on_it_is_published():
 def test_a_rank_holding_the_gil_beats_on_and_is_not_taken_for_lost():
     # 4 s in one C call, against a progress timeout of 10 s: the monitor, a process of its own,
     # beats on (20 beats of 0.2 s; 5 standing still would count as lost) and publishes nothing.
-    store, namespace, monitor, proc, _ = _run("gil", "--progress", "10", "--hold", "4")
+    store, namespace, _monitor, proc, _ = _run("gil", "--progress", "10", "--hold", "4")
     assert proc.returncode == 0
     assert _board(store, namespace) == []
     assert store.add(beat_key(namespace, 0), 0) < 0  # it left cleanly afterwards
 
 
 def test_a_rank_held_past_its_progress_timeout_is_published_as_hung_once():
-    store, namespace, monitor, proc, _ = _run("gil", "--progress", "2", "--hold", "5")
+    store, namespace, _monitor, proc, _ = _run("gil", "--progress", "2", "--hold", "5")
     assert proc.returncode == 0
     events = _board(store, namespace)
     assert len(events) == 1 and events[0].rank == 0, events

@@ -3,7 +3,8 @@ failed, the monitor's own store client against torch's, and the monitor's work a
 TCPStore with time given (no sleeping), up to a job of 2,048 simulated ranks.
 
 The whole processes (a monitor seeing its rank die, a held GIL, a clean exit) are in
-tests/test_control_monitor.py; jobs of 8 and 16 ranks in tests/test_control_jobs.py.
+tests/test_control_monitor.py
+jobs of 8 and 16 ranks in tests/test_control_jobs.py.
 """
 
 from __future__ import annotations
@@ -99,17 +100,23 @@ def server(request):
 def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_message(server):
     wire = WireStore.connect("127.0.0.1", server.port, timeout_s=10)
     assert wire.add("n/count", 2) == 2 and server.add("n/count", 1) == 3 and wire.add("n/count", 0) == 3
-    wire.set("n/set", b"v"); assert server.get("n/set") == b"v"
-    server.set("n/torch", "t"); assert wire.get("n/torch") == b"t"
+    wire.set("n/set", b"v")
+    assert server.get("n/set") == b"v"
+    server.set("n/torch", "t")
+    assert wire.get("n/torch") == b"t"
     assert wire.check(["n/set", "n/torch"]) and not wire.check(["n/set", "n/absent"])
     assert wire.compare_set("n/cas", b"", b"a") == b"a" and wire.compare_set("n/cas", b"x", b"b") == b"a"
-    wire.append("n/log", b"1"); server.append("n/log", "2"); assert wire.get("n/log") == b"12"
+    wire.append("n/log", b"1")
+    server.append("n/log", "2")
+    assert wire.get("n/log") == b"12"
     assert wire.multi_get(["n/set", "n/torch"]) == [b"v", b"t"]
     assert not wire.wait(["n/never"], 0.2)
     wire.start_wait(["n/later"])
     server.set("n/later", "1")
     assert wire.finish_wait() and not wire.waiting
-    wire.start_wait(["n/never"]); wire.cancel_wait(); assert wire.add("n/count", 0) == 3  # still in step
+    wire.start_wait(["n/never"])
+    wire.cancel_wait()
+    assert wire.add("n/count", 0) == 3  # the connection is still in step
     dist.PrefixStore("outer", dist.PrefixStore("inner", server)).set("k", "p")
     assert wire.get("inner/outer/k") == b"p"  # each layer puts its prefix in front, the innermost first
     wire.close()
@@ -225,7 +232,8 @@ def test_a_process_that_ended_is_published_at_once_and_a_quiet_interpreter_only_
     monitor = sim.monitors[3]
     for now in (1.0, 2.0):
         for rank in (0, 2):
-            sim.monitors[rank].tick(now=now); sim.monitors[rank].progress(now=now)
+            sim.monitors[rank].tick(now=now)
+            sim.monitors[rank].progress(now=now)
         monitor.tick(now=now)
         sim.drain()
         assert len(sim.heard[0]) == 1

@@ -55,8 +55,8 @@ import torch.distributed as dist
 from ..control.heartbeat import running_heartbeat, start_heartbeat
 from ..control.keys import JobChannel
 from ..control.plane import control_plane
-from ..control.rounds import offer, open_channel, release_spares, wait_for_round
-from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
+from ..control.rounds import offer, open_channel, read_record, release_spares, wait_for_round
+from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, StoreUnresponsiveError
 from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.checks import as_int, check_timeout
@@ -66,7 +66,7 @@ from ..runtime.modes import job_setup
 from ..runtime.store import agreement_possible
 from .rebuild import world_grid
 from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
-from .rounds import attach, detach, recover_known, run_rounds
+from .rounds import attach, detach, recover_known, run_rounds, synced
 
 __all__ = ["ResilientJob", "GridRecipe", "MegatronRecipe", "DEFAULT_TIMEOUT"]
 
@@ -161,7 +161,10 @@ class ResilientJob:
         if not isinstance(grid, HyperCommGrid):
             raise TypeError(f"grid must be a HyperCommGrid, got {type(grid).__name__} {grid!r}")
         timeout = _checked_timeout("timeout", timeout)
-        spare_ranks = _ranks_arg("spares", spares, grid.world_size)
+        # A grid planned for a smaller world is legal in a larger one (its groups are checked
+        # against the world that runs): the spares are ranks of that world.
+        world = dist.get_world_size() if dist.is_initialized() else grid.world_size
+        spare_ranks = _ranks_arg("spares", spares, world)
         inside = [s for s in spare_ranks if grid.layout.contains(s)]
         if inside:
             raise ValueError(f"spares must be ranks outside the grid, got {list(inside)} which the grid spans")
@@ -438,7 +441,7 @@ class ResilientJob:
         while not job.in_grid:
             left = end - time.monotonic()
             if left <= 0 or not wait_for_round(job.channel, plane, timeout=timedelta(seconds=left)):
-                return job
+                return job.as_stored()
             try:
                 job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
                                  replica_dim=replica_dim)
@@ -472,7 +475,7 @@ class ResilientJob:
         while time.monotonic() < end:
             offer(channel, plane, rank)
             if not wait_for_round(channel, plane, timeout=timedelta(seconds=end - time.monotonic())):
-                return job
+                return job.as_stored()
             try:
                 job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
                                   replica_dim=replica_dim)
@@ -485,7 +488,33 @@ class ResilientJob:
             left = timedelta(seconds=max(0.001, end - time.monotonic()))
             return job.wait_as_spare(timeout=left, recovery_timeout=recovery_timeout, gpus_per_node=gpus_per_node,
                                      replica_dim=replica_dim)
-        return job
+        return job.as_stored()
+
+    def as_stored(self) -> ResilientJob:
+        """This job as the store's latest committed record has it (placement, spares, generation),
+        for a rank that comes back from outside the grid: what it held may be from before it was
+        counted out. Without a store (or a record), the job as it is.
+
+        Example, with no process group::
+
+            >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))
+            >>> job.as_stored() is job
+            True
+        """
+        plane = control_plane()
+        if plane is None or self.channel is None:
+            return self
+        try:
+            record = read_record(self.channel, plane.client(time.monotonic() + 30.0))
+        except (dist.DistError, StoreUnresponsiveError) as exc:
+            raise RecoveryError(f"hypergrid: could not read the job's committed record: the job's store did not "
+                                f"answer ({exc})") from exc
+        stored = synced(self, record)
+        if stored is not self and self.state is not None and not stored.in_grid:
+            # It held groups of a placement that is gone (it was counted out): they go too.
+            self.destroy()
+            stored = dataclasses.replace(stored, state=None)
+        return stored
 
     def destroy(self) -> None:
         """Let go of the job's groups on this rank: its state's (a grid's, or Megatron-Core's

@@ -60,7 +60,7 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
     """
     strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
-    with watching(board):
+    with watching(board, deadline if board is not None else None):
         if dist.get_rank() in members:
             evict_broken(members, frozenset(from_runs(verdict.aborted_by)), left(deadline), scope)
         if isinstance(job.recipe, MegatronRecipe):

@@ -100,13 +100,14 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
     rank = dist.get_rank()
     bound = (longest_collective(job.collective_timeout).total_seconds() + ARRIVAL_MARGIN_S
              + staleness_bound(timeout.total_seconds()))
-    # The first round may wait for ranks blocked in a collective: on top of the recovery's timeout.
+    # A round may wait for ranks blocked in a collective (or still leaving a failed attempt) up to
+    # the bound: on top of the recovery's timeout, which counts from the first agreement.
     deadline = time.monotonic() + timeout.total_seconds() + bound
     first = True
     board = LossView(job.channel, plane)
     with recovering():
         while True:
-            rnd = RecoveryRound.open(job.channel, plane, deadline)
+            rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound))
             job = synced(job, rnd.record)
             offered = [r for r in rnd.offers if not job.counts_on(r)]
             if not job.counts_on(rank) and rank not in offered:
@@ -117,11 +118,22 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
                     f"{describe_ranks(list(job.layout.ranks))}, spares {describe_ranks(job.spares)}); "
                     f"ResilientJob.offer() offers it again")
             arrival = Arrival(rank, step, reason, tuple(take_aborted()))
-            verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered)
-            if first:
-                deadline, first = time.monotonic() + timeout.total_seconds(), False
-                rnd.store.deadline = deadline
-            end, state = attempt(job, rnd, verdict, gpus_per_node, replica_dim, deadline, board)
+            try:
+                verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered)
+                if first:
+                    deadline, first = time.monotonic() + timeout.total_seconds(), False
+                # Each attempt has the recovery's timeout at least to what is left of it; a round
+                # agreed late (after ranks left a failed attempt) gets what the first one got.
+                attempt_deadline = max(deadline, time.monotonic() + min(timeout.total_seconds(), bound))
+                rnd.store.deadline = attempt_deadline
+                end, state = attempt(job, rnd, verdict, gpus_per_node, replica_dim, attempt_deadline, board)
+            except ExcludedByRecovery:
+                raise  # the others go on in this round, and close it
+            except BaseException:
+                # Abandoned, or an error on the way: the round is over for everyone, so that the
+                # next call (a retry, a spare's next wait) meets in a round of its own.
+                rnd.close()
+                raise
             rnd.close()
             if end.committed:
                 return state

@@ -37,9 +37,10 @@ from typing import Any, Optional, cast
 
 import torch.distributed as dist
 
-from ..errors import GroupCreationError, UnsupportedTorchError
+from ..errors import GroupCreationError, GroupTimeoutError, UnsupportedTorchError
 from ..layout.describe import describe_ranks
 from .agreement import explain_creation_failure
+from .losses import creation_timeout, lost_among
 from .modes import CreationMode
 from .request import GroupRequest
 from .torch_compat import group_name_override, new_group_keeps_order, unsplit
@@ -78,15 +79,23 @@ def _new_member_group(request: GroupRequest, members: list[int], timeout: timede
                 f"positions' order, and this torch's new_group has no sort_ranks=False to keep it"
             )
         in_order["sort_ranks"] = False
-    return dist.new_group(
+    lost = lost_among(members)
+    if lost:  # inside a recovery: a member lost after agreeing would only be waited for in torch
+        raise GroupTimeoutError(f"hypergrid: process group {request.label!r}: members {describe_ranks(lost)} were lost "
+                                f"(the job's board says so) before the group was made")
+    bounded = creation_timeout(timeout)
+    pg = dist.new_group(
         ranks=members,
-        timeout=timeout,
+        timeout=bounded,
         backend=options.backend,
         pg_options=pg_options,
         use_local_synchronization=True,
         group_desc=options.group_desc,
         **in_order,
     )
+    if bounded != timeout and pg is not None and pg != dist.GroupMember.NON_GROUP_MEMBER:
+        pg.set_timeout(timeout)  # made within the recovery's time; its collectives keep the group's
+    return pg
 
 
 def _split(request: GroupRequest, timeout: timedelta) -> tuple[list[int], Callable[[], Any]]:

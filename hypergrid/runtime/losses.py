@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Collection, Iterator
+from datetime import timedelta
 from typing import Optional, Protocol
 
-__all__ = ["LossCheck", "watching", "watching_now", "lost_among"]
+__all__ = ["LossCheck", "watching", "watching_now", "lost_among", "creation_timeout"]
 
 
 class LossCheck(Protocol):
@@ -39,15 +41,33 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
-def watching(check: Optional[LossCheck]) -> Iterator[None]:
+def watching(check: Optional[LossCheck], deadline: Optional[float] = None) -> Iterator[None]:
     """While the block runs, this thread's waits for other ranks end as soon as one they wait for
-    is lost (``check``); None: they wait as they would."""
-    previous = getattr(_scope, "check", None)
-    _scope.check = check
+    is lost (``check``); None: they wait as they would. ``deadline`` (a monotonic time): the
+    block's end, which bounds how long torch may take to make a group (:func:`creation_timeout`)."""
+    previous = getattr(_scope, "check", None), getattr(_scope, "deadline", None)
+    _scope.check, _scope.deadline = check, deadline
     try:
         yield
     finally:
-        _scope.check = previous
+        _scope.check, _scope.deadline = previous
+
+
+def creation_timeout(timeout: timedelta) -> timedelta:
+    """How long torch may take to make a group whose collectives time out after ``timeout``: that,
+    or what is left of the recovery's deadline inside :func:`watching`, whichever is shorter (a
+    member that died after agreeing would hold the others in gloo's connection set-up, or NCCL's
+    initialization, until then), and at least a second.
+
+    Example::
+
+        >>> creation_timeout(timedelta(seconds=30))          # outside a recovery: unchanged
+        datetime.timedelta(seconds=30)
+    """
+    deadline: Optional[float] = getattr(_scope, "deadline", None)
+    if deadline is None:
+        return timeout
+    return min(timeout, timedelta(seconds=max(1.0, deadline - time.monotonic())))
 
 
 def watching_now() -> bool:
