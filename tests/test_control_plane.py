@@ -106,7 +106,8 @@ def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_messa
     assert wire.get("n/torch") == b"t"
     assert wire.check(["n/set", "n/torch"]) and not wire.check(["n/set", "n/absent"])
     assert wire.compare_set("n/cas", b"", b"a") == b"a" and wire.compare_set("n/cas", b"x", b"b") == b"a"
-    wire.append("n/log", b"1")
+    wire.append("n/log", b"1")  # no answer comes back: a check behind it is answered once it is done
+    assert wire.check(["n/log"])
     server.append("n/log", "2")
     assert wire.get("n/log") == b"12"
     assert wire.multi_get(["n/set", "n/torch"]) == [b"v", b"t"]

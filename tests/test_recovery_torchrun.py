@@ -15,8 +15,11 @@ Checked: the outcome of every surviving rank (placement, plan, the weight every 
 each step counted once, the new groups' sums), that both ranks of the lost node died and that
 its agent exited with a failure, and that no agent restarted its workers. Each test took 14 to
 20 s with torch 2.13.0 and 15 to 28 s with torch 2.15.0 (10 runs each on a 2-core machine at a
-load of 3 to 6), most of it torchrun's and torch's start-up; the lost node's agent exited 0.5 to
-1.6 s after the kill, and every survivor was back 2.6 to 2.8 s after it (heartbeat 0.5 s).
+load of 3 to 6), most of it torchrun's and torch's start-up. Each worker's monitor (a process of
+its own, in a session of its own: the agent's SIGTERM to the worker's group does not reach it)
+publishes its worker's end at once, so every survivor was back 0.2 to 0.3 s after the kill, often
+before the lost node's agent had ended its node (2.8 to 3.1 s after the kill); before the
+monitors, a lost worker was seen only when its heartbeat went stale, 2.6 to 2.8 s after.
 
 Every process the test starts is ended in a ``finally``: the agents and the store by their
 process groups (each runs in a session of its own), the workers (torchrun starts each in a

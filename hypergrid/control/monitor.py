@@ -9,8 +9,9 @@ the rank's process group) stops it. Every ``interval_s`` it makes two store requ
 - it adds 1 to its rank's heartbeat counter;
 - it reads the counter of the one rank it watches, its successor in the job's ring
   (:mod:`hypergrid.control.ring`); a counter that stood still for ``stale_beats`` intervals of
-  the monitor's own clock (no clocks are compared across hosts) means that rank's node, or its
-  monitor, is gone: it publishes the loss, and watches the next rank too.
+  the monitor's own clock (no clocks are compared across hosts), over more than ``stale_beats``
+  looks (a watcher that could not run meanwhile saw nothing stand still), means that rank's node,
+  or its monitor, is gone: it publishes the loss, and watches the next rank too.
 
 It sees its own rank's death from outside: the process it watches (its parent) ending is
 published at once (a ``pidfd`` becomes readable; where there is none, its parent pid is looked
@@ -115,6 +116,9 @@ class JobSpec:
 class _Watched:
     value: int
     since: float
+    #: How many looks found the counter at ``value``: a watcher that did not run for a while (an
+    #: overloaded host) has not seen the counter stand still, it has not looked.
+    looks: int = 1
 
 
 @dataclass
@@ -215,7 +219,8 @@ class RankMonitor:
             if seen is None or seen.value != value:
                 job.watched[candidate] = _Watched(value, now)
                 break
-            if now - seen.since < stale_after:
+            seen.looks += 1
+            if now - seen.since < stale_after or seen.looks <= self.config.stale_beats:
                 break
             job.lost[candidate] = "stale"
             self.publish(BoardEvent(EventKind.LOST, candidate, (
