@@ -41,8 +41,9 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
     >>> seen = []
     >>> monitor = RankMonitor(config, forward=seen.append, now=0.0)
     >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), node_size=1)
-    >>> monitor.attach(job); monitor.tick(now=0.0)                 # beats; rank 1 never beat
-    >>> monitor.tick(now=6.0)                                      # 5 beats later: rank 1 is gone
+    >>> monitor.attach(job)
+    >>> for second in range(7):                                     # rank 1 never beats: after 5
+    ...     monitor.tick(now=float(second))                        # beats of standing still, it is gone
     >>> monitor.on_board(); [(e.kind.value, e.rank, e.by) for e in seen]
     [('lost', 1, 0)]
     >>> monitor.close()
