@@ -174,6 +174,35 @@ def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_ou
         assert why in results[rank][1], results[rank]
 
 
+def _contenders_die(rank: int, world: int) -> tuple:
+    from hypergrid.control.board import LossView, publish
+    from hypergrid.control.keys import JobChannel
+    from hypergrid.control.plane import control_plane
+    from hypergrid.control.rounds import RecoveryRound
+    from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind, encode
+
+    plane = control_plane()
+    channel = JobChannel.of(range(world), 0, plane.namespace)
+    rnd = RecoveryRound.open(channel, plane, time.monotonic() + 40)
+    if rank < 3:  # the round's first three arrivals, each dying on its way in before it claims the lead
+        rnd.store.append(rnd.key("here"), encode(Arrival(rank)) + "\n")
+        rnd.store.add(rnd.key("count"), 1)
+        publish(channel, plane, BoardEvent(EventKind.LOST, rank, "its process ended", by=rank))
+        return ("died",)
+    time.sleep(2.0)  # the others come after them: none of them is a contender
+    verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=LossView(channel, plane))
+    return ("failed", verdict.failed, rnd.store.get(rnd.key("leader")).decode())
+
+
+@pytest.mark.gloo
+def test_a_round_whose_first_arrivals_died_before_leading_is_decided_by_one_that_takes_over():
+    results = run_gloo(_contenders_die, 6, timeout=90)
+    assert results[:3] == [("died",)] * 3, results
+    leaders = {r[2] for r in results[3:]}
+    assert [r[:2] for r in results[3:]] == [("failed", (0, 1, 2))] * 3 and len(leaders) == 1, results
+    assert int(leaders.pop()) in (3, 4, 5), results
+
+
 def _spares_released(rank: int, world: int) -> tuple:
     job = ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=world), spares=[2, 3])
     if job.in_grid:

@@ -21,10 +21,12 @@ spare's next wait always meet in a new round:
     committed record it offers itself to (:func:`offer`).
 ``<n>/here``, ``<n>/count``, ``<n>/wake``
     the arrivals (:class:`~hypergrid.runtime.wire.Arrival`), their count, and the key spares
-    block on, set by every arrival (and by a release).
+    block on, set by the round's first arrivals and by each leader (and by a release).
 ``<n>/leader``, ``<n>/leader_beat``
     the participant that decides the round (the first to arrive; another takes its place when
-    its beat stands still), and the counter it advances as it works.
+    its beat stands still), and the counter it advances as it works. Only the first three
+    arrivals and a participant about to take over ask who leads: any other arrival costs two
+    requests, and its verdict two more.
 ``<n>/verdict``
     the round's one :class:`~hypergrid.runtime.wire.FailureVerdict` (compare-and-set: the first
     proposal stands).
@@ -91,6 +93,11 @@ _POLL_S = 0.1
 _FOLLOW_SLICE_S = 2.0
 #: How long the leader's beat may stand still before another participant decides in its place.
 _LEADER_QUIET_S = 4.0
+#: The first arrivals each wake the spares and try to lead (one that died on its way in is
+#: covered by the next at once, not after the leader's quiet time); the others do not know who
+#: leads until they have to take over.
+_CONTENDERS = 3
+_UNKNOWN = -1
 #: How long a waiting spare blocks on the store at a time (a release also wakes it at once).
 _SPARE_SLICE_S = 30.0
 
@@ -140,6 +147,7 @@ class _Waiting:
     read_at: int = -1
     leader_beat: int = -1
     leader_since: float = 0.0
+    woke_spares: bool = False
 
     def __post_init__(self) -> None:
         self.leader_since = self.since
@@ -195,12 +203,15 @@ class RecoveryRound:
         store, rank = self.store, arrival.rank
         try:
             store.append(self.key("here"), encode(arrival) + "\n")
-            if store.add(self.key("count"), 1) == 1:
+            waiting = _Waiting(rank, sorted(set(domain)), sorted(set(offers) - set(domain)), time.monotonic())
+            leader, place = _UNKNOWN, int(store.add(self.key("count"), 1))
+            if place == 1:
                 publish(self.channel, self.plane, BoardEvent(EventKind.ROUND, rank, arrival.reason,
                                                              number=self.number, by=rank), store)
-            store.set(self.key("wake"), "")
-            leader = int(store.compare_set(self.key("leader"), "", str(rank)))
-            waiting = _Waiting(rank, sorted(set(domain)), sorted(set(offers) - set(domain)), time.monotonic())
+            if place <= _CONTENDERS:
+                store.set(self.key("wake"), "")
+                waiting.woke_spares = True
+                leader = int(store.compare_set(self.key("leader"), "", str(rank)))
             while True:
                 if leader == rank:
                     decided = self._lead(waiting, board, bound_s)
@@ -228,6 +239,9 @@ class RecoveryRound:
         standing = self._standing()  # a participant that gave up at its deadline decided already
         if standing is not None:
             return standing
+        if not waiting.woke_spares:  # it took over from a first arrival that may have died before
+            store.set(self.key("wake"), "")
+            waiting.woke_spares = True
         store.add(self.key("leader_beat"), 1)
         count = int(store.add(self.key("count"), 0))
         lost = board.refresh(store)
@@ -258,6 +272,12 @@ class RecoveryRound:
             return None, leader
         if now - waiting.leader_since < _LEADER_QUIET_S:
             return None, leader
+        if leader == _UNKNOWN:  # who leads (nobody, where the first arrival died before it said so)
+            leader = int(store.compare_set(self.key("leader"), "", str(waiting.rank)))
+            if leader == waiting.rank:
+                logger.warning("rank %d: nobody decides %s; rank %d does now", waiting.rank, self.name, leader)
+                waiting.leader_since = now
+                return None, leader
         taken = int(store.compare_set(self.key("leader"), str(leader), str(waiting.rank)))
         logger.warning("rank %d: the leader of %s (rank %d) stopped deciding; rank %d decides now",
                        waiting.rank, self.name, leader, taken)
