@@ -62,6 +62,16 @@ def job_store(timeout_s: float = 60.0) -> dist.TCPStore:
                          is_master=False, timeout=datetime.timedelta(seconds=timeout_s))
 
 
+def start_together(store: dist.TCPStore, name: str = "started", timeout_s: float = 120.0) -> None:
+    """From inside a rank of :func:`run_gloo`: wait until every rank got here. A job whose groups
+    time out after seconds (the scenario) must not count its own ranks' uneven start against
+    them: on a loaded machine one rank's monitor start or store connection can take longer."""
+    world = int(os.environ["WORLD_SIZE"])
+    if store.add(f"{name}/count", 1) == world:
+        store.set(f"{name}/go", "")
+    store.wait([f"{name}/go"], datetime.timedelta(seconds=timeout_s))
+
+
 def _child(
     rank: int,
     world_size: int,

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import job_store, run_gloo
+from tests.harness import job_store, run_gloo, start_together
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
@@ -75,6 +75,7 @@ def _liveness_job(rank: int, world: int, scenario: Scenario) -> dict:
     store = job_store()
     store.set(f"pid/{rank}", str(os.getpid()))
     hypergrid.start_heartbeat(interval_s=0.5, progress_timeout_s=PROGRESS_TIMEOUT_S)
+    start_together(store)  # the groups' 4 s timeout is the scenario's, not the start's
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
