@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import job_store, run_gloo
+from tests.harness import job_store, run_gloo, start_together
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
@@ -66,6 +66,7 @@ def _field_job(rank: int, world: int, victim: int, during: Optional[int]) -> dic
 
     store = job_store()
     hypergrid.start_heartbeat(interval_s=0.5)
+    start_together(store)  # the job's 8 s start is the scenario's bound, not the machine's
     grid = HyperCommGrid([2, 3], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
