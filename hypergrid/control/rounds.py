@@ -26,7 +26,7 @@ spare's next wait always meet in a new round:
     the participant that decides the round (the first to arrive; another takes its place when
     its beat stands still), and the counter it advances as it works. Only the first three
     arrivals and a participant about to take over ask who leads: any other arrival costs two
-    requests, and its verdict two more.
+    requests, and its verdict one blocking ``get`` (two on the wire: torch's client waits, then gets).
 ``<n>/verdict``
     the round's one :class:`~hypergrid.runtime.wire.FailureVerdict` (compare-and-set: the first
     proposal stands).
@@ -262,8 +262,11 @@ class RecoveryRound:
         """One slice of a participant that is not the leader: (the verdict or None, the leader now:
         this rank, where it took over from a leader whose beat stood still)."""
         store = self.store
-        if store.wait([self.key("verdict")], min(_FOLLOW_SLICE_S, max(0.0, store.remaining()))):
-            return decode(FailureVerdict, store.get(self.key("verdict"))), leader
+        # One blocking get, not a wait and then a get: at 16,384 participants each request
+        # saved is 16,384 fewer for the store to serve in the round.
+        verdict = store.get_within(self.key("verdict"), min(_FOLLOW_SLICE_S, max(0.0, store.remaining())))
+        if verdict is not None:
+            return decode(FailureVerdict, verdict), leader
         if store.remaining() <= 0:
             raise StoreUnresponsiveError("the recovery's deadline passed before a verdict")
         beat, now = int(store.add(self.key("leader_beat"), 0)), time.monotonic()
@@ -314,8 +317,9 @@ class RecoveryRound:
         whose replica was dropped): until the deadline, then this rank ends it as failed."""
         try:
             while True:
-                if self.store.wait([self.key("end")], min(_FOLLOW_SLICE_S, max(0.0, self.store.remaining()))):
-                    return decode(RoundEnd, self.store.get(self.key("end")))
+                end = self.store.get_within(self.key("end"), min(_FOLLOW_SLICE_S, max(0.0, self.store.remaining())))
+                if end is not None:
+                    return decode(RoundEnd, end)
                 if self.store.remaining() <= 0:
                     return self.end(RoundEnd(False, "the ranks of the new placement did not finish before the "
                                                     "recovery's deadline"))

@@ -186,10 +186,16 @@ class WireStore:
         self._send(bytes([_CHECK]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
         return self._recv(1)[0] == _READY
 
-    def get(self, key: str) -> bytes:
-        """``key``'s value, waiting (up to the timeout) until it is set, as torch's client does."""
-        if not self.wait([key], self._timeout_s):
-            raise StoreTimeout(f"{key!r} was not set within {self._timeout_s:g} s")
+    def get(self, key: str, *, within_s: Optional[float] = None) -> bytes:
+        """``key``'s value, waiting until it is set (up to ``within_s``, else the connection's
+        timeout), as torch's client does: a wait, then the get.
+
+        Raises:
+            StoreTimeout: ``key`` was not set in time.
+        """
+        seconds = self._timeout_s if within_s is None else within_s
+        if not self.wait([key], seconds):
+            raise StoreTimeout(f"{key!r} was not set within {seconds:g} s")
         self._send(bytes([_GET]) + self._key(key))
         return self._recv_bytes()
 

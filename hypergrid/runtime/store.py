@@ -182,6 +182,7 @@ class StoreClient:
             return None
 
         def getting(store: Any) -> Optional[bytes]:
+            previous = store.timeout
             store.set_timeout(timedelta(seconds=seconds))  # how long the store waits for the key
             try:
                 return cast(bytes, store.get(key))
@@ -189,6 +190,8 @@ class StoreClient:
                 raise
             except RuntimeError:  # not set in time
                 return None
+            finally:
+                store.set_timeout(previous)  # the connection's other calls keep their own timeout
 
         return self._call("get", getting, seconds + ANSWER_SLACK_S)
 
