@@ -79,7 +79,7 @@ def _worker(spec: dict) -> None:
     host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
     ranks: list[int] = spec["ranks"]
     groups = sorted({r // share for r in ranks})
-    ring = spec["design"] == "ring"
+    ring = spec["design"] in ("ring", "round")
     # Two at a time per worker: torch's server here takes about 10 new connections a second, and
     # a crowd of connections waiting for it only times out and comes back.
     with ThreadPoolExecutor(2) as pool:
@@ -88,6 +88,12 @@ def _worker(spec: dict) -> None:
     beat_conn = {g: opened[i] for i, g in enumerate(groups)}
     board_conn = {g: opened[len(groups) + i] for i, g in enumerate(groups)} if ring else {}
     conns = list(opened)
+    if spec["design"] == "round":  # only a recovery round of every hosted rank, no monitors
+        print("ready", flush=True)
+        word, _, namespace = sys.stdin.readline().strip().partition(" ")
+        if word == "round":
+            _round(spec, ranks, beat_conn, board_conn, share, namespace)
+        return
 
     received: dict[int, dict[int, float]] = {}  # victim -> rank -> when it heard
     monitors: dict[int, Any] = {}
@@ -250,14 +256,20 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     before = sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns)
     go = threading.Event()
     results: list[Any] = []
+    errors: list[str] = []
 
     def participant(rank: int) -> None:
         group = rank // share
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
-                         time.monotonic() + 300)
+                         time.monotonic() + 600)
         go.wait()
         rnd = RecoveryRound(channel, plane, 0, store, None)  # type: ignore[arg-type]
-        verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=120, board=LossView(channel, plane))
+        try:
+            verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=300,
+                                board=LossView(channel, plane))
+        except Exception as exc:  # a participant that did not get the verdict is a figure too
+            errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+            return
         results.append((time.time(), verdict.failed))
 
     threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in ranks]
@@ -268,7 +280,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     go.set()
     for thread in threads:
         thread.join()
-    print(json.dumps({"last": max(t for t, _ in results), "failed": list(results[0][1]),
+    print(json.dumps({"last": max(t for t, _ in results) if results else None,
+                      "failed": sorted({r for _, failed in results for r in failed}),
+                      "agreed": len(results), "errors": errors[:3], "error_count": len(errors),
                       "requests": sum(c.requests for c in conns) - before[0],
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
@@ -310,6 +324,16 @@ class _Bounded:
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         with self.lock:
             return self.conn.compare_set(key, expected.encode(), desired.encode())
+
+    def get_within(self, key: str, seconds: float) -> Optional[bytes]:
+        # As torch's client: a wait and a get; on the waits' connection, one rank of a group at a time.
+        from hypergrid.control.tcpstore import StoreTimeout
+
+        with self.wait_lock:
+            try:
+                return self.wait_conn.get(key, within_s=max(seconds, 0.001))
+            except StoreTimeout:
+                return None
 
     def wait(self, keys: list[str], seconds: float) -> bool:
         # The ranks of a group wait one after the other, a whole slice each, as each rank would.
@@ -391,8 +415,45 @@ def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str
             "dropped": sum(a.get("dropped", 0) for a in after)}
 
 
-def _detect(workers: Workers, command: str, victims: list[int], limit_s: float) -> Optional[float]:
-    """Seconds from ``command`` (die/halt) to every live rank having a loss of every victim."""
+class _BoardClock(threading.Thread):
+    """When each loss reached the job's board: a client of this process's own waits on the board's
+    next event key, one at a time, as a monitor does, and notes the time it is set. The watchers'
+    publication, apart from its delivery to thousands of simulated ranks by a few worker processes
+    (which on two cores is the simulation's work, not the store's)."""
+
+    def __init__(self, host: str, port: int, namespace: str) -> None:
+        super().__init__(daemon=True)
+        from hypergrid.control.keys import JobChannel
+        from hypergrid.control.tcpstore import WireStore
+
+        self.channel = JobChannel(namespace, "bench", 0)
+        self.conn = WireStore.connect(host, port, timeout_s=30.0)
+        self.published: dict[int, float] = {}  # rank -> when its loss was on the board
+        self.halted = threading.Event()
+
+    def run(self) -> None:
+        from hypergrid.runtime.wire import BoardEvent, EventKind, decode
+
+        index = 0
+        while not self.halted.is_set():
+            key = self.channel.event(index)
+            if not self.conn.wait([key], 1.0):
+                continue
+            event = decode(BoardEvent, self.conn.get(key))
+            if event.kind is EventKind.LOST:
+                self.published.setdefault(event.rank, time.time())
+            index += 1
+
+    def close(self) -> None:
+        self.halted.set()
+        self.join(timeout=5)
+        self.conn.close()
+
+
+def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[int],
+            limit_s: float) -> tuple[Optional[float], Optional[float]]:
+    """Seconds from ``command`` (die/halt) to the board having a loss of every victim, and to every
+    live rank having them all (None: not within ``limit_s``)."""
     killed = time.time()
     workers.send(f"{command} {' '.join(map(str, victims))}" if command == "halt" else f"die {victims[0]}")
     end = time.monotonic() + limit_s
@@ -410,8 +471,9 @@ def _detect(workers: Workers, command: str, victims: list[int], limit_s: float) 
                 break
             last = max([last, *times])
         if done:
-            return last - killed
-    return None
+            published = [clock.published.get(v) for v in victims]
+            return (max(published) - killed if None not in published else None), last - killed  # type: ignore[type-var]
+    return None, None
 
 
 def _round_all(workers: Workers, namespace: str) -> dict:
@@ -427,9 +489,11 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     store_cpu = time.process_time() - cpu
     for proc in workers.procs:
         proc.wait(timeout=60)
-    return {"seconds": max(o["last"] for o in outs) - start, "store_cpu_s": store_cpu,
+    lasts = [o["last"] for o in outs if o["last"] is not None]
+    return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": store_cpu,
             "requests": sum(o["requests"] for o in outs), "bytes": sum(o["bytes"] for o in outs),
-            "failed": {tuple(o["failed"]) for o in outs}}
+            "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
+            "errors": [e for o in outs for e in o["errors"]][:3], "error_count": sum(o["error_count"] for o in outs)}
 
 
 def _monitor_cost(seconds: float, interval: float) -> None:
@@ -500,6 +564,10 @@ def main() -> None:
     parser.add_argument("--steady", type=float, default=10.0, help="seconds of steady state measured")
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--no-round", action="store_true")
+    parser.add_argument("--only-round", action="store_true", help="no monitors: only the recovery round")
+    parser.add_argument("--round-workers", type=int, default=0,
+                        help="processes the round's participants are spread over (default: --workers, the "
+                             "monitors' own); more, where thousands of threads in one process starve each other")
     parser.add_argument("--monitor-cost", type=float, default=0.0, metavar="SECONDS",
                         help="only measure real monitors' memory and CPU over SECONDS (a 4-rank gloo job)")
     parser.add_argument("--connections", type=int, default=1024,
@@ -531,21 +599,34 @@ def main() -> None:
         share = max(1, n // args.connections)
         spec = {"host": host, "port": port, "n": n, "interval": args.interval, "namespace": _namespace(),
                 "design": "ring", "share": share}
-        started = time.monotonic()
-        workers = Workers(spec, args.workers)
-        print(f"ring {n}: {2 * n // share} connections made in {time.monotonic() - started:.0f} s", flush=True)
-        steady = _steady(workers, n, args.interval, args.steady, host, port)
-        print(f"ring {n}: steady {steady}", flush=True)
-        detect = {}
-        scenarios = (("rank 0 dies", "die", [0]), ("rank 1,500 dies", "die", [1500]),
-                     ("the last rank dies", "die", [n - 1]), ("node 5 lost", "halt", list(range(5 * NODE, 6 * NODE))))
-        for label, command, victims in scenarios if n >= 2048 else scenarios[:1] + scenarios[2:] if n >= 64 else ():
-            detect[label] = _detect(workers, command, victims, limit_s=60)
-            print(f"ring {n}: {label}: {detect[label]}", flush=True)
+        steady, detect, workers = None, {}, None
+        if not args.only_round:
+            started = time.monotonic()
+            workers = Workers(spec, args.workers)
+            print(f"ring {n}: {2 * n // share} connections made in {time.monotonic() - started:.0f} s", flush=True)
+            steady = _steady(workers, n, args.interval, args.steady, host, port)
+            print(f"ring {n}: steady {steady}", flush=True)
+            clock = _BoardClock(host, port, spec["namespace"])
+            clock.start()
+            scenarios = (("rank 0 dies", "die", [0]), ("rank 1,500 dies", "die", [1500]),
+                         ("the last rank dies", "die", [n - 1]),
+                         ("node 5 lost", "halt", list(range(5 * NODE, 6 * NODE))))
+            for label, command, victims in scenarios if n >= 2048 else scenarios[:1] + scenarios[2:] if n >= 64 else ():
+                detect[label] = _detect(workers, clock, command, victims, limit_s=60)
+                print(f"ring {n}: {label}: on the board after {detect[label][0]}, every rank had it after "
+                      f"{detect[label][1]}", flush=True)
+            clock.close()
         rnd = None
-        if args.no_round:
+        round_workers = args.round_workers or args.workers
+        if workers is not None and (args.no_round or round_workers != args.workers):
             workers.close()
-        else:
+            workers = None
+        if not args.no_round:
+            if workers is None:
+                started = time.monotonic()
+                workers = Workers(dict(spec, design="round"), round_workers)
+                print(f"ring {n}: the round's {2 * n // share} connections made in "
+                      f"{time.monotonic() - started:.0f} s", flush=True)
             rnd = _round_all(workers, _namespace())
         rows.append(("ring (hypergrid)", n, steady, detect, rnd, share))
         print(f"ring {n}: round {rnd}", flush=True)
@@ -558,25 +639,41 @@ def _table(rows: list, interval: float) -> None:
           "plain get meanwhile (median, p99) |")
     print("|---|---|---|---|---|---|---|")
     for design, n, s, _, _, _ in rows:
+        if s is None:
+            continue
         behind = "" if s["passes"] >= 0.95 else f" (only {s['passes']:.2f} of the passes due were made)"
         if s.get("dropped"):
             behind += f" ({s['dropped']} ranks' connections reset by the store)"
         print(f"| {design} | {n:,} | {s['req_rank_interval']:.2f} | {s['bytes_rank_interval']:.0f} | {s['req_s']:,.0f} | "
               f"{s['bytes_s']:,.0f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
     print()
+    print("Losses: on the board after / every simulated rank had it after (seconds from the death).")
+    print()
     print("| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | one recovery round: all have "
           "the verdict | store CPU | round requests |")
     print("|---|---|---|---|---|---|---|---|")
     for design, n, _, d, r, _ in rows:
-        if design.startswith("scan"):
+        if design.startswith("scan") or (not d and not r):
             continue
-        if not d:
-            continue
-        cell = lambda v: f"{v:.2f} s" if v is not None else "-"  # noqa: E731
-        round_cells = (f"{r['seconds']:.2f} s | {r['store_cpu_s']:.2f} s | {r['requests']:,}" if r else "- | - | -")
-        print(f"| {n:,} | {cell(d.get('rank 0 dies'))} | {cell(d.get('rank 1,500 dies'))} | "
-              f"{cell(d.get('the last rank dies'))} | {cell(d.get('node 5 lost'))} | {round_cells} |")
 
+        round_cells = "- | - | -"
+        if r:
+            took = f"{r['seconds']:.2f} s" if r["seconds"] is not None else "-"
+            if r["error_count"]:
+                took += f" ({r['agreed']:,} agreed, {r['error_count']:,} did not)"
+            round_cells = f"{took} | {r['store_cpu_s']:.2f} s | {r['requests']:,}"
+        cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
+                                                               "node 5 lost"))
+        print(f"| {n:,} | {cells} | {round_cells} |")
+
+
+def _loss_cell(detect: dict, label: str) -> str:
+    """'on the board / every rank had it' for one scenario, in seconds ('-': not run, or not within the limit)."""
+    if label not in detect:
+        return "-"
+    show = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
+    published, heard = detect[label]
+    return f"{show(published)} / {show(heard)} s"
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
