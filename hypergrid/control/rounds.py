@@ -68,6 +68,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
+from functools import cached_property
 from typing import Optional
 
 import torch.distributed as dist
@@ -137,11 +138,14 @@ def read_record(channel: JobChannel, store: StoreClient) -> Optional[JobRecord]:
 
 @dataclass
 class _Waiting:
-    """One participant's state while it waits for a round's verdict."""
+    """One participant's state while it waits for a round's verdict.
+
+    The job's ranks are kept as the caller gave them and sorted only by a participant that
+    leads: a follower of a round of 16,384 holds no set of 16,384 ranks of its own."""
 
     rank: int
-    domain: list[int]
-    offers: list[int]
+    members: Sequence[int]
+    offered: Sequence[int]
     since: float
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     read_at: int = -1
@@ -151,7 +155,18 @@ class _Waiting:
 
     def __post_init__(self) -> None:
         self.leader_since = self.since
-        self.ranks = set(self.domain) | set(self.offers)
+
+    @cached_property
+    def domain(self) -> list[int]:
+        return sorted(set(self.members))
+
+    @cached_property
+    def offers(self) -> list[int]:
+        return sorted(set(self.offered) - set(self.domain))
+
+    @cached_property
+    def ranks(self) -> set[int]:
+        return set(self.domain) | set(self.offers)
 
 
 @dataclass
@@ -203,7 +218,7 @@ class RecoveryRound:
         store, rank = self.store, arrival.rank
         try:
             store.append(self.key("here"), encode(arrival) + "\n")
-            waiting = _Waiting(rank, sorted(set(domain)), sorted(set(offers) - set(domain)), time.monotonic())
+            waiting = _Waiting(rank, domain, offers, time.monotonic())
             leader, place = _UNKNOWN, int(store.add(self.key("count"), 1))
             if place == 1:
                 publish(self.channel, self.plane, BoardEvent(EventKind.ROUND, rank, arrival.reason,
