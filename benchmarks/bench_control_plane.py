@@ -150,13 +150,15 @@ def _worker(spec: dict) -> None:
                 monitors[rank].board = None
                 selector.register(monitors[heirs[0]].board.fileno(), selectors.EVENT_READ, heirs[0])
 
-    inbox = b""
-    while True:
-        now = time.monotonic()
-        while ticks and ticks[0][0] <= now:
+    def run_due_ticks() -> None:
+        # Before anything else, and between one rank's board reads and the next: in a cluster no
+        # monitor's tick waits while a thousand others read an event, and a watcher whose tick
+        # came late would publish late for the simulation's sake, not its own.
+        while ticks and ticks[0][0] <= time.monotonic():
             due, rank = heapq.heappop(ticks)
             if rank in halted:
                 continue
+            now = time.monotonic()
             passes["late"] = max(passes["late"], now - due)
             if ring:
                 monitors[rank].tick(now=now)
@@ -170,9 +172,14 @@ def _worker(spec: dict) -> None:
                     continue
             passes["done"] += ring
             heapq.heappush(ticks, (due + interval, rank))
+
+    inbox = b""
+    while True:
+        run_due_ticks()
         timeout = max(0.0, ticks[0][0] - time.monotonic()) if ticks else 0.5
         for key, _ in selector.select(timeout):
             if key.data is not None:
+                run_due_ticks()
                 monitors[key.data].on_board()
                 continue
             chunk = os.read(sys.stdin.fileno(), 65536)
@@ -183,7 +190,7 @@ def _worker(spec: dict) -> None:
                 word, _, rest = line.partition(" ")
                 if word == "go":
                     start = time.monotonic()
-                    ticks = [(start + interval * i / len(ranks), r) for i, r in enumerate(ranks)]
+                    ticks[:] = [(start + interval * i / len(ranks), r) for i, r in enumerate(ranks)]
                     heapq.heapify(ticks)
                 elif word == "counters":
                     print(json.dumps({"requests": sum(c.requests for c in conns),
@@ -212,7 +219,7 @@ def _worker(spec: dict) -> None:
                     print(json.dumps(out), flush=True)
                 elif word == "round":
                     selector.close()
-                    ticks = []
+                    ticks.clear()
                     _round(spec, ranks, beat_conn, board_conn, share, rest)
                     return
                 elif word == "quit":
