@@ -11,9 +11,10 @@ Measured, per size:
 
 * the steady state: store requests and bytes per rank per interval, in total per second, and
   how long a plain ``get`` by another client takes meanwhile (median, p99);
-* the time from a rank's process ending (its monitor sees it and publishes) to every other
-  rank having it (rank 0, rank 1,500, the last rank), and from a whole node going silent
-  (monitors and all) to every other rank having all of its ranks;
+* the time from a rank's process ending (its monitor sees it and publishes) to the job's board
+  having it and to every other rank having it (rank 0, rank 1,500, the last rank), and from a
+  whole node going silent (monitors and all) to the board having all of its ranks (their
+  watchers' publication) and to every other rank having them (the delivery as well);
 * one recovery round of every rank (hypergrid's ``RecoveryRound.agree``, every participant a
   thread with its own connection): the time until every participant has the verdict, the
   store's own CPU time for it, and its requests.
@@ -24,23 +25,26 @@ the same client.
 
 This machine allows a process 20,000 file descriptors (a hard limit), and the design keeps two
 connections per rank (one for its beats, one for its pending wait on the board): at 16,384 ranks
-the store would need 32,768. There, every 16 ranks of a node pair share one connection for their
-beats (their requests and bytes are counted the same; only the store's socket count differs),
-and each keeps its own board connection. 65,536 ranks do not fit at all.
+the store would need 32,768. Past 1,024 ranks, every 4 (at 4,096) or 16 (at 16,384) ranks share
+one connection for their beats (their requests and bytes are counted the same; only the store's
+socket count differs) and one for the board, whose one pending wait serves all of them: the
+board's delivery costs the store a quarter or a sixteenth of what a connection per monitor
+would. 65,536 ranks do not fit at all.
 
 And ``--monitor-cost SECONDS``: real monitor processes of a 4-rank gloo job, their unique set size
 and their share of a core in the steady state, read from /proc.
 
 On two cores the simulation itself is the limit past 4,096 ranks: 16,384 monitors' Python does
 not run once a second in four processes (the store keeps up; the workers fall behind), and
-16,384 participant threads of one round do not finish at all. The figures in docs/recovery.md
-ran 16,384 with a 4 s heartbeat and without the round (the per-interval figures do not depend
-on the interval).
+16,384 participant threads of one round in four processes starve one another. The figures in
+docs/recovery.md ran 16,384 with a 4 s heartbeat (the per-interval figures do not depend on the
+interval), and its round alone with its threads over 16 processes.
 
 Run::
 
     python benchmarks/bench_control_plane.py                          # 8, 1,024, 4,096, the scan beside
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --interval 4 --steady 20 --no-round
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
     python benchmarks/bench_control_plane.py --monitor-cost 60
 """
