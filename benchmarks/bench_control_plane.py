@@ -428,9 +428,8 @@ def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str
 
 class _BoardClock(threading.Thread):
     """When each loss reached the job's board: a client of this process's own waits on the board's
-    next event key, one at a time, as a monitor does, and notes the time it is set. The watchers'
-    publication, apart from its delivery to thousands of simulated ranks by a few worker processes
-    (which on two cores is the simulation's work, not the store's)."""
+    next event key, one at a time, as a monitor does, and notes the time it is set: the watchers'
+    publication, apart from its delivery to every simulated rank."""
 
     def __init__(self, host: str, port: int, namespace: str) -> None:
         super().__init__(daemon=True)
@@ -443,14 +442,15 @@ class _BoardClock(threading.Thread):
         self.halted = threading.Event()
 
     def run(self) -> None:
+        from hypergrid.control.tcpstore import StoreTimeout
         from hypergrid.runtime.wire import BoardEvent, EventKind, decode
 
         index = 0
         while not self.halted.is_set():
-            key = self.channel.event(index)
-            if not self.conn.wait([key], 1.0):
+            try:
+                event = decode(BoardEvent, self.conn.get(self.channel.event(index), within_s=1.0))
+            except StoreTimeout:  # not published yet: look again unless the clock was stopped
                 continue
-            event = decode(BoardEvent, self.conn.get(key))
             if event.kind is EventKind.LOST:
                 self.published.setdefault(event.rank, time.time())
             index += 1
@@ -482,8 +482,8 @@ def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[in
                 break
             last = max([last, *times])
         if done:
-            published = [clock.published.get(v) for v in victims]
-            return (max(published) - killed if None not in published else None), last - killed  # type: ignore[type-var]
+            published = [clock.published[v] for v in victims if v in clock.published]
+            return (max(published) - killed if len(published) == len(victims) else None), last - killed
     return None, None
 
 

@@ -166,7 +166,7 @@ class _Waiting:
 
     @cached_property
     def ranks(self) -> set[int]:
-        return set(self.domain) | set(self.offers)
+        return set(self.members) | set(self.offered)
 
 
 @dataclass
@@ -279,7 +279,7 @@ class RecoveryRound:
         store = self.store
         # One blocking get, not a wait and then a get: at 16,384 participants each request
         # saved is 16,384 fewer for the store to serve in the round.
-        verdict = store.get_within(self.key("verdict"), min(_FOLLOW_SLICE_S, max(0.0, store.remaining())))
+        verdict = store.get_within(self.key("verdict"), _FOLLOW_SLICE_S)  # it stops at the deadline itself
         if verdict is not None:
             return decode(FailureVerdict, verdict), leader
         if store.remaining() <= 0:
@@ -332,7 +332,7 @@ class RecoveryRound:
         whose replica was dropped): until the deadline, then this rank ends it as failed."""
         try:
             while True:
-                end = self.store.get_within(self.key("end"), min(_FOLLOW_SLICE_S, max(0.0, self.store.remaining())))
+                end = self.store.get_within(self.key("end"), _FOLLOW_SLICE_S)
                 if end is not None:
                     return decode(RoundEnd, end)
                 if self.store.remaining() <= 0:
