@@ -115,6 +115,7 @@ def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_messa
     wire.start_wait(["n/later"])
     server.set("n/later", "1")
     assert wire.finish_wait() and not wire.waiting
+    assert wire.read("n/later") == b"1"  # a key its wait was answered for: one get, no wait in front
     wire.start_wait(["n/never"])
     wire.cancel_wait()
     assert wire.add("n/count", 0) == 3  # the connection is still in step
@@ -243,6 +244,24 @@ def test_a_process_that_ended_is_published_at_once_and_a_quiet_interpreter_only_
     sim.drain()
     hung = [e for e in sim.heard[0] if e.rank == 3]
     assert len(hung) == 1 and hung[0].reason.startswith("it made no progress for 4 s (the progress timeout is 3 s)")
+
+
+def test_each_event_costs_a_monitor_waiting_on_the_board_two_requests_however_many_came_at_once(server):
+    sim = _Sim(server, 3, node=1)
+    boards = {r: sim.monitors[r].board for r in (1, 2)}
+    before = {r: board.requests for r, board in boards.items()}
+    published = [BoardEvent(EventKind.LOST, 2, "first", by=0), BoardEvent(EventKind.BACK, 2, by=0),
+                 BoardEvent(EventKind.LOST, 1, "third", by=0)]
+    sim.monitors[0].publish(published[0])
+    sim.drain()
+    for event in published[1:]:  # two back to back: the second is there before anyone read the first
+        sim.monitors[0].publish(event)
+    sim.drain()
+    for rank in (1, 2):
+        assert [(e.kind, e.rank, e.reason) for e in sim.heard[rank]] == [
+            (e.kind, e.rank, e.reason) for e in published], rank
+        assert boards[rank].requests - before[rank] == 2 * len(published), rank  # the event's get, the next wait
+    assert sim.monitors[1].job.lost == {1: "third"}
 
 
 @pytest.mark.slow

@@ -24,8 +24,9 @@ and nobody counts it lost.
 Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
 :class:`~hypergrid.control.keys.JobChannel`): the publisher adds 1 to ``events`` and sets the
 event's key. Every monitor keeps one wait pending on the board's next key, which costs nothing
-until an event is published; it then reads the event, forwards it to its rank (which aborts its
-communicators, :mod:`hypergrid.control.watch`) and waits on the next.
+until an event is published; the store's answer wakes it, and it reads the event (one get: the
+wait was answered, the key is there), waits on the next key and forwards the event to its rank
+(which aborts its communicators, :mod:`hypergrid.control.watch`): two requests per event.
 
 :class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
 the monitor process, or the control-plane benchmark's, which runs thousands of them against one
@@ -244,21 +245,22 @@ class RankMonitor:
         self.store.set(job.spec.channel.event(index), encode(event).encode())
 
     def on_board(self) -> None:
-        """The board connection is readable: read every new event, forward it, wait for the next."""
+        """The board connection is readable: its wait was answered, the event it waited for is on
+        the board. Read it, wait on the next one, forward it: two requests per event, whatever
+        came before (an event already published answers the new wait at once, and brings the
+        monitor back here)."""
         job, board = self.job, self.board
         if job is None or board is None:
             return
-        if board.waiting:
-            board.finish_wait()
         channel = job.spec.channel
-        while True:
-            key = channel.event(job.next_event)
-            if not board.check([key]):
-                board.start_wait([key])
-                return
-            event = decode(BoardEvent, board.get(key))
-            job.next_event += 1
-            self.deliver(event)
+        if not board.waiting:  # nothing asked yet: ask (answered at once where the event is there)
+            board.start_wait([channel.event(job.next_event)])
+            return
+        board.finish_wait()
+        event = decode(BoardEvent, board.read(channel.event(job.next_event)))
+        job.next_event += 1
+        board.start_wait([channel.event(job.next_event)])
+        self.deliver(event)
 
     def deliver(self, event: BoardEvent) -> None:
         """Take in one event of the job's board and forward it to the rank."""

@@ -199,6 +199,13 @@ class WireStore:
         self._send(bytes([_GET]) + self._key(key))
         return self._recv_bytes()
 
+    def read(self, key: str) -> bytes:
+        """The value of ``key``, known to be set (a wait for it was answered): one request, where
+        :meth:`get` makes two. torch's servers answer a key that is not set with an empty value
+        (the libuv one) or drop the connection (the classic one), so nothing else may call it."""
+        self._send(bytes([_GET]) + self._key(key))
+        return self._recv_bytes()
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, waiting (up to the timeout) until all are set, as torch's client does."""
         if not self.wait(keys, self._timeout_s):
