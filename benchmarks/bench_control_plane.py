@@ -86,11 +86,13 @@ def _worker(spec: dict) -> None:
     ring = spec["design"] in ("ring", "round")
     # Two at a time per worker: torch's server here takes about 10 new connections a second, and
     # a crowd of connections waiting for it only times out and comes back.
-    with ThreadPoolExecutor(2) as pool:
-        opened = list(pool.map(lambda _: WireStore.connect(host, port, timeout_s=600.0),
-                               range(len(groups) * (2 if ring else 1))))
+    def open_connections(count: int) -> list[Any]:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda _: WireStore.connect(host, port, timeout_s=600.0), range(count)))
+
+    opened = open_connections(len(groups) * (2 if spec["design"] == "round" else 1))
     beat_conn = {g: opened[i] for i, g in enumerate(groups)}
-    board_conn = {g: opened[len(groups) + i] for i, g in enumerate(groups)} if ring else {}
+    board_conn = {g: opened[len(groups) + i] for i, g in enumerate(groups)} if spec["design"] == "round" else {}
     conns = list(opened)
     if spec["design"] == "round":  # only a recovery round of every hosted rank, no monitors
         print("ready", flush=True)
@@ -101,38 +103,57 @@ def _worker(spec: dict) -> None:
 
     received: dict[int, dict[int, float]] = {}  # victim -> rank -> when it heard
     monitors: dict[int, Any] = {}
-    leaders: dict[int, int] = {}  # group -> the rank whose monitor waits on the board for the group
+    selector = selectors.DefaultSelector()
+    registered: dict[int, set[int]] = {}  # rank -> its monitor's descriptors in the selector
+
+    def sync(rank: int) -> None:
+        """Keep the selector on what ``rank``'s monitor reads (its relay changes: a new leader)."""
+        now_reads = set(monitors[rank].readers()) if rank not in halted else set()
+        for fd in registered.get(rank, set()) - now_reads:
+            try:
+                selector.unregister(fd)
+            except (KeyError, ValueError):
+                pass
+        for fd in now_reads - registered.get(rank, set()):
+            try:
+                selector.unregister(fd)  # a number a closed socket of another monitor had
+            except (KeyError, ValueError):
+                pass
+            selector.register(fd, selectors.EVENT_READ, rank)
+        registered[rank] = now_reads
+
+    halted: set[int] = set()
+    boards: list[Any] = []  # every board connection a relay leader opened, closed ones too: their requests count
+
+    def board_connection() -> Any:
+        boards.append(WireStore.connect(host, port, timeout_s=600.0))
+        return boards[-1]
+
     if ring:
+        # Each rank's monitor as in a cluster: its node's monitors elect a relay leader, which
+        # alone opens a board connection and waits on the board, and hands the events on.
         channel = JobChannel(spec["namespace"], "bench", 0)
         job = JobSpec(channel, ((0, n),), NODE)
         for rank in ranks:
-            group = rank // share
-            leader = leaders.setdefault(group, rank)
-
-            def hear(event: Any, rank: int = rank, group: int = group) -> None:
+            def hear(event: Any, rank: int = rank) -> None:
                 if event.kind.value == "lost":
                     received.setdefault(event.rank, {}).setdefault(rank, time.time())
-                if rank == leaders[group]:  # the group's board wait serves its other ranks too
-                    for other in members[group]:
-                        if other != rank and other not in halted:
-                            monitors[other].deliver(event)
 
             monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
-                                  now=time.monotonic(), connect=lambda group=group: board_conn[group],
-                                  store=beat_conn[group])
-            monitor.attach(job, wait_on_board=rank == leader)
+                                  now=time.monotonic(), store=beat_conn[rank // share],
+                                  connect=board_connection)
             monitors[rank] = monitor
-    members: dict[int, list[int]] = {}
-    for rank in ranks:
-        members.setdefault(rank // share, []).append(rank)
-    selector = selectors.DefaultSelector()
-    for leader in leaders.values():
-        selector.register(monitors[leader].board.fileno(), selectors.EVENT_READ, leader)
+        for rank in ranks:  # every one of them made before any attaches: relays form with all there
+            monitors[rank].attach(job)
+        for rank in ranks:
+            sync(rank)
     selector.register(sys.stdin.fileno(), selectors.EVENT_READ, None)
     print("ready", flush=True)
     ticks: list[tuple[float, int]] = []
-    halted: set[int] = set()
     passes = {"done": 0, "late": 0.0, "dropped": 0}
+
+    def board_requests() -> tuple[int, int]:
+        return sum(b.requests for b in boards), sum(b.bytes_sent + b.bytes_received for b in boards)
 
     def scan(rank: int) -> None:
         conn = beat_conn[rank // share]
@@ -143,16 +164,11 @@ def _worker(spec: dict) -> None:
         passes["done"] += 1
 
     def stop(rank: int) -> None:
+        """The rank's monitor ends as a killed one would: its board and relay sockets close (its
+        beats connection may be shared with other simulated ranks, and stays)."""
         halted.add(rank)
-        group = rank // share
-        if leaders.get(group) == rank:  # another rank of the group takes the board wait over
-            selector.unregister(monitors[rank].board.fileno())
-            heirs = [r for r in members[group] if r not in halted]
-            if heirs:
-                leaders[group] = heirs[0]
-                monitors[heirs[0]].board = monitors[rank].board
-                monitors[rank].board = None
-                selector.register(monitors[heirs[0]].board.fileno(), selectors.EVENT_READ, heirs[0])
+        sync(rank)
+        monitors[rank].detach()
 
     def run_due_ticks() -> None:
         # Before anything else, and between one rank's board reads and the next: in a cluster no
@@ -184,7 +200,10 @@ def _worker(spec: dict) -> None:
         for key, _ in selector.select(timeout):
             if key.data is not None:
                 run_due_ticks()
-                monitors[key.data].on_board()
+                rank = key.data
+                if rank not in halted and key.fd in registered.get(rank, ()):
+                    monitors[rank].on_ready(key.fd)
+                    sync(rank)
                 continue
             chunk = os.read(sys.stdin.fileno(), 65536)
             if not chunk:
@@ -197,17 +216,18 @@ def _worker(spec: dict) -> None:
                     ticks[:] = [(start + interval * i / len(ranks), r) for i, r in enumerate(ranks)]
                     heapq.heapify(ticks)
                 elif word == "counters":
-                    print(json.dumps({"requests": sum(c.requests for c in conns),
-                                      "bytes": sum(c.bytes_sent + c.bytes_received for c in conns),
+                    on_board = board_requests()
+                    print(json.dumps({"requests": sum(c.requests for c in conns) + on_board[0],
+                                      "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) + on_board[1],
+                                      "board_requests": on_board[0],
                                       "passes": passes["done"], "late": passes["late"],
                                       "dropped": passes["dropped"]}), flush=True)
                     passes["late"] = 0.0
                 elif word == "die":
                     rank = int(rest)
                     if rank in monitors and rank not in halted:
+                        monitors[rank].publish(_lost(rank))  # what its monitor does when its process ends
                         stop(rank)
-                        publisher = monitors[rank]
-                        publisher.publish(_lost(rank))  # what its monitor does when its process ends
                 elif word == "halt":
                     for rank in map(int, rest.split()):
                         if rank in monitors and rank not in halted:
@@ -224,7 +244,10 @@ def _worker(spec: dict) -> None:
                 elif word == "round":
                     selector.close()
                     ticks.clear()
-                    _round(spec, ranks, beat_conn, board_conn, share, rest)
+                    for monitor in monitors.values():
+                        monitor.detach()  # their phase is over: the round's waits get connections of their own
+                    waits = open_connections(len(groups))
+                    _round(spec, ranks, beat_conn, {g: waits[i] for i, g in enumerate(groups)}, share, rest)
                     return
                 elif word == "quit":
                     return
@@ -462,9 +485,11 @@ class _BoardClock(threading.Thread):
 
 
 def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[int],
-            limit_s: float) -> tuple[Optional[float], Optional[float]]:
+            limit_s: float) -> tuple[Optional[float], Optional[float], Optional[int]]:
     """Seconds from ``command`` (die/halt) to the board having a loss of every victim, and to every
-    live rank having them all (None: not within ``limit_s``)."""
+    live rank having them all (None: not within ``limit_s``); and the requests the board's waits
+    made meanwhile (the relay leaders': the store's work of delivering it)."""
+    before = sum(r["board_requests"] for r in workers.ask("counters"))
     killed = time.time()
     workers.send(f"{command} {' '.join(map(str, victims))}" if command == "halt" else f"die {victims[0]}")
     end = time.monotonic() + limit_s
@@ -483,8 +508,9 @@ def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[in
             last = max([last, *times])
         if done:
             published = [clock.published[v] for v in victims if v in clock.published]
-            return (max(published) - killed if len(published) == len(victims) else None), last - killed
-    return None, None
+            spent = sum(r["board_requests"] for r in workers.ask("counters")) - before
+            return (max(published) - killed if len(published) == len(victims) else None), last - killed, spent
+    return None, None, None
 
 
 def _round_all(workers: Workers, namespace: str) -> dict:
@@ -614,7 +640,8 @@ def main() -> None:
         if not args.only_round:
             started = time.monotonic()
             workers = Workers(spec, args.workers)
-            print(f"ring {n}: {2 * n // share} connections made in {time.monotonic() - started:.0f} s", flush=True)
+            print(f"ring {n}: {n // share} beats connections and {n // NODE} relay leaders' board connections made in "
+                  f"{time.monotonic() - started:.0f} s", flush=True)
             steady = _steady(workers, n, args.interval, args.steady, host, port)
             print(f"ring {n}: steady {steady}", flush=True)
             clock = _BoardClock(host, port, spec["namespace"])
@@ -625,7 +652,7 @@ def main() -> None:
             for label, command, victims in scenarios if n >= 2048 else scenarios[:1] + scenarios[2:] if n >= 64 else ():
                 detect[label] = _detect(workers, clock, command, victims, limit_s=60)
                 print(f"ring {n}: {label}: on the board after {detect[label][0]}, every rank had it after "
-                      f"{detect[label][1]}", flush=True)
+                      f"{detect[label][1]}; the board's waits made {detect[label][2]} requests", flush=True)
             clock.close()
         rnd = None
         round_workers = args.round_workers or args.workers
@@ -683,8 +710,8 @@ def _loss_cell(detect: dict, label: str) -> str:
     if label not in detect:
         return "-"
     show = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-    published, heard = detect[label]
-    return f"{show(published)} / {show(heard)} s"
+    published, heard, spent = detect[label]
+    return f"{show(published)} / {show(heard)} s ({spent if spent is not None else '-'} board requests)"
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":

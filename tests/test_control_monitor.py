@@ -139,3 +139,78 @@ def test_a_store_another_process_cannot_reach_is_an_error_naming_it():
     plane = ControlPlane("hypergrid/control/test", dist.HashStore(), None)
     with pytest.raises(RuntimeError, match="this job's store is a HashStore, which another process cannot reach"):
         Heartbeat(plane, 0, interval_s=0.5, progress_timeout_s=60, stale_beats=5)
+
+
+# ---------------------------------------------------------------------- a node's relay
+def _sockets(pid: int) -> set[str]:
+    """The inodes of the sockets process ``pid`` holds."""
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[len("socket:["):-1])
+    return inodes
+
+
+def _store_connections(pid: int, port: int) -> int:
+    """How many TCP connections process ``pid`` holds to ``port`` on this host."""
+    inodes = _sockets(pid)
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[9] in inodes and int(fields[2].rsplit(":", 1)[1], 16) == port:
+                count += 1
+    return count
+
+
+def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_when_its_holder_is_killed():
+    import signal
+    import uuid
+
+    from hypergrid.control.monitor import JobSpec
+    from hypergrid.runtime.wire import EventKind, encode
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    plane = ControlPlane(f"hypergrid/relay-test/{uuid.uuid4()}", store, ("127.0.0.1", store.port))
+    channel = JobChannel.of([0, 1, 2], 0, plane.namespace)
+    beats = [Heartbeat(plane, rank, interval_s=1.0, progress_timeout_s=60, stale_beats=5) for rank in range(3)]
+    heard: dict[int, list[BoardEvent]] = {rank: [] for rank in range(3)}
+    for rank, beat in enumerate(beats):
+        beat.listen("test", heard[rank].append)
+        beat.attach(JobSpec(channel, ((0, 3),), 3))  # one node of three
+
+    def publish(rank: int, reason: str) -> None:
+        index = store.add(channel.events(), 1) - 1
+        store.set(channel.event(index), encode(BoardEvent(EventKind.LOST, rank, reason, by=rank)))
+
+    def holders() -> list[int]:
+        return [rank for rank, beat in enumerate(beats) if _store_connections(beat.pid, store.port) == 2]
+
+    def until(check, seconds: float = 15.0) -> None:
+        end = time.monotonic() + seconds
+        while not check():
+            assert time.monotonic() < end, (heard, holders())
+            time.sleep(0.05)
+
+    try:
+        until(lambda: len(holders()) == 1)  # beats and the board's wait: one monitor of the three
+        publish(7, "first")
+        until(lambda: all(len(heard[r]) == 1 for r in range(3)))
+        leader = holders()[0]
+        killed = beats[leader].pid
+        os.kill(killed, signal.SIGKILL)  # its rank's heartbeat starts another monitor, which joins again
+        # The new monitor has its job once it holds a socket besides its beats connection: the
+        # board's (it leads) or its node's relay (it follows).
+        until(lambda: beats[leader].pid != killed and len(_sockets(beats[leader].pid)) >= 2 and len(holders()) == 1)
+        publish(8, "second")
+        until(lambda: all(len(heard[r]) >= 2 for r in range(3)))
+        time.sleep(0.5)  # an event heard twice would come now
+        for rank in range(3):
+            assert [(e.rank, e.reason) for e in heard[rank]] == [(7, "first"), (8, "second")], rank
+    finally:
+        for beat in beats:
+            beat.stop(clean=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import select
+import uuid
 from datetime import timedelta
 
 import pytest
@@ -138,40 +139,32 @@ def test_something_that_is_not_a_tcpstore_is_refused_naming_its_address():
 
 # ---------------------------------------------------------------------- the monitor's work
 class _Sim:
-    """``count`` ranks' monitors in this process against ``server``, ``share`` of them per
-    connection of each kind (a job of thousands within this machine's descriptors), on a clock
-    this test advances: no sleeping."""
+    """``count`` ranks' monitors in this process against ``server``, ``share`` of them per beats
+    connection (a job of thousands within this machine's descriptors; each node's relay leader has
+    a board connection of its own), on a clock this test advances: no sleeping."""
 
     def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8):
         self.heard = {r: [] for r in range(count)}
-        self.channel = JobChannel("sim", "job", 0)
-        conns = {}
-
-        def conn(key):
-            if key not in conns:
-                conns[key] = WireStore.connect("127.0.0.1", server.port, timeout_s=30)
-            return conns[key]
-
+        self.channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)  # relays are named by it: one per test
+        beats = {}
         self.monitors = {}
         for rank in range(count):
             group = rank // share
-            config = MonitorConfig("127.0.0.1", server.port, "sim", rank, interval,
+            if group not in beats:
+                beats[group] = WireStore.connect("127.0.0.1", server.port, timeout_s=30)
+            config = MonitorConfig("127.0.0.1", server.port, self.channel.namespace, rank, interval,
                                    progress_timeout_s=progress if math.isfinite(progress) else 1e9)
-            leader = rank % share == 0
-            monitor = RankMonitor(config, forward=self._hear(rank, group, share), now=0.0,
-                                  connect=lambda group=group: conn(("board", group)), store=conn(("beat", group)))
-            monitor.attach(JobSpec(self.channel, ((0, count),), node), wait_on_board=leader)
+            monitor = RankMonitor(config, forward=self.heard[rank].append, now=0.0, store=beats[group])
+            monitor.attach(JobSpec(self.channel, ((0, count),), node))
             self.monitors[rank] = monitor
-        self.share, self.halted = share, set()
+        self.halted = set()
 
-    def _hear(self, rank, group, share):
-        def hear(event):
-            self.heard[rank].append(event)
-            if rank % share == 0:  # the group's board wait serves its other ranks
-                for other in range(rank + 1, rank + share):
-                    if other in self.monitors and other not in self.halted:
-                        self.monitors[other].deliver(event)
-        return hear
+    def halt(self, *ranks):
+        """Those ranks' monitors stop, as killed: the kernel closes their sockets (a relay they
+        led included), nobody marks them as left."""
+        for rank in ranks:
+            self.halted.add(rank)
+            self.monitors[rank].detach()
 
     def tick(self, now):
         for rank, monitor in self.monitors.items():
@@ -181,15 +174,21 @@ class _Sim:
         self.drain()
 
     def drain(self, quiet_s=0.2):
-        """Read what the board's waits were answered, until none is answered for ``quiet_s``."""
+        """Handle what became readable (the board's waits answered, the relays' events), until
+        nothing does for ``quiet_s``."""
         while True:
-            boards = {m.board.fileno(): m for r, m in self.monitors.items()
-                      if r not in self.halted and m.board is not None}
-            ready = select.select(list(boards), [], [], quiet_s)[0] if boards else []
+            owners = {fd: m for r, m in self.monitors.items() if r not in self.halted and not m.closed
+                      for fd in m.readers()}
+            poller = select.poll()
+            for fd in owners:
+                poller.register(fd, select.POLLIN)
+            ready = poller.poll(quiet_s * 1000) if owners else []
             if not ready:
                 return
-            for fd in ready:
-                boards[fd].on_board()
+            for fd, _ in ready:
+                monitor = owners[fd]
+                if not monitor.closed and fd in monitor.readers():
+                    monitor.on_ready(fd)
 
     def lost_heard_by_all(self, victims):
         live = [r for r in self.monitors if r not in self.halted]
@@ -199,7 +198,7 @@ class _Sim:
 def test_a_successor_that_stops_beating_is_published_once_after_the_staleness_bound(server):
     sim = _Sim(server, 4, node=2)  # the ring: 0 -> 2 -> 1 -> 3 -> 0
     sim.tick(0.0)  # rank 0 looked at rank 2's counter before rank 2 beat
-    sim.halted.add(2)  # rank 2's node (its monitor too) is gone
+    sim.halt(2)  # rank 2's monitor is gone (its node, or only it)
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):  # at 1.0 rank 0 sees the one beat rank 2 made
         sim.tick(now)
         assert not any(sim.heard[r] for r in (0, 1, 3)), now  # standing still for less than 5 beats of 1 s
@@ -219,7 +218,7 @@ def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(serv
     for now in range(1, 12):
         sim.tick(float(now))
     assert not any(sim.heard[r] for r in (0, 1, 3))
-    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key("sim", 2), 0) < 0
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key(sim.channel.namespace, 2), 0) < 0
     assert DEPARTED < 0
 
 
@@ -264,6 +263,41 @@ def test_each_event_costs_a_monitor_waiting_on_the_board_two_requests_however_ma
     assert sim.monitors[1].job.lost == {1: "third"}
 
 
+def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_leader_when_theirs_goes(server):
+    sim = _Sim(server, 8, node=4)
+    assert [r for r, m in sim.monitors.items() if m.board is not None] == [0, 4]  # one per node
+    sim.tick(0.0)
+    sim.monitors[0].parent_ended()  # rank 0's process ended: its monitor publishes it and leaves
+    sim.halted.add(0)
+    sim.drain()
+    leaders = [r for r in (1, 2, 3) if sim.monitors[r].board is not None]
+    assert len(leaders) == 1, leaders
+    sim.monitors[5].publish(BoardEvent(EventKind.LOST, 6, "its process ended", by=6))
+    sim.drain()
+    for rank in range(1, 8):
+        assert [(e.rank, e.reason) for e in sim.heard[rank]] == [(0, "its process ended"), (6, "its process ended")], rank
+
+
+def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_once(server):
+    sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
+    sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))  # nobody has read it yet
+    sim.monitors[0].detach()  # the leader goes before it read it
+    follower, late = sim.monitors[1], sim.monitors[2]
+    follower.on_ready(follower.readers()[0])  # end of file: it leads now, and waits on the board
+    assert follower.board is not None
+    select.select([follower.board.fileno()], [], [], 5)
+    follower.on_ready(follower.board.fileno())  # the event was there: read, its position is 1
+    late.on_ready(late.readers()[0])  # end of file: it follows the new leader, which says "at 1"
+    assert late.board is None
+    select.select(late.readers(), [], [], 5)
+    late.on_ready(late.readers()[0])  # 1 is past its own 0: it reads event 0 from the store
+    sim.monitors[1].publish(BoardEvent(EventKind.LOST, 8, "second", by=1))
+    sim.halted.add(0)
+    sim.drain()
+    for rank in (1, 2):
+        assert [(e.rank, e.reason) for e in sim.heard[rank]] == [(7, "first"), (8, "second")], rank
+
+
 @pytest.mark.slow
 def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank_2047():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
@@ -271,8 +305,8 @@ def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank
     sim.tick(0.0)
     # Rank 1,500's process ends (its monitor sees it and publishes), and rank 2,047's whole node
     # (ranks 2,040-2,047, monitors and all) goes silent.
-    sim.monitors[1500].publish(BoardEvent(EventKind.LOST, 1500, "its process ended", by=1500))
-    sim.halted.update([1500, *range(2040, 2048)])
+    sim.monitors[1500].publish(BoardEvent(EventKind.LOST, 1500, "its process ended", by=1500))  # its beats
+    sim.halt(1500, *range(2040, 2048))
     sim.drain()
     assert sim.lost_heard_by_all([1500]) and not sim.lost_heard_by_all([2047])
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):

@@ -23,10 +23,12 @@ and nobody counts it lost.
 
 Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
 :class:`~hypergrid.control.keys.JobChannel`): the publisher adds 1 to ``events`` and sets the
-event's key. Every monitor keeps one wait pending on the board's next key, which costs nothing
-until an event is published; the store's answer wakes it, and it reads the event (one get: the
-wait was answered, the key is there), waits on the next key and forwards the event to its rank
-(which aborts its communicators, :mod:`hypergrid.control.watch`): two requests per event.
+event's key. One monitor per node keeps a wait pending on the board's next key, which costs
+nothing until an event is published; the store's answer wakes it, and it reads the event (one
+get: the wait was answered, the key is there), waits on the next key, hands the event to the
+node's other monitors (:mod:`hypergrid.control.relay`, which also elects it) and forwards it to
+its rank (which aborts its communicators, :mod:`hypergrid.control.watch`): two requests per
+event and node.
 
 :class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
 the monitor process, or the control-plane benchmark's, which runs thousands of them against one
@@ -64,6 +66,7 @@ from typing import Optional
 
 from ..runtime.wire import BoardEvent, EventKind, decode, encode
 from .keys import DEPARTED, JobChannel, beat_key
+from .relay import NodeRelay, node_address
 from .ring import Ring, from_runs
 from .tcpstore import StoreProtocolError, StoreTimeout, WireStore
 
@@ -134,7 +137,7 @@ class _Job:
 
 class RankMonitor:
     """One rank's control-plane work (see the module): :meth:`tick` every interval,
-    :meth:`on_board` when the board connection is readable, :meth:`progress` on each tick of the
+    :meth:`on_ready` when one of :meth:`readers` is readable, :meth:`progress` on each tick of the
     rank's interpreter, :meth:`parent_ended` when the rank's process is gone.
 
     ``forward`` receives every event of the board (in the monitor process: sent to the rank).
@@ -149,35 +152,89 @@ class RankMonitor:
         # Beats, reads and publications: one round trip each (``store``: a connection given, the
         # benchmark's, which lets ranks share one where a machine has too few file descriptors).
         self.store = store if store is not None else self._connect()
-        self.board: Optional[WireStore] = None  # one wait pending on the board's next event
+        self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
+        self.relay: Optional[NodeRelay] = None  # the node's monitors: this one leads, or follows
         self.job: Optional[_Job] = None
         self.last_progress = now
         self.hung_published = False
         self.closed = False
 
     # ------------------------------------------------------------------ the job
-    def attach(self, spec: JobSpec, *, wait_on_board: bool = True) -> None:
-        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery).
-        ``wait_on_board=False``: another hands this monitor the board's events (:meth:`deliver`;
-        the benchmark's ranks that share a connection)."""
+    def attach(self, spec: JobSpec) -> None:
+        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery)."""
         if self.job is not None and self.job.spec.channel == spec.channel:
             self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), self.job.next_event, self.job.lost)
             return
-        if self.board is not None:
-            self.board.close()
-            self.board = None
+        self._leave_board()
         first = self.store.add(spec.channel.events(), 0)
         self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), first)
-        if wait_on_board:
-            self.board = self._connect()
-            self.board.start_wait([spec.channel.event(first)])
+        self._join_board()
 
     def detach(self) -> None:
         """Serve no job (the rank left it)."""
         self.job = None
+        self._leave_board()
+
+    def _join_board(self) -> None:
+        """Lead the node's relay (and wait on the board), or follow its leader."""
+        job = self.job
+        assert job is not None
+        node = self.config.rank // max(1, job.spec.node_size)
+        self.relay = NodeRelay.join(node_address(job.spec.channel.events(), node))
+        if self.relay.leads:
+            self.board = self._connect()
+            self.board.start_wait([job.spec.channel.event(job.next_event)])
+
+    def _leave_board(self) -> None:
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
         if self.board is not None:
             self.board.close()
             self.board = None
+
+    def readers(self) -> list[int]:
+        """The descriptors whose readiness :meth:`on_ready` handles: the board's wait, the relay's."""
+        fds = [self.board.fileno()] if self.board is not None else []
+        return fds + (self.relay.fileno_set() if self.relay is not None else [])
+
+    def on_ready(self, fd: int) -> None:
+        """``fd``, one of :meth:`readers`, is readable."""
+        relay = self.relay
+        if self.board is not None and fd == self.board.fileno():
+            self.on_board()
+        elif relay is None or self.job is None:
+            return
+        elif relay.listener is not None and fd == relay.listener.fileno():
+            relay.accept(position=self.job.next_event)
+        elif relay.leads:
+            relay.follower_ready(fd)
+        else:
+            self._on_relayed(relay)
+
+    def _on_relayed(self, relay: NodeRelay) -> None:
+        """The node's leader sent events (or its position), or went: then elect again."""
+        job = self.job
+        assert job is not None
+        heard = relay.receive()
+        if heard is None:  # the next leader tells its position, or this one waits on the board
+            relay.close()
+            self._join_board()
+            return
+        for item in heard:
+            self._catch_up(job, item.index)
+            if item.payload is not None and item.index == job.next_event:
+                job.next_event += 1
+                self.deliver(decode(BoardEvent, item.payload))
+
+    def _catch_up(self, job: _Job, position: int) -> None:
+        """Read from the store the events before ``position`` that this monitor has not had (it
+        joined the relay after its leader read them, or changed leader): rare, a get each, of
+        keys the leader has read."""
+        while job.next_event < position:
+            event = decode(BoardEvent, self.store.get(job.spec.channel.event(job.next_event)))
+            job.next_event += 1
+            self.deliver(event)
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
@@ -257,10 +314,13 @@ class RankMonitor:
             board.start_wait([channel.event(job.next_event)])
             return
         board.finish_wait()
-        event = decode(BoardEvent, board.read(channel.event(job.next_event)))
+        index = job.next_event
+        payload = board.read(channel.event(index))
         job.next_event += 1
         board.start_wait([channel.event(job.next_event)])
-        self.deliver(event)
+        if self.relay is not None:
+            self.relay.send(index, payload.decode())
+        self.deliver(decode(BoardEvent, payload))
 
     def deliver(self, event: BoardEvent) -> None:
         """Take in one event of the job's board and forward it to the rank."""
@@ -289,8 +349,7 @@ class RankMonitor:
     def close(self) -> None:
         self.closed = True
         self.store.close()
-        if self.board is not None:
-            self.board.close()
+        self._leave_board()
 
 
 # ---------------------------------------------------------------------- the process
@@ -357,16 +416,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if parent is None and os.getppid() != config.parent_pid:  # no pidfd: reparented means ended
                 monitor.parent_ended()
                 return 0
-            board = monitor.board.fileno() if monitor.board is not None else None
-            readers = [fd for fd in (parent, stdin, board) if fd is not None]
+            board = monitor.readers()
+            readers = [fd for fd in (parent, stdin) if fd is not None] + board
             wait_s = max(0.0, next_tick - time.monotonic())
             ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
                                         wait_s if parent is not None else min(wait_s, 0.1))
             if parent is not None and parent in ready:
                 monitor.parent_ended()
                 return 0
-            if board is not None and board in ready:
-                monitor.on_board()
+            for fd in ready:
+                if fd in monitor.readers():  # the one before may have closed it (a new leader)
+                    monitor.on_ready(fd)
             out.flush()
             if stdin is not None and stdin in ready:
                 chunk = os.read(stdin, 65536)

@@ -1,0 +1,198 @@
+"""One wait on the job's board per node: a node's monitors elect one that waits and relays.
+
+Every event of a job's board must reach every rank's monitor. Were each monitor to wait on the
+board itself, each event would cost the store a wake and two requests per rank: at 16,384 ranks a
+node's eight losses are some 260,000 requests, seconds of one store's time. Instead the monitors
+of one node (the same node index, ``rank // node_size``, on the same host) elect one of them, the
+*leader*, which keeps the node's one wait on the board and hands each event it reads to the
+others over a local socket: the store's work per event is the same for a node of 8 as for a rank.
+
+The election is a name: the first monitor to bind the node's abstract Unix socket (Linux's
+abstract namespace, one per host: nothing on disk to clean up, released when its holder ends)
+leads; the others connect to it. A follower whose leader goes (its rank ended, it left the job)
+reads end-of-file, and elects again: one of the remaining monitors binds the name, the others
+connect to it. Every relayed event carries its board index, and a new follower is told the
+leader's position first: a follower that missed events (it joined after the leader read them, or
+between two leaders) reads those from the store itself, so no event is lost or seen twice.
+Where abstract sockets do not exist (not Linux), each monitor waits on the board itself.
+
+Example, two monitors of one node in this process::
+
+    >>> import uuid
+    >>> address = node_address(f"doc-{uuid.uuid4()}", 0)
+    >>> first, second = NodeRelay.join(address), NodeRelay.join(address)
+    >>> first.leads, second.leads
+    (True, False)
+    >>> first.accept(position=3)                                   # the leader will read event 3 next
+    >>> first.send(3, '{"kind": "lost"}')
+    >>> second.receive()
+    [Relayed(index=3, payload=None), Relayed(index=3, payload='{"kind": "lost"}')]
+    >>> first.close(); second.receive() is None                   # the leader left: elect again
+    True
+    >>> NodeRelay.join(address).leads
+    True
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import socket
+from dataclasses import dataclass
+from typing import Optional
+
+__all__ = ["NodeRelay", "Relayed", "node_address"]
+
+#: How long the leader waits for a follower to take an event before it drops that follower (who
+#: then elects again and reads what it missed from the store).
+SEND_TIMEOUT_S = 2.0
+#: Tries at binding or connecting to the node's name (a leader may close it between the two).
+_JOIN_TRIES = 20
+
+
+def node_address(board: str, node: int) -> bytes:
+    """The abstract socket name of ``board``'s relay on node ``node`` (a digest: names are short).
+
+    Example::
+
+        >>> node_address("ns/job/ab/0", 3) == node_address("ns/job/ab/0", 3) != node_address("ns/job/ab/0", 4)
+        True
+    """
+    digest = hashlib.sha256(f"{board}#{node}".encode()).hexdigest()[:40]
+    return b"\0hypergrid-board-" + digest.encode()
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """What a follower hears: an event of the board at ``index`` (``payload`` its encoding), or,
+    with no payload, the leader's position: the index of the next event the leader will read."""
+
+    index: int
+    payload: Optional[str]
+
+
+class NodeRelay:
+    """One monitor's end of its node's relay: the leader's listening socket and its followers'
+    connections, or a follower's connection to the leader (see the module)."""
+
+    def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket]) -> None:
+        self.listener = listener
+        self.upstream = upstream
+        self.followers: dict[int, socket.socket] = {}
+        self._inbox = b""
+
+    @classmethod
+    def join(cls, address: bytes) -> NodeRelay:
+        """Lead the node's relay at ``address`` if nobody does, else follow whoever does.
+
+        Returns a relay that leads with no listener where this system has no abstract sockets (the
+        monitor then waits on the board itself, as a leader).
+        """
+        for _ in range(_JOIN_TRIES):
+            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                listener.bind(address)
+            except OSError as exc:
+                listener.close()
+                if exc.errno != errno.EADDRINUSE:
+                    return cls(None, None)  # no abstract namespace here
+            else:
+                listener.listen(64)
+                listener.setblocking(False)
+                return cls(listener, None)
+            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                upstream.connect(address)
+            except OSError:  # the leader closed its name between the two: try to lead
+                upstream.close()
+                continue
+            upstream.setblocking(False)
+            return cls(None, upstream)
+        return cls(None, None)
+
+    @property
+    def leads(self) -> bool:
+        return self.upstream is None
+
+    def fileno_set(self) -> list[int]:
+        """The descriptors to watch for reading: the listener and the followers (to see them go),
+        or the connection to the leader."""
+        if self.upstream is not None:
+            return [self.upstream.fileno()]
+        return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
+
+    # ------------------------------------------------------------------ the leader's side
+    def accept(self, position: int) -> None:
+        """Take a new follower (the listener is readable) and tell it ``position``."""
+        if self.listener is None:
+            return
+        try:
+            conn, _ = self.listener.accept()
+        except BlockingIOError:
+            return
+        conn.settimeout(SEND_TIMEOUT_S)
+        self.followers[conn.fileno()] = conn
+        self._send_to(conn, f"at {position}\n".encode())
+
+    def send(self, index: int, payload: str) -> None:
+        """Hand event ``index`` to every follower."""
+        line = f"ev {index} {payload}\n".encode()
+        for conn in list(self.followers.values()):
+            self._send_to(conn, line)
+
+    def follower_ready(self, fd: int) -> None:
+        """A follower's connection is readable: followers send nothing, so it went."""
+        conn = self.followers.get(fd)
+        if conn is None:
+            return
+        try:
+            data = conn.recv(1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+
+    def _send_to(self, conn: socket.socket, line: bytes) -> None:
+        try:
+            conn.sendall(line)
+        except OSError:  # gone, or not reading for SEND_TIMEOUT_S: it elects again and catches up
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.followers.pop(conn.fileno(), None)
+        conn.close()
+
+    # ------------------------------------------------------------------ a follower's side
+    def receive(self) -> Optional[list[Relayed]]:
+        """What the leader sent (the connection is readable); None when the leader is gone."""
+        if self.upstream is None:
+            return []
+        try:
+            chunk = self.upstream.recv(65536)
+        except BlockingIOError:
+            return []
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return None
+        lines, _, self._inbox = (self._inbox + chunk).rpartition(b"\n")
+        heard = []
+        for line in lines.decode().split("\n") if lines else []:
+            word, _, rest = line.partition(" ")
+            if word == "at":
+                heard.append(Relayed(int(rest), None))
+            elif word == "ev":
+                index, _, payload = rest.partition(" ")
+                heard.append(Relayed(int(index), payload))
+        return heard
+
+    def close(self) -> None:
+        for conn in list(self.followers.values()):
+            conn.close()
+        self.followers.clear()
+        for sock in (self.listener, self.upstream):
+            if sock is not None:
+                sock.close()
+        self.listener = self.upstream = None
