@@ -23,13 +23,16 @@ Beside it, the design it replaced ("scan": every rank adds to its heartbeat and 
 other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
 the same client.
 
-This machine allows a process 20,000 file descriptors (a hard limit), and the design keeps two
-connections per rank (one for its beats, one for its pending wait on the board): at 16,384 ranks
-the store would need 32,768. Past 1,024 ranks, every 4 (at 4,096) or 16 (at 16,384) ranks share
-one connection for their beats (their requests and bytes are counted the same; only the store's
-socket count differs) and one for the board, whose one pending wait serves all of them: the
-board's delivery costs the store a quarter or a sixteenth of what a connection per monitor
-would. 65,536 ranks do not fit at all.
+Each node's monitors elect a relay leader (:mod:`hypergrid.control.relay`, abstract Unix
+sockets, within a worker as on a host), which alone has a board connection and waits on the
+board, and hands each event to the node's other monitors: the store's work of delivering an
+event is two requests per node, and each loss's line says how many the board's waits made.
+
+This machine allows a process 20,000 file descriptors (a hard limit). Past ``--connections``
+ranks (1,024 by default), every few ranks share one connection for their beats (4 at 16,384
+with ``--connections 4096``): their requests and bytes are counted the same; only the store's
+socket count differs. The board's connections are one per node, as in a cluster. 65,536 ranks do
+not fit.
 
 And ``--monitor-cost SECONDS``: real monitor processes of a 4-rank gloo job, their unique set size
 and their share of a core in the steady state, read from /proc.
@@ -43,7 +46,7 @@ interval), and its round alone with its threads over 16 processes.
 Run::
 
     python benchmarks/bench_control_plane.py                          # 8, 1,024, 4,096, the scan beside
-    python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --interval 4 --steady 20 --no-round
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --connections 4096 --interval 4 --steady 20 --no-round
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
     python benchmarks/bench_control_plane.py --monitor-cost 60
@@ -52,6 +55,7 @@ Run::
 from __future__ import annotations
 
 import argparse
+import functools
 import heapq
 import json
 import os
@@ -68,7 +72,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 NODE = 8
-FD_LIMIT = 20_000
 
 
 # ---------------------------------------------------------------------- worker side (no torch)
@@ -79,6 +82,14 @@ def _worker(spec: dict) -> None:
     from hypergrid.control.keys import JobChannel, beat_key
     from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
     from hypergrid.control.tcpstore import StoreProtocolError, StoreTimeout, WireStore
+
+    # In a cluster each monitor decodes each event once, on a host of its own, all of them at the
+    # same time; here a worker's thousand monitors would decode the same few events one after
+    # another (15 us each, most of a worker's time delivering an event). The worker decodes each
+    # event once for all of them (the records are frozen): what is left of the delivery's time is
+    # the store's, the relays' and the monitors' own handling, still done in turn.
+    monitor_module = sys.modules["hypergrid.control.monitor"]
+    monitor_module.decode = functools.lru_cache(maxsize=256)(monitor_module.decode)
 
     host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
     ranks: list[int] = spec["ranks"]
@@ -107,20 +118,19 @@ def _worker(spec: dict) -> None:
     registered: dict[int, set[int]] = {}  # rank -> its monitor's descriptors in the selector
 
     def sync(rank: int) -> None:
-        """Keep the selector on what ``rank``'s monitor reads (its relay changes: a new leader)."""
-        now_reads = set(monitors[rank].readers()) if rank not in halted else set()
-        for fd in registered.get(rank, set()) - now_reads:
+        """Keep the selector on what ``rank``'s monitor reads, after anything it did: its relay
+        may have changed (a new leader), and a socket it closed may have come back under the same
+        number, which epoll forgot with the old one: every one of its descriptors anew."""
+        for fd in registered.pop(rank, set()):
             try:
                 selector.unregister(fd)
             except (KeyError, ValueError):
                 pass
-        for fd in now_reads - registered.get(rank, set()):
-            try:
-                selector.unregister(fd)  # a number a closed socket of another monitor had
-            except (KeyError, ValueError):
-                pass
+        if rank in halted:
+            return
+        registered[rank] = set(monitors[rank].readers())
+        for fd in registered[rank]:
             selector.register(fd, selectors.EVENT_READ, rank)
-        registered[rank] = now_reads
 
     halted: set[int] = set()
     boards: list[Any] = []  # every board connection a relay leader opened, closed ones too: their requests count
@@ -263,9 +273,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     """Every hosted rank takes part in one recovery round, a thread each, through the real
     ``RecoveryRound.agree`` (its store calls over this worker's connections, bounded by a deadline).
 
-    The monitors are done by then, so a connection group's two connections are the round's: its
-    waits (a follower's slice on the verdict) go over the board connection, everything else over
-    the beats one. Ranks that share a group take turns on each: a wait does not hold up the
+    The monitors are done by then: a connection group's beats connection is the round's, and a
+    second one of its own takes its waits (a follower's slice on the verdict). Ranks that share a group take turns on each: a wait does not hold up the
     requests of the round's leader (in a cluster every rank has connections of its own)."""
     from hypergrid.control import rounds
     from hypergrid.control.board import LossView
@@ -279,9 +288,6 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # participant is a process of its own; here a takeover would only measure the simulation.
     rounds._LEADER_QUIET_S = 600.0
     threading.stack_size(256 * 1024)
-    for conn in board_conns.values():
-        if conn.waiting:
-            conn.cancel_wait()  # the monitors' pending waits on the board: their phase is over
     channel = JobChannel(namespace, "round", 0)
     plane = ControlPlane(namespace, None, (spec["host"], spec["port"]))
     conns = list(beat_conns.values()) + list(board_conns.values())

@@ -197,7 +197,9 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
             time.sleep(0.05)
 
     try:
-        until(lambda: len(holders()) == 1)  # beats and the board's wait: one monitor of the three
+        # Every monitor has its job once it holds a socket besides its beats connection: the
+        # board's (it leads) or its node's relay (it follows); one of them holds the board's.
+        until(lambda: all(len(_sockets(beat.pid)) >= 2 for beat in beats) and len(holders()) == 1)
         publish(7, "first")
         until(lambda: all(len(heard[r]) == 1 for r in range(3)))
         leader = holders()[0]

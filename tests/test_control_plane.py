@@ -173,7 +173,7 @@ class _Sim:
                 monitor.progress(now=now)
         self.drain()
 
-    def drain(self, quiet_s=0.2):
+    def drain(self, quiet_s=0.5):
         """Handle what became readable (the board's waits answered, the relays' events), until
         nothing does for ``quiet_s``."""
         while True:
@@ -285,17 +285,32 @@ def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_on
     follower, late = sim.monitors[1], sim.monitors[2]
     follower.on_ready(follower.readers()[0])  # end of file: it leads now, and waits on the board
     assert follower.board is not None
-    select.select([follower.board.fileno()], [], [], 5)
+    assert select.select([follower.board.fileno()], [], [], 5)[0]
     follower.on_ready(follower.board.fileno())  # the event was there: read, its position is 1
-    late.on_ready(late.readers()[0])  # end of file: it follows the new leader, which says "at 1"
-    assert late.board is None
-    select.select(late.readers(), [], [], 5)
+    late.on_ready(late.readers()[0])  # end of file: it follows the new leader
+    assert late.board is None and follower.relay.listener is not None
+    follower.on_ready(follower.relay.listener.fileno())  # the leader takes it and says "at 1"
+    assert select.select(late.readers(), [], [], 5)[0]
     late.on_ready(late.readers()[0])  # 1 is past its own 0: it reads event 0 from the store
+    assert [(e.rank, e.reason) for e in sim.heard[2]] == [(7, "first")]
     sim.monitors[1].publish(BoardEvent(EventKind.LOST, 8, "second", by=1))
     sim.halted.add(0)
     sim.drain()
     for rank in (1, 2):
         assert [(e.rank, e.reason) for e in sim.heard[rank]] == [(7, "first"), (8, "second")], rank
+
+
+def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_after_the_staleness_bound(server):
+    sim = _Sim(server, 2, node=2)  # one node: 0 leads, 1 follows
+    sim.halted.add(0)  # rank 0's monitor is stuck: its sockets open, nothing read, sent or beaten
+    follower = sim.monitors[1]
+    for now in range(1, 7):
+        sim.tick(float(now))
+        assert follower.board is None, now  # still counting on its leader
+    assert [(e.rank, e.by) for e in sim.heard[1]] == []  # its own publication of rank 0 (at 6) is stuck
+    sim.tick(7.0)  # seven ticks without a word from its leader: it waits on the board itself
+    assert follower.board is not None
+    assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
 
 
 @pytest.mark.slow

@@ -154,6 +154,7 @@ class RankMonitor:
         self.store = store if store is not None else self._connect()
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one leads, or follows
+        self._leader_quiet = 0  # this monitor's ticks since its leader last said anything
         self.job: Optional[_Job] = None
         self.last_progress = now
         self.hung_published = False
@@ -180,10 +181,22 @@ class RankMonitor:
         job = self.job
         assert job is not None
         node = self.config.rank // max(1, job.spec.node_size)
-        self.relay = NodeRelay.join(node_address(job.spec.channel.events(), node))
+        board = f"{self.config.host}:{self.config.port}/{job.spec.channel.events()}"
+        self.relay = NodeRelay.join(node_address(board, node))
+        self._leader_quiet = 0
         if self.relay.leads:
             self.board = self._connect()
             self.board.start_wait([job.spec.channel.event(job.next_event)])
+
+    def _go_alone(self) -> None:
+        """Stop counting on the node's leader (it said nothing for the staleness bound: alive but
+        stuck): wait on the board itself from here on, for this job."""
+        job = self.job
+        assert job is not None and self.relay is not None
+        self.relay.close()
+        self.relay = NodeRelay(None, None)
+        self.board = self._connect()
+        self.board.start_wait([job.spec.channel.event(job.next_event)])
 
     def _leave_board(self) -> None:
         if self.relay is not None:
@@ -221,6 +234,7 @@ class RankMonitor:
             relay.close()
             self._join_board()
             return
+        self._leader_quiet = 0
         for item in heard:
             self._catch_up(job, item.index)
             if item.payload is not None and item.index == job.next_event:
@@ -229,12 +243,19 @@ class RankMonitor:
 
     def _catch_up(self, job: _Job, position: int) -> None:
         """Read from the store the events before ``position`` that this monitor has not had (it
-        joined the relay after its leader read them, or changed leader): rare, a get each, of
-        keys the leader has read."""
+        joined the relay after its leader read them, or changed leader): rare, a get each.
+
+        A new leader's position may count an event whose publisher added to the counter and did
+        not write it: one not written within half an interval is passed over (its publisher ended
+        between its two requests, and nobody can read it), not waited for while nothing beats."""
         while job.next_event < position:
-            event = decode(BoardEvent, self.store.get(job.spec.channel.event(job.next_event)))
+            key = job.spec.channel.event(job.next_event)
             job.next_event += 1
-            self.deliver(event)
+            try:
+                payload = self.store.get(key, within_s=self.config.interval_s / 2)
+            except StoreTimeout:
+                continue
+            self.deliver(decode(BoardEvent, payload))
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
@@ -243,6 +264,13 @@ class RankMonitor:
         job = self.job
         if job is None:
             return
+        relay = self.relay
+        if relay is not None and relay.leads:
+            relay.keep_alive(job.next_event)
+        elif relay is not None:
+            self._leader_quiet += 1
+            if self._leader_quiet > self.config.stale_beats + 1:
+                self._go_alone()
         self._watch(job, now)
         quiet = now - self.last_progress
         if quiet >= self.config.progress_timeout_s and not self.hung_published:

@@ -9,12 +9,16 @@ others over a local socket: the store's work per event is the same for a node of
 
 The election is a name: the first monitor to bind the node's abstract Unix socket (Linux's
 abstract namespace, one per host: nothing on disk to clean up, released when its holder ends)
-leads; the others connect to it. A follower whose leader goes (its rank ended, it left the job)
-reads end-of-file, and elects again: one of the remaining monitors binds the name, the others
-connect to it. Every relayed event carries its board index, and a new follower is told the
-leader's position first: a follower that missed events (it joined after the leader read them, or
-between two leaders) reads those from the store itself, so no event is lost or seen twice.
-Where abstract sockets do not exist (not Linux), each monitor waits on the board itself.
+leads; the others connect to it (a process of another user is neither followed nor accepted: the
+name has no permissions). A follower whose leader goes (its rank ended, it left the job) reads
+end-of-file, and elects again: one of the remaining monitors binds the name, the others connect
+to it. Every relayed event carries its board index, and a new follower is told the leader's
+position first: a follower that missed events (it joined after the leader read them, or between
+two leaders) reads those from the store itself, so no event is lost or seen twice. The leader
+tells its position every interval too; a follower that heard nothing from it for the staleness
+bound (a leader alive but stuck) stops counting on it and waits on the board itself, as it does
+where abstract sockets do not exist (not Linux). A follower too far behind to take what the
+leader sends (its socket full) is dropped, elects again, and catches up the same way.
 
 Example, two monitors of one node in this process::
 
@@ -29,25 +33,34 @@ Example, two monitors of one node in this process::
     [Relayed(index=3, payload=None), Relayed(index=3, payload='{"kind": "lost"}')]
     >>> first.close(); second.receive() is None                   # the leader left: elect again
     True
-    >>> NodeRelay.join(address).leads
+    >>> second.close(); third = NodeRelay.join(address); third.leads
     True
+    >>> third.close()
 """
 
 from __future__ import annotations
 
 import errno
 import hashlib
+import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Optional
 
 __all__ = ["NodeRelay", "Relayed", "node_address"]
 
-#: How long the leader waits for a follower to take an event before it drops that follower (who
-#: then elects again and reads what it missed from the store).
-SEND_TIMEOUT_S = 2.0
 #: Tries at binding or connecting to the node's name (a leader may close it between the two).
 _JOIN_TRIES = 20
+#: How long a connection to the node's leader may take (one that hangs is not a leader to follow).
+_CONNECT_TIMEOUT_S = 1.0
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this one's user (an abstract
+    socket's name has no permissions: another user's process could hold it, or connect)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return bool(struct.unpack("3i", creds)[1] == os.getuid())
 
 
 def node_address(board: str, node: int) -> bytes:
@@ -101,11 +114,18 @@ class NodeRelay:
                 listener.setblocking(False)
                 return cls(listener, None)
             upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            upstream.settimeout(_CONNECT_TIMEOUT_S)
             try:
                 upstream.connect(address)
-            except OSError:  # the leader closed its name between the two: try to lead
+            except ConnectionRefusedError:  # the leader closed its name between the two: try again
                 upstream.close()
                 continue
+            except OSError:  # a leader that does not take the connection: wait on the board alone
+                upstream.close()
+                return cls(None, None)
+            if not _same_user(upstream):  # an abstract name has no permissions: wait on the board alone
+                upstream.close()
+                return cls(None, None)
             upstream.setblocking(False)
             return cls(None, upstream)
         return cls(None, None)
@@ -130,13 +150,23 @@ class NodeRelay:
             conn, _ = self.listener.accept()
         except BlockingIOError:
             return
-        conn.settimeout(SEND_TIMEOUT_S)
+        if not _same_user(conn):
+            conn.close()
+            return
+        conn.setblocking(False)
         self.followers[conn.fileno()] = conn
         self._send_to(conn, f"at {position}\n".encode())
 
     def send(self, index: int, payload: str) -> None:
         """Hand event ``index`` to every follower."""
         line = f"ev {index} {payload}\n".encode()
+        for conn in list(self.followers.values()):
+            self._send_to(conn, line)
+
+    def keep_alive(self, position: int) -> None:
+        """Tell every follower the leader's position (every interval: a follower that hears
+        nothing for the staleness bound stops counting on this leader)."""
+        line = f"at {position}\n".encode()
         for conn in list(self.followers.values()):
             self._send_to(conn, line)
 
@@ -157,7 +187,7 @@ class NodeRelay:
     def _send_to(self, conn: socket.socket, line: bytes) -> None:
         try:
             conn.sendall(line)
-        except OSError:  # gone, or not reading for SEND_TIMEOUT_S: it elects again and catches up
+        except OSError:  # gone, or so far behind that its socket is full: it elects again and catches up
             self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:

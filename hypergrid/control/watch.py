@@ -5,7 +5,8 @@ watch gets the rank out instead: its monitor forwards every event of the job's b
 (:mod:`hypergrid.control.heartbeat`), and on a rank of the job lost, or a recovery round opened
 after a failure, the watch aborts every abortable communicator this rank holds
 (:func:`~hypergrid.control.abort.abort_all`), unless this rank's own code is inside the recovery.
-No store request is made for it: the monitor's one pending wait on the board is all it costs.
+No store request is made for it: the node's one pending wait on the board (its monitors' relay
+leader's) is all it costs.
 
 Events that cannot concern the job as this rank holds it now are passed over: a loss of a rank
 the job no longer counts on (recovered from already), a rank offering itself back, a round
