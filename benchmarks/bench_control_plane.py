@@ -66,7 +66,7 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -113,6 +113,7 @@ def _worker(spec: dict) -> None:
         return
 
     received: dict[int, dict[int, float]] = {}  # victim -> rank -> when it heard
+    by_leaders: dict[int, dict[int, float]] = {}  # the same, for the ranks whose monitor waits on the board
     monitors: dict[int, Any] = {}
     selector = selectors.DefaultSelector()
     registered: dict[int, set[int]] = {}  # rank -> its monitor's descriptors in the selector
@@ -148,6 +149,8 @@ def _worker(spec: dict) -> None:
             def hear(event: Any, rank: int = rank) -> None:
                 if event.kind.value == "lost":
                     received.setdefault(event.rank, {}).setdefault(rank, time.time())
+                    if monitors[rank].board is not None:  # its node's relay leader: the store's delivery
+                        by_leaders.setdefault(event.rank, {}).setdefault(rank, time.time())
 
             monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
                                   now=time.monotonic(), store=beat_conn[rank // share],
@@ -249,7 +252,8 @@ def _worker(spec: dict) -> None:
                     for v in victims:
                         heard = received.get(v, {})
                         times = [heard[r] for r in live if r in heard]
-                        out[v] = [len(times), len(live), max(times) if times else None]
+                        leads = [t for r, t in by_leaders.get(v, {}).items() if r not in halted]
+                        out[v] = [len(times), len(live), max(times) if times else None, max(leads) if leads else None]
                     print(json.dumps(out), flush=True)
                 elif word == "round":
                     selector.close()
@@ -490,11 +494,20 @@ class _BoardClock(threading.Thread):
         self.conn.close()
 
 
-def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[int],
-            limit_s: float) -> tuple[Optional[float], Optional[float], Optional[int]]:
-    """Seconds from ``command`` (die/halt) to the board having a loss of every victim, and to every
-    live rank having them all (None: not within ``limit_s``); and the requests the board's waits
-    made meanwhile (the relay leaders': the store's work of delivering it)."""
+class Detection(NamedTuple):
+    """One loss, in seconds from the death (None: not within the limit): on the board, heard by
+    every node's relay leader (the store's delivery), heard by every rank (and the relays' hop,
+    and the simulation's handling of it by each simulated monitor in turn); and the requests the
+    board's waits made meanwhile (the store's work of delivering it)."""
+
+    published: Optional[float]
+    leaders: Optional[float]
+    everyone: Optional[float]
+    board_requests: Optional[int]
+
+
+def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[int], limit_s: float) -> Detection:
+    """How long ``command`` (die/halt) of ``victims`` took to reach the board, the leaders and every rank."""
     before = sum(r["board_requests"] for r in workers.ask("counters"))
     killed = time.time()
     workers.send(f"{command} {' '.join(map(str, victims))}" if command == "halt" else f"die {victims[0]}")
@@ -502,21 +515,15 @@ def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[in
     while time.monotonic() < end:
         time.sleep(0.2)
         reports = workers.ask("report " + " ".join(map(str, victims)))
-        done = True
-        last = 0.0
-        for v in victims:
-            heard = sum(r[str(v)][0] for r in reports)
-            live = sum(r[str(v)][1] for r in reports)
-            times = [r[str(v)][2] for r in reports if r[str(v)][2] is not None]
-            if heard < live:
-                done = False
-                break
-            last = max([last, *times])
-        if done:
-            published = [clock.published[v] for v in victims if v in clock.published]
-            spent = sum(r["board_requests"] for r in workers.ask("counters")) - before
-            return (max(published) - killed if len(published) == len(victims) else None), last - killed, spent
-    return None, None, None
+        if any(sum(r[str(v)][0] for r in reports) < sum(r[str(v)][1] for r in reports) for v in victims):
+            continue
+        last = max(r[str(v)][2] for r in reports for v in victims if r[str(v)][2] is not None)
+        leaders = max(r[str(v)][3] for r in reports for v in victims if r[str(v)][3] is not None)
+        published = [clock.published[v] for v in victims if v in clock.published]
+        spent = sum(r["board_requests"] for r in workers.ask("counters")) - before
+        return Detection(max(published) - killed if len(published) == len(victims) else None, leaders - killed,
+                         last - killed, spent)
+    return Detection(None, None, None, None)
 
 
 def _round_all(workers: Workers, namespace: str) -> dict:
@@ -657,8 +664,7 @@ def main() -> None:
                          ("node 5 lost", "halt", list(range(5 * NODE, 6 * NODE))))
             for label, command, victims in scenarios if n >= 2048 else scenarios[:1] + scenarios[2:] if n >= 64 else ():
                 detect[label] = _detect(workers, clock, command, victims, limit_s=60)
-                print(f"ring {n}: {label}: on the board after {detect[label][0]}, every rank had it after "
-                      f"{detect[label][1]}; the board's waits made {detect[label][2]} requests", flush=True)
+                print(f"ring {n}: {label}: {detect[label]}", flush=True)
             clock.close()
         rnd = None
         round_workers = args.round_workers or args.workers
@@ -691,7 +697,8 @@ def _table(rows: list, interval: float) -> None:
         print(f"| {design} | {n:,} | {s['req_rank_interval']:.2f} | {s['bytes_rank_interval']:.0f} | {s['req_s']:,.0f} | "
               f"{s['bytes_s']:,.0f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
     print()
-    print("Losses: on the board after / every simulated rank had it after (seconds from the death).")
+    print("Losses: on the board / every node's relay leader had it / every simulated rank had it (seconds from the "
+          "death), and the requests the board's waits made meanwhile.")
     print()
     print("| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | one recovery round: all have "
           "the verdict | store CPU | round requests |")
@@ -716,8 +723,9 @@ def _loss_cell(detect: dict, label: str) -> str:
     if label not in detect:
         return "-"
     show = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-    published, heard, spent = detect[label]
-    return f"{show(published)} / {show(heard)} s ({spent if spent is not None else '-'} board requests)"
+    seen = detect[label]
+    spent = seen.board_requests if seen.board_requests is not None else "-"
+    return f"{show(seen.published)} / {show(seen.leaders)} / {show(seen.everyone)} s ({spent} board requests)"
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
