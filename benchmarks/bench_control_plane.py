@@ -390,11 +390,11 @@ class Workers:
     """The worker processes hosting one size's simulated ranks."""
 
     def __init__(self, spec: dict, count: int) -> None:
-        n = spec["n"]
-        bounds = [n * i // count for i in range(count + 1)]
+        hosted = spec.get("hosted", list(range(spec["n"])))
+        bounds = [len(hosted) * i // count for i in range(count + 1)]
         self.procs = []
         for i in range(count):
-            part = dict(spec, ranks=list(range(bounds[i], bounds[i + 1])))
+            part = dict(spec, ranks=hosted[bounds[i]:bounds[i + 1]], hosted=None)
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(part)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
             self.procs.append(proc)
@@ -526,6 +526,40 @@ def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[in
     return Detection(None, None, None, None)
 
 
+def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict:
+    """Only the board's delivery, at ``n`` ranks: one simulated monitor per node (so each leads its
+    node's relay, with a board connection of its own), no ticks; a node's 8 losses published back
+    to back, as its 8 watchers publish them within an interval. The time until every leader has
+    all 8, the store's CPU meanwhile (this process's: it runs nothing else but the polling), and
+    the board's requests."""
+    from hypergrid.control.keys import JobChannel
+    from hypergrid.control.tcpstore import WireStore
+    from hypergrid.runtime.wire import encode
+
+    spec = {"host": host, "port": port, "n": n, "interval": interval, "namespace": _namespace(), "design": "ring",
+            "share": 1024, "hosted": list(range(0, n, NODE))}
+    workers = Workers(spec, count)
+    channel = JobChannel(spec["namespace"], "bench", 0)
+    conn = WireStore.connect(host, port, timeout_s=30.0)
+    victims = [n + i for i in range(NODE)]  # ranks nobody hosts
+    before = sum(r["board_requests"] for r in workers.ask("counters"))
+    cpu, start = time.process_time(), time.time()
+    for victim in victims:
+        index = conn.add(channel.events(), 1) - 1
+        conn.set(channel.event(index), encode(_lost(victim)).encode())
+    last = None
+    while last is None:
+        time.sleep(0.05)
+        reports = workers.ask("report " + " ".join(map(str, victims)))
+        if all(sum(r[str(v)][0] for r in reports) == sum(r[str(v)][1] for r in reports) for v in victims):
+            last = max(r[str(v)][2] for r in reports for v in victims if r[str(v)][2] is not None)
+    store_cpu = time.process_time() - cpu
+    spent = sum(r["board_requests"] for r in workers.ask("counters")) - before
+    workers.close()
+    conn.close()
+    return {"leaders": n // NODE, "seconds": last - start, "store_cpu_s": store_cpu, "board_requests": spent}
+
+
 def _round_all(workers: Workers, namespace: str) -> dict:
     """One recovery round of every simulated rank (see the workers' _round); the store's CPU time
     is this process's (it runs nothing else meanwhile)."""
@@ -620,6 +654,8 @@ def main() -> None:
                              "monitors' own); more, where thousands of threads in one process starve each other")
     parser.add_argument("--monitor-cost", type=float, default=0.0, metavar="SECONDS",
                         help="only measure real monitors' memory and CPU over SECONDS (a 4-rank gloo job)")
+    parser.add_argument("--delivery", action="store_true",
+                        help="only the board's delivery of a node's 8 losses to one relay leader per node")
     parser.add_argument("--connections", type=int, default=1024,
                         help="simulated ranks share connections past this many per kind (see the module)")
     args = parser.parse_args()
@@ -635,6 +671,10 @@ def main() -> None:
     host, port = "127.0.0.1", server.port
     print(f"torch {torch.__version__}; one TCPStore (libuv) on {host}:{port}; heartbeat every {args.interval:g} s, "
           f"stale after 5 beats; nodes of {NODE}; {os.cpu_count()} cores")
+    if args.delivery:
+        for n in args.sizes:
+            print(f"delivery {n}: {_delivery(host, port, n, args.workers, args.interval)}", flush=True)
+        return
     rows = []
     for n in args.scan_sizes:
         share = max(1, n // args.connections)
