@@ -147,6 +147,7 @@ class RankMonitor:
                  connect: Optional[Callable[[], WireStore]] = None, store: Optional[WireStore] = None) -> None:
         self.config = config
         self._forward = forward
+        self._given_connect = connect
         self._connect = connect or (lambda: WireStore.connect(config.host, config.port,
                                                               timeout_s=config.connect_timeout_s))
         # Beats, reads and publications: one round trip each (``store``: a connection given, the
@@ -169,15 +170,16 @@ class RankMonitor:
         self._leave_board()
         first = self.store.add(spec.channel.events(), 0)
         self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), first)
-        self._join_board()
+        self._join_board(first=True)
 
     def detach(self) -> None:
         """Serve no job (the rank left it)."""
         self.job = None
         self._leave_board()
 
-    def _join_board(self) -> None:
-        """Lead the node's relay (and wait on the board), or follow its leader."""
+    def _join_board(self, first: bool = False) -> None:
+        """Lead the node's relay (and wait on the board), or follow its leader. ``first``: as the
+        job is attached (its connection is made as every other one is then, however long it takes)."""
         job = self.job
         assert job is not None
         node = self.config.rank // max(1, job.spec.node_size)
@@ -185,18 +187,32 @@ class RankMonitor:
         self.relay = NodeRelay.join(node_address(board, node))
         self._leader_quiet = 0
         if self.relay.leads:
-            self.board = self._connect()
-            self.board.start_wait([job.spec.channel.event(job.next_event)])
+            self._open_board(within_s=None if first else self.config.interval_s / 2)
+
+    def _open_board(self, within_s: Optional[float]) -> None:
+        """Connect to the board and wait on its next event. ``within_s``: a leader elected while the
+        job runs tries for that long only, and again at its next tick, so that its own beats go on
+        (a store takes a new connection seconds late now and then, and a monitor that stops beating
+        for the staleness bound is published as lost)."""
+        job = self.job
+        assert job is not None
+        if within_s is None or self._given_connect is not None:
+            board = self._connect()
+        else:
+            try:
+                board = WireStore.connect(self.config.host, self.config.port, timeout_s=within_s)
+            except (OSError, StoreProtocolError):
+                return
+        self.board = board
+        board.start_wait([job.spec.channel.event(job.next_event)])
 
     def _go_alone(self) -> None:
         """Stop counting on the node's leader (it said nothing for the staleness bound: alive but
         stuck): wait on the board itself from here on, for this job."""
-        job = self.job
-        assert job is not None and self.relay is not None
+        assert self.relay is not None
         self.relay.close()
         self.relay = NodeRelay(None, None)
-        self.board = self._connect()
-        self.board.start_wait([job.spec.channel.event(job.next_event)])
+        self._open_board(within_s=self.config.interval_s / 2)
 
     def _leave_board(self) -> None:
         if self.relay is not None:
@@ -266,6 +282,8 @@ class RankMonitor:
             return
         relay = self.relay
         if relay is not None and relay.leads:
+            if self.board is None:  # elected, and its connection to the board not made yet
+                self._open_board(within_s=self.config.interval_s / 2)
             relay.keep_alive(job.next_event)
         elif relay is not None:
             self._leader_quiet += 1
