@@ -9,6 +9,7 @@ jobs of 8 and 16 ranks in tests/test_control_jobs.py.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import select
 import uuid
@@ -311,6 +312,35 @@ def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_a
     sim.tick(7.0)  # seven ticks without a word from its leader: it waits on the board itself
     assert follower.board is not None
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
+
+
+def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_again_at_its_next_tick(server):
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # takes connections and never answers: a store seconds late to take one
+    channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)
+
+    def monitor(rank, port):
+        config = MonitorConfig("127.0.0.1", port, channel.namespace, rank, 1.0)
+        made = RankMonitor(config, forward=lambda event: None, now=0.0,
+                           store=WireStore.connect("127.0.0.1", server.port, timeout_s=30))
+        made.attach(JobSpec(channel, ((0, 2),), 2))
+        return made
+
+    leader, follower = monitor(0, server.port), monitor(1, server.port)
+    assert leader.board is not None and follower.board is None
+    follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
+    leader.detach()
+    follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect in half an interval
+    assert follower.relay.leads and follower.board is None
+    follower.tick(now=1.0)
+    follower.tick(now=2.0)  # it tries again at each tick, and beats meanwhile
+    assert follower.board is None
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key(channel.namespace, 1), 0) == 2
+    follower.close()
+    silent.close()
 
 
 @pytest.mark.slow
