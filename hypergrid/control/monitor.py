@@ -147,12 +147,10 @@ class RankMonitor:
                  connect: Optional[Callable[[], WireStore]] = None, store: Optional[WireStore] = None) -> None:
         self.config = config
         self._forward = forward
-        self._given_connect = connect
-        self._connect = connect or (lambda: WireStore.connect(config.host, config.port,
-                                                              timeout_s=config.connect_timeout_s))
+        self._given_connect = connect  # the benchmark's and the tests': used whatever the wait
         # Beats, reads and publications: one round trip each (``store``: a connection given, the
         # benchmark's, which lets ranks share one where a machine has too few file descriptors).
-        self.store = store if store is not None else self._connect()
+        self.store = store if store is not None else self._connect(config.connect_timeout_s)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one leads, or follows
         self._leader_quiet = 0  # this monitor's ticks since its leader last said anything
@@ -196,15 +194,20 @@ class RankMonitor:
         for the staleness bound is published as lost)."""
         job = self.job
         assert job is not None
-        if within_s is None or self._given_connect is not None:
-            board = self._connect()
+        if within_s is None:
+            board = self._connect(self.config.connect_timeout_s)
         else:
             try:
-                board = WireStore.connect(self.config.host, self.config.port, timeout_s=within_s)
+                board = self._connect(within_s)
             except (OSError, StoreProtocolError):
                 return
         self.board = board
         board.start_wait([job.spec.channel.event(job.next_event)])
+
+    def _connect(self, timeout_s: float) -> WireStore:
+        if self._given_connect is not None:
+            return self._given_connect()
+        return WireStore.connect(self.config.host, self.config.port, timeout_s=timeout_s)
 
     def _go_alone(self) -> None:
         """Stop counting on the node's leader (it said nothing for the staleness bound: alive but
@@ -225,7 +228,7 @@ class RankMonitor:
     def readers(self) -> list[int]:
         """The descriptors whose readiness :meth:`on_ready` handles: the board's wait, the relay's."""
         fds = [self.board.fileno()] if self.board is not None else []
-        return fds + (self.relay.fileno_set() if self.relay is not None else [])
+        return fds + (self.relay.readers() if self.relay is not None else [])
 
     def on_ready(self, fd: int) -> None:
         """``fd``, one of :meth:`readers`, is readable."""

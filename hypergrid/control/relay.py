@@ -134,7 +134,7 @@ class NodeRelay:
     def leads(self) -> bool:
         return self.upstream is None
 
-    def fileno_set(self) -> list[int]:
+    def readers(self) -> list[int]:
         """The descriptors to watch for reading: the listener and the followers (to see them go),
         or the connection to the leader."""
         if self.upstream is not None:
