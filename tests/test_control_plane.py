@@ -200,15 +200,32 @@ def test_a_successor_that_stops_beating_is_published_once_after_the_staleness_bo
     sim = _Sim(server, 4, node=2)  # the ring: 0 -> 2 -> 1 -> 3 -> 0
     sim.tick(0.0)  # rank 0 looked at rank 2's counter before rank 2 beat
     sim.halt(2)  # rank 2's monitor is gone (its node, or only it)
-    for now in (1.0, 2.0, 3.0, 4.0, 5.0):  # at 1.0 rank 0 sees the one beat rank 2 made
+    for now in (1.0, 2.0, 3.0, 4.0):  # at 1.0 rank 0 sees the one beat rank 2 made, after its look at 0.0
         sim.tick(now)
-        assert not any(sim.heard[r] for r in (0, 1, 3)), now  # standing still for less than 5 beats of 1 s
-    sim.tick(6.0)
+        assert not any(sim.heard[r] for r in (0, 1, 3)), now  # no beat for less than 5 s, maybe
+    sim.tick(5.0)  # the beat came after 0.0: 5 s ago at most, and at least 4 (it was there at 1.0)
     events = [e for r in (0, 1, 3) for e in sim.heard[r]]
     assert {(e.kind, e.rank, e.by) for e in events} == {(EventKind.LOST, 2, 0)}, events  # by its watcher
-    assert len(sim.heard[1]) == 1 and "its heartbeat stopped for 5.0 s" in sim.heard[1][0].reason
-    sim.tick(7.0)
+    assert len(sim.heard[1]) == 1 and "its last beat came 4.0-5.0 s ago (the bound is 5 s)" in sim.heard[1][0].reason
+    sim.tick(6.0)
     assert len(sim.heard[1]) == 1  # published once; rank 0 now watches rank 2's successor
+
+
+def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_counter_stand_still_first(server):
+    sim = _Sim(server, 4, node=2)  # the ring: 0 -> 2 -> 1 -> 3 -> 0
+    sim.tick(0.0)
+    for now in (1.0, 2.0):  # rank 0's monitor makes no look at 1.0 and 2.0 (its host is overloaded)
+        for rank in (1, 2, 3):
+            sim.monitors[rank].tick(now=now)
+    sim.drain()
+    sim.halt(2)  # its last beat came just before 2.0, after rank 0's look at 0.0
+    sim.tick(3.0)  # rank 0 sees that beat: it came 1-3 s ago
+    for now in (4.0, 5.0, 6.0):
+        sim.tick(now)
+        assert not sim.heard[1], now  # its beat came 4-6 s ago by 6.0, but rank 0 looked at it only 4 times
+    sim.tick(7.0)
+    assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 2, 0)]
+    assert "its last beat came 4.0-7.0 s ago" in sim.heard[1][0].reason
 
 
 def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(server):
@@ -308,7 +325,7 @@ def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_a
     for now in range(1, 7):
         sim.tick(float(now))
         assert follower.board is None, now  # still counting on its leader
-    assert [(e.rank, e.by) for e in sim.heard[1]] == []  # its own publication of rank 0 (at 6) is stuck
+    assert [(e.rank, e.by) for e in sim.heard[1]] == []  # its own publication of rank 0 (at 5) is stuck
     sim.tick(7.0)  # seven ticks without a word from its leader: it waits on the board itself
     assert follower.board is not None
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
@@ -354,10 +371,10 @@ def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank
     sim.halt(1500, *range(2040, 2048))
     sim.drain()
     assert sim.lost_heard_by_all([1500]) and not sim.lost_heard_by_all([2047])
-    for now in (1.0, 2.0, 3.0, 4.0, 5.0):
+    for now in (1.0, 2.0, 3.0, 4.0):
         sim.tick(now)
         assert not sim.lost_heard_by_all([2047]), now
-    sim.tick(6.0)  # 5 beats of silence: each of node 255's ranks is published by its watcher
+    sim.tick(5.0)  # no beat since 0.0, 5 s: each of node 255's ranks is published by its watcher
     assert sim.lost_heard_by_all([1500, *range(2040, 2048)])
     publishers = {e.rank: e.by for e in sim.heard[0]}
     assert {publishers[r] for r in range(2040, 2048)} == set(range(2032, 2040))  # each from node 254

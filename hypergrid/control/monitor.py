@@ -8,10 +8,13 @@ the rank's process group) stops it. Every ``interval_s`` it makes two store requ
 
 - it adds 1 to its rank's heartbeat counter;
 - it reads the counter of the one rank it watches, its successor in the job's ring
-  (:mod:`hypergrid.control.ring`); a counter that stood still for ``stale_beats`` intervals of
-  the monitor's own clock (no clocks are compared across hosts), over more than ``stale_beats``
-  looks (a watcher that could not run meanwhile saw nothing stand still), means that rank's node,
-  or its monitor, is gone: it publishes the loss, and watches the next rank too.
+  (:mod:`hypergrid.control.ring`); a counter that made no beat for ``stale_beats`` intervals of
+  the monitor's own clock (no clocks are compared across hosts), counted from the look before
+  the one that saw its last beat and over ``stale_beats`` looks (a watcher that could not run
+  meanwhile saw nothing stand still), means that rank's node, or its monitor, is gone: it
+  publishes the loss, and watches the next rank too. So a rank silent for the bound is on the
+  board by then (having been silent for between the bound less one interval and the bound), and
+  the interval after it is left for the board's delivery.
 
 It sees its own rank's death from outside: the process it watches (its parent) ending is
 published at once (a ``pidfd`` becomes readable; where there is none, its parent pid is looked
@@ -120,7 +123,14 @@ class JobSpec:
 @dataclass
 class _Watched:
     value: int
+    #: When the counter's last beat may have come at the earliest: the look before the one that
+    #: first found ``value`` (the beat came between the two), or that first look where there was
+    #: none before it.
     since: float
+    #: When a look first found ``value``: the beat came at this moment at the latest.
+    seen: float
+    #: When the watcher last looked.
+    last_look: float
     #: How many looks found the counter at ``value``: a watcher that did not run for a while (an
     #: overloaded host) has not seen the counter stand still, it has not looked.
     looks: int = 1
@@ -325,18 +335,25 @@ class RankMonitor:
                 candidate = ring.successor(candidate)
                 continue
             if seen is None or seen.value != value:
-                job.watched[candidate] = _Watched(value, now)
+                job.watched[candidate] = _Watched(value, since=now if seen is None else seen.last_look, seen=now,
+                                                  last_look=now)
                 break
             seen.looks += 1
-            # The looks count the intervals; the clock only guards against looks that came too
-            # fast. Half an interval of slack: two ticks' own lateness differ, and a bound met to
-            # the microsecond would otherwise cost a whole further interval half of the time.
-            if seen.looks <= self.config.stale_beats or now - seen.since < stale_after - self.config.interval_s / 2:
+            seen.last_look = now
+            # Judged from the earliest moment the last beat may have come, so that a rank silent
+            # for the bound is published by then (its silence is between the bound less one
+            # interval and the bound), and the board's delivery has the interval after it. The
+            # looks count the intervals (a watcher that stalled before it saw the last beat has
+            # a ``since`` long past, but still needs its looks since); the clock only guards
+            # against looks that came too fast. Half an interval of slack: two ticks' own
+            # lateness differ, and a bound met to the microsecond would otherwise cost a whole
+            # further interval half of the time.
+            if seen.looks < self.config.stale_beats or now - seen.since < stale_after - self.config.interval_s / 2:
                 break
             job.lost[candidate] = "stale"
             self.publish(BoardEvent(EventKind.LOST, candidate, (
-                f"its heartbeat stopped for {now - seen.since:.1f} s (the bound is {stale_after:g} s): its node, or "
-                f"its monitor, is gone"), by=me))
+                f"its heartbeat stopped: its last beat came {now - seen.seen:.1f}-{now - seen.since:.1f} s ago "
+                f"(the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
             candidate = ring.successor(candidate)
         for rank in [r for r in job.watched if r not in visited]:
             del job.watched[rank]

@@ -63,8 +63,9 @@ ARRIVAL_MARGIN_S = 5.0
 
 
 def staleness_bound(default_s: float) -> float:
-    """How long after a node is lost its ranks are on the job's board at the latest: the staleness
-    bound of this rank's heartbeat and one interval (``default_s`` where no heartbeat runs).
+    """How long after a node is lost every rank has heard of its ranks' loss at the latest: the
+    staleness bound of this rank's heartbeat (by then they are on the job's board) and one
+    interval (the board's delivery; ``default_s`` where no heartbeat runs).
 
     Example::
 
