@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hypergrid.control.heartbeat import Heartbeat, start_heartbeat
 from hypergrid.control.keys import JobChannel, beat_key
 from hypergrid.control.plane import ControlPlane
-from hypergrid.runtime.wire import BoardEvent, decode
+from hypergrid.runtime.wire import BoardEvent, decode_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,7 +34,7 @@ def _env() -> dict[str, str]:
 def _board(store: dist.TCPStore, namespace: str) -> list[BoardEvent]:
     channel = JobChannel.of([0, 1], 0, namespace)
     count = store.add(channel.events(), 0)
-    return [decode(BoardEvent, store.get(channel.event(i))) for i in range(count)]
+    return [event for i in range(count) for event in decode_events(store.get(channel.event(i)))]
 
 
 def _run(scenario: str, *args: str, settle_s: float = 1.5) -> tuple[dist.TCPStore, str, int, subprocess.Popen,

@@ -102,6 +102,9 @@ def server(request):
 def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_message(server):
     wire = WireStore.connect("127.0.0.1", server.port, timeout_s=10)
     assert wire.add("n/count", 2) == 2 and server.add("n/count", 1) == 3 and wire.add("n/count", 0) == 3
+    before = wire.requests
+    assert wire.add_many(["n/count", "n/other", "n/count"], 0) == [3, 0, 3]  # sent together, answered in order
+    assert wire.add_many([f"n/c{i}" for i in range(64)], 1) == [1] * 64 and wire.requests == before + 67
     wire.set("n/set", b"v")
     assert server.get("n/set") == b"v"
     server.set("n/torch", "t")
@@ -144,19 +147,21 @@ class _Sim:
     connection (a job of thousands within this machine's descriptors; each node's relay leader has
     a board connection of its own), on a clock this test advances: no sleeping."""
 
-    def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8):
+    def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8, runs=None, first=()):
+        """``runs``: the job's ranks (all ``count`` by default; the others' monitors serve it too,
+        as spares'); ``first``: ranks whose monitors attach before the others (and lead their nodes)."""
         self.heard = {r: [] for r in range(count)}
         self.channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)  # relays are named by it: one per test
         beats = {}
         self.monitors = {}
-        for rank in range(count):
+        for rank in [*first, *(r for r in range(count) if r not in first)]:
             group = rank // share
             if group not in beats:
                 beats[group] = WireStore.connect("127.0.0.1", server.port, timeout_s=30)
             config = MonitorConfig("127.0.0.1", server.port, self.channel.namespace, rank, interval,
                                    progress_timeout_s=progress if math.isfinite(progress) else 1e9)
             monitor = RankMonitor(config, forward=self.heard[rank].append, now=0.0, store=beats[group])
-            monitor.attach(JobSpec(self.channel, ((0, count),), node))
+            monitor.attach(JobSpec(self.channel, runs or ((0, count),), node))
             self.monitors[rank] = monitor
         self.halted = set()
 
@@ -226,6 +231,38 @@ def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_count
     sim.tick(7.0)
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 2, 0)]
     assert "its last beat came 4.0-7.0 s ago" in sim.heard[1][0].reason
+
+
+def test_a_node_lost_whole_is_published_by_the_leader_of_the_node_before_in_one_entry_per_look(server):
+    sim = _Sim(server, 16, node=8)  # node 0's leader (rank 0) watches for node 0: ranks 8-15
+    sim.tick(0.0)
+    sim.halt(8, 9, 10, 11)  # half of node 1 made its last beat at 0.0, after rank 0 looked
+    sim.tick(1.0)
+    sim.halt(12, 13, 14, 15)  # the other half at 1.0: node 1 is gone, monitors and all
+    assert all(sim.monitors[r].job.watched == {} for r in range(1, 8))  # node 0's followers read nothing
+    for now in (2.0, 3.0, 4.0):
+        sim.tick(now)
+        assert not any(sim.heard[r] for r in range(8)), now
+    sim.tick(5.0)  # the first half's last beats came 4-5 s ago
+    assert all({e.rank for e in sim.heard[r]} == {8, 9, 10, 11} for r in range(8))
+    sim.tick(6.0)  # the second half's
+    assert all([e.rank for e in sim.heard[r]] == list(range(8, 16)) for r in range(8))
+    assert {e.by for e in sim.heard[3]} == {0}
+    board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    assert board.add(sim.channel.events(), 0) == 2  # two entries for the node's eight losses
+
+
+def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_ranks(server):
+    sim = _Sim(server, 16, node=8, runs=((0, 6), (8, 8)), first=(6,))  # 6 and 7: spares on node 0
+    assert sim.monitors[6].relay.leads and not sim.monitors[0].relay.leads
+    sim.tick(0.0)
+    sim.halt(*range(8, 16))
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0):
+        sim.tick(now)
+    assert {(e.rank, e.by) for e in sim.heard[0]} == {(r, 6) for r in range(8, 14)}  # the successors of 0-5
+    for now in range(6, 16):  # 14 and 15 are watched from node 1 (node 0 has no local 6 or 7): each is
+        sim.tick(float(now))  # looked at past the one before it once that one was lost, a bound later
+    assert {(e.rank, e.by) for e in sim.heard[0]} == {(r, 6) for r in range(8, 16)}
 
 
 def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(server):
@@ -324,10 +361,11 @@ def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_a
     follower = sim.monitors[1]
     for now in range(1, 7):
         sim.tick(float(now))
-        assert follower.board is None, now  # still counting on its leader
-    assert [(e.rank, e.by) for e in sim.heard[1]] == []  # its own publication of rank 0 (at 5) is stuck
+        assert follower.board is None, now  # still counting on its leader for the board
+        assert (0 in follower.job.watched) is (now >= 3), now  # not for the watch after two quiet ticks
     sim.tick(7.0)  # seven ticks without a word from its leader: it waits on the board itself
-    assert follower.board is not None
+    assert follower.board is not None and sim.heard[1] == []
+    sim.tick(8.0)  # rank 0's counter stood still over its looks from 3.0 on, 5 s: published, and heard
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
 
 
@@ -374,7 +412,9 @@ def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank
     for now in (1.0, 2.0, 3.0, 4.0):
         sim.tick(now)
         assert not sim.lost_heard_by_all([2047]), now
-    sim.tick(5.0)  # no beat since 0.0, 5 s: each of node 255's ranks is published by its watcher
+    sim.tick(5.0)  # no beat since 0.0, 5 s: node 255's ranks are published by node 254's leader
     assert sim.lost_heard_by_all([1500, *range(2040, 2048)])
     publishers = {e.rank: e.by for e in sim.heard[0]}
-    assert {publishers[r] for r in range(2040, 2048)} == set(range(2032, 2040))  # each from node 254
+    assert {publishers[r] for r in range(2040, 2048)} == {2032}  # the first of node 254 to join its relay
+    board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    assert board.add(sim.channel.events(), 0) == 2  # rank 1,500's entry, and one for the whole node

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..errors import StoreUnresponsiveError
 from ..runtime.store import StoreClient
-from ..runtime.wire import BoardEvent, EventKind, decode, encode
+from ..runtime.wire import BoardEvent, EventKind, decode_events, encode
 from .keys import JobChannel
 from .plane import ControlPlane
 
@@ -72,12 +72,13 @@ class LossView:
             key = self.channel.event(self.seen)
             if not store.check([key]):
                 break  # counted, not yet written: the next look reads it
-            event = decode(BoardEvent, store.get(key))
+            events = decode_events(store.get(key))
             self.seen += 1
-            if event.kind is EventKind.LOST:
-                self.lost[event.rank] = event.reason
-            elif event.kind is EventKind.BACK:
-                self.lost.pop(event.rank, None)
+            for event in events:
+                if event.kind is EventKind.LOST:
+                    self.lost[event.rank] = event.reason
+                elif event.kind is EventKind.BACK:
+                    self.lost.pop(event.rank, None)
         return self.lost
 
     def lost_among(self, ranks: Collection[int]) -> list[int]:

@@ -1,20 +1,23 @@
-"""A rank's monitor: the process that beats for it, watches one other rank, and publishes losses.
+"""A rank's monitor: the process that beats for it, watches for its node, and publishes losses.
 
 Each rank of a resilient job runs one (:func:`hypergrid.start_heartbeat` starts it); it is a
 process of its own, in a session of its own, that imports no torch (some 8 MB), so that nothing
 the rank's interpreter does (a C call holding the GIL for seconds, a SIGSTOP, a launcher ending
-the rank's process group) stops it. Every ``interval_s`` it makes two store requests (one
-``add`` each, one round trip), whatever the job's size:
+the rank's process group) stops it. Every ``interval_s`` a node's monitors make two store
+requests per rank (one ``add`` each), whatever the job's size:
 
-- it adds 1 to its rank's heartbeat counter;
-- it reads the counter of the one rank it watches, its successor in the job's ring
-  (:mod:`hypergrid.control.ring`); a counter that made no beat for ``stale_beats`` intervals of
-  the monitor's own clock (no clocks are compared across hosts), counted from the look before
-  the one that saw its last beat and over ``stale_beats`` looks (a watcher that could not run
-  meanwhile saw nothing stand still), means that rank's node, or its monitor, is gone: it
-  publishes the loss, and watches the next rank too. So a rank silent for the bound is on the
-  board by then (having been silent for between the bound less one interval and the bound), and
-  the interval after it is left for the board's delivery.
+- each adds 1 to its rank's heartbeat counter;
+- the node's relay leader (:mod:`hypergrid.control.relay`) reads, for each rank of its node, the
+  counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.control.ring`,
+  on another node); a monitor alone (no relay, or a leader silent for two of its ticks) reads
+  its own successor's. A counter that made no beat for ``stale_beats`` intervals of the
+  monitor's own clock (no clocks are compared across hosts), counted from the look before the
+  one that saw its last beat and over ``stale_beats`` looks (a watcher that could not run
+  meanwhile saw nothing stand still), means that rank's node, or its monitor, is gone: the
+  watcher publishes the losses of one look in one entry, and watches the next rank too. So a
+  rank silent for the bound is on the board by then (having been silent for between the bound
+  less one interval and the bound), the interval after it is left for the board's delivery, and
+  a node lost whole takes one or two entries of the board, not one per rank.
 
 It sees its own rank's death from outside: the process it watches (its parent) ending is
 published at once (a ``pidfd`` becomes readable; where there is none, its parent pid is looked
@@ -26,12 +29,12 @@ and nobody counts it lost.
 
 Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
 :class:`~hypergrid.control.keys.JobChannel`): the publisher adds 1 to ``events`` and sets the
-event's key. One monitor per node keeps a wait pending on the board's next key, which costs
-nothing until an event is published; the store's answer wakes it, and it reads the event (one
-get: the wait was answered, the key is there), waits on the next key, hands the event to the
-node's other monitors (:mod:`hypergrid.control.relay`, which also elects it) and forwards it to
-its rank (which aborts its communicators, :mod:`hypergrid.control.watch`): two requests per
-event and node.
+entry's key (an entry holds one event, or the losses found at one look). One monitor per node
+keeps a wait pending on the board's next key, which costs nothing until an entry is published;
+the store's answer wakes it, and it reads the entry (one get: the wait was answered, the key is
+there), waits on the next key, hands the entry to the node's other monitors (the relay, which
+also elects it) and forwards its events to its rank (which aborts its communicators,
+:mod:`hypergrid.control.watch`): two requests per entry and node.
 
 :class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
 the monitor process, or the control-plane benchmark's, which runs thousands of them against one
@@ -67,7 +70,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..runtime.wire import BoardEvent, EventKind, decode, encode
+from ..runtime.wire import BoardEvent, EventKind, decode_events, encode, encode_events
 from .keys import DEPARTED, JobChannel, beat_key
 from .relay import NodeRelay, node_address
 from .ring import Ring, from_runs
@@ -268,7 +271,7 @@ class RankMonitor:
             self._catch_up(job, item.index)
             if item.payload is not None and item.index == job.next_event:
                 job.next_event += 1
-                self.deliver(decode(BoardEvent, item.payload))
+                self._deliver_entry(item.payload)
 
     def _catch_up(self, job: _Job, position: int) -> None:
         """Read from the store the events before ``position`` that this monitor has not had (it
@@ -284,7 +287,7 @@ class RankMonitor:
                 payload = self.store.get(key, within_s=self.config.interval_s / 2)
             except StoreTimeout:
                 continue
-            self.deliver(decode(BoardEvent, payload))
+            self._deliver_entry(payload)
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
@@ -317,19 +320,61 @@ class RankMonitor:
         self.hung_published = False
 
     def _watch(self, job: _Job, now: float) -> None:
-        """Read the successor's counter; past a lost or departed one, the next one's too."""
-        me, ring, stale_after = self.config.rank, job.ring, self.config.stale_after_s
-        if me not in ring or len(ring) < 2:
+        """Read the counters this monitor watches, and publish those found lost, in one entry.
+
+        A node's relay leader watches for the whole node: the successor of each of the node's
+        ranks. So a node lost whole is found by the one leader of the node before it, at one or
+        two of its looks (its ranks' last beats came within one interval), and published in one
+        or two entries, not eight: the board's delivery is the store's work per entry. A follower
+        whose leader speaks watches nothing; one alone (no relay here, or its leader silent for
+        two of its ticks) watches its own successor.
+        """
+        me, ring = self.config.rank, job.ring
+        relay = self.relay
+        following = relay is not None and not relay.leads and self._leader_quiet <= 2
+        for_node = relay is not None and relay.leads and relay.listener is not None
+        # A leader watches for its node's ranks of the job, whether its own rank is one (a spare's
+        # monitor may lead a node the job shares) or not.
+        starts = ring.on_node(me // ring.node_size) if for_node else [me] if me in ring else []
+        if len(ring) < 2 or following or not starts:
             job.watched.clear()
             return
-        visited = set()
-        candidate = ring.successor(me)
-        while candidate != me and candidate not in visited:
+        # The first counter of each chain read together, one round trip (a node's eight in one);
+        # those past a lost or departed rank, rare, one at a time.
+        firsts = sorted(r for r in {self._first_unlost(job, start) for start in starts} if r is not None)
+        read = dict(zip(firsts, self.store.add_many([beat_key(self.config.namespace, r) for r in firsts], 0)))
+        visited: set[int] = set()
+        found: list[BoardEvent] = []
+        for start in starts:
+            self._walk(job, start, now, visited, found, read)
+        for rank in [r for r in job.watched if r not in visited]:
+            del job.watched[rank]
+        if found:
+            self.publish(*found)
+
+    def _first_unlost(self, job: _Job, start: int) -> Optional[int]:
+        """The first rank after ``start`` in the ring that is not known lost (None: none before
+        ``start`` or this monitor's own rank comes round)."""
+        candidate = job.ring.successor(start)
+        while candidate not in (self.config.rank, start):
+            if candidate not in job.lost:
+                return candidate
+            candidate = job.ring.successor(candidate)
+        return None
+
+    def _walk(self, job: _Job, start: int, now: float, visited: set[int], found: list[BoardEvent],
+              read: dict[int, int]) -> None:
+        """Look at the counter of ``start``'s successor (``read``: counters read already); past a
+        lost or departed one, the next one's too. Those found lost go to ``found``."""
+        me, ring, stale_after = self.config.rank, job.ring, self.config.stale_after_s
+        candidate = ring.successor(start)
+        while candidate not in (me, start) and candidate not in visited:
             visited.add(candidate)
             if candidate in job.lost:
                 candidate = ring.successor(candidate)
                 continue
-            value = self.store.add(beat_key(self.config.namespace, candidate), 0)
+            value = read.pop(candidate) if candidate in read else self.store.add(
+                beat_key(self.config.namespace, candidate), 0)
             seen = job.watched.get(candidate)
             if value < 0:  # it left cleanly: nobody's loss
                 candidate = ring.successor(candidate)
@@ -337,7 +382,7 @@ class RankMonitor:
             if seen is None or seen.value != value:
                 job.watched[candidate] = _Watched(value, since=now if seen is None else seen.last_look, seen=now,
                                                   last_look=now)
-                break
+                return
             seen.looks += 1
             seen.last_look = now
             # Judged from the earliest moment the last beat may have come, so that a rank silent
@@ -349,23 +394,21 @@ class RankMonitor:
             # lateness differ, and a bound met to the microsecond would otherwise cost a whole
             # further interval half of the time.
             if seen.looks < self.config.stale_beats or now - seen.since < stale_after - self.config.interval_s / 2:
-                break
+                return
             job.lost[candidate] = "stale"
-            self.publish(BoardEvent(EventKind.LOST, candidate, (
+            found.append(BoardEvent(EventKind.LOST, candidate, (
                 f"its heartbeat stopped: its last beat came {now - seen.seen:.1f}-{now - seen.since:.1f} s ago "
                 f"(the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
             candidate = ring.successor(candidate)
-        for rank in [r for r in job.watched if r not in visited]:
-            del job.watched[rank]
 
     # ------------------------------------------------------------------ the board
-    def publish(self, event: BoardEvent) -> None:
-        """Put ``event`` on the job's board (nothing where no job is served)."""
+    def publish(self, *events: BoardEvent) -> None:
+        """Put ``events`` on the job's board, in one entry (nothing where no job is served)."""
         job = self.job
         if job is None:
             return
         index = self.store.add(job.spec.channel.events(), 1) - 1
-        self.store.set(job.spec.channel.event(index), encode(event).encode())
+        self.store.set(job.spec.channel.event(index), encode_events(events).encode())
 
     def on_board(self) -> None:
         """The board connection is readable: its wait was answered, the event it waited for is on
@@ -386,7 +429,11 @@ class RankMonitor:
         board.start_wait([channel.event(job.next_event)])
         if self.relay is not None:
             self.relay.send(index, payload.decode())
-        self.deliver(decode(BoardEvent, payload))
+        self._deliver_entry(payload)
+
+    def _deliver_entry(self, payload: bytes | str) -> None:
+        for event in decode_events(payload):
+            self.deliver(event)
 
     def deliver(self, event: BoardEvent) -> None:
         """Take in one event of the job's board and forward it to the rank."""

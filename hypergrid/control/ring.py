@@ -1,7 +1,9 @@
 """Who watches whom: a ring over a job's ranks in which every rank's watcher is on another node.
 
-Each rank's monitor reads one heartbeat per interval, its *successor's*, so the store's work per
-rank is the same at 8 ranks and at 100,000, and every rank is watched by exactly one other. The
+Each rank's *successor* is watched for it (by its node's relay leader, which reads the
+successors of its node's ranks, or by its own monitor alone), one heartbeat per rank and
+interval, so the store's work per rank is the same at 8 ranks and at 100,000, and every rank is
+watched on behalf of exactly one other. The
 ring visits the ranks by local index first and node second (rank ``r`` is local index
 ``r % node_size`` of node ``r // node_size``): local 0 of every node, then local 1 of every node,
 and so on. A rank's watcher is therefore the same local index on the node before it, never a rank
@@ -111,6 +113,18 @@ class Ring:
             node = candidate // size + (1 if candidate % size > local else 0)
             i = bisect.bisect_left(ranks, node * size + local, i)
         return None
+
+    def on_node(self, node: int) -> list[int]:
+        """The ranks of the ring on node ``node``.
+
+        Example::
+
+            >>> Ring.of([0, 1, 3, 4, 6], node_size=4).on_node(0)
+            [0, 1, 3]
+        """
+        low = bisect.bisect_left(self.ranks, node * self.node_size)
+        high = bisect.bisect_left(self.ranks, (node + 1) * self.node_size)
+        return list(self.ranks[low:high])
 
     def order(self) -> list[int]:
         """Every rank, in ring order from the least (for people and tests: O(ranks))."""

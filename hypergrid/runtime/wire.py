@@ -56,6 +56,8 @@ __all__ = [
     "BoardEvent",
     "encode",
     "decode",
+    "encode_events",
+    "decode_events",
     "members_digest",
 ]
 
@@ -381,7 +383,8 @@ class EventKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class BoardEvent:
-    """One entry of a job's board of events, which every rank's monitor waits on: ``rank`` lost
+    """One event of a job's board, which every rank's monitor waits on (an entry of the board holds
+    one, or several published together, :func:`encode_events`): ``rank`` lost
     (with ``reason``), back, or round ``number`` opened (``reason``: why its first arrival came).
     ``by``: the rank that published it (a lost rank's own monitor, or the one watching it).
 
@@ -426,6 +429,27 @@ def decode(cls: type[R], raw: Union[bytes, str]) -> R:
     text = raw.decode() if isinstance(raw, bytes) else raw
     record: R = _build(cls, json.loads(text))
     return record
+
+
+def encode_events(events: Sequence[BoardEvent]) -> str:
+    """The text of one entry of a job's board: one event as its record, several published together
+    (a node's ranks found lost at one look) as a list of them.
+
+    Example::
+
+        >>> lost = [BoardEvent(EventKind.LOST, r, "stale", by=0) for r in (8, 9)]
+        >>> decode_events(encode_events(lost)) == lost, decode_events(encode_events(lost[:1])) == lost[:1]
+        (True, True)
+    """
+    if not events:
+        raise ValueError("a board entry holds one event or more, got none")
+    return encode(events[0]) if len(events) == 1 else _json([asdict(event) for event in events])
+
+
+def decode_events(raw: Union[bytes, str]) -> list[BoardEvent]:
+    """The events of one entry of a job's board, as :func:`encode_events` wrote it."""
+    value = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
+    return [_build(BoardEvent, item) for item in value] if isinstance(value, list) else [_build(BoardEvent, value)]
 
 
 def _build(kind: Any, value: Any) -> Any:
