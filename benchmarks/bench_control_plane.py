@@ -89,8 +89,8 @@ def _worker(spec: dict) -> None:
     # event once for all of them (the records are frozen): what is left of the delivery's time is
     # the store's, the relays' and the monitors' own handling, still done in turn.
     monitor_module = sys.modules["hypergrid.control.monitor"]
-    decode_once = functools.lru_cache(maxsize=256)(lambda raw: tuple(monitor_module.decode_events(raw)))
-    monitor_module.decode_events = decode_once
+    decode_events = monitor_module.decode_events
+    monitor_module.decode_events = functools.lru_cache(maxsize=256)(lambda raw: tuple(decode_events(raw)))
 
     host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
     ranks: list[int] = spec["ranks"]

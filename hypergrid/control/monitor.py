@@ -131,7 +131,7 @@ class _Watched:
     #: none before it.
     since: float
     #: When a look first found ``value``: the beat came at this moment at the latest.
-    seen: float
+    first_seen: float
     #: When the watcher last looked.
     last_look: float
     #: How many looks found the counter at ``value``: a watcher that did not run for a while (an
@@ -380,7 +380,7 @@ class RankMonitor:
                 candidate = ring.successor(candidate)
                 continue
             if seen is None or seen.value != value:
-                job.watched[candidate] = _Watched(value, since=now if seen is None else seen.last_look, seen=now,
+                job.watched[candidate] = _Watched(value, since=now if seen is None else seen.last_look, first_seen=now,
                                                   last_look=now)
                 return
             seen.looks += 1
@@ -397,7 +397,7 @@ class RankMonitor:
                 return
             job.lost[candidate] = "stale"
             found.append(BoardEvent(EventKind.LOST, candidate, (
-                f"its heartbeat stopped: its last beat came {now - seen.seen:.1f}-{now - seen.since:.1f} s ago "
+                f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} s ago "
                 f"(the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
             candidate = ring.successor(candidate)
 
