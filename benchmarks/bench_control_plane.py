@@ -550,9 +550,12 @@ def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict
         victims = [n + entries * NODE + i for i in range(NODE)]  # ranks nobody hosts, new for each layout
         before = sum(r["board_requests"] for r in workers.ask("counters"))
         cpu, start = time.process_time(), time.time()
-        for part in range(entries):
-            index = conn.add(channel.events(), 1) - 1
-            conn.set(channel.event(index), encode_events([_lost(v) for v in victims[part::entries]]).encode())
+        for part in range(entries):  # as a monitor publishes: fill the next slot, then count it
+            payload = encode_events([_lost(v) for v in victims[part::entries]]).encode()
+            slot = channel.event(conn.add(channel.events(), 0))
+            conn.compare_set(slot, b"", payload)
+            conn.set(slot, payload)
+            conn.add(channel.events(), 1)
         last = None
         while last is None:
             time.sleep(0.05)

@@ -23,7 +23,7 @@ from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
 from hypergrid.control.ring import Ring, as_runs, from_runs
 from hypergrid.control.tcpstore import StoreProtocolError, WireStore
 from hypergrid.control.verdict import RoundView, decide
-from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind
+from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind, encode_events
 
 
 # ---------------------------------------------------------------------- the ring
@@ -263,6 +263,51 @@ def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_
     for now in range(6, 16):  # 14 and 15 are watched from node 1 (node 0 has no local 6 or 7): each is
         sim.tick(float(now))  # looked at past the one before it once that one was lost, a bound later
     assert {(e.rank, e.by) for e in sim.heard[0]} == {(r, 6) for r in range(8, 16)}
+
+
+def test_a_new_leader_continues_the_watch_of_the_last_one_so_a_loss_is_not_published_later(server):
+    sim = _Sim(server, 16, node=8)  # node 0's leader (rank 0) watches for node 0: ranks 8-15
+    sim.tick(0.0)
+    sim.tick(1.0)
+    sim.halt(*range(8, 16))  # node 1's last beats came just after 1.0
+    sim.tick(2.0)  # rank 0 sees them: it tells its followers what it saw, after its look
+    sim.halt(0)  # and is killed: its followers elect another leader
+    sim.drain()
+    for now in (3.0, 4.0, 5.0):
+        sim.tick(now)
+        assert not any(e.rank >= 8 for e in sim.heard[3]), now
+    leader = next(r for r in range(1, 8) if sim.monitors[r].relay.leads)
+    sim.tick(6.0)  # 5 s after the look before the last beats, as rank 0 would have published them
+    assert sorted((e.rank, e.by) for e in sim.heard[3] if e.rank >= 8) == [(r, leader) for r in range(8, 16)]
+
+
+def test_a_monitor_told_of_a_recovery_its_leader_was_not_told_of_watches_for_itself(server):
+    sim = _Sim(server, 16, node=8, runs=((0, 15),))  # rank 15 not in the job yet
+    grown = JobSpec(sim.channel, ((0, 16),), 8)  # the job grows to rank 15: rank 0, hung, is not told
+    for rank in range(1, 16):
+        sim.monitors[rank].attach(grown)
+    assert sim.monitors[0].relay.leads and sim.monitors[0].job.ring.successor(7) == 0  # its old ring
+    sim.tick(0.0)  # rank 0 takes its followers in, and tells them its spec from 1.0 on
+    sim.halt(15)  # its new watcher is the same local index on node 0: rank 7, in the grown ring
+    for now in range(1, 7):
+        sim.tick(float(now))
+        assert sim.heard[3] == [], now  # rank 7 has looked since 2.0: its first look saw no beat come
+    sim.tick(7.0)
+    assert [(e.rank, e.by) for e in sim.heard[3]] == [(15, 7)]
+    assert sim.monitors[9].job.watched == {}  # node 1's followers have their leader's ring: they read nothing
+
+
+def test_a_publisher_that_ends_between_its_two_requests_leaves_no_slot_that_blocks_the_board(server):
+    sim = _Sim(server, 4, node=2)
+    sim.tick(0.0)
+    raw = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    first = encode_events([BoardEvent(EventKind.LOST, 3, "its process ended", by=3)]).encode()
+    assert raw.compare_set(sim.channel.event(0), b"", first) == first  # its slot, and then it ended: never counted
+    sim.monitors[1].publish(BoardEvent(EventKind.LOST, 2, "its process ended", by=2))  # slot 0 taken: slot 1
+    sim.drain()
+    for rank in (0, 1):
+        assert [e.rank for e in sim.heard[rank]] == [3, 2], rank  # both, in the board's order
+    assert raw.add(sim.channel.events(), 0) == 1
 
 
 def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(server):

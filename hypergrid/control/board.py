@@ -1,13 +1,16 @@
 """A job's board of events as a rank's own code reads and writes it (its monitor has its own way).
 
-Every loss of the job is published once, on the board (:class:`~hypergrid.control.keys.JobChannel`:
-``events`` counts them, ``event/<k>`` holds each), by whoever saw it: the lost rank's own monitor
-(its process ended, or made no progress for the progress timeout) or the monitor watching it (its
-heartbeat stopped). A recovery round's first arrival publishes the round's opening; a rank
+Every loss of the job is published on the board (:class:`~hypergrid.control.keys.JobChannel`:
+``event/<k>`` holds entry ``k``, one event or the losses one watcher found at one look, filled
+with ``compare_set`` in the first free slot, so that no slot is ever left empty below a filled
+one; ``events`` counts them after, as a place to start from), by whoever saw it: the lost rank's own monitor (its process ended, or made no
+progress for the progress timeout) or the monitor watching it (its heartbeat stopped); rarely
+twice (two watchers of one rank for a while: a recovery one of them was not told of), which
+readers take as once. A recovery round's first arrival publishes the round's opening; a rank
 counted out publishes that it offers itself back.
 
 :class:`LossView` is what a rank's waits inside a recovery look at: which ranks are lost, for one
-store request per look (the counter), the events themselves read only when it moved.
+store request per look (whether the next slot is filled), the entries themselves read only when one was.
 
 Example, in a one-rank gloo world over a ``TCPStore``::
 
@@ -49,10 +52,16 @@ LOOK_S = 5.0
 
 
 def publish(channel: JobChannel, plane: ControlPlane, event: BoardEvent, store: Optional[StoreClient] = None) -> None:
-    """Put ``event`` on ``channel``'s board: two store requests."""
+    """Put ``event`` on ``channel``'s board as a monitor does (:meth:`RankMonitor.publish
+    <hypergrid.control.monitor.RankMonitor.publish>`), in the first free slot from the count: four
+    store requests, two more for each slot found taken."""
     store = store or plane.client(time.monotonic() + LOOK_S)
-    index = store.add(channel.events(), 1) - 1
-    store.set(channel.event(index), encode(event))
+    payload, index = encode(event), store.add(channel.events(), 0)
+    while (held := store.compare_set(channel.event(index), "", payload)) != payload.encode():
+        store.set(channel.event(index), held.decode())
+        index += 1
+    store.set(channel.event(index), payload)
+    store.add(channel.events(), 1)
 
 
 class LossView:
@@ -65,14 +74,12 @@ class LossView:
         self.lost: dict[int, str] = {}
 
     def refresh(self, store: Optional[StoreClient] = None) -> dict[int, str]:
-        """Read what was published since the last look: one request when nothing was."""
+        """Read what was published since the last look: one request when nothing was (whether
+        the next slot is filled; not the count, which lags a publisher that ended between its
+        slot and its count)."""
         store = store or self.plane.client(time.monotonic() + LOOK_S)
-        count = store.add(self.channel.events(), 0)
-        while self.seen < count:
-            key = self.channel.event(self.seen)
-            if not store.check([key]):
-                break  # counted, not yet written: the next look reads it
-            events = decode_events(store.get(key))
+        while store.check([self.channel.event(self.seen)]):
+            events = decode_events(store.get(self.channel.event(self.seen)))
             self.seen += 1
             for event in events:
                 if event.kind is EventKind.LOST:

@@ -69,9 +69,10 @@ class JobChannel:
         return "/".join([self.base, *map(str, parts)])
 
     def events(self) -> str:
-        """The board's counter: how many events were published (``add``)."""
+        """The board's counter: how many entries were published (``add``; an entry holds one
+        event, or the losses one watcher found at one look)."""
         return f"{self.base}/events"
 
     def event(self, index: int) -> str:
-        """The board's event number ``index`` (set once by its publisher)."""
+        """The board's entry number ``index`` (set once by its publisher)."""
         return f"{self.base}/event/{index}"

@@ -9,7 +9,8 @@ requests per rank (one ``add`` each), whatever the job's size:
 - each adds 1 to its rank's heartbeat counter;
 - the node's relay leader (:mod:`hypergrid.control.relay`) reads, for each rank of its node, the
   counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.control.ring`,
-  on another node); a monitor alone (no relay, or a leader silent for two of its ticks) reads
+  on another node); a monitor alone (no relay, a leader silent for more than two of its ticks, or one that watches
+  an older ring of the job) reads
   its own successor's. A counter that made no beat for ``stale_beats`` intervals of the
   monitor's own clock (no clocks are compared across hosts), counted from the look before the
   one that saw its last beat and over ``stale_beats`` looks (a watcher that could not run
@@ -28,8 +29,9 @@ cleanly says so (``bye``): its counter is marked as left (:data:`~hypergrid.cont
 and nobody counts it lost.
 
 Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
-:class:`~hypergrid.control.keys.JobChannel`): the publisher adds 1 to ``events`` and sets the
-entry's key (an entry holds one event, or the losses found at one look). One monitor per node
+:class:`~hypergrid.control.keys.JobChannel`): the publisher fills the first free entry's key
+(:meth:`RankMonitor.publish`; an entry holds one event, or the losses found at one look), then
+adds 1 to ``events``. One monitor per node
 keeps a wait pending on the board's next key, which costs nothing until an entry is published;
 the store's answer wakes it, and it reads the entry (one get: the wait was answered, the key is
 there), waits on the next key, hands the entry to the node's other monitors (the relay, which
@@ -51,8 +53,8 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
     >>> monitor = RankMonitor(config, forward=seen.append, now=0.0)
     >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), node_size=1)
     >>> monitor.attach(job)
-    >>> for second in range(7):                                     # rank 1 never beats: after 5
-    ...     monitor.tick(now=float(second))                        # beats of standing still, it is gone
+    >>> for second in range(6):                                     # rank 1 never beats: after 5
+    ...     monitor.tick(now=float(second))                        # seconds of standing still, it is gone
     >>> monitor.on_board(); [(e.kind.value, e.rank, e.by) for e in seen]
     [('lost', 1, 0)]
     >>> monitor.close()
@@ -60,6 +62,7 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import select
@@ -117,6 +120,12 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
+    @property
+    def digest(self) -> str:
+        """A short digest of the spec: monitors of one node compare theirs (one that was not told
+        of a recovery, its rank hung, watches an older ring)."""
+        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         raw = json.loads(text)
@@ -167,6 +176,11 @@ class RankMonitor:
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one leads, or follows
         self._leader_quiet = 0  # this monitor's ticks since its leader last said anything
+        # What the node's leader last told of its watch: the digest of its job spec (a follower
+        # whose spec differs watches for itself), and the counters it watched, which this monitor
+        # takes over once it watches (it was elected, or went alone).
+        self._leader_spec: Optional[str] = None
+        self._leader_watched: Optional[list[list[float]]] = None
         self.job: Optional[_Job] = None
         self.last_progress = now
         self.hung_published = False
@@ -197,6 +211,7 @@ class RankMonitor:
         board = f"{self.config.host}:{self.config.port}/{job.spec.channel.events()}"
         self.relay = NodeRelay.join(node_address(board, node))
         self._leader_quiet = 0
+        self._leader_spec = None
         if self.relay.leads:
             self._open_board(within_s=None if first else self.config.interval_s / 2)
 
@@ -268,18 +283,21 @@ class RankMonitor:
             return
         self._leader_quiet = 0
         for item in heard:
+            if item.payload is None and item.state:
+                told = json.loads(item.state)
+                self._leader_spec, self._leader_watched = told["spec"], told["watched"]
             self._catch_up(job, item.index)
             if item.payload is not None and item.index == job.next_event:
                 job.next_event += 1
                 self._deliver_entry(item.payload)
 
     def _catch_up(self, job: _Job, position: int) -> None:
-        """Read from the store the events before ``position`` that this monitor has not had (it
+        """Read from the store the entries before ``position`` that this monitor has not had (it
         joined the relay after its leader read them, or changed leader): rare, a get each.
 
-        A new leader's position may count an event whose publisher added to the counter and did
-        not write it: one not written within half an interval is passed over (its publisher ended
-        between its two requests, and nobody can read it), not waited for while nothing beats."""
+        Every entry before a leader's position was read by it, so it is written; the read waits
+        half an interval at most all the same (an entry not had then is passed over), so that a
+        store slow to answer does not hold the monitor's beats back."""
         while job.next_event < position:
             key = job.spec.channel.event(job.next_event)
             job.next_event += 1
@@ -300,12 +318,14 @@ class RankMonitor:
         if relay is not None and relay.leads:
             if self.board is None:  # elected, and its connection to the board not made yet
                 self._open_board(within_s=self.config.interval_s / 2)
-            relay.keep_alive(job.next_event)
         elif relay is not None:
             self._leader_quiet += 1
             if self._leader_quiet > self.config.stale_beats + 1:
                 self._go_alone()
         self._watch(job, now)
+        relay = self.relay
+        if relay is not None and relay.leads and relay.followers:  # after the watch: what it saw now
+            relay.keep_alive(job.next_event, self._watch_state(job))
         quiet = now - self.last_progress
         if quiet >= self.config.progress_timeout_s and not self.hung_published:
             self.hung_published = True
@@ -327,18 +347,24 @@ class RankMonitor:
         two of its looks (its ranks' last beats came within one interval), and published in one
         or two entries, not eight: the board's delivery is the store's work per entry. A follower
         whose leader speaks watches nothing; one alone (no relay here, or its leader silent for
-        two of its ticks) watches its own successor.
+        more than two of its ticks, or one whose spec differs: a recovery it was not told of)
+        watches its own successor.
         """
         me, ring = self.config.rank, job.ring
         relay = self.relay
-        following = relay is not None and not relay.leads and self._leader_quiet <= 2
+        following = (relay is not None and not relay.leads and self._leader_quiet <= 2
+                     and self._leader_spec in (None, job.spec.digest))
         for_node = relay is not None and relay.leads and relay.listener is not None
-        # A leader watches for its node's ranks of the job, whether its own rank is one (a spare's
-        # monitor may lead a node the job shares) or not.
+        # A leader watches for its node's ranks of the job, whether its own rank is one or not,
+        # and for those lost too: the successor of a rank of its node lost alone is watched from
+        # another node so (and from its own, by the lost rank's watcher, walking past it: its loss
+        # may be published twice, which readers take as once; but a node lost whole with it is
+        # seen at once, not a bound later).
         starts = ring.on_node(me // ring.node_size) if for_node else [me] if me in ring else []
         if len(ring) < 2 or following or not starts:
             job.watched.clear()
             return
+        self._take_over(job)
         # The first counter of each chain read together, one round trip (a node's eight in one);
         # those past a lost or departed rank, rare, one at a time.
         firsts = sorted(r for r in {self._first_unlost(job, start) for start in starts} if r is not None)
@@ -351,6 +377,23 @@ class RankMonitor:
             del job.watched[rank]
         if found:
             self.publish(*found)
+
+    def _watch_state(self, job: _Job) -> str:
+        """What a leader tells its followers of its watch, with its position: its spec's digest
+        and what it saw of each counter (times of the host's monotonic clock, which the node's
+        monitors share)."""
+        watched = [[rank, w.value, w.since, w.first_seen, w.last_look, w.looks] for rank, w in job.watched.items()]
+        return json.dumps({"spec": job.spec.digest, "watched": watched}, separators=(",", ":"))
+
+    def _take_over(self, job: _Job) -> None:
+        """Continue from what the node's last leader saw of the counters this monitor now watches
+        (it was elected, or went alone): a rank lost just before a leader changed is published
+        within the bound of its last beat still, not a bound after the change."""
+        told, self._leader_watched = self._leader_watched, None
+        for rank, value, since, first_seen, last_look, looks in told or []:
+            if int(rank) in job.ring and int(rank) not in job.watched:
+                job.watched[int(rank)] = _Watched(int(value), since=since, first_seen=first_seen, last_look=last_look,
+                                                  looks=int(looks))
 
     def _first_unlost(self, job: _Job, start: int) -> Optional[int]:
         """The first rank after ``start`` in the ring that is not known lost (None: none before
@@ -403,18 +446,28 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:
-        """Put ``events`` on the job's board, in one entry (nothing where no job is served)."""
+        """Put ``events`` on the job's board, in one entry (nothing where no job is served): in
+        the first free slot from the next this monitor would read (each ``compare_set`` either
+        fills a slot or finds it taken: a publisher that dies leaves no slot counted and empty,
+        on which every node's wait would block), written again (torch's classic server wakes no
+        waiter on a ``compare_set``; a slot found taken is written again as found, so that one
+        whose publisher ended between the two is not waited on for ever either), then counted:
+        three requests, two more for each slot found taken."""
         job = self.job
         if job is None:
             return
-        index = self.store.add(job.spec.channel.events(), 1) - 1
-        self.store.set(job.spec.channel.event(index), encode_events(events).encode())
+        channel, payload, index = job.spec.channel, encode_events(events).encode(), job.next_event
+        while (held := self.store.compare_set(channel.event(index), b"", payload)) != payload:
+            self.store.set(channel.event(index), held)
+            index += 1
+        self.store.set(channel.event(index), payload)
+        self.store.add(channel.events(), 1)
 
     def on_board(self) -> None:
-        """The board connection is readable: its wait was answered, the event it waited for is on
-        the board. Read it, wait on the next one, forward it: two requests per event, whatever
-        came before (an event already published answers the new wait at once, and brings the
-        monitor back here)."""
+        """The board connection is readable: its wait was answered, the entry it waited for is on
+        the board. Read it, wait on the next one, forward its events: two requests per entry,
+        whatever came before (an entry already published answers the new wait at once, and brings
+        the monitor back here)."""
         job, board = self.job, self.board
         if job is None or board is None:
             return

@@ -1,20 +1,22 @@
 """One wait on the job's board per node: a node's monitors elect one that waits and relays.
 
-Every event of a job's board must reach every rank's monitor. Were each monitor to wait on the
-board itself, each event would cost the store a wake and two requests per rank: at 16,384 ranks a
-node's eight losses are some 260,000 requests, seconds of one store's time. Instead the monitors
-of one node (the same node index, ``rank // node_size``, on the same host) elect one of them, the
-*leader*, which keeps the node's one wait on the board and hands each event it reads to the
-others over a local socket: the store's work per event is the same for a node of 8 as for a rank.
+Every entry of a job's board (an event, or the losses one watcher found at one look) must reach
+every rank's monitor. Were each monitor to wait on the board itself, each entry would cost the
+store a wake and two requests per rank: at 16,384 ranks eight entries are some 260,000 requests,
+seconds of one store's time. Instead the monitors of one node (the same node index,
+``rank // node_size``, on the same host) elect one of them, the *leader*, which keeps the node's
+one wait on the board and hands each entry it reads to the others over a local socket: the
+store's work per entry is the same for a node of 8 as for a rank. (The leader also watches for
+its node, :mod:`hypergrid.control.monitor`; what it saw goes to its followers with its position.)
 
 The election is a name: the first monitor to bind the node's abstract Unix socket (Linux's
 abstract namespace, one per host: nothing on disk to clean up, released when its holder ends)
 leads; the others connect to it (a process of another user is neither followed nor accepted: the
 name has no permissions). A follower whose leader goes (its rank ended, it left the job) reads
 end-of-file, and elects again: one of the remaining monitors binds the name, the others connect
-to it. Every relayed event carries its board index, and a new follower is told the leader's
-position first: a follower that missed events (it joined after the leader read them, or between
-two leaders) reads those from the store itself, so no event is lost or seen twice. The leader
+to it. Every relayed entry carries its board index, and a new follower is told the leader's
+position first: a follower that missed entries (it joined after the leader read them, or between
+two leaders) reads those from the store itself, so no entry is lost or seen twice. The leader
 tells its position every interval too; a follower that heard nothing from it for the staleness
 bound (a leader alive but stuck) stops counting on it and waits on the board itself, as it does
 where abstract sockets do not exist (not Linux). A follower too far behind to take what the
@@ -27,10 +29,11 @@ Example, two monitors of one node in this process::
     >>> first, second = NodeRelay.join(address), NodeRelay.join(address)
     >>> first.leads, second.leads
     (True, False)
-    >>> first.accept(position=3)                                   # the leader will read event 3 next
-    >>> first.send(3, '{"kind": "lost"}')
-    >>> second.receive()
-    [Relayed(index=3, payload=None), Relayed(index=3, payload='{"kind": "lost"}')]
+    >>> first.accept(position=3)                                   # the leader will read entry 3 next
+    >>> first.send(3, '{"kind": "lost"}'); first.keep_alive(4, "what it watches")
+    >>> second.receive()                                           # doctest: +NORMALIZE_WHITESPACE
+    [Relayed(index=3, payload=None, state=''), Relayed(index=3, payload='{"kind": "lost"}', state=''),
+     Relayed(index=4, payload=None, state='what it watches')]
     >>> first.close(); second.receive() is None                   # the leader left: elect again
     True
     >>> second.close(); third = NodeRelay.join(address); third.leads
@@ -77,11 +80,13 @@ def node_address(board: str, node: int) -> bytes:
 
 @dataclass(frozen=True)
 class Relayed:
-    """What a follower hears: an event of the board at ``index`` (``payload`` its encoding), or,
-    with no payload, the leader's position: the index of the next event the leader will read."""
+    """What a follower hears: an entry of the board at ``index`` (``payload`` its encoding), or,
+    with no payload, the leader's position: the index of the next entry the leader will read, and
+    the leader's own ``state`` (one line, opaque to the relay; empty where it sent none)."""
 
     index: int
     payload: Optional[str]
+    state: str = ""
 
 
 class NodeRelay:
@@ -158,15 +163,17 @@ class NodeRelay:
         self._send_to(conn, f"at {position}\n".encode())
 
     def send(self, index: int, payload: str) -> None:
-        """Hand event ``index`` to every follower."""
+        """Hand entry ``index`` to every follower."""
         line = f"ev {index} {payload}\n".encode()
         for conn in list(self.followers.values()):
             self._send_to(conn, line)
 
-    def keep_alive(self, position: int) -> None:
-        """Tell every follower the leader's position (every interval: a follower that hears
-        nothing for the staleness bound stops counting on this leader)."""
-        line = f"at {position}\n".encode()
+    def keep_alive(self, position: int, state: str = "") -> None:
+        """Tell every follower the leader's position and ``state`` (one line; every interval: a
+        follower that hears nothing for the staleness bound stops counting on this leader)."""
+        if "\n" in state:
+            raise ValueError(f"a relayed state is one line, got {state!r}")
+        line = (f"at {position} {state}\n" if state else f"at {position}\n").encode()
         for conn in list(self.followers.values()):
             self._send_to(conn, line)
 
@@ -212,7 +219,8 @@ class NodeRelay:
         for line in lines.decode().split("\n") if lines else []:
             word, _, rest = line.partition(" ")
             if word == "at":
-                heard.append(Relayed(int(rest), None))
+                position, _, state = rest.partition(" ")
+                heard.append(Relayed(int(position), None, state))
             elif word == "ev":
                 index, _, payload = rest.partition(" ")
                 heard.append(Relayed(int(index), payload))

@@ -3,13 +3,15 @@
 Each rank's *successor* is watched for it (by its node's relay leader, which reads the
 successors of its node's ranks, or by its own monitor alone), one heartbeat per rank and
 interval, so the store's work per rank is the same at 8 ranks and at 100,000, and every rank is
-watched on behalf of exactly one other. The
-ring visits the ranks by local index first and node second (rank ``r`` is local index
-``r % node_size`` of node ``r // node_size``): local 0 of every node, then local 1 of every node,
-and so on. A rank's watcher is therefore the same local index on the node before it, never a rank
-of its own node (with two nodes or more): when a whole node is lost, monitors and all, each of its
-ranks is watched from a node that is still there, and each loss is seen within the staleness
-bound, all at once. A watcher whose successor is gone watches the one after it, and so on.
+watched on behalf of exactly one other. The ring visits the ranks by local index first and node
+second (rank ``r`` is local index ``r % node_size`` of node ``r // node_size``): local 0 of every
+node, then local 1 of every node, and so on. A rank's watcher is therefore the same local index
+on the node before it, not a rank of its own node, where every node has that local index: when a
+whole node is lost, monitors and all, each of its ranks is watched from a node that is still
+there, and each loss is seen within the staleness bound, all at once. (Where only some nodes have
+a local index, after a shrink, the ring passes from the last rank of one local index to the
+first of the next, which may be on the same node.) A watcher whose successor is gone watches the
+one after it, and so on.
 
 Ranks are kept as a sorted array (8 bytes each) and successors found by bisection, so that a
 monitor's memory stays small at a million ranks.
