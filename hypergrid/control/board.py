@@ -3,14 +3,16 @@
 Every loss of the job is published on the board (:class:`~hypergrid.control.keys.JobChannel`:
 ``event/<k>`` holds entry ``k``, one event or the losses one watcher found at one look, filled
 with ``compare_set`` in the first free slot, so that no slot is ever left empty below a filled
-one; ``events`` counts them after, as a place to start from), by whoever saw it: the lost rank's own monitor (its process ended, or made no
-progress for the progress timeout) or the monitor watching it (its heartbeat stopped); rarely
+one; ``events`` counts them after, as a place to start from), by whoever saw it: the lost
+rank's own monitor (its process ended, or made no progress for the progress timeout) or the
+monitor watching it (its heartbeat stopped); rarely
 twice (two watchers of one rank for a while: a recovery one of them was not told of), which
 readers take as once. A recovery round's first arrival publishes the round's opening; a rank
 counted out publishes that it offers itself back.
 
 :class:`LossView` is what a rank's waits inside a recovery look at: which ranks are lost, for one
-store request per look (whether the next slot is filled), the entries themselves read only when one was.
+store request per look (whether the next slot is filled), the entries themselves read only when
+one was.
 
 Example, in a one-rank gloo world over a ``TCPStore``::
 

@@ -264,10 +264,10 @@ def _positive(name: str, value: Any) -> float:
 def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
                     stale_beats: int = STALE_BEATS) -> Optional[Heartbeat]:
     """Start (or keep) this rank's heartbeat: its monitor process beats every ``interval_s``
-    seconds; the rank counts as gone once its heartbeat made no beat for ``stale_beats`` intervals
-    (its node, or its monitor, lost: it is on the board within that bound of its last beat, after
-    at least ``stale_beats - 1`` intervals of silence), at once when its process ends, and as hung once its
-    interpreter made no progress for ``progress_timeout_s`` (minutes by default: a GIL held for
+    seconds; the rank counts as gone once its heartbeat made no beat for ``stale_beats``
+    intervals (its node, or its monitor, lost: it is on the board within that bound of its last
+    beat, after at least ``stale_beats - 1`` intervals of silence), at once when its process
+    ends, and as hung once its interpreter made no progress for ``progress_timeout_s`` (minutes by default: a GIL held for
     seconds, a long pickling, is not a failure). Call it on every rank, spares included, once
     ``init_process_group`` has run; :class:`~hypergrid.recovery.ResilientJob` starts one with the
     defaults where none runs. Returns it (None where there is no store to beat in, or in a world

@@ -9,13 +9,13 @@ requests per rank (one ``add`` each), whatever the job's size:
 - each adds 1 to its rank's heartbeat counter;
 - the node's relay leader (:mod:`hypergrid.control.relay`) reads, for each rank of its node, the
   counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.control.ring`,
-  on another node); a monitor alone (no relay, a leader silent for more than two of its ticks, or one that watches
-  an older ring of the job) reads
-  its own successor's. A counter that made no beat for ``stale_beats`` intervals of the
-  monitor's own clock (no clocks are compared across hosts), counted from the look before the
-  one that saw its last beat and over ``stale_beats`` looks (a watcher that could not run
-  meanwhile saw nothing stand still), means that rank's node, or its monitor, is gone: the
-  watcher publishes the losses of one look in one entry, and watches the next rank too. So a
+  on another node); a monitor alone (no relay, a leader silent for more than two of its ticks,
+  or one that watches an older ring of the job) reads its own successor's. A counter that made
+  no beat for ``stale_beats`` intervals of the monitor's own clock (no clocks are compared across
+  hosts), counted from the look before the one that saw its last beat and over ``stale_beats``
+  looks (a watcher that could not run meanwhile saw nothing stand still), means that rank's node,
+  or its monitor, is gone: the watcher publishes the losses of one look in one entry, and watches
+  the next rank too. So a
   rank silent for the bound is on the board by then (having been silent for between the bound
   less one interval and the bound), the interval after it is left for the board's delivery, and
   a node lost whole takes one or two entries of the board, not one per rank.
@@ -31,8 +31,7 @@ and nobody counts it lost.
 Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
 :class:`~hypergrid.control.keys.JobChannel`): the publisher fills the first free entry's key
 (:meth:`RankMonitor.publish`; an entry holds one event, or the losses found at one look), then
-adds 1 to ``events``. One monitor per node
-keeps a wait pending on the board's next key, which costs nothing until an entry is published;
+adds 1 to ``events``. One monitor per node keeps a wait pending on the board's next key, which costs nothing until an entry is published;
 the store's answer wakes it, and it reads the entry (one get: the wait was answered, the key is
 there), waits on the next key, hands the entry to the node's other monitors (the relay, which
 also elects it) and forwards its events to its rank (which aborts its communicators,
@@ -62,6 +61,7 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -120,7 +120,7 @@ class JobSpec:
     def to_json(self) -> str:
         return json.dumps(asdict(self))
 
-    @property
+    @functools.cached_property
     def digest(self) -> str:
         """A short digest of the spec: monitors of one node compare theirs (one that was not told
         of a recovery, its rank hung, watches an older ring)."""
@@ -365,9 +365,9 @@ class RankMonitor:
             job.watched.clear()
             return
         self._take_over(job)
-        # The first counter of each chain read together, one round trip (a node's eight in one);
-        # those past a lost or departed rank, rare, one at a time.
-        firsts = sorted(r for r in {self._first_unlost(job, start) for start in starts} if r is not None)
+        # The successors' counters read together, one round trip (a node's eight in one); those
+        # past a lost or departed rank, rare, one at a time.
+        firsts = sorted({ring.successor(start) for start in starts} - job.lost.keys() - {me})
         read = dict(zip(firsts, self.store.add_many([beat_key(self.config.namespace, r) for r in firsts], 0)))
         visited: set[int] = set()
         found: list[BoardEvent] = []
@@ -394,16 +394,6 @@ class RankMonitor:
             if int(rank) in job.ring and int(rank) not in job.watched:
                 job.watched[int(rank)] = _Watched(int(value), since=since, first_seen=first_seen, last_look=last_look,
                                                   looks=int(looks))
-
-    def _first_unlost(self, job: _Job, start: int) -> Optional[int]:
-        """The first rank after ``start`` in the ring that is not known lost (None: none before
-        ``start`` or this monitor's own rank comes round)."""
-        candidate = job.ring.successor(start)
-        while candidate not in (self.config.rank, start):
-            if candidate not in job.lost:
-                return candidate
-            candidate = job.ring.successor(candidate)
-        return None
 
     def _walk(self, job: _Job, start: int, now: float, visited: set[int], found: list[BoardEvent],
               read: dict[int, int]) -> None:
