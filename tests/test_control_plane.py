@@ -30,6 +30,7 @@ from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind, encode_events
 @pytest.mark.parametrize("ranks, node", [
     (range(8), 4), (range(16), 8), (range(2048), 8), (range(12), 8),           # whole and partial nodes
     ([0, 1, 2, 3, 8, 9, 10, 11, 13], 4), ([5], 8), (range(7), 1), (range(10), 16),
+    ([0, 1, 4, 5, 6, 7], 4), ([*range(6), *range(8, 16)], 8), ([0, 1, 4], 4),
 ])
 def test_the_ring_watches_every_rank_exactly_once_and_from_another_node(ranks, node):
     ring = Ring.of(ranks, node)
@@ -44,11 +45,18 @@ def test_the_ring_watches_every_rank_exactly_once_and_from_another_node(ranks, n
     assert ring.order() == seen
     nodes = {r // node for r in ranks}
     if len(nodes) > 1:
-        # With two nodes or more, only a rank whose local index exists on one node alone can be
-        # watched from its own node (the ring moves on to the next local index there).
+        # With whole nodes, no rank is watched from its own node; with some nodes short of ranks,
+        # the ring may go on to the next local index on the same node.
         same = [r for r, s in successors.items() if r // node == s // node]
-        lonely = {r % node for r in ranks if sum(1 for o in ranks if o % node == r % node) == 1}
-        assert all(r % node in lonely for r in same), same
+        if all(sum(1 for r in ranks if r // node == n) == node for n in nodes):
+            assert same == [], same
+        # And those are read from another node all the same: with the successor they follow on their node.
+        readers: dict[int, list[int]] = {}
+        for reader in ranks:
+            for rank in ring.watched_from(reader):
+                readers.setdefault(rank, []).append(reader)
+        for rank in ranks:
+            assert any(r // node != rank // node for r in readers[rank]), (rank, readers[rank])
 
 
 def test_runs_round_trip():
@@ -259,10 +267,10 @@ def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_
     sim.halt(*range(8, 16))
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):
         sim.tick(now)
-    assert {(e.rank, e.by) for e in sim.heard[0]} == {(r, 6) for r in range(8, 14)}  # the successors of 0-5
-    for now in range(6, 16):  # 14 and 15 are watched from node 1 (node 0 has no local 6 or 7): each is
-        sim.tick(float(now))  # looked at past the one before it once that one was lost, a bound later
-    assert {(e.rank, e.by) for e in sim.heard[0]} == {(r, 6) for r in range(8, 16)}
+    # The successors of 0-5, and 14 and 15 with them: node 0 has no local 6 or 7, so the ring goes
+    # 13 -> 14 -> 15 on node 1; they are read with 13, not one bound after another from node 1.
+    assert sorted((e.rank, e.by) for e in sim.heard[0]) == [(r, 6) for r in range(8, 16)]
+    assert sim.monitors[6].job.ring.watched_from(5) == [13, 14, 15]
 
 
 def test_a_new_leader_continues_the_watch_of_the_last_one_so_a_loss_is_not_published_later(server):

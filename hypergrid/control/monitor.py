@@ -367,7 +367,7 @@ class RankMonitor:
         self._take_over(job)
         # The successors' counters read together, one round trip (a node's eight in one); those
         # past a lost or departed rank, rare, one at a time.
-        firsts = sorted({ring.successor(start) for start in starts} - job.lost.keys() - {me})
+        firsts = sorted({r for start in starts for r in ring.watched_from(start)} - job.lost.keys() - {me})
         read = dict(zip(firsts, self.store.add_many([beat_key(self.config.namespace, r) for r in firsts], 0)))
         visited: set[int] = set()
         found: list[BoardEvent] = []
@@ -397,42 +397,50 @@ class RankMonitor:
 
     def _walk(self, job: _Job, start: int, now: float, visited: set[int], found: list[BoardEvent],
               read: dict[int, int]) -> None:
-        """Look at the counter of ``start``'s successor (``read``: counters read already); past a
-        lost or departed one, the next one's too. Those found lost go to ``found``."""
+        """Look at the counters :meth:`Ring.watched_from` ``start`` (``read``: counters read
+        already): its successor's, and past a lost or departed one the next one's too. Those
+        found lost go to ``found``."""
         me, ring, stale_after = self.config.rank, job.ring, self.config.stale_after_s
         candidate = ring.successor(start)
         while candidate not in (me, start) and candidate not in visited:
             visited.add(candidate)
+            following = ring.successor(candidate)
             if candidate in job.lost:
-                candidate = ring.successor(candidate)
+                candidate = following
                 continue
             value = read.pop(candidate) if candidate in read else self.store.add(
                 beat_key(self.config.namespace, candidate), 0)
             seen = job.watched.get(candidate)
             if value < 0:  # it left cleanly: nobody's loss
-                candidate = ring.successor(candidate)
+                candidate = following
                 continue
             if seen is None or seen.value != value:
                 job.watched[candidate] = _Watched(value, since=now if seen is None else seen.last_look, first_seen=now,
                                                   last_look=now)
+            else:
+                seen.looks += 1
+                seen.last_look = now
+                # Judged from the earliest moment the last beat may have come, so that a rank
+                # silent for the bound is published by then (its silence is between the bound less
+                # one interval and the bound), and the board's delivery has the interval after it.
+                # The looks count the intervals (a watcher that stalled before it saw the last beat
+                # has a ``since`` long past, but still needs its looks since); the clock only
+                # guards against looks that came too fast. Half an interval of slack: two ticks' own
+                # lateness differ, and a bound met to the microsecond would otherwise cost a whole
+                # further interval half of the time.
+                if seen.looks >= self.config.stale_beats and now - seen.since >= stale_after - self.config.interval_s / 2:
+                    job.lost[candidate] = "stale"
+                    found.append(BoardEvent(EventKind.LOST, candidate, (
+                        f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} "
+                        f"s ago (the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
+                    candidate = following
+                    continue
+            # Alive as far as seen: the rank after it is its watcher's, unless it is on this one's
+            # node (only some nodes have its local index), where it would be watched from a node
+            # lost with it.
+            if following // ring.node_size != candidate // ring.node_size:
                 return
-            seen.looks += 1
-            seen.last_look = now
-            # Judged from the earliest moment the last beat may have come, so that a rank silent
-            # for the bound is published by then (its silence is between the bound less one
-            # interval and the bound), and the board's delivery has the interval after it. The
-            # looks count the intervals (a watcher that stalled before it saw the last beat has
-            # a ``since`` long past, but still needs its looks since); the clock only guards
-            # against looks that came too fast. Half an interval of slack: two ticks' own
-            # lateness differ, and a bound met to the microsecond would otherwise cost a whole
-            # further interval half of the time.
-            if seen.looks < self.config.stale_beats or now - seen.since < stale_after - self.config.interval_s / 2:
-                return
-            job.lost[candidate] = "stale"
-            found.append(BoardEvent(EventKind.LOST, candidate, (
-                f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} s ago "
-                f"(the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
-            candidate = ring.successor(candidate)
+            candidate = following
 
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:

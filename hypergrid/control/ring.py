@@ -8,10 +8,12 @@ second (rank ``r`` is local index ``r % node_size`` of node ``r // node_size``):
 node, then local 1 of every node, and so on. A rank's watcher is therefore the same local index
 on the node before it, not a rank of its own node, where every node has that local index: when a
 whole node is lost, monitors and all, each of its ranks is watched from a node that is still
-there, and each loss is seen within the staleness bound, all at once. (Where only some nodes have
-a local index, after a shrink, the ring passes from the last rank of one local index to the
-first of the next, which may be on the same node.) A watcher whose successor is gone watches the
-one after it, and so on.
+there, and each loss is seen within the staleness bound, all at once. Where only some nodes have
+a local index (after a shrink, or with spares), the ring passes from the last rank of one local
+index to the first of the next, which may be on the same node: a watcher therefore reads its
+successor and the ranks after it on the successor's node (:meth:`Ring.watched_from`), so that
+those, watched otherwise only from their own node, are seen lost with it, not one bound after
+another. A watcher whose successor is gone watches the one after it, and so on.
 
 Ranks are kept as a sorted array (8 bytes each) and successors found by bisection, so that a
 monitor's memory stays small at a million ranks.
@@ -115,6 +117,24 @@ class Ring:
             node = candidate // size + (1 if candidate % size > local else 0)
             i = bisect.bisect_left(ranks, node * size + local, i)
         return None
+
+    def watched_from(self, rank: int) -> list[int]:
+        """The ranks ``rank``'s watcher reads: its successor, and those after it in the ring while
+        they are on the successor's node (none where every node has every local index).
+
+        Example, node 1 with local indices 2 and 3 alone::
+
+            >>> ring = Ring.of([0, 1, 4, 5, 6, 7], node_size=4)
+            >>> ring.order(), ring.watched_from(5), ring.watched_from(4)
+            ([0, 4, 1, 5, 6, 7], [6, 7], [1])
+        """
+        first = self.successor(rank)
+        run, node = [first], first // self.node_size
+        following = self.successor(first)
+        while following != rank and following != first and following // self.node_size == node:
+            run.append(following)
+            following = self.successor(following)
+        return run
 
     def on_node(self, node: int) -> list[int]:
         """The ranks of the ring on node ``node``.
