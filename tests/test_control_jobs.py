@@ -49,9 +49,11 @@ def _job(rank: int, world: int, scenario: str, victim: int, progress_s: float) -
     import hypergrid
     from hypergrid import HyperCommGrid, ResilientJob
     from hypergrid.control.abort import take_aborted
+    from hypergrid.control.heartbeat import running_heartbeat
     from hypergrid.control.plane import control_plane
     from hypergrid.control.rounds import current_round
     from hypergrid.errors import ExcludedByRecovery
+    from hypergrid.runtime.wire import EventKind
 
     store = job_store()
     store.set(f"pid/{rank}", str(os.getpid()))
@@ -64,6 +66,12 @@ def _job(rank: int, world: int, scenario: str, victim: int, progress_s: float) -
     if scenario == "stop" and rank == 0:
         threading.Thread(target=_freezer, args=(job_store(), victim), daemon=True).start()  # a client of its own
     out: dict[str, Any] = {"failures": [], "steps": 0}
+    # When this rank's monitor handed it the victim's loss: a late abort then says whether the
+    # event came late or the abort did not end the collective at once.
+    heartbeat = running_heartbeat()
+    assert heartbeat is not None
+    heartbeat.listen("test: the victim's loss heard", lambda event: out.setdefault("heard_at", time.time())
+                     if event.kind is EventKind.LOST and event.rank == victim else None)
     if not job.in_grid:
         job = job.wait_as_spare(timeout=timedelta(seconds=150))
         if not job.in_grid:
@@ -171,6 +179,8 @@ def test_a_rank_killed_is_aborted_out_of_within_two_intervals_and_the_survivors_
         assert value["plan"] == f"replace: rank 3 -> {world - 2}; 1 spares left", (rank, value)
         (failure,) = value["failures"]
         assert failure["step"] == EVENT_STEP, (rank, value)
+        # Its monitor handed it the loss, published by the victim's monitor as the process ended.
+        assert value["heard_at"] - value["killed_at"] < 2 * INTERVAL_S + SLACK_S, (rank, value)
         # Its collective ended (aborted: the collective timeout is a minute) soon after the kill
         # (when the victim wrote it, just before its SIGKILL), and it was back long before the
         # collective timeout would have let it out.
