@@ -9,7 +9,8 @@ requests per rank (one ``add`` each), whatever the job's size:
 - each adds 1 to its rank's heartbeat counter;
 - the node's relay leader (:mod:`hypergrid.control.relay`) reads, for each rank of its node, the
   counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.control.ring`,
-  on another node); a monitor alone (no relay, a leader silent for more than two of its ticks,
+  on another node, and where nodes are short of ranks those after it on that node:
+  :meth:`~hypergrid.control.ring.Ring.watched_from`); a monitor alone (no relay, a leader silent for more than two of its ticks,
   or one that watches an older ring of the job) reads its own successor's. A counter that made
   no beat for ``stale_beats`` intervals of the monitor's own clock (no clocks are compared across
   hosts), counted from the look before the one that saw its last beat and over ``stale_beats``
@@ -437,8 +438,9 @@ class RankMonitor:
                     continue
             # Alive as far as seen: the rank after it is its watcher's, unless it is on this one's
             # node (only some nodes have its local index), where it would be watched from a node
-            # lost with it.
-            if following // ring.node_size != candidate // ring.node_size:
+            # lost with it; as :meth:`Ring.watched_from`, not on the start's own node.
+            node = candidate // ring.node_size
+            if following // ring.node_size != node or node == start // ring.node_size:
                 return
             candidate = following
 

@@ -120,16 +120,22 @@ class Ring:
 
     def watched_from(self, rank: int) -> list[int]:
         """The ranks ``rank``'s watcher reads: its successor, and those after it in the ring while
-        they are on the successor's node (none where every node has every local index).
+        they are on the successor's node, where that is not ``rank``'s own (reading more of its
+        own node would see nothing a loss of it hides). Only the successor where every node has
+        every local index.
 
         Example, node 1 with local indices 2 and 3 alone::
 
             >>> ring = Ring.of([0, 1, 4, 5, 6, 7], node_size=4)
-            >>> ring.order(), ring.watched_from(5), ring.watched_from(4)
-            ([0, 4, 1, 5, 6, 7], [6, 7], [1])
+            >>> ring.order(), ring.watched_from(1), ring.watched_from(5)
+            ([0, 4, 1, 5, 6, 7], [5, 6, 7], [6])
+            >>> Ring.of(range(8), node_size=8).watched_from(3)      # one node: its successor only
+            [4]
         """
         first = self.successor(rank)
         run, node = [first], first // self.node_size
+        if node == rank // self.node_size:
+            return run
         following = self.successor(first)
         while following != rank and following != first and following // self.node_size == node:
             run.append(following)
