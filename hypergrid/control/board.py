@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ..errors import StoreUnresponsiveError
 from ..runtime.store import StoreClient
 from ..runtime.wire import BoardEvent, EventKind, decode_events, encode
-from .keys import JobChannel
+from .keys import JobChannel, put_entry
 from .plane import ControlPlane
 
 __all__ = ["LossView", "publish", "LOOK_S"]
@@ -54,16 +54,10 @@ LOOK_S = 5.0
 
 
 def publish(channel: JobChannel, plane: ControlPlane, event: BoardEvent, store: Optional[StoreClient] = None) -> None:
-    """Put ``event`` on ``channel``'s board as a monitor does (:meth:`RankMonitor.publish
-    <hypergrid.control.monitor.RankMonitor.publish>`), in the first free slot from the count: four
-    store requests, two more for each slot found taken."""
+    """Put ``event`` on ``channel``'s board as a monitor does (:func:`~hypergrid.control.keys.put_entry`),
+    in the first free slot from the count: four store requests, two more for each slot found taken."""
     store = store or plane.client(time.monotonic() + LOOK_S)
-    payload, index = encode(event), store.add(channel.events(), 0)
-    while (held := store.compare_set(channel.event(index), "", payload)) != payload.encode():
-        store.set(channel.event(index), held.decode())
-        index += 1
-    store.set(channel.event(index), payload)
-    store.add(channel.events(), 1)
+    put_entry(store, channel, encode(event).encode(), store.add(channel.events(), 0))
 
 
 class LossView:

@@ -25,10 +25,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from ..runtime.wire import members_digest
 
-__all__ = ["ROOT", "DEPARTED", "beat_key", "JobChannel"]
+__all__ = ["ROOT", "DEPARTED", "beat_key", "JobChannel", "BoardWriter", "put_entry"]
 
 #: The control plane's keys start with this, then the world's namespace token.
 ROOT = "hypergrid/control"
@@ -76,3 +77,44 @@ class JobChannel:
     def event(self, index: int) -> str:
         """The board's entry number ``index`` (set once by its publisher)."""
         return f"{self.base}/event/{index}"
+
+
+class BoardWriter(Protocol):
+    """What :func:`put_entry` needs of a store: a monitor's :class:`~hypergrid.control.tcpstore.WireStore`,
+    or a rank's :class:`~hypergrid.runtime.store.StoreClient`."""
+
+    def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
+
+    def set(self, key: str, value: bytes) -> None: ...
+
+    def add(self, key: str, amount: int) -> int: ...
+
+
+def put_entry(store: BoardWriter, channel: JobChannel, payload: bytes, first: int) -> int:
+    """Put ``payload`` on ``channel``'s board in the first free slot from ``first``; its index.
+
+    Each ``compare_set`` either fills a slot or finds it taken, so a publisher that ends between
+    its requests leaves no empty slot below a filled one, on which every wait on the board would
+    block. The entry is written again with ``set`` (torch's classic server wakes no waiter on a
+    ``compare_set``), as is a slot found taken (one whose publisher ended between the two is then
+    not waited on for ever either), and only then counted: three requests, two more for each slot
+    found taken.
+
+    Example::
+
+        >>> class Store(dict):
+        ...     def compare_set(self, key, expected, desired):
+        ...         return self.setdefault(key, desired)
+        ...     def set(self, key, value): self[key] = value
+        ...     def add(self, key, amount): self[key] = self.get(key, 0) + amount; return self[key]
+        >>> store, channel = Store(), JobChannel("ns", "f00d", 0)
+        >>> put_entry(store, channel, b"a", 0), put_entry(store, channel, b"b", 0), store[channel.events()]
+        (0, 1, 2)
+    """
+    index = first
+    while (held := store.compare_set(channel.event(index), b"", payload)) != payload:
+        store.set(channel.event(index), held)
+        index += 1
+    store.set(channel.event(index), payload)
+    store.add(channel.events(), 1)
+    return index

@@ -75,7 +75,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from ..runtime.wire import BoardEvent, EventKind, decode_events, encode, encode_events
-from .keys import DEPARTED, JobChannel, beat_key
+from .keys import DEPARTED, JobChannel, beat_key, put_entry
 from .relay import NodeRelay, node_address
 from .ring import Ring, from_runs
 from .tcpstore import StoreProtocolError, StoreTimeout, WireStore
@@ -438,30 +438,18 @@ class RankMonitor:
                     continue
             # Alive as far as seen: the rank after it is its watcher's, unless it is on this one's
             # node (only some nodes have its local index), where it would be watched from a node
-            # lost with it; as :meth:`Ring.watched_from`, not on the start's own node.
-            node = candidate // ring.node_size
-            if following // ring.node_size != node or node == start // ring.node_size:
+            # lost with it.
+            if not ring.run_goes_on(candidate, following, start):
                 return
             candidate = following
 
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:
-        """Put ``events`` on the job's board, in one entry (nothing where no job is served): in
-        the first free slot from the next this monitor would read (each ``compare_set`` either
-        fills a slot or finds it taken: a publisher that dies leaves no slot counted and empty,
-        on which every node's wait would block), written again (torch's classic server wakes no
-        waiter on a ``compare_set``; a slot found taken is written again as found, so that one
-        whose publisher ended between the two is not waited on for ever either), then counted:
-        three requests, two more for each slot found taken."""
+        """Put ``events`` on the job's board, in one entry (nothing where no job is served), in
+        the first free slot from the next this monitor would read (:func:`~hypergrid.control.keys.put_entry`)."""
         job = self.job
-        if job is None:
-            return
-        channel, payload, index = job.spec.channel, encode_events(events).encode(), job.next_event
-        while (held := self.store.compare_set(channel.event(index), b"", payload)) != payload:
-            self.store.set(channel.event(index), held)
-            index += 1
-        self.store.set(channel.event(index), payload)
-        self.store.add(channel.events(), 1)
+        if job is not None:
+            put_entry(self.store, job.spec.channel, encode_events(events).encode(), job.next_event)
 
     def on_board(self) -> None:
         """The board connection is readable: its wait was answered, the entry it waited for is on

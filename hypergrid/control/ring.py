@@ -132,15 +132,25 @@ class Ring:
             >>> Ring.of(range(8), node_size=8).watched_from(3)      # one node: its successor only
             [4]
         """
-        first = self.successor(rank)
-        run, node = [first], first // self.node_size
-        if node == rank // self.node_size:
-            return run
-        following = self.successor(first)
-        while following != rank and following != first and following // self.node_size == node:
+        run = [self.successor(rank)]
+        following = self.successor(run[-1])
+        while following not in (rank, run[0]) and self.run_goes_on(run[-1], following, rank):
             run.append(following)
             following = self.successor(following)
         return run
+
+    def run_goes_on(self, read: int, following: int, watcher: int) -> bool:
+        """Whether ``watcher``, having read ``read``, reads ``following`` (``read``'s successor)
+        too: it is on ``read``'s node, and that is not ``watcher``'s own (:meth:`watched_from`).
+
+        Example::
+
+            >>> ring = Ring.of([0, 1, 4, 5, 6, 7], node_size=4)
+            >>> ring.run_goes_on(5, 6, watcher=1), ring.run_goes_on(5, 6, watcher=4)
+            (True, False)
+        """
+        node = read // self.node_size
+        return following // self.node_size == node != watcher // self.node_size
 
     def on_node(self, node: int) -> list[int]:
         """The ranks of the ring on node ``node``.

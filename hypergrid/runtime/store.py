@@ -195,7 +195,7 @@ class StoreClient:
 
         return self._call("get", getting, seconds + ANSWER_SLACK_S)
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         self._call("set", lambda store: store.set(key, value))
 
     def multi_set(self, keys: list[str], values: list[str]) -> None:
@@ -216,7 +216,7 @@ class StoreClient:
     def delete_key(self, key: str) -> None:
         self._call("delete", lambda store: store.delete_key(key))
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         return cast(bytes, self._call("compare_set", lambda store: store.compare_set(key, expected, desired)))
 
     def wait(self, keys: list[str], seconds: float) -> bool:
