@@ -72,6 +72,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 NODE = 8
+#: The losses of a rack: nodes 9 to 12 at once (consecutive nodes, as a switch or a power feed takes them).
+RACK_NODES = 4
+RACK_LABEL = f"a rack of {RACK_NODES} nodes lost"
 
 
 # ---------------------------------------------------------------------- worker side (no torch)
@@ -712,8 +715,12 @@ def main() -> None:
             clock.start()
             scenarios = (("rank 0 dies", "die", [0]), ("rank 1,500 dies", "die", [1500]),
                          ("the last rank dies", "die", [n - 1]),
-                         ("node 5 lost", "halt", list(range(5 * NODE, 6 * NODE))))
-            for label, command, victims in scenarios if n >= 2048 else scenarios[:1] + scenarios[2:] if n >= 64 else ():
+                         ("node 5 lost", "halt", list(range(5 * NODE, 6 * NODE))),
+                         # A rack: consecutive nodes lost at once, each watched from half the job away.
+                         (RACK_LABEL, "halt", list(range(9 * NODE, (9 + RACK_NODES) * NODE))))
+            chosen = [s for s in scenarios if (s[0] != "rank 1,500 dies" or n >= 2048)
+                      and (s[0] != RACK_LABEL or n >= 4 * RACK_NODES * NODE)]
+            for label, command, victims in chosen if n >= 64 else ():
                 detect[label] = _detect(workers, clock, command, victims, limit_s=60)
                 print(f"ring {n}: {label}: {detect[label]}", flush=True)
             clock.close()
@@ -751,9 +758,9 @@ def _table(rows: list, interval: float) -> None:
     print("Losses: on the board / every node's relay leader had it / every simulated rank had it (seconds from the "
           "death), and the requests the board's waits made meanwhile.")
     print()
-    print("| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | one recovery round: all have "
-          "the verdict | store CPU | round requests |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | {RACK_LABEL} | one recovery "
+          "round: all have the verdict | store CPU | round requests |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for design, n, _, d, r, _ in rows:
         if design.startswith("scan") or (not d and not r):
             continue
@@ -765,7 +772,7 @@ def _table(rows: list, interval: float) -> None:
                 took += f" ({r['agreed']:,} agreed, {r['error_count']:,} did not)"
             round_cells = f"{took} | {r['store_cpu_s']:.2f} s | {r['requests']:,}"
         cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
-                                                               "node 5 lost"))
+                                                               "node 5 lost", RACK_LABEL))
         print(f"| {n:,} | {cells} | {round_cells} |")
 
 

@@ -262,6 +262,25 @@ def test_a_node_lost_whole_is_published_by_the_leader_of_the_node_before_in_one_
     assert board.add(sim.channel.events(), 0) == 2  # two entries for the node's eight losses
 
 
+def test_consecutive_nodes_lost_together_are_each_watched_from_a_node_still_there(server):
+    # Eight nodes of 8, visited 0, 4, 1, 5, 2, 6, 3, 7: nodes 1-3 (a rack) are watched by nodes 4-6.
+    # In rank order node 2 would be watched by node 1 and node 3 by node 2: found one bound after
+    # another (5 s, 10 s, 15 s) as the watch walked on from each lost node to the next.
+    sim = _Sim(server, 64, node=8)
+    assert [sim.monitors[0].job.ring.successor(r) for r in (0, 32, 8, 40, 16, 48, 24)] == [32, 8, 40, 16, 48, 24, 56]
+    sim.tick(0.0)
+    sim.halt(*range(8, 32))
+    for now in (1.0, 2.0, 3.0, 4.0):
+        sim.tick(now)
+        assert not any(sim.heard[r] for r in sim.monitors if r not in sim.halted), now
+    sim.tick(5.0)  # no beat since 0.0: the bound
+    assert sim.lost_heard_by_all(range(8, 32))
+    for rank in (r for r in sim.monitors if r not in sim.halted):  # each node by the leader before it
+        assert {e.rank: e.by for e in sim.heard[rank]} == {r: 32 + 8 * (r // 8 - 1) for r in range(8, 32)}, rank
+    board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    assert board.add(sim.channel.events(), 0) == 3  # one entry per lost node
+
+
 def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_ranks(server):
     sim = _Sim(server, 16, node=8, runs=((0, 6), (8, 8)), first=(6,))  # 6 and 7: spares on node 0
     assert sim.monitors[6].relay.leads and not sim.monitors[0].relay.leads
@@ -467,9 +486,11 @@ def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank
     for now in (1.0, 2.0, 3.0, 4.0):
         sim.tick(now)
         assert not sim.lost_heard_by_all([2047]), now
-    sim.tick(5.0)  # no beat since 0.0, 5 s: node 255's ranks are published by node 254's leader
+    sim.tick(5.0)  # no beat since 0.0, 5 s: node 255's ranks are published by node 127's leader
     assert sim.lost_heard_by_all([1500, *range(2040, 2048)])
     publishers = {e.rank: e.by for e in sim.heard[0]}
-    assert {publishers[r] for r in range(2040, 2048)} == {2032}  # the first of node 254 to join its relay
+    # The node before node 255 in the ring, the two halves of the 256 nodes interleaved, is node
+    # 127; its first rank to join its relay leads it.
+    assert {publishers[r] for r in range(2040, 2048)} == {1016}
     board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
     assert board.add(sim.channel.events(), 0) == 2  # rank 1,500's entry, and one for the whole node

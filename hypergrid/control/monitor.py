@@ -344,7 +344,7 @@ class RankMonitor:
         """Read the counters this monitor watches, and publish those found lost, in one entry.
 
         A node's relay leader watches for the whole node: the successor of each of the node's
-        ranks. So a node lost whole is found by the one leader of the node before it, at one or
+        ranks. So a node lost whole is found by the one leader of the node before it in the ring, at one or
         two of its looks (its ranks' last beats came within one interval), and published in one
         or two entries, not eight: the board's delivery is the store's work per entry. A follower
         whose leader speaks watches nothing; one alone (no relay here, or its leader silent for

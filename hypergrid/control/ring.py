@@ -1,4 +1,5 @@
-"""Who watches whom: a ring over a job's ranks in which every rank's watcher is on another node.
+"""Who watches whom: a ring over a job's ranks in which every rank's watcher is on another node,
+and, where the job has more than a few nodes, on a node far from it.
 
 Each rank's *successor* is watched for it (by its node's relay leader, which reads the
 successors of its node's ranks, or by its own monitor alone), one heartbeat per rank and
@@ -6,25 +7,37 @@ interval, so the store's work per rank is the same at 8 ranks and at 100,000, an
 watched on behalf of exactly one other. The ring visits the ranks by local index first and node
 second (rank ``r`` is local index ``r % node_size`` of node ``r // node_size``): local 0 of every
 node, then local 1 of every node, and so on. A rank's watcher is therefore the same local index
-on the node before it, not a rank of its own node, where every node has that local index: when a
-whole node is lost, monitors and all, each of its ranks is watched from a node that is still
-there, and each loss is seen within the staleness bound, all at once. Where only some nodes have
-a local index (after a shrink, or with spares), the ring passes from the last rank of one local
-index to the first of the next, which may be on the same node: a watcher therefore reads its
-successor and the ranks after it on the successor's node (:meth:`Ring.watched_from`), so that
-those, watched otherwise only from their own node, are seen lost with it, not one bound after
-another. A watcher whose successor is gone watches the one after it, and so on.
+on the node before it in the ring, not a rank of its own node, where every node has that local
+index: when a whole node is lost, monitors and all, each of its ranks is watched from a node that
+is still there, and each loss is seen within the staleness bound, all at once.
 
-Ranks are kept as a sorted array (8 bytes each) and successors found by bisection, so that a
-monitor's memory stays small at a million ranks.
+The nodes are visited with the two halves of the job interleaved (of the job's ``K`` nodes, in
+rank order, with ``h = ceil(K / 2)``: the first, the ``h``-th, the second, the ``h + 1``-th, ...),
+not in rank order: consecutive nodes (a rack, a switch, a power feed) are lost together, and
+in rank order each of them but the first would be watched from one lost with it, found one bound
+after the other as the watch walks on. Interleaved, a node's watcher is ``h - 1`` or ``h`` nodes
+away, so a run of up to ``h - 1`` consecutive nodes lost at once is seen within one bound.
 
-Example, ranks 0-7 on nodes of 4::
+Where only some nodes have a local index (after a shrink, or with spares), the ring passes from
+the last rank of one local index to the first of the next, which may be on the same node: a
+watcher therefore reads its successor and the ranks after it on the successor's node
+(:meth:`Ring.watched_from`), so that those, watched otherwise only from their own node, are seen
+lost with it, not one bound after another. A watcher whose successor is gone watches the one
+after it, and so on.
+
+Ranks are kept as a sorted array (8 bytes each), and the nodes that hold them as another, and
+successors found by bisection, so that a monitor's memory stays small at a million ranks.
+
+Example, ranks 0-7 on nodes of 4 (two nodes), and ranks 0-11 on nodes of 2 (six nodes, visited
+as 0, 3, 1, 4, 2, 5)::
 
     >>> ring = Ring.of(range(8), node_size=4)
     >>> [ring.successor(r) for r in range(8)]
     [4, 5, 6, 7, 1, 2, 3, 0]
     >>> ring.order()
     [0, 4, 1, 5, 2, 6, 3, 7]
+    >>> Ring.of(range(12), node_size=2).order()
+    [0, 6, 2, 8, 4, 10, 1, 7, 3, 9, 5, 11]
     >>> Ring.of([0, 1, 2, 3, 8, 9], node_size=4).successor(1)     # node 2 has no local 1
     9
 """
@@ -71,16 +84,23 @@ def from_runs(runs: Iterable[Sequence[int]]) -> Iterator[int]:
 
 @dataclass(frozen=True)
 class Ring:
-    """The watching ring over ``ranks`` (sorted, distinct) with nodes of ``node_size`` ranks."""
+    """The watching ring over ``ranks`` (sorted, distinct) with nodes of ``node_size`` ranks;
+    ``nodes``: the nodes that hold any of them, ascending (made by :meth:`of`)."""
 
     ranks: array
     node_size: int
+    nodes: array
 
     @classmethod
     def of(cls, ranks: Iterable[int], node_size: int) -> Ring:
         if node_size < 1:
             raise ValueError(f"node_size must be a positive number of ranks, got {node_size}")
-        return cls(array("q", sorted(set(ranks))), node_size)
+        ordered = array("q", sorted(set(ranks)))
+        nodes = array("q")
+        for rank in ordered:
+            if not nodes or nodes[-1] != rank // node_size:
+                nodes.append(rank // node_size)
+        return cls(ordered, node_size, nodes)
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -91,32 +111,43 @@ class Ring:
         i = bisect.bisect_left(self.ranks, rank)
         return i < len(self.ranks) and self.ranks[i] == rank
 
+    # -------------------------------------------------------------- the order of the nodes
+    def _position(self, node: int) -> int:
+        """Where ``node`` (one of :attr:`nodes`) comes in the ring's order of nodes: the two
+        halves interleaved, the i-th node of the first half at 2i, of the second at 2i + 1."""
+        index, half = bisect.bisect_left(self.nodes, node), (len(self.nodes) + 1) // 2
+        return 2 * index if index < half else 2 * (index - half) + 1
+
+    def _node_at(self, position: int) -> int:
+        half = (len(self.nodes) + 1) // 2
+        return self.nodes[position // 2 if position % 2 == 0 else half + position // 2]
+
+    def _first_with(self, local: int, from_position: int) -> Optional[int]:
+        """The rank of local index ``local`` on the first node at ``from_position`` or after, in
+        the ring's order of nodes, that has one (the nodes without it, few, one bisection each)."""
+        for position in range(from_position, len(self.nodes)):
+            candidate = self._node_at(position) * self.node_size + local
+            if candidate in self:
+                return candidate
+        return None
+
     def successor(self, rank: int) -> int:
-        """The rank ``rank`` watches: the next one in (local index, node) order, cyclically."""
+        """The rank ``rank`` watches: the next one in (local index, node's position) order, cyclically."""
         if len(self.ranks) == 0:
             raise ValueError("an empty ring has no successors")
+        if rank not in self:
+            raise ValueError(f"rank {rank} is not in the ring (its {len(self.ranks)} ranks run from "
+                             f"{self.ranks[0]} to {self.ranks[-1]})")
         size = self.node_size
-        local, node = rank % size, rank // size
-        found = self._first_with_local(local, node + 1)
+        local, position = rank % size, self._position(rank // size)
+        found = self._first_with(local, position + 1)
         if found is not None:
             return found
         for step in range(1, size + 1):
-            found = self._first_with_local((local + step) % size, 0)
+            found = self._first_with((local + step) % size, 0)
             if found is not None:
                 return found
         raise AssertionError("unreachable: a non-empty ring has a rank of some local index")
-
-    def _first_with_local(self, local: int, from_node: int) -> Optional[int]:
-        """The least rank of the ring with local index ``local`` on node ``from_node`` or later."""
-        size, ranks = self.node_size, self.ranks
-        i = bisect.bisect_left(ranks, from_node * size + local)
-        while i < len(ranks):
-            candidate = ranks[i]
-            if candidate % size == local:
-                return candidate
-            node = candidate // size + (1 if candidate % size > local else 0)
-            i = bisect.bisect_left(ranks, node * size + local, i)
-        return None
 
     def watched_from(self, rank: int) -> list[int]:
         """The ranks ``rank``'s watcher reads: its successor, and those after it in the ring while
@@ -166,4 +197,4 @@ class Ring:
 
     def order(self) -> list[int]:
         """Every rank, in ring order from the least (for people and tests: O(ranks))."""
-        return sorted(self.ranks, key=lambda r: (r % self.node_size, r // self.node_size))
+        return sorted(self.ranks, key=lambda r: (r % self.node_size, self._position(r // self.node_size)))
