@@ -186,10 +186,22 @@ def test_a_rank_killed_is_aborted_out_of_within_two_intervals_and_the_survivors_
         # collective timeout would have let it out.
         assert failure["at"] - value["killed_at"] < 2 * INTERVAL_S + SLACK_S, (rank, value)
         assert value["back"] - value["killed_at"] < COLLECTIVE_S / 2, (rank, value)
+    # The other spare stayed one, in no group, until the job released it.
+    assert results[world - 1] == ("ok", {"role": "unused spare", "aborted": []}), results[world - 1]
 
 
-def test_a_rank_frozen_past_its_progress_timeout_is_counted_out_as_hung():
-    results = _run(8, "stop", victim=3, progress_s=PROGRESS_S)
-    _members(results, [0, 1, 2, 6, 4, 5])
+@pytest.mark.parametrize("world", [8, 16])
+def test_a_rank_frozen_past_its_progress_timeout_is_counted_out_as_hung(world):
+    results = _run(world, "stop", victim=3, progress_s=PROGRESS_S)
+    placement = [0, 1, 2, world - 2, *range(4, world - 2)]
+    members = _members(results, placement)
+    for rank, value in members.items():
+        if rank == world - 2:
+            assert value.get("joined") and value["failures"] == [], value
+            continue
+        # Aborted out of its step with the frozen rank (or the step after), and back on the spare.
+        assert [f["step"] for f in value["failures"]] in ([EVENT_STEP], [EVENT_STEP + 1]), (rank, value)
+        assert value["plan"] == f"replace: rank 3 -> {world - 2}; 1 spares left", (rank, value)
     status, value = results[3]
     assert status == "ok" and value["role"] == "excluded" and "made no progress" in value["why"], results[3]
+    assert results[world - 1] == ("ok", {"role": "unused spare", "aborted": []}), results[world - 1]
