@@ -123,6 +123,33 @@ def test_bad_heartbeat_settings_are_refused_naming_the_value(kwargs, message):
         start_heartbeat(**kwargs)
 
 
+def test_settings_other_than_those_of_the_running_heartbeat_are_refused_naming_both(monkeypatch):
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers "fake")
+
+    from hypergrid.control import heartbeat as module
+    from hypergrid.control.heartbeat import running_heartbeat
+
+    # Rank 0 of two, its monitor a real one on a real store; the fake backend has no control plane
+    # of its own (nobody to agree with), so the test hands it one over that store.
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+    plane = ControlPlane("hypergrid/control/test-settings", store, ("127.0.0.1", store.port))
+    monkeypatch.setattr(module, "control_plane", lambda: plane)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        beat = start_heartbeat(interval_s=0.5, progress_timeout_s=30)
+        assert beat is not None and start_heartbeat(interval_s=0.5, progress_timeout_s=30) is beat  # the same: kept
+        with pytest.raises(ValueError, match=r"rank 0's heartbeat already runs with interval_s=0\.5, "
+                                             r"progress_timeout_s=30, stale_beats=5; this call asks for "
+                                             r"interval_s=1, progress_timeout_s=600, stale_beats=5"):
+            start_heartbeat(progress_timeout_s=600)
+        assert running_heartbeat() is beat and beat.progress_timeout_s == 30
+    finally:
+        running = running_heartbeat()
+        if running is not None:
+            running.stop(clean=True)
+        dist.destroy_process_group()
+
+
 def test_a_monitor_that_cannot_reach_the_store_is_an_error_at_the_call():
     import socket
 

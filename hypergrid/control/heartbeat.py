@@ -274,7 +274,8 @@ def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFA
     of one rank).
 
     Raises:
-        ValueError: an interval, timeout or count that is not a positive number.
+        ValueError: an interval, timeout or count that is not a positive number; or settings other
+            than those of the heartbeat already running on this rank.
         RuntimeError: the monitor could not start (the store cannot be reached by address, or
             the process could not be started), naming why.
 
@@ -300,6 +301,15 @@ def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFA
         rank = dist.get_rank()
         current = _current
         if current is not None and current.running and current.rank == rank and current.plane is plane:
+            asked = (interval, progress, stale_beats)
+            if asked != (current.interval_s, current.progress_timeout_s, current.stale_beats):
+                # Dropping them silently would leave the user believing in a progress timeout that is not kept.
+                raise ValueError(
+                    f"rank {rank}'s heartbeat already runs with interval_s={current.interval_s:g}, progress_timeout_s="
+                    f"{current.progress_timeout_s:g}, stale_beats={current.stale_beats}; this call asks for "
+                    f"interval_s={interval:g}, progress_timeout_s={progress:g}, stale_beats={stale_beats}: call "
+                    f"start_heartbeat with its settings before ResilientJob.of_* (which starts one with the defaults "
+                    f"where none runs), once per rank")
             return current
         if current is not None:
             current.stop(clean=True)
