@@ -96,6 +96,10 @@ def _child(
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         if backend in BACKEND_MODULES:
             importlib.import_module(BACKEND_MODULES[backend])  # registers it with torch
+        # Every rank reaches init_process_group before any starts its timeout: on a loaded machine
+        # the ranks' imports end seconds apart, and a job whose timeout is a scenario's few seconds
+        # (a gloo world connects within it) must not fail on its own start.
+        start_together(store, name="harness/ready")
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                                 **init_kwargs)
         value = fn(rank, world_size, *args)
