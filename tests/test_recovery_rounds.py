@@ -11,7 +11,10 @@ job unable to recover:
 - an attempt that fails past the recovery's deadline is a ``RecoveryError`` on every survivor,
   and a retry agrees afresh and recovers;
 - a second job on the same ranks: its spares wait for it (the first job's release is not theirs)
-  and replace a rank that dies.
+  and replace a rank that dies;
+- a job (of 2 ranks; of 4, spares 2 and 3) whose board holds entries of its earlier life: a recovery reads the board from
+  where the last committed round's leader had read it, so its requests do not grow with them,
+  and a loss after that round's verdict or commit is still seen by every participant of the next.
 
 Plus the inputs that used to be accepted or fail deep inside, each a clear error naming the value.
 """
@@ -225,6 +228,163 @@ def test_a_second_job_on_the_same_ranks_has_spares_of_its_own():
             (rank, results[rank])
     assert results[4][0] == "ok" and results[4][1]["ranks"] == [0, 1, 2, 4], results[4]
     assert results[5][0] == "ok" and results[5][1]["in_grid"] is False and results[5][1]["waited_s"] > 1.5, results[5]
+
+
+# ---------------------------------------------------------------------- the board's history
+class BoardRequests:
+    """This process's store requests on ``channel``'s board (its entries and its count), counted by
+    wrapping :class:`~hypergrid.runtime.store.StoreClient`'s calls, through which a rank reads and
+    writes the board (its monitor, a process of its own, is not counted)."""
+
+    CALLS = ("get", "get_within", "check", "wait", "set", "add", "compare_set")
+
+    def __init__(self, channel: Any) -> None:
+        from hypergrid.runtime.store import StoreClient
+
+        self.prefix = channel.events()[:-1]  # ".../event": the entries ("event/<k>") and the count ("events")
+        self.count = 0
+        for name in self.CALLS:
+            setattr(StoreClient, name, self._counted(getattr(StoreClient, name)))
+
+    def _counted(self, original: Any) -> Any:
+        def counted(client: Any, key: Any, *args: Any, **kwargs: Any) -> Any:
+            first = key[0] if isinstance(key, list) else key
+            self.count += first.startswith(self.prefix)
+            return original(client, key, *args, **kwargs)
+
+        return counted
+
+
+def _job_on(world: int, *, grid: list[int], spares: list[int]) -> Any:
+    """A job whose grid is dp over ``grid``, heartbeats every 0.5 s."""
+    import hypergrid
+
+    hypergrid.start_heartbeat(interval_s=0.5)
+    made = HyperCommGrid(grid, ["dp"], world_size=world)
+    made.create_pg("dp")
+    return ResilientJob.of_grid(made, spares=spares, timeout=RECOVERY)
+
+
+def _earlier_losses(job: Any, ranks: range) -> None:
+    """Publish the losses of ``ranks`` on the job's board, one entry each, as monitors did in the
+    job's earlier life (ranks the job no longer counts on)."""
+    from hypergrid.control.board import publish
+    from hypergrid.control.plane import control_plane
+    from hypergrid.runtime.wire import BoardEvent, EventKind
+
+    plane = control_plane()
+    for r in ranks:
+        publish(job.channel, plane, BoardEvent(EventKind.LOST, r, "its process ended", by=r))
+
+
+EARLIER = 200
+
+
+def _board_requests_per_recovery(rank: int, world: int) -> list[int]:
+    """Three recoveries of a 2-rank job in which nobody failed (each commits): before the second,
+    :data:`EARLIER` losses are published. Rank 1 leaves each rebuild's probe of the groups 1.5 s
+    late, so that rank 0's next wait (a world step of the rebuild) outlasts its slices and looks at
+    the board too. The board requests this rank made in each recovery."""
+    from hypergrid.recovery import rebuild
+
+    job = _job_on(world, grid=[2], spares=[])
+    if rank == 1:
+        original = rebuild.broken_groups
+
+        def late(*args: Any, **kwargs: Any) -> Any:
+            found = original(*args, **kwargs)
+            time.sleep(1.5)
+            return found
+
+        rebuild.broken_groups = late
+    requests, counts = BoardRequests(job.channel), []
+    for n in range(3):
+        if n == 1 and rank == 0:
+            _earlier_losses(job, range(100, 100 + EARLIER))  # after the last commit: the next recovery reads them
+        before = requests.count
+        job = recover(job, gpus_per_node=2, step=n)
+        counts.append(requests.count - before)
+    job.release_spares()
+    return counts
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_a_recovery_reads_the_board_from_the_last_commit_not_from_its_first_entry():
+    results = run_gloo(_board_requests_per_recovery, 2, timeout=120, pg_timeout_s=COLLECTIVE_S)
+    empty, published, after = (sum(rank[n] for rank in results) for n in range(3))
+    # The losses published since the last commit are read (two requests each, by the leader and
+    # by the other rank's wait, each its own view).
+    assert published >= 2 * EARLIER, results
+    # The next recovery reads on from where the committed round's leader had read: the board's
+    # earlier entries cost nothing (read from the first entry, they cost some 400 requests on each
+    # rank that looked). A few looks more or less: the waits' slices vary.
+    assert after <= empty + 16 and after < EARLIER // 4, results
+
+
+def _lost_since_the_last_commit(rank: int, world: int) -> dict:
+    """A 4-rank job, grid on ranks 0 and 1, spares 2 and 3, with 5 losses of its earlier life on its
+    board. A recovery in which nobody failed commits, while spare 3 dies once it has the verdict;
+    then rank 1 dies. Rank 0 recovers once both losses are on the board: each participant's view
+    of the board in that round, and its verdict."""
+    from hypergrid.control import rounds as control_rounds
+    from hypergrid.control.board import LossView
+    from hypergrid.control.plane import control_plane
+    from hypergrid.recovery import rounds
+
+    job = _job_on(world, grid=[2], spares=[2, 3])
+    if rank == 0:
+        _earlier_losses(job, range(100, 105))
+    seen: list[dict] = []
+    agree = control_rounds.RecoveryRound.agree
+
+    def watched(rnd: Any, domain: Any, arrival: Any, *, bound_s: float, board: Any, offers: Any = ()) -> Any:
+        start = board.seen
+        verdict = agree(rnd, domain, arrival, bound_s=bound_s, board=board, offers=offers)
+        seen.append({"round": rnd.number, "start": start, "lost": sorted(board.refresh()),
+                     "failed": verdict.failed, "reasons": verdict.reasons})
+        return verdict
+
+    control_rounds.RecoveryRound.agree = watched
+    if rank == 3:
+        original = rounds.attempt
+
+        def dying(*args: Any, **kwargs: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)  # it has the verdict; the others commit without it
+            return original(*args, **kwargs)
+
+        rounds.attempt = dying
+    if not job.in_grid:
+        job = job.wait_as_spare(timeout=timedelta(seconds=90), gpus_per_node=2)
+        return {"seen": seen, "ranks": list(job.layout.ranks)}
+    job = recover(job, gpus_per_node=2, step=1)  # nobody failed: it commits
+    if rank == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    board, until = LossView(job.channel, control_plane()), time.monotonic() + 60
+    while board.lost_among([1, 3]) != [1, 3] and time.monotonic() < until:
+        time.sleep(0.1)
+    job = recover(job, gpus_per_node=2, step=2)
+    job.release_spares()
+    return {"seen": seen, "ranks": list(job.layout.ranks), "plan": job.last.describe()}
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_losses_after_the_last_round_s_verdict_are_seen_by_every_participant_of_the_next_round():
+    results = run_gloo(_lost_since_the_last_commit, 4, timeout=150, pg_timeout_s=COLLECTIVE_S,
+                       expect_failure=True, leave_at_once=True)
+    assert results[1][0] == "dead" and results[3][0] == "dead", (results[1], results[3])
+    assert results[0][0] == "ok" and results[0][1]["plan"] == "replace: rank 1 -> 2; 0 spares left", results[0]
+    for rank in (0, 2):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 2], (rank, results[rank])
+        first, second = value["seen"][0], value["seen"][-1]
+        assert first["failed"] == () and second["round"] == first["round"] + 1, (rank, value["seen"])
+        # Its view of the round started past the job's earlier entries, and still holds both
+        # losses: spare 3's (after the last verdict) and rank 1's (after the last commit).
+        assert second["start"] >= 5 and {1, 3} <= set(second["lost"]), (rank, second)
+        assert second["failed"] == (1, 3) and second["reasons"] == (
+            "rank 1: its process ended before it arrived", "rank 3: its process ended before it arrived"), (rank, second)
 
 
 # ---------------------------------------------------------------------- inputs

@@ -12,7 +12,9 @@ counted out publishes that it offers itself back.
 
 :class:`LossView` is what a rank's waits inside a recovery look at: which ranks are lost, for one
 store request per look (whether the next slot is filled), the entries themselves read only when
-one was.
+one was. A recovery's view starts at the entry its job's committed record names, not at the
+first (:func:`hypergrid.recovery.rounds.losses_since` says why no loss it must know of is
+before it): its first look costs the same however many entries the board holds.
 
 Example, in a one-rank gloo world over a ``TCPStore``::
 
@@ -61,7 +63,8 @@ def publish(channel: JobChannel, plane: ControlPlane, event: BoardEvent, store: 
 
 
 class LossView:
-    """The ranks lost on ``channel``'s board, with why (a BACK event undoes an earlier loss)."""
+    """The ranks lost on ``channel``'s board from entry ``first`` on, with why (a BACK event undoes
+    an earlier loss); ``seen``: the next entry it reads."""
 
     def __init__(self, channel: JobChannel, plane: ControlPlane, first: int = 0) -> None:
         self.channel = channel

@@ -13,7 +13,8 @@ spare's next wait always meet in a new round:
     the number of the round now open (or next); advanced once per round (compare-and-set).
 ``committed``
     the job as its latest committed round left it (:class:`~hypergrid.runtime.wire.JobRecord`):
-    the store, not a rank's memory, says where the grid is, so a rank that missed an end reads it.
+    the store, not a rank's memory, says where the grid is, so a rank that missed an end reads it;
+    and where on the job's board the next recovery starts reading (``board_from``).
 ``released``
     set once the job lets its spares go.
 ``offers``
@@ -37,7 +38,11 @@ spare's next wait always meet in a new round:
 the arrivals and the job's board of losses (:class:`~hypergrid.control.board.LossView`); the
 others block on the verdict's key, one slice at a time, and look at the leader's beat between
 slices. So a participant's store work per slice is the same at 8 ranks and at 16,384, and the
-leader reads the arrivals only when they may be complete.
+leader reads the arrivals only when they may be complete. The verdict says how many entries of
+the board the leader had read (``board_read``), and the round that commits records it in
+``committed``: the next recovery reads the board from there (every rank the job still counts on
+that was lost since is in a later entry), not from the board's first entry, so its first look
+costs the same however many entries the job's earlier recoveries left.
 
 Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
 and its process ended (its monitor published it)::
@@ -265,8 +270,8 @@ class RecoveryRound:
         if count != waiting.read_at and (count >= expected or waited >= bound_s
                                          or store.remaining() <= ABANDON_MARGIN_S + _POLL_S):
             waiting.arrivals, waiting.read_at = self._arrivals(), count  # the whole list: only when it may do
-        proposal = decide(RoundView(self.number, waiting.domain, waiting.arrivals, lost, waited, waiting.offers),
-                          bound_s=bound_s, remaining_s=store.remaining())
+        proposal = decide(RoundView(self.number, waiting.domain, waiting.arrivals, lost, waited, waiting.offers,
+                                    board_read=board.seen), bound_s=bound_s, remaining_s=store.remaining())
         if proposal is None:
             time.sleep(_POLL_S)
             return None

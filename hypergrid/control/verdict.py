@@ -11,7 +11,9 @@ and the one verdict. The rule:
   that left for the recovery until that collective times out. It is waited for up to ``bound_s``
   (the job's longest collective timeout, a margin and the staleness bound), then counted out as
   hung. A round whose deadline comes first is abandoned, naming those it waited for;
-- the verdict's size grows with what failed and who offered itself, not with the job.
+- the verdict's size grows with what failed and who offered itself, not with the job. It says
+  how far the board was read (``board_read``): a round that commits records it, and the next
+  recovery reads the board from there, not from its first entry.
 
 Example: of the job ``[0, 1, 2, 3]``, ranks 0 and 1 arrived and rank 2's process ended::
 
@@ -45,7 +47,8 @@ ABANDON_MARGIN_S = 0.2
 class RoundView:
     """What a round's leader sees: the round's ``number``, every rank the job counts on
     (``domain``), the arrivals by rank, the ranks lost on the board with why, how long it has
-    waited, and the ranks outside the job that offered themselves (waited for like the job's)."""
+    waited, the ranks outside the job that offered themselves (waited for like the job's), and
+    how many entries of the board ``lost`` was read from (``board_read``, handed on in the verdict)."""
 
     number: int
     domain: Sequence[int]
@@ -53,6 +56,7 @@ class RoundView:
     lost: Mapping[int, str]
     waited_s: float
     offers: Sequence[int] = ()
+    board_read: int = 0
 
 
 def decide(seen: RoundView, *, bound_s: float, remaining_s: float) -> Optional[FailureVerdict]:
@@ -81,4 +85,5 @@ def decide(seen: RoundView, *, bound_s: float, remaining_s: float) -> Optional[F
         grow=any(a.reason == "grow" for a in present.values()),
         recovering=any(a.reason == "recover" for a in present.values()),
         aborted_by=tuple(as_runs(r for r, a in present.items() if a.aborted)),
+        board_read=seen.board_read,
     )

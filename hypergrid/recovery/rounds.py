@@ -53,7 +53,7 @@ from .rebuild import build, let_go, reset_megatron_if, restore
 from .recipes import GridRecipe, longest_collective
 
 __all__ = ["run_rounds", "recover_known", "plan_for", "after", "synced", "attach", "detach", "staleness_bound",
-           "ARRIVAL_MARGIN_S"]
+           "losses_since", "ARRIVAL_MARGIN_S"]
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +105,12 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
     # the bound: on top of the recovery's timeout, which counts from the first agreement.
     deadline = time.monotonic() + timeout.total_seconds() + bound
     first = True
-    board = LossView(job.channel, plane)
+    board: Optional[LossView] = None
     with recovering():
         while True:
             rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound))
+            if board is None:
+                board = losses_since(job.channel, plane, rnd.record)
             job = synced(job, rnd.record)
             offered = [r for r in rnd.offers if not job.counts_on(r)]
             if not job.counts_on(rank) and rank not in offered:
@@ -147,6 +149,25 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
                     f"hypergrid: the recovery did not commit a placement within its timeout "
                     f"({timeout.total_seconds():g} s after the survivors first agreed); the last attempt "
                     f"failed: {end.message}")
+
+
+def losses_since(channel: JobChannel, plane: ControlPlane, committed: Optional[JobRecord]) -> LossView:
+    """The job's board as a recovery reads it: from the entry the latest committed round recorded
+    (``committed.board_from``; the first entry where none committed), which every participant reads
+    from the store alike, not from a count of its own. Before that entry no rank the job counts on
+    is lost: the round that committed counted out every rank lost there, and a rank that offers
+    itself since says so later. A loss after the round's leader last looked (a member that died as
+    the round committed, or since) is at or after it, and is read. So the first look costs the
+    same whatever the board's history, on the leader and in every wait of the rebuild.
+
+    Example::
+
+        >>> channel, plane = JobChannel("ns", "f00d", 0), ControlPlane("ns", store=None, address=None)
+        >>> record = JobRecord(3, (2,), ("dp",), ((0, 0, 2),), (), board_from=412)
+        >>> losses_since(channel, plane, record).seen, losses_since(channel, plane, None).seen
+        (412, 0)
+    """
+    return LossView(channel, plane, first=committed.board_from if committed is not None else 0)
 
 
 def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node: int, replica_dim: str,
@@ -220,12 +241,13 @@ def plan_for(job: Any, verdict: FailureVerdict, gpus_per_node: int, replica_dim:
 
 
 def record(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, before: Optional[JobRecord]) -> JobRecord:
-    """The store's record of ``job`` after ``plan`` (``before``: the record it follows)."""
+    """The store's record of ``job`` after ``plan`` (``before``: the record it follows), with where
+    the next recovery reads the board from: as far as the leader had read it for ``verdict``."""
     spares = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
     runs = (plan.new.rank_map or RankMap.contiguous(plan.new.rank_offset, plan.new.size)).runs
     gone = (before.gone if before is not None else ()) + verdict.reasons
     return JobRecord(job.generation + 1, tuple(plan.new.shape), tuple(plan.new.dim_names), runs, spares,
-                     verdict.step, gone)
+                     verdict.step, gone, board_from=verdict.board_read)
 
 
 def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any,

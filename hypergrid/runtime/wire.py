@@ -311,7 +311,9 @@ class FailureVerdict:
     some participant came to grow the job (``grow``) or after a failure (``recovering``), and the
     ranks that aborted their communicators to come (``aborted_by``, as ``(first, count)`` runs:
     every abortable group one of them is in is broken). ``abandoned`` non-empty: a participant gave
-    up (its deadline passed), and the recovery ends in an error on every participant. Its size
+    up (its deadline passed), and the recovery ends in an error on every participant.
+    ``board_read``: how many entries of the job's board the leader had read when it decided (every
+    rank of the job lost in them is failed; a loss it did not read is in a later entry). Its size
     grows with the failures and offers, not with the job: every participant reads it.
 
     Example::
@@ -330,6 +332,7 @@ class FailureVerdict:
     recovering: bool = False
     aborted_by: tuple[tuple[int, int], ...] = ()
     abandoned: str = ""
+    board_read: int = 0
 
 
 @dataclass(frozen=True)
@@ -338,6 +341,11 @@ class JobRecord:
     map runs), its spares and the step to resume from. The store holds it, so a rank that missed
     a round's end reads where the job is instead of trusting its own view. ``gone``: why each rank
     the job lost was counted out (one line each, every round so far), for a rank that learns late.
+    ``board_from``: the entry of the job's board the next recovery reads from, the committing
+    round's ``FailureVerdict.board_read``: no rank this record counts on is lost in the entries
+    before it (the round counted out every rank they say is lost, and a rank that offers itself to
+    this record says so in a later entry), so a recovery's first look at the board costs the same
+    however many entries the job's earlier recoveries left on it.
 
     Example::
 
@@ -353,6 +361,7 @@ class JobRecord:
     spares: tuple[int, ...]
     step: Optional[int] = None
     gone: tuple[str, ...] = ()
+    board_from: int = 0
 
 
 @dataclass(frozen=True)
