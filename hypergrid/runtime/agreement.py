@@ -7,9 +7,10 @@ hint of who or why. hypergrid checks first, through the job's store.
 **Rounds.** The members of a group meet in a *round*, named by what they share: their member set
 and the round's *epoch*, a counter the store keeps for that member set. A member reads the epoch
 when it arrives and publishes what it asks for (an :class:`Agreement`: typed facts of the grid,
-the request and where the request stands in its grid's sequence); the group's lowest rank, its
-*leader*, reads every member's entry, and either advances the epoch and then posts "ok", or posts
-why not. The invariant that makes this right by construction:
+the request and where the request stands in its grid's sequence), then counts itself in; the
+group's lowest rank, its *leader*, reads every member's entry once the count says all came, and
+either advances the epoch and then posts "ok", or posts why not. The invariant that makes this
+right by construction:
 
     An epoch is advanced only once every member has read it (the leader saw all their entries),
     or once its round has failed for every member that reads its verdict; and it is advanced
@@ -28,26 +29,45 @@ share its outcome: every member gets the group, or every member gets the same er
 whose leader stays silent gives up at the same deadline as the leader, naming the members that
 never arrived.
 
-**Diagnosis.** While waiting, a member looks at the absent members' *last states* (each rank's
+**Diagnosis.** While waiting, a member looks, once a slice (see **Waits**), at the absent
+members' *last states* (each rank's
 latest: waiting in a round, failed in one, or passed a request without being in any of its
 groups) and stops early only on evidence that cannot be stale: an absent member of the same
 member set at a later epoch (it went past this round) or failed in this very round; one blocked
 in another round that is still open (its epoch not advanced) at this same request of this grid
 family with other members or facts, or one that itself waits for this rank (a wait-for cycle);
 or, for ranks outside every group of a request, one that passed this same request with grid
-facts that put it elsewhere. A rank merely busy elsewhere is late, and is waited for.
+facts that put it elsewhere. Inside a recovery (:func:`~hypergrid.runtime.losses.watching`)
+it looks at the job's board too: an absent member that was lost, or a leader lost after it
+arrived, will never come. A rank merely busy elsewhere is late, and is waited for.
+
+**Waits.** Every wait is a blocking store call a *slice* at a time, with one look for trouble
+between two slices, so that what a waiting member asks of the store per slice does not depend on
+the group's size. Each member arrives with its entry (and last state) in one ``multi_set``, its
+rank appended to the round's list of arrivals and one ``add`` to the round's count; the member
+whose ``add`` completes the count sets the key its leader blocks on. The leader blocks on that
+key, first for a quarter of a second, then for twice as long each time up to 3 s (0.5 s inside a
+recovery); between two slices it reads the list of arrivals (one ``get``) and looks at the absent
+members (the board: one request; their last states: at most 64 of them, one ``check`` and one
+``multi_get`` where each has one). A follower blocks on its leader's verdict (one ``get`` a
+slice, 3 s for the first, then as the leader's), and between two slices looks at the leader only:
+whether it came (until it has), why not, and inside a recovery whether the board says it was lost.
 
 **Store.** Agreement talks to the job's store over a connection of its own (the store's
 ``clone()``), whose timeout it sets to what is left of the request's, so a store host that stops
 answering is reported within the timeout as what it is. Per member set the store holds an epoch
 counter, one entry per member (overwritten round after round) and at most a verdict or two, which
-the next meeting deletes; per rank one last state. Nothing grows with create and destroy cycles.
+the next meeting deletes; per round its list of arrivals, their count and the key the count's
+last member sets, which the leader deletes when the round ends (a member that arrives in a failed
+round after its leader ended it leaves two of them); per rank one last state. Nothing grows with
+create and destroy cycles.
 
 What an agreeing round costs a follower: one ``add`` (read the epoch), one ``multi_set`` (entry
-and last state) and one blocking ``get`` of the verdict. The leader: the ``add`` and the
-``multi_set``, one blocking ``wait`` for the entries and one ``multi_get`` of them, two
-``compare_set`` (advance the epoch, decide the verdict) and one ``delete_key`` (the previous
-verdict).
+and last state), one ``append`` and one ``add`` (arrive; the last member a ``set`` besides) and
+one blocking ``get`` of the verdict. The leader: the same four to arrive, one blocking ``wait``
+for the count, one ``check`` and one ``multi_get`` of the entries, two ``compare_set`` (advance
+the epoch, decide the verdict) and four ``delete_key`` (the previous verdict, this round's keys
+of arrival).
 
 The records that cross the store are in :mod:`hypergrid.runtime.wire`, the bounded store calls
 in :mod:`hypergrid.runtime.store`, the diagnosis of absent members in
@@ -74,7 +94,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Optional
 
@@ -83,6 +103,7 @@ import torch.distributed as dist
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
 from .diagnosis import concurrency_hint, differences, entries_of, format_differences, judge_absent, last_states
+from .losses import WATCH_SLICE_S, lost_among, watching_now
 from .round import Round
 from .store import StoreClient, agreement_possible, end_round, last_key, read_last
 from .wire import (
@@ -108,9 +129,11 @@ logger = logging.getLogger(__name__)
 #: How long survivors of a failed creation wait for the other members to report their own failure
 #: before naming those who did not as the ones that died or hung (only the message depends on it).
 _FAILURE_GRACE_S = 2.0
-#: How long a member blocks on the store (a follower on its leader's verdict, a leader on its
-#: members' first entries) before it starts looking for trouble itself.
+#: How long a follower first blocks on its leader's verdict before it starts looking for trouble
+#: itself, and the longest slice of any wait outside a recovery (see :func:`_slices`).
 _SLICE_S = 3.0
+#: How long the leader first blocks on its members' arrival before it looks for who is absent.
+_FIRST_LOOK_S = 0.25
 #: What a member keeps of its timeout for the calls that close a round it gave up waiting on.
 _CLOSING_S = 0.5
 
@@ -184,10 +207,7 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
     try:
         rnd = Round.opened(store, label, members, agreement)
         try:
-            entry = encode(Entry(rnd.epoch, rnd.digest, rnd.asked))
-            # One round trip: the entry the leader reads and the last state others diagnose by.
-            store.multi_set([last_key(rnd.rank), rnd.entry_key(rnd.rank)],
-                            [encode(rnd.last_state(State.WAITING)), entry])
+            _arrive(rnd)
             if rnd.rank == rnd.leader:
                 _lead(rnd, timeout)
             else:
@@ -212,12 +232,28 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
     return rnd.round_id
 
 
+def _arrive(rnd: Round) -> None:
+    """Publish this member's entry, then count it in: the member whose arrival completes the
+    count says so on the key its leader blocks on. Every arrival is in the round's list, by which
+    the leader names the absent without reading every entry."""
+    entry = encode(Entry(rnd.epoch, rnd.digest, rnd.asked))
+    # One round trip: the entry the leader reads and the last state others diagnose by.
+    rnd.store.multi_set([last_key(rnd.rank), rnd.entry_key(rnd.rank)], [encode(rnd.last_state(State.WAITING)), entry])
+    rnd.store.append(rnd.arrivals_key, f"{rnd.rank},")
+    if int(rnd.store.add(rnd.count_key, 1)) == len(rnd.members):
+        rnd.store.set(rnd.complete_key, "")
+
+
 def _leave_failed(rnd: Round, exc: BaseException) -> None:
-    """Mark this rank failed in its round and end the round (whoever is first), before raising."""
+    """Mark this rank failed in its round and end the round (whoever is first), before raising;
+    the leader drops the round's keys of arrival too."""
     root = getattr(exc, "root_cause", None) or one_line(str(exc))
     with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
         rnd.store.set(last_key(rnd.rank), encode(rnd.last_state(State.FAILED, root, isinstance(exc, GridMismatchError))))
         end_round(rnd.store, rnd.epoch_key, rnd.epoch)
+        if rnd.rank == rnd.leader:
+            for key in rnd.arrival_keys():
+                rnd.store.delete_key(key)
 
 
 def _decide(rnd: Round, proposed: Verdict, root_cause: Optional[str] = None) -> None:
@@ -266,31 +302,39 @@ def _timeout_message(rnd: Round, missing: list[int], timeout: timedelta) -> str:
     )
 
 
+def _slices(first: float) -> Iterator[float]:
+    """How long each blocking call of a wait lasts: ``first``, then twice the last, up to
+    :data:`_SLICE_S`, or inside a recovery's scope (:func:`~hypergrid.runtime.losses.watching`)
+    up to :data:`~hypergrid.runtime.losses.WATCH_SLICE_S`, so that a lost member ends the wait
+    within about that long. Between two, a member looks for trouble once.
+
+    Example::
+
+        >>> from itertools import islice
+        >>> list(islice(_slices(0.25), 7))
+        [0.25, 0.5, 1.0, 2.0, 3.0, 3.0, 3.0]
+    """
+    length = first
+    while True:
+        yield length
+        length = min(2 * length, _slice_cap())
+
+
+def _slice_cap() -> float:
+    return WATCH_SLICE_S if watching_now() else _SLICE_S
+
+
+def _arrived(rnd: Round, known: bool = True) -> set[int]:
+    """The members in the round's list of arrivals: one ``get`` (and a ``check`` first where the
+    list may be gone: ``known`` False, for a follower, whose leader deletes it once it decided)."""
+    if not known and not rnd.store.check([rnd.arrivals_key]):
+        return set()
+    return {int(r) for r in rnd.store.get(rnd.arrivals_key).decode().split(",") if r}
+
+
 def _lead(rnd: Round, timeout: timedelta) -> None:
-    keys = [rnd.entry_key(r) for r in rnd.members]
-    entries: dict[int, Entry] = {}
-    published = [False]  # every member has published at least once: its key exists
-
-    def arrived() -> bool:
-        # Cheap until every member has published once: one check of all keys.
-        entries.clear()
-        if not published[0] and not rnd.store.check(keys):
-            return False
-        published[0] = True
-        for r, raw in zip(rnd.members, rnd.store.multi_get(keys)):
-            entry = decode(Entry, raw)
-            if entry.epoch == rnd.epoch:
-                entries[r] = entry
-        return len(entries) == len(rnd.members)
-
-    def absent() -> list[int]:
-        return [r for r in rnd.members if r not in (entries or entries_of(rnd, rnd.members))]
-
     try:
-        # The first meeting of these members blocks until every entry exists instead of polling.
-        published[0] = rnd.store.wait(keys, _SLICE_S)
-        if not _poll(_waiting_until(rnd, timeout), arrived, lambda: judge_absent(rnd, absent())):
-            raise GroupTimeoutError(_timeout_message(rnd, absent(), timeout))
+        entries = _await_members(rnd, timeout)
         if len({e.digest for e in entries.values()}) > 1:
             diffs = differences({r: e.asked.fields() for r, e in entries.items()})
             raise GridMismatchError(
@@ -302,42 +346,91 @@ def _lead(rnd: Round, timeout: timedelta) -> None:
     except GridMismatchError as exc:
         _decide(rnd, Verdict(RoundOutcome.MISMATCH, str(exc)), exc.root_cause)
     # Every member has read this epoch: advance it, then say yes, so that no member can read it
-    # again for its next request; then drop the verdicts of earlier rounds, which all have left.
+    # again for its next request; then drop the keys that no member reads any more.
     end_round(rnd.store, rnd.epoch_key, rnd.epoch)
     _decide(rnd, Verdict(RoundOutcome.OK, ""))
-    _drop_old_verdicts(rnd)
+    _drop_old_keys(rnd)
 
 
-def _drop_old_verdicts(rnd: Round) -> None:
+def _await_members(rnd: Round, timeout: timedelta) -> dict[int, Entry]:
+    """Every member's entry in this round, once all have arrived; the leader's wait.
+
+    A slice is one blocking ``wait`` on the key the last arrival sets; between two, the leader
+    reads the list of arrivals (one ``get``) and looks at the absent members once
+    (:func:`~hypergrid.runtime.diagnosis.judge_absent`: the job's board inside a recovery, their
+    last states). The entries themselves are read once, when the count says every member came.
+    Raises :class:`~hypergrid.errors.GroupTimeoutError` naming the absent at the deadline, or
+    what the diagnosis raises."""
+    until = _waiting_until(rnd, timeout)
+    slices = _slices(_FIRST_LOOK_S)
+    counted = False  # the count reached the members' number: its key is set, a wait returns at once
+    while True:
+        seconds = min(next(slices), until - time.monotonic())
+        arrived: Optional[set[int]] = None
+        if not counted:
+            counted = complete = rnd.store.wait([rnd.complete_key], seconds)
+        else:
+            # Counted, but a member is missing: one was counted twice (it left an earlier call in
+            # this round without closing it, and came again). The list says who came.
+            time.sleep(max(0.0, seconds))
+            arrived = _arrived(rnd)
+            complete = set(rnd.members) <= arrived
+        if complete:
+            entries = entries_of(rnd, rnd.members)
+            if len(entries) == len(rnd.members):
+                return entries
+            arrived = set(entries)
+        if arrived is None:
+            arrived = _arrived(rnd)
+        absent = [r for r in rnd.members if r not in arrived]
+        if time.monotonic() >= until:
+            raise GroupTimeoutError(_timeout_message(rnd, absent, timeout))
+        judge_absent(rnd, absent)
+
+
+def _drop_old_keys(rnd: Round) -> None:
     """Delete the previous round's verdict: every member has published in this round, so every
-    member is past that one. (A verdict of a round before a failed one stays, one key a failure.)"""
+    member is past that one (a verdict of a round before a failed one stays, one key a failure);
+    and this round's keys of arrival, which every member has written and nobody reads again."""
     if rnd.epoch > 0:
         rnd.store.delete_key(f"{rnd.base}/verdict/{rnd.epoch - 1}")
+    for key in rnd.arrival_keys():
+        rnd.store.delete_key(key)
 
 
 def _follow(rnd: Round, timeout: timedelta) -> None:
-    # The fast path is one blocking call: a round ends with its leader deciding its verdict. A
-    # leader that died or went another way decides nothing, so after a while (the slice) the
-    # follower looks at the leader's last state, as the leader looks at its members'; at the
-    # deadline it proposes a timeout itself, naming the absent members, unless a verdict stands.
-    raw = rnd.store.get_within(rnd.verdict_key, _SLICE_S)
-    if raw is not None:
-        _act_on(decode(Verdict, raw))
-        return
-
-    def diagnose() -> None:
-        if rnd.leader not in entries_of(rnd, [rnd.leader]):
-            judge_absent(rnd, [rnd.leader])
-
+    # A slice is one blocking call: a round ends with its leader deciding its verdict. A leader
+    # that died or went another way decides nothing, so after the first slice the follower looks
+    # at the leader once a slice, as the leader looks at its absent members: whether it came
+    # (until it has), why it cannot come, or, inside a recovery, whether the job's board says it
+    # was lost. At the deadline it proposes a timeout itself, naming the absent members, unless a
+    # verdict stands.
+    until = _waiting_until(rnd, timeout)
+    slices = _slices(_SLICE_S)
+    leader_came = leader_lost = False
     try:
-        decided = _poll(_waiting_until(rnd, timeout), lambda: rnd.store.check([rnd.verdict_key]), diagnose)
+        while True:
+            raw = rnd.store.get_within(rnd.verdict_key, min(next(slices), until - time.monotonic()))
+            if raw is not None:
+                _act_on(decode(Verdict, raw))
+                return
+            if time.monotonic() >= until:
+                break
+            leader_came = leader_came or rnd.leader in entries_of(rnd, [rnd.leader])
+            if not leader_came:
+                judge_absent(rnd, [rnd.leader])
+            elif lost_among([rnd.leader]):
+                leader_lost = True
+                break
     except GridMismatchError as exc:
         _decide(rnd, Verdict(RoundOutcome.MISMATCH, str(exc)), exc.root_cause)
         return
-    if decided:
-        _act_on(decode(Verdict, rnd.store.get(rnd.verdict_key)))
+    if leader_lost:
+        _decide(rnd, Verdict(RoundOutcome.TIMEOUT, (
+            f"hypergrid: {rnd.where()} cannot be created: its leader, rank {rnd.leader}, was lost (the job's "
+            f"board says so) after it arrived, before it decided; the others stop waiting for it")))
         return
-    present = entries_of(rnd, rnd.members)
+    present = _arrived(rnd, known=False)
     missing = [r for r in rnd.members if r not in present]
     if missing:
         message = _timeout_message(rnd, missing, timeout)

@@ -25,7 +25,7 @@ from ..errors import GridMismatchError, GroupTimeoutError, StoreUnresponsiveErro
 from ..layout.describe import describe_ranks, shorten
 from .losses import lost_among
 from .round import Round
-from .store import StoreClient, member_set_key, read_last
+from .store import StoreClient, member_set_key, read_last, read_lasts
 from .wire import Entry, LastState, RoundOutcome, State, Verdict, decode, encode
 from .world_step import failed_step
 
@@ -96,6 +96,8 @@ def entries_of(rnd: Round, ranks: list[int]) -> dict[int, Entry]:
     keys = [rnd.entry_key(r) for r in ranks]
     if rnd.store.check(keys):
         raws = dict(zip(ranks, rnd.store.multi_get(keys)))
+    elif len(keys) == 1:
+        raws = {}
     else:
         present = [(r, key) for r, key in zip(ranks[:64], keys) if rnd.store.check([key])]
         raws = dict(zip([r for r, _ in present], rnd.store.multi_get([k for _, k in present]))) if present else {}
@@ -119,12 +121,9 @@ def judge_absent(rnd: Round, absent: list[int]) -> None:
             f"so ranks {describe_ranks(absent)} will not come: {verdict.error}",
             root_cause=verdict.error,
         )
-    for r in absent[:64]:  # a bounded look: diagnosing must not cost O(group size) each poll
-        if r == rnd.rank:
-            continue
-        last = read_last(rnd.store, r)
-        if last is None:
-            continue
+    # A bounded look, read at once: diagnosing must not cost O(group size) each slice.
+    lasts = read_lasts(rnd.store, [r for r in absent[:64] if r != rnd.rank])
+    for r, last in lasts.items():
         reason, cycle = _cannot_arrive(rnd, last, r)
         if reason is None:
             continue

@@ -28,7 +28,11 @@ from collections.abc import Collection, Iterator
 from datetime import timedelta
 from typing import Optional, Protocol
 
-__all__ = ["LossCheck", "watching", "watching_now", "lost_among", "creation_timeout"]
+__all__ = ["LossCheck", "watching", "watching_now", "lost_among", "creation_timeout", "WATCH_SLICE_S"]
+
+#: How long a wait inside :func:`watching` blocks on the store at a time before it looks whether
+#: a rank it waits for is lost, in seconds: a loss ends the wait within about this long.
+WATCH_SLICE_S = 0.5
 
 
 class LossCheck(Protocol):

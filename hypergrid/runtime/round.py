@@ -16,6 +16,8 @@ Example, in a one-rank gloo world whose store is a ``HashStore``::
     >>> rnd = Round.opened(StoreClient(time.monotonic() + 5), "tp", [0, 1], asked)
     >>> rnd.round_id.name, rnd.leader, rnd.verdict_key.endswith("/verdict/0")
     ('[0, 1]#0', 0, True)
+    >>> [key.rsplit("/", 2)[-2] for key in rnd.arrival_keys()]
+    ['here', 'count', 'complete']
     >>> dist.destroy_process_group()
 """
 
@@ -76,6 +78,26 @@ class Round:
 
     def entry_key(self, rank: int) -> str:
         return f"{self.base}/entry/{rank}"
+
+    @property
+    def arrivals_key(self) -> str:
+        """The round's list of the members that have published their entry ("r," each)."""
+        return f"{self.base}/here/{self.epoch}"
+
+    @property
+    def count_key(self) -> str:
+        """The round's count of arrivals, which each member adds 1 to once its entry is published."""
+        return f"{self.base}/count/{self.epoch}"
+
+    @property
+    def complete_key(self) -> str:
+        """Set by the member whose arrival made the count reach the number of members; the leader
+        blocks on it."""
+        return f"{self.base}/complete/{self.epoch}"
+
+    def arrival_keys(self) -> list[str]:
+        """This round's keys of arrival, which its leader deletes once it is done with them."""
+        return [self.arrivals_key, self.count_key, self.complete_key]
 
     def last_state(self, state: State, error: str = "", diverged: bool = False) -> LastState:
         """This rank's state in this round, as others read it."""

@@ -36,7 +36,7 @@ from .shutdown import register
 from .torch_compat import default_store
 from .wire import LastState, decode
 
-__all__ = ["PREFIX", "StoreClient", "agreement_possible", "member_set_key", "last_key", "read_last"]
+__all__ = ["PREFIX", "StoreClient", "agreement_possible", "member_set_key", "last_key", "read_last", "read_lasts"]
 
 R = TypeVar("R")
 
@@ -244,6 +244,25 @@ def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
     if not store.check([key]):
         return None
     return decode(LastState, store.get(key))
+
+
+def read_lasts(store: StoreClient, ranks: list[int]) -> dict[int, LastState]:
+    """The last states of those of ``ranks`` that have one: one ``check`` and one ``multi_get``
+    where every one has (a rank that never reached a group creation has none: then a ``check``
+    per rank, and one ``multi_get`` of those found)."""
+    keys = [last_key(r) for r in ranks]
+    if not keys:
+        return {}
+    if store.check(keys):
+        found = list(zip(ranks, keys))
+    elif len(keys) == 1:
+        return {}
+    else:
+        found = [(r, key) for r, key in zip(ranks, keys) if store.check([key])]
+    if not found:
+        return {}
+    raws = store.multi_get([key for _, key in found])
+    return {r: decode(LastState, raw) for (r, _), raw in zip(found, raws)}
 
 
 def end_round(store: StoreClient, epoch_key: str, epoch: int) -> None:

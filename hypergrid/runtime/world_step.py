@@ -27,14 +27,11 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
-from .losses import lost_among, watching_now
+from .losses import WATCH_SLICE_S, lost_among, watching_now
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
 __all__ = ["WorldRound", "world_start", "world_checkpoint", "within_step", "failed_step"]
-
-#: How often a wait inside a recovery looks whether a participant it waits for has died, in seconds.
-_WATCH_SLICE_S = 0.5
 
 
 @dataclass(frozen=True)
@@ -206,7 +203,7 @@ def _wait_watching(store: StoreClient, step: WorldRound, key: str, seen: str) ->
     board; the list is read only once a participant is lost."""
     participants = step.ranks or range(dist.get_world_size())
     while True:
-        if store.wait([step.key(key)], min(_WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()):
+        if store.wait([step.key(key)], min(WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()):
             return True
         if store.remaining() <= 0:
             return False
