@@ -66,6 +66,7 @@ import subprocess
 import sys
 import threading
 import time
+from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -289,7 +290,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     from hypergrid.control.keys import JobChannel
     from hypergrid.control.plane import ControlPlane
     from hypergrid.control.rounds import RecoveryRound
+    from hypergrid.runtime.losses import watching
     from hypergrid.runtime.wire import Arrival
+    from hypergrid.runtime.world_step import end_step, start_step
 
     # Thousands of threads per process on two cores starve one another of the GIL for seconds: a
     # leader thread that was not scheduled is not a leader that stopped. In a cluster each
@@ -306,6 +309,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     results: list[Any] = []
     errors: list[str] = []
 
+    members = tuple(range(spec["n"]))
+
     def participant(rank: int) -> None:
         group = rank // share
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
@@ -315,10 +320,16 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         try:
             verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=300,
                                 board=LossView(channel, plane))
+            agreed = time.time()
+            # Then the rebuild's world step, as recover takes it (rebuild_grid: its start, the
+            # groups made, its checkpoint), its waits looking at the board once a slice.
+            with watching(_BoardLook(LossView(channel, plane), store)):
+                step = start_step(store, rank, "recover", members, timedelta(seconds=600))  # type: ignore[arg-type]
+                end_step(store, rank, step, None, timedelta(seconds=600))  # type: ignore[arg-type]
         except Exception as exc:  # a participant that did not get the verdict is a figure too
             errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
             return
-        results.append((time.time(), verdict.failed))
+        results.append((agreed, time.time(), verdict.failed))
 
     threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in ranks]
     for thread in threads:
@@ -328,15 +339,27 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     go.set()
     for thread in threads:
         thread.join()
-    print(json.dumps({"last": max(t for t, _ in results) if results else None,
-                      "failed": sorted({r for _, failed in results for r in failed}),
+    print(json.dumps({"last": max(t for t, _, _ in results) if results else None,
+                      "last_step": max(t for _, t, _ in results) if results else None,
+                      "failed": sorted({r for _, _, failed in results for r in failed}),
                       "agreed": len(results), "errors": errors[:3], "error_count": len(errors),
                       "requests": sum(c.requests for c in conns) - before[0],
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
+class _BoardLook:
+    """A participant's look at the job's board in a slice of the rebuild's waits, over its own
+    connection (a rank's LossView reads over the plane's client; here over the simulated rank's)."""
+
+    def __init__(self, view: Any, store: Any) -> None:
+        self.view, self.store = view, store
+
+    def lost_among(self, ranks: Any) -> list[int]:
+        return sorted(r for r in self.view.refresh(self.store) if r in ranks)
+
+
 class _Bounded:
-    """The pure client with the few methods a round's store needs (StoreClient's, over str values)."""
+    """The pure client with the few methods a round's store needs (StoreClient's, over str or bytes values)."""
 
     def __init__(self, conn: Any, lock: threading.Lock, wait_conn: Any, wait_lock: threading.Lock,
                  deadline: float) -> None:
@@ -353,9 +376,9 @@ class _Bounded:
         with self.lock:
             return self.conn.add(key, amount)
 
-    def set(self, key: str, value: str) -> None:
+    def set(self, key: str, value: str | bytes) -> None:
         with self.lock:
-            self.conn.set(key, value.encode())
+            self.conn.set(key, value.encode() if isinstance(value, str) else value)
 
     def append(self, key: str, value: str) -> None:
         with self.lock:
@@ -369,9 +392,10 @@ class _Bounded:
         with self.lock:
             return self.conn.check(keys)
 
-    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        as_bytes = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731  (StoreClient takes both)
         with self.lock:
-            return self.conn.compare_set(key, expected.encode(), desired.encode())
+            return self.conn.compare_set(key, as_bytes(expected), as_bytes(desired))
 
     def get_within(self, key: str, seconds: float) -> Optional[bytes]:
         # As torch's client: a wait and a get; on the waits' connection, one rank of a group at a time.
@@ -588,7 +612,9 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     for proc in workers.procs:
         proc.wait(timeout=60)
     lasts = [o["last"] for o in outs if o["last"] is not None]
+    steps = [o["last_step"] for o in outs if o["last_step"] is not None]
     return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": store_cpu,
+            "step_seconds": max(steps) - start if steps else None,
             "requests": sum(o["requests"] for o in outs), "bytes": sum(o["bytes"] for o in outs),
             "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
             "errors": [e for o in outs for e in o["errors"]][:3], "error_count": sum(o["error_count"] for o in outs)}
@@ -759,18 +785,19 @@ def _table(rows: list, interval: float) -> None:
           "death), and the requests the board's waits made meanwhile.")
     print()
     print(f"| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | {RACK_LABEL} | one recovery "
-          "round: all have the verdict | store CPU | round requests |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "round: all have the verdict | and all ended its world step | store CPU (round and step) | their requests |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for design, n, _, d, r, _ in rows:
         if design.startswith("scan") or (not d and not r):
             continue
 
-        round_cells = "- | - | -"
+        round_cells = "- | - | - | -"
         if r:
             took = f"{r['seconds']:.2f} s" if r["seconds"] is not None else "-"
             if r["error_count"]:
                 took += f" ({r['agreed']:,} agreed, {r['error_count']:,} did not)"
-            round_cells = f"{took} | {r['store_cpu_s']:.2f} s | {r['requests']:,}"
+            stepped = f"{r['step_seconds']:.2f} s" if r.get("step_seconds") is not None else "-"
+            round_cells = f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {r['requests']:,}"
         cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
                                                                "node 5 lost", RACK_LABEL))
         print(f"| {n:,} | {cells} | {round_cells} |")

@@ -31,7 +31,7 @@ from .losses import WATCH_SLICE_S, lost_among, watching_now
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
-__all__ = ["WorldRound", "world_start", "world_checkpoint", "within_step", "failed_step"]
+__all__ = ["WorldRound", "world_start", "world_checkpoint", "start_step", "end_step", "within_step", "failed_step"]
 
 
 @dataclass(frozen=True)
@@ -115,9 +115,24 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
     """
     if not agreement_possible():
         return None
-    rank = dist.get_rank()
     members = tuple(sorted(set(ranks))) if ranks is not None else ()
-    store = StoreClient(time.monotonic() + timeout.total_seconds())
+    return start_step(StoreClient(time.monotonic() + timeout.total_seconds()), dist.get_rank(), label, members,
+                      timeout)
+
+
+def start_step(store: StoreClient, rank: int, label: str, members: tuple[int, ...], timeout: timedelta) -> WorldRound:
+    """:func:`world_start` for ``rank`` over ``store`` (a client of the job's store, bounded by
+    the step's deadline), ``members`` ascending (empty: the world): the barrier itself, which a
+    simulation of many ranks in one process runs for each of them
+    (``benchmarks/bench_control_plane.py``).
+
+    Example, the one member of a step over a ``HashStore``::
+
+        >>> store = StoreClient(time.monotonic() + 5, base=dist.HashStore())
+        >>> step = start_step(store, 0, "recover", (0,), timedelta(seconds=5))
+        >>> step, end_step(store, 0, step, None, timedelta(seconds=5))
+        (WorldRound(label='recover', epoch=0, ranks=(0,)), None)
+    """
     epoch_key = f"{_base(members)}/epoch"
     try:
         step = WorldRound(label, int(store.add(epoch_key, 0)), members)
@@ -156,8 +171,14 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
     """
     if step is None or not agreement_possible():
         return
-    rank, world = dist.get_rank(), step.size
-    store = StoreClient(time.monotonic() + timeout.total_seconds())
+    end_step(StoreClient(time.monotonic() + timeout.total_seconds()), dist.get_rank(), step, error, timeout)
+
+
+def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[BaseException],
+             timeout: timedelta) -> None:
+    """:func:`world_checkpoint` for ``rank`` over ``store``, as :func:`start_step` is
+    :func:`world_start` (its example ends a step so)."""
+    world = step.size
     go = step.key("go")
     epoch_key = f"{_base(step.ranks)}/epoch"
     try:
