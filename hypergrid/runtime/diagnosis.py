@@ -25,7 +25,7 @@ from ..errors import GridMismatchError, GroupTimeoutError, StoreUnresponsiveErro
 from ..layout.describe import describe_ranks, shorten
 from .losses import lost_among
 from .round import Round
-from .store import StoreClient, member_set_key, read_last, read_lasts
+from .store import StoreClient, member_set_key, read_last, read_lasts, read_present
 from .wire import Entry, LastState, RoundOutcome, State, Verdict, decode, encode
 from .world_step import failed_step
 
@@ -93,15 +93,8 @@ def entries_of(rnd: Round, ranks: list[int]) -> dict[int, Entry]:
 
     One ``check`` and one ``multi_get`` once every rank has published at least once; before that,
     a ``check`` per rank, for at most 64 of them."""
-    keys = [rnd.entry_key(r) for r in ranks]
-    if rnd.store.check(keys):
-        raws = dict(zip(ranks, rnd.store.multi_get(keys)))
-    elif len(keys) == 1:
-        raws = {}
-    else:
-        present = [(r, key) for r, key in zip(ranks[:64], keys) if rnd.store.check([key])]
-        raws = dict(zip([r for r, _ in present], rnd.store.multi_get([k for _, k in present]))) if present else {}
-    entries = {r: decode(Entry, raw) for r, raw in raws.items()}
+    raws = read_present(rnd.store, [rnd.entry_key(r) for r in ranks])
+    entries = {r: decode(Entry, raws[rnd.entry_key(r)]) for r in ranks if rnd.entry_key(r) in raws}
     return {r: e for r, e in entries.items() if e.epoch == rnd.epoch}
 
 

@@ -36,7 +36,7 @@ from .shutdown import register
 from .torch_compat import default_store
 from .wire import LastState, decode
 
-__all__ = ["PREFIX", "StoreClient", "agreement_possible", "member_set_key", "last_key", "read_last", "read_lasts"]
+__all__ = ["PREFIX", "StoreClient", "agreement_possible", "member_set_key", "last_key", "read_last", "read_lasts", "read_present"]
 
 R = TypeVar("R")
 
@@ -246,23 +246,30 @@ def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
     return decode(LastState, store.get(key))
 
 
-def read_lasts(store: StoreClient, ranks: list[int]) -> dict[int, LastState]:
-    """The last states of those of ``ranks`` that have one: one ``check`` and one ``multi_get``
-    where every one has (a rank that never reached a group creation has none: then a ``check``
-    per rank, and one ``multi_get`` of those found)."""
-    keys = [last_key(r) for r in ranks]
+def read_present(store: StoreClient, keys: list[str], limit: int = 64) -> dict[str, bytes]:
+    """The values of those of ``keys`` that exist: one ``check`` and one ``multi_get`` where all
+    do; otherwise a ``check`` for each of the first ``limit`` (a bounded look) and one
+    ``multi_get`` of those found.
+
+    Example, over a ``HashStore``::
+
+        >>> base = dist.HashStore(); base.set("a", "1")
+        >>> read_present(StoreClient(time.monotonic() + 5, base=base), ["a", "b"])
+        {'a': b'1'}
+    """
     if not keys:
         return {}
     if store.check(keys):
-        found = list(zip(ranks, keys))
-    elif len(keys) == 1:
-        return {}
-    else:
-        found = [(r, key) for r, key in zip(ranks, keys) if store.check([key])]
-    if not found:
-        return {}
-    raws = store.multi_get([key for _, key in found])
-    return {r: decode(LastState, raw) for (r, _), raw in zip(found, raws)}
+        return dict(zip(keys, store.multi_get(keys)))
+    found = [key for key in keys[:limit] if store.check([key])] if len(keys) > 1 else []
+    return dict(zip(found, store.multi_get(found))) if found else {}
+
+
+def read_lasts(store: StoreClient, ranks: list[int]) -> dict[int, LastState]:
+    """The last states of those of ``ranks`` that have one (a rank that never reached a group
+    creation has none), read as :func:`read_present` reads."""
+    raws = read_present(store, [last_key(r) for r in ranks], limit=len(ranks))
+    return {r: decode(LastState, raws[last_key(r)]) for r in ranks if last_key(r) in raws}
 
 
 def end_round(store: StoreClient, epoch_key: str, epoch: int) -> None:
