@@ -348,14 +348,32 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
 
 
 class _BoardLook:
-    """A participant's look at the job's board in a slice of the rebuild's waits, over its own
-    connection (a rank's LossView reads over the plane's client; here over the simulated rank's)."""
+    """A participant's view of the job's board in the rebuild's waits. A rank's view is fed by its
+    heartbeat, which forwards each entry of the board as it is published, so that a wait blocks
+    once on its key and a loss heard ends it (:meth:`hypergrid.control.board.LossView.on_loss`);
+    the simulated round runs no monitors and loses nobody, so nothing is heard. A look, where a
+    wait asks for one, reads the board over the simulated rank's own connection."""
 
     def __init__(self, view: Any, store: Any) -> None:
         self.view, self.store = view, store
+        view.hear_from(_Silent())
+
+    @property
+    def hearing(self) -> bool:
+        return bool(self.view.hearing)
+
+    def on_loss(self, ranks: Any, callback: Any) -> Any:
+        return self.view.on_loss(ranks, callback)
 
     def lost_among(self, ranks: Any) -> list[int]:
         return sorted(r for r in self.view.refresh(self.store) if r in ranks)
+
+
+class _Silent:
+    """A heartbeat that forwards nothing: the simulated round's monitors are not running."""
+
+    def listen(self, name: str, callback: Any) -> None:
+        pass
 
 
 class _Bounded:

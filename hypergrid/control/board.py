@@ -12,7 +12,10 @@ counted out publishes that it offers itself back.
 
 :class:`LossView` is what a rank's waits inside a recovery look at: which ranks are lost, for one
 store request per look (whether the next slot is filled), the entries themselves read only when
-one was. A recovery's view starts at the entry its job's committed record names, not at the
+one was. Where the rank's heartbeat forwards the board's events to it (:meth:`LossView.hear_from`),
+the view also *hears* each loss as it is published, and calls back the waits that asked
+(:meth:`LossView.on_loss`): such a wait blocks on its key once, for no request per slice, and is
+ended by a write to that key. A recovery's view starts at the entry its job's committed record names, not at the
 first (:func:`hypergrid.recovery.rounds.losses_since` says why no loss it must know of is
 before it): its first look costs the same however many entries the board holds.
 
@@ -37,9 +40,11 @@ Example, in a one-rank gloo world over a ``TCPStore``::
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
-from collections.abc import Collection
-from typing import Optional
+from collections.abc import Callable, Collection, Iterator
+from typing import Any, Optional
 
 import torch.distributed as dist
 
@@ -71,6 +76,68 @@ class LossView:
         self.plane = plane
         self.seen = first
         self.lost: dict[int, str] = {}
+        #: The ranks heard lost since :meth:`hear_from`, less those heard offering themselves back
+        #: since (the heartbeat forwards the board's entries in order).
+        self.heard: set[int] = set()
+        self._hearing = False
+        self._alarms: list[tuple[frozenset[int], Callable[[list[int]], None]]] = []
+        self._lock = threading.Lock()
+
+    @property
+    def hearing(self) -> bool:
+        """Whether the board's events reach this view as they are published (:meth:`hear_from`)."""
+        return self._hearing
+
+    def hear_from(self, source: Any, name: str = "recovery's board") -> None:
+        """Hear every event ``source`` (the rank's :class:`~hypergrid.control.heartbeat.Heartbeat`)
+        hands its listeners, as listener ``name``: from then on :meth:`on_loss` calls waits back."""
+        source.listen(name, self.hear)
+        self._hearing = True
+
+    def hear(self, event: BoardEvent) -> None:
+        """Take one event of the board as it was published (called on the heartbeat's thread)."""
+        if event.kind is EventKind.BACK:
+            with self._lock:
+                self.heard.discard(event.rank)
+            return
+        if event.kind is not EventKind.LOST:
+            return
+        with self._lock:
+            if event.rank in self.heard:
+                return
+            self.heard.add(event.rank)
+            alarms = [callback for ranks, callback in self._alarms if event.rank in ranks]
+        for callback in alarms:
+            callback([event.rank])
+
+    @contextlib.contextmanager
+    def on_loss(self, ranks: Collection[int], callback: Callable[[list[int]], None]) -> Iterator[None]:
+        """While the block runs, call ``callback`` with those of ``ranks`` heard lost: at once with
+        any heard already, then (on the heartbeat's thread) with each one heard.
+
+        Example::
+
+            >>> view = LossView(JobChannel("ns", "f00d", 0), ControlPlane("ns", store=None, address=None))
+            >>> view.hear(BoardEvent(EventKind.LOST, 5, "its process ended"))
+            >>> heard = []
+            >>> with view.on_loss([4, 5, 6], heard.append):
+            ...     view.hear(BoardEvent(EventKind.LOST, 6, "its heartbeat stopped"))
+            ...     view.hear(BoardEvent(EventKind.LOST, 9, "its heartbeat stopped"))
+            >>> view.hear(BoardEvent(EventKind.LOST, 4, "its process ended")); heard
+            [[5], [6]]
+        """
+        members = frozenset(ranks)
+        entry = (members, callback)
+        with self._lock:
+            self._alarms.append(entry)
+            already = sorted(self.heard & members)
+        try:
+            if already:
+                callback(already)
+            yield
+        finally:
+            with self._lock:
+                self._alarms.remove(entry)
 
     def refresh(self, store: Optional[StoreClient] = None) -> dict[int, str]:
         """Read what was published since the last look: one request when nothing was (whether

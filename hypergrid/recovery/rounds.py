@@ -111,6 +111,11 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
             rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound))
             if board is None:
                 board = losses_since(job.channel, plane, rnd.record)
+                beat = running_heartbeat()
+                if beat is not None:
+                    # Before this rank arrives, so before the leader's look: every loss is in the
+                    # verdict, or heard by the waits of the rebuild (which then block once each).
+                    board.hear_from(beat)
             job = synced(job, rnd.record)
             offered = [r for r in rnd.offers if not job.counts_on(r)]
             if not job.counts_on(rank) and rank not in offered:

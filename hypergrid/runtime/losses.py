@@ -5,7 +5,10 @@ agreement, the pooled probe of the groups that survived) must not be waited for 
 timeout. The recovery runs its rebuild inside :func:`watching` with a :class:`LossCheck`, the
 job's board as this rank reads it (:class:`hypergrid.control.board.LossView`), and each of those
 waits asks :func:`lost_among` once per slice: one store request, whatever the job's size.
-Outside the scope nothing is looked at, and the waits wait as they would.
+Where the rank's heartbeat forwards the board's events to the check (a :class:`LossAlarm`), a
+wait that can be ended by a write to the key it waits on blocks once instead, for no request per
+slice: the alarm calls it back on a loss (:func:`loss_alarm`). Outside the scope nothing is
+looked at, and the waits wait as they would.
 
 Example::
 
@@ -24,11 +27,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Optional, Protocol
+from typing import Optional, Protocol, runtime_checkable
 
-__all__ = ["LossCheck", "watching", "watching_now", "lost_among", "creation_timeout", "WATCH_SLICE_S"]
+__all__ = ["LossCheck", "LossAlarm", "watching", "watching_now", "lost_among", "loss_alarm", "creation_timeout",
+           "WATCH_SLICE_S"]
 
 #: How long a wait inside :func:`watching` blocks on the store at a time before it looks whether
 #: a rank it waits for is lost, in seconds: a loss ends the wait within about this long.
@@ -39,6 +44,22 @@ class LossCheck(Protocol):
     """Says which of some ranks are lost (the job's board, read with one store request a look)."""
 
     def lost_among(self, ranks: Collection[int]) -> list[int]: ...
+
+
+@runtime_checkable
+class LossAlarm(Protocol):
+    """A :class:`LossCheck` that hears the board's losses as they are published (the rank's monitor
+    forwards them), and so can call a wait back instead of being asked once a slice."""
+
+    def lost_among(self, ranks: Collection[int]) -> list[int]: ...
+
+    @property
+    def hearing(self) -> bool:
+        """Whether losses reach it as they are published (else it can only be asked)."""
+
+    def on_loss(self, ranks: Collection[int], callback: Callable[[list[int]], None]) -> AbstractContextManager[None]:
+        """While the block runs, ``callback`` is called (on another thread) with those of ``ranks``
+        heard lost: at once with those heard already, then with each new one."""
 
 
 _scope = threading.local()
@@ -77,6 +98,19 @@ def creation_timeout(timeout: timedelta) -> timedelta:
 def watching_now() -> bool:
     """Whether this thread is inside :func:`watching` (with a check)."""
     return getattr(_scope, "check", None) is not None
+
+
+def loss_alarm() -> Optional[LossAlarm]:
+    """The scope's check where it hears losses as they are published (see :class:`LossAlarm`),
+    else None: a wait then looks once a slice.
+
+    Example::
+
+        >>> loss_alarm() is None                     # outside a recovery
+        True
+    """
+    check = getattr(_scope, "check", None)
+    return check if isinstance(check, LossAlarm) and check.hearing else None
 
 
 def lost_among(ranks: Collection[int]) -> list[int]:

@@ -278,10 +278,13 @@ class Verdict:
 
 @dataclass(frozen=True)
 class CheckpointVerdict:
-    """How a world checkpoint ended: ``failed`` the rank that failed (None: every rank finished)."""
+    """How a world step's start or end came out: ``failed`` the rank that failed it (None: none
+    did), with its error; ``lost`` the participants heard lost before they got there (the others
+    stop waiting for them). Neither: every participant got there."""
 
     failed: Optional[int]
     error: str = ""
+    lost: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ Example, with no process group (nothing to meet through)::
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -27,11 +28,16 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
-from .losses import WATCH_SLICE_S, lost_among, watching_now
+from .losses import WATCH_SLICE_S, loss_alarm, lost_among, watching_now
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
 __all__ = ["WorldRound", "world_start", "world_checkpoint", "start_step", "end_step", "within_step", "failed_step"]
+
+logger = logging.getLogger(__name__)
+
+#: How long the heartbeat's thread may take to say, for a wait, that a participant was lost.
+_ALARM_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -136,10 +142,12 @@ def start_step(store: StoreClient, rank: int, label: str, members: tuple[int, ..
     epoch_key = f"{_base(members)}/epoch"
     try:
         step = WorldRound(label, int(store.add(epoch_key, 0)), members)
-        store.append(step.key("started"), f"{rank},")
+        # Counted before listed: whoever is in the list was counted, so a participant lost after
+        # listing itself cannot leave the count short with nobody named missing.
         if store.add(step.key("start"), 1) == step.size:
-            store.set(step.key("ready"), "")
-        if _wait_watching(store, step, "ready", "started"):
+            store.compare_set(step.key("ready"), "", encode(CheckpointVerdict(None)))
+        store.append(step.key("started"), f"{rank},")
+        if _outcome(store, step, "ready", "started") is not None:
             return step
         missing = _not_in(store, step, "started")
         end_round(store, epoch_key, step.epoch)
@@ -187,12 +195,13 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
             store.compare_set(go, "", encode(failed))  # the first failure stands
             end_round(store, epoch_key, step.epoch)
             return
-        store.append(step.key("who"), f"{rank},")
         if store.add(step.key("arrived"), 1) == world:
             end_round(store, epoch_key, step.epoch)
             store.compare_set(go, "", encode(CheckpointVerdict(None)))
             _drop_old_steps(store, step)
-        if not _wait_watching(store, step, "go", "who"):
+        store.append(step.key("who"), f"{rank},")
+        verdict = _outcome(store, step, "go", "who")
+        if verdict is None:
             missing = _not_in(store, step, "who")
             end_round(store, epoch_key, step.epoch)
             raise GroupTimeoutError(
@@ -200,7 +209,6 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
                 f"the timeout ({timeout}); ranks {describe_ranks(missing)} did not: they are still at it, "
                 f"hang, or died"
             )
-        verdict = decode(CheckpointVerdict, store.get(go))
     except (dist.DistError, StoreUnresponsiveError) as exc:
         if error is not None:
             return  # the caller's own error says more
@@ -216,26 +224,63 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
         )
 
 
-def _wait_watching(store: StoreClient, step: WorldRound, key: str, seen: str) -> bool:
-    """Wait for the step's ``key`` until the deadline; inside a recovery's scope
-    (:func:`~hypergrid.runtime.losses.watching`), in slices, ending with
-    :class:`~hypergrid.errors.GroupTimeoutError` as soon as a participant not yet in the list at
-    ``seen`` is lost (waiting longer is waiting for nobody). A slice costs one look at the job's
-    board; the list is read only once a participant is lost."""
+def _outcome(store: StoreClient, step: WorldRound, key: str, seen: str) -> Optional[CheckpointVerdict]:
+    """The outcome at the step's ``key`` once it is set, which every participant reads alike; None
+    at the deadline. :class:`~hypergrid.errors.GroupTimeoutError` where it says that participants
+    not yet in the list at ``seen`` were lost: inside a recovery's scope
+    (:func:`~hypergrid.runtime.losses.watching`), waiting longer is waiting for nobody.
+
+    - Where the scope hears losses as they are published (the rank's heartbeat forwards the
+      board, :func:`~hypergrid.runtime.losses.loss_alarm`), one blocking get: a loss heard of a
+      participant missing from the list sets ``key`` to say so (:func:`_set_lost`), the first
+      writer winning. Store requests per participant: the get's two, and two for each loss heard.
+    - Else in slices, a look at the job's board each (:func:`~hypergrid.runtime.losses.lost_among`).
+    """
     participants = step.ranks or range(dist.get_world_size())
-    while True:
-        if store.wait([step.key(key)], min(WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()):
-            return True
-        if store.remaining() <= 0:
-            return False
-        lost = lost_among(participants)
-        if lost:
-            lost = sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
-        if lost:
-            raise GroupTimeoutError(
-                f"hypergrid: {step.label}: ranks {describe_ranks(lost)} were lost (the job's board says so) "
-                f"before they got here; the others stop waiting for them"
-            )
+    alarm = loss_alarm()
+    if alarm is not None:
+        with alarm.on_loss(participants, lambda lost: _set_lost(step, key, seen, lost)):
+            raw = store.get_within(step.key(key), store.remaining())
+    else:
+        raw = None
+        while True:
+            slice_s = min(WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()
+            if store.wait([step.key(key)], slice_s):
+                raw = store.get(step.key(key))
+                break
+            if store.remaining() <= 0:
+                break
+            lost = lost_among(participants)
+            if lost:
+                lost = sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
+            if lost:
+                raise GroupTimeoutError(_lost_message(step, lost))
+    if raw is None:
+        return None
+    outcome = decode(CheckpointVerdict, raw)
+    if outcome.lost:
+        raise GroupTimeoutError(_lost_message(step, list(outcome.lost)))
+    return outcome
+
+
+def _lost_message(step: WorldRound, lost: list[int]) -> str:
+    return (f"hypergrid: {step.label}: ranks {describe_ranks(lost)} were lost (the job's board says so) before "
+            f"they got here; the others stop waiting for them")
+
+
+def _set_lost(step: WorldRound, key: str, seen: str, lost: list[int]) -> None:
+    """A loss heard while waiting for the step's ``key`` (on the heartbeat's thread, over its own
+    connection): those of ``lost`` not in the list at ``seen`` never come, so ``key`` says so,
+    unless it is set already (the step's own outcome, or another participant's alarm: the first
+    stands)."""
+    store = StoreClient(time.monotonic() + _ALARM_S)
+    try:
+        missing = sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
+        if missing:
+            store.compare_set(step.key(key), "", encode(CheckpointVerdict(None, lost=tuple(missing))))
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        logger.warning("hypergrid: %s: could not say that ranks %s were lost: %s", step.label,
+                       describe_ranks(lost), exc)
 
 
 def _not_in(store: StoreClient, step: WorldRound, name: str, extend: bool = True) -> list[int]:

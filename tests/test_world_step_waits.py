@@ -1,0 +1,212 @@
+"""What a world step costs the store while its participants wait, and what ends the wait early.
+
+Inside a recovery, each rank's heartbeat forwards the job's board to the rank's view of it
+(:meth:`hypergrid.control.board.LossView.hear_from`), and a world step's waits then block once on
+their key: a participant lost before it got there is heard, and the key is set to say so, which
+ends every participant's wait alike. The participants are simulated by threads of this process
+over one ``HashStore`` (a one-rank gloo world; each thread is a rank of its own), each through
+:func:`~hypergrid.runtime.world_step.start_step` and :func:`~hypergrid.runtime.world_step.end_step`
+as a rank's rebuild takes them, with its store wrapped to count its requests. The heartbeat is a
+stand-in that hands the view what a monitor would forward.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch.distributed as dist
+
+from tests.test_agreement_waits import _Counted
+
+pytestmark = pytest.mark.slow
+
+TIMEOUT_S = 30.0
+LATE_S = 6.0
+
+
+class _Heartbeat:
+    """Forwards to its listeners what the test says the board published."""
+
+    def __init__(self) -> None:
+        self.listeners: dict[str, Callable[[Any], None]] = {}
+
+    def listen(self, name: str, callback: Callable[[Any], None]) -> None:
+        self.listeners[name] = callback
+
+    def forward(self, event: Any) -> None:
+        for callback in self.listeners.values():
+            callback(event)
+
+
+class _Step:
+    """``size`` simulated participants of one world step (ranks 0 ...), each hearing the board."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, size: int, hearing: bool = True) -> None:
+        import hypergrid.runtime.store as store_module
+        from hypergrid.control.board import LossView
+        from hypergrid.control.keys import JobChannel
+        from hypergrid.control.plane import ControlPlane
+
+        self.members = tuple(range(size))
+        self.counts = {r: {"requests": 0, "keys": 0} for r in self.members}
+        self.alarms = {"requests": 0, "keys": 0}  # what the heartbeat's thread asked, for all ranks
+        self.outcomes: dict[int, tuple[str, str, float]] = {}
+        self.label = f"recover-{uuid.uuid4()}"
+        self._local = threading.local()
+        self._stores: dict[Any, _Counted] = {}
+        self.real = store_module.default_store()
+        self.beats = {r: _Heartbeat() for r in self.members}
+        channel = JobChannel(f"test-{uuid.uuid4()}", "job", 0)
+        self.views = {r: LossView(channel, ControlPlane(channel.namespace, self.real, None)) for r in self.members}
+        if hearing:
+            for rank, view in self.views.items():
+                view.hear_from(self.beats[rank])
+        monkeypatch.setattr(store_module, "default_store", self._store)
+        monkeypatch.setattr(dist, "get_rank", lambda group=None: getattr(self._local, "rank", 0))
+
+    def _store(self) -> Any:
+        rank = getattr(self._local, "rank", None)
+        if rank not in self._stores:
+            self._stores[rank] = _Counted(self.real, self.counts[rank] if rank is not None else self.alarms)
+        return self._stores[rank]
+
+    def take_part(self, rank: int, delay_s: float = 0.0) -> threading.Thread:
+        thread = threading.Thread(target=self._participant, args=(rank, delay_s), daemon=True)
+        thread.start()
+        return thread
+
+    def _participant(self, rank: int, delay_s: float) -> None:
+        from hypergrid.runtime.losses import watching
+        from hypergrid.runtime.store import StoreClient
+        from hypergrid.runtime.world_step import end_step, start_step
+
+        self._local.rank = rank
+        time.sleep(delay_s)
+        started = time.monotonic()
+        timeout = timedelta(seconds=TIMEOUT_S)
+        try:
+            with watching(self.views[rank], started + TIMEOUT_S):
+                store = StoreClient(started + TIMEOUT_S)
+                step = start_step(store, rank, self.label, self.members, timeout)
+                end_step(store, rank, step, None, timeout)
+            self.outcomes[rank] = ("ok", "", time.monotonic() - started)
+        except Exception as exc:  # reported to the test
+            self.outcomes[rank] = (type(exc).__name__, str(exc), time.monotonic() - started)
+
+    def lose(self, rank: int) -> None:
+        """The board says ``rank`` was lost: every other participant's heartbeat forwards it."""
+        from hypergrid.runtime.wire import BoardEvent, EventKind
+
+        event = BoardEvent(EventKind.LOST, rank, "its process ended", by=rank)
+        for other, beat in self.beats.items():
+            if other != rank:
+                beat.forward(event)
+
+
+@pytest.fixture
+def world():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("size", [4, 64])
+def test_a_step_s_waits_cost_each_participant_the_same_few_requests_however_long_and_at_any_size(
+        world, monkeypatch, size):
+    # The last participant comes 6 s late; the others block once at the start meanwhile. Sliced
+    # waits with a look at the board each cost 3 requests a slice: some 36 over those 6 s.
+    step = _Step(monkeypatch, size)
+    late = size - 1
+    threads = [step.take_part(r) for r in step.members if r != late] + [step.take_part(late, LATE_S)]
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
+    for rank in step.members:
+        waited = step.outcomes[rank][2]
+        if rank != late:
+            assert waited >= LATE_S - 0.5, (rank, waited)
+        # The start: its epoch, the count, the list, one blocking get; the end: the same three
+        # and one blocking get; the last to start or end sets the key (and the end cleans up).
+        assert step.counts[rank]["requests"] <= 12, (rank, step.counts[rank])
+    assert step.alarms["requests"] == 0
+
+
+def test_a_participant_heard_lost_before_it_started_ends_every_participant_s_wait_naming_it(world, monkeypatch):
+    step = _Step(monkeypatch, 6)
+    lost = 4
+    threads = [step.take_part(r) for r in step.members if r != lost]
+    time.sleep(1.0)
+    began = time.monotonic()
+    step.lose(lost)
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    took = time.monotonic() - began
+    for rank in step.members:
+        if rank == lost:
+            continue
+        kind, message, _ = step.outcomes[rank]
+        assert kind == "GroupTimeoutError", (rank, step.outcomes[rank])
+        assert "ranks [4] were lost (the job's board says so) before they got here" in message, (rank, message)
+    assert took < 5.0, took  # at the loss, not at the 30 s timeout
+    # Each hearing participant read the list once and one of them set the key: two requests each.
+    assert step.alarms["requests"] <= 2 * (len(step.members) - 1), step.alarms
+
+
+def test_a_participant_lost_after_it_started_is_not_taken_for_one_that_never_came(world, monkeypatch):
+    # Every participant started; one is lost before the end. Its loss says nothing about the
+    # start, which every participant passed: the end's wait is the one it ends.
+    step = _Step(monkeypatch, 4)
+    from hypergrid.runtime.world_step import start_step
+
+    lost = 3
+    starts: dict[int, Any] = {}
+
+    def start_only(rank: int) -> None:
+        from hypergrid.runtime.losses import watching
+        from hypergrid.runtime.store import StoreClient
+
+        step._local.rank = rank
+        with watching(step.views[rank], time.monotonic() + TIMEOUT_S):
+            starts[rank] = start_step(StoreClient(time.monotonic() + TIMEOUT_S), rank, step.label, step.members,
+                                      timedelta(seconds=TIMEOUT_S))
+
+    lost_thread = threading.Thread(target=start_only, args=(lost,), daemon=True)
+    lost_thread.start()
+    threads = [step.take_part(r) for r in step.members if r != lost]
+    lost_thread.join(TIMEOUT_S)
+    assert lost in starts
+    time.sleep(1.0)  # the others are in the end's wait by now
+    step.lose(lost)
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    for rank in step.members:
+        if rank != lost:
+            kind, message, _ = step.outcomes[rank]
+            assert kind == "GroupTimeoutError" and "ranks [3] were lost" in message, (rank, step.outcomes[rank])
+
+
+def test_without_a_heartbeat_the_waits_look_at_the_board_once_a_slice(world, monkeypatch):
+    from hypergrid.control.board import publish
+    from hypergrid.runtime.wire import BoardEvent, EventKind
+
+    step = _Step(monkeypatch, 4, hearing=False)
+    lost = 2
+    threads = [step.take_part(r) for r in step.members if r != lost]
+    time.sleep(1.0)
+    view = step.views[0]
+    publish(view.channel, view.plane, BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    for rank in step.members:
+        if rank != lost:
+            kind, message, waited = step.outcomes[rank]
+            assert kind == "GroupTimeoutError" and "ranks [2] were lost" in message, (rank, step.outcomes[rank])
+            assert waited < 5.0, (rank, waited)
