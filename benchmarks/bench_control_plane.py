@@ -292,7 +292,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     from hypergrid.control.rounds import RecoveryRound
     from hypergrid.runtime.losses import watching
     from hypergrid.runtime.wire import Arrival
-    from hypergrid.runtime.world_step import end_step, start_step
+    from hypergrid.runtime.world_step import attempt_step, end_step
 
     # Thousands of threads per process on two cores starve one another of the GIL for seconds: a
     # leader thread that was not scheduled is not a leader that stopped. In a cluster each
@@ -308,24 +308,26 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     go = threading.Event()
     results: list[Any] = []
     errors: list[str] = []
+    stores: list[_Bounded] = []
 
     members = tuple(range(spec["n"]))
 
     def participant(rank: int) -> None:
         group = rank // share
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
-                         time.monotonic() + 600)
+                         time.monotonic() + _ROUND_S, shared=share > 1)
+        stores.append(store)
         go.wait()
         rnd = RecoveryRound(channel, plane, 0, store, None)  # type: ignore[arg-type]
         try:
-            verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=300,
+            verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=_ROUND_S / 2,
                                 board=LossView(channel, plane))
             agreed = time.time()
-            # Then the rebuild's world step, as recover takes it (rebuild_grid: its start, the
-            # groups made, its checkpoint), its waits looking at the board once a slice.
+            # Then the rebuild's world step, as recover takes it (rebuild_grid: named by the
+            # round, the groups made, its checkpoint), its wait hearing the board.
             with watching(_BoardLook(LossView(channel, plane), store)):
-                step = start_step(store, rank, "recover", members, timedelta(seconds=600))  # type: ignore[arg-type]
-                end_step(store, rank, step, None, timedelta(seconds=600))  # type: ignore[arg-type]
+                step = attempt_step("recover", members, channel.key(rnd.number))
+                end_step(store, rank, step, None, timedelta(seconds=_ROUND_S))  # type: ignore[arg-type]
         except Exception as exc:  # a participant that did not get the verdict is a figure too
             errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
             return
@@ -344,6 +346,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "failed": sorted({r for _, _, failed in results for r in failed}),
                       "agreed": len(results), "errors": errors[:3], "error_count": len(errors),
                       "requests": sum(c.requests for c in conns) - before[0],
+                      "rewaits": sum(store.rewaits for store in stores),
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
@@ -380,9 +383,10 @@ class _Bounded:
     """The pure client with the few methods a round's store needs (StoreClient's, over str or bytes values)."""
 
     def __init__(self, conn: Any, lock: threading.Lock, wait_conn: Any, wait_lock: threading.Lock,
-                 deadline: float) -> None:
+                 deadline: float, shared: bool) -> None:
         self.conn, self.lock, self.deadline = conn, lock, deadline
-        self.wait_conn, self.wait_lock = wait_conn, wait_lock
+        self.wait_conn, self.wait_lock, self.shared = wait_conn, wait_lock, shared
+        self.rewaits = 0
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -416,19 +420,47 @@ class _Bounded:
             return self.conn.compare_set(key, as_bytes(expected), as_bytes(desired))
 
     def get_within(self, key: str, seconds: float) -> Optional[bytes]:
-        # As torch's client: a wait and a get; on the waits' connection, one rank of a group at a time.
+        # As torch's client: a wait and a get (one blocking get), on the waits' connection.
         from hypergrid.control.tcpstore import StoreTimeout
 
-        with self.wait_lock:
+        def attempt(conn: Any, within: float) -> Optional[bytes]:
             try:
-                return self.wait_conn.get(key, within_s=max(seconds, 0.001))
+                return conn.get(key, within_s=max(within, 0.001))
             except StoreTimeout:
                 return None
 
+        return self._turns(attempt, seconds)
+
     def wait(self, keys: list[str], seconds: float) -> bool:
-        # The ranks of a group wait one after the other, a whole slice each, as each rank would.
-        with self.wait_lock:
-            return self.wait_conn.wait(keys, seconds)
+        return bool(self._turns(lambda conn, within: conn.wait(keys, within) or None, seconds))
+
+    def _turns(self, attempt: Any, seconds: float) -> Any:
+        """``attempt`` on the waits' connection for up to ``seconds``. A rank with a connection of
+        its own makes one call. Ranks that share one take turns a slice at a time: a rank holding
+        it for a whole blocking wait would keep the others from the step it waits for (a cluster's
+        ranks each have their own). What a turn that ran out cost, where more time was left, is a
+        wait a rank of its own would not have made: counted in ``rewaits``, apart."""
+        if not self.shared:
+            with self.wait_lock:
+                return attempt(self.wait_conn, seconds)
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            with self.wait_lock:
+                before = self.wait_conn.requests
+                got = attempt(self.wait_conn, min(left, _SHARED_TURN_S))
+                if got is None and end - time.monotonic() > 0:
+                    self.rewaits += self.wait_conn.requests - before
+            if got is not None or end - time.monotonic() <= 0:
+                return got
+
+
+#: The simulated round's deadline, and its world step's timeout: thousands of threads per process
+#: on two cores take minutes where a cluster's ranks take seconds.
+_ROUND_S = 1200.0
+
+#: How long a simulated rank holds a shared waits' connection at a time (see _Bounded._turns).
+_SHARED_TURN_S = 0.25
 
 
 # ---------------------------------------------------------------------- main side
@@ -633,7 +665,8 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     steps = [o["last_step"] for o in outs if o["last_step"] is not None]
     return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": store_cpu,
             "step_seconds": max(steps) - start if steps else None,
-            "requests": sum(o["requests"] for o in outs), "bytes": sum(o["bytes"] for o in outs),
+            "requests": sum(o["requests"] for o in outs), "rewaits": sum(o["rewaits"] for o in outs),
+            "bytes": sum(o["bytes"] for o in outs),
             "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
             "errors": [e for o in outs for e in o["errors"]][:3], "error_count": sum(o["error_count"] for o in outs)}
 
@@ -815,7 +848,9 @@ def _table(rows: list, interval: float) -> None:
             if r["error_count"]:
                 took += f" ({r['agreed']:,} agreed, {r['error_count']:,} did not)"
             stepped = f"{r['step_seconds']:.2f} s" if r.get("step_seconds") is not None else "-"
-            round_cells = f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {r['requests']:,}"
+            rewaits = f" (+{r['rewaits']:,} re-waits on shared connections)" if r.get("rewaits") else ""
+            round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {r['requests'] - r.get('rewaits', 0):,}, "
+                           f"{(r['requests'] - r.get('rewaits', 0)) / n:.1f} per rank{rewaits}")
         cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
                                                                "node 5 lost", RACK_LABEL))
         print(f"| {n:,} | {cells} | {round_cells} |")

@@ -47,13 +47,15 @@ class _Heartbeat:
 class _Step:
     """``size`` simulated participants of one world step (ranks 0 ...), each hearing the board."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, size: int, hearing: bool = True) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, size: int, hearing: bool = True,
+                 attempt: Optional[str] = None) -> None:
         import hypergrid.runtime.store as store_module
         from hypergrid.control.board import LossView
         from hypergrid.control.keys import JobChannel
         from hypergrid.control.plane import ControlPlane
 
         self.members = tuple(range(size))
+        self.attempt = attempt  # the step is named by the recovery's attempt: no start
         self.counts = {r: {"requests": 0, "keys": 0} for r in self.members}
         self.alarms = {"requests": 0, "keys": 0}  # what the heartbeat's thread asked, for all ranks
         self.outcomes: dict[int, tuple[str, str, float]] = {}
@@ -84,7 +86,7 @@ class _Step:
     def _participant(self, rank: int, delay_s: float) -> None:
         from hypergrid.runtime.losses import watching
         from hypergrid.runtime.store import StoreClient
-        from hypergrid.runtime.world_step import end_step, start_step
+        from hypergrid.runtime.world_step import attempt_step, end_step, start_step
 
         self._local.rank = rank
         time.sleep(delay_s)
@@ -93,7 +95,8 @@ class _Step:
         try:
             with watching(self.views[rank], started + TIMEOUT_S):
                 store = StoreClient(started + TIMEOUT_S)
-                step = start_step(store, rank, self.label, self.members, timeout)
+                step = (attempt_step(self.label, self.members, self.attempt) if self.attempt is not None
+                        else start_step(store, rank, self.label, self.members, timeout))
                 end_step(store, rank, step, None, timeout)
             self.outcomes[rank] = ("ok", "", time.monotonic() - started)
         except Exception as exc:  # reported to the test
@@ -210,3 +213,45 @@ def test_without_a_heartbeat_the_waits_look_at_the_board_once_a_slice(world, mon
             kind, message, waited = step.outcomes[rank]
             assert kind == "GroupTimeoutError" and "ranks [2] were lost" in message, (rank, step.outcomes[rank])
             assert waited < 5.0, (rank, waited)
+
+
+def test_a_step_named_by_its_recovery_attempt_has_no_start_and_costs_a_few_requests(world, monkeypatch):
+    # A recovery's participants share its round's name: the step starts at once, and only its end
+    # meets (the last participant 6 s late). Then a second attempt of the same participants: the
+    # first one's keys are gone once it ends.
+    step = _Step(monkeypatch, 8, attempt="ns/job/f00d/0/3")
+    threads = [step.take_part(r) for r in step.members[:-1]] + [step.take_part(step.members[-1], LATE_S)]
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
+    for rank in step.members:
+        # Its count, its name on the list, one blocking get; the last also cleans up.
+        assert step.counts[rank]["requests"] <= 6, (rank, step.counts[rank])
+    from hypergrid.runtime.world_step import attempt_step
+
+    first = attempt_step(step.label, step.members, "ns/job/f00d/0/3")
+    assert step.real.check([first.key("go")])
+    step.attempt = "ns/job/f00d/0/4"
+    step.outcomes.clear()
+    threads = [step.take_part(r) for r in step.members]
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
+    assert not any(step.real.check([first.key(name)]) for name in ("arrived", "who", "go"))
+    assert step.real.check([attempt_step(step.label, step.members, "ns/job/f00d/0/4").key("go")])
+
+
+def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wait_when_heard_lost(world, monkeypatch):
+    step = _Step(monkeypatch, 5, attempt="ns/job/f00d/0/9")
+    lost = 0
+    threads = [step.take_part(r) for r in step.members if r != lost]
+    time.sleep(1.0)
+    began = time.monotonic()
+    step.lose(lost)
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    assert time.monotonic() - began < 5.0
+    for rank in step.members:
+        if rank != lost:
+            kind, message, _ = step.outcomes[rank]
+            assert kind == "GroupTimeoutError" and "ranks [0] were lost" in message, (rank, step.outcomes[rank])

@@ -75,14 +75,16 @@ def build_state(
     participants: Optional[Sequence[int]] = None,
     label: str = "initialize_model_parallel",
     step_timeout: Optional[timedelta] = None,
+    attempt: Optional[str] = None,
 ) -> MegatronGrids:
     """This rank's groups of ``plan``, made through one grid, and ``parallel_state`` filled.
 
     ``participants``: the ranks that build it together (None: the whole world, as
     ``initialize_model_parallel``); they start together and meet at a checkpoint at the end, so a
     failure on one reaches the others (within ``step_timeout``, by default ``timeout``, the
-    groups' own). On failure everything made is released and the error
-    raised. Used by :func:`~hypergrid.megatron.initialize_model_parallel` and by a recovery.
+    groups' own); ``attempt``: a name they all hold already (a recovery round's), which names
+    that step instead, with no start (:func:`~hypergrid.runtime.world_step.world_start`). On
+    failure everything made is released and the error raised. Used by :func:`~hypergrid.megatron.initialize_model_parallel` and by a recovery.
 
     Example: a plan laid over other ranks (rank 9, a spare, holds position 5), as rank 9 of a
     10-rank job on torch's fake backend. A group's ranks keep their positions' order, so rank 9
@@ -129,8 +131,9 @@ def build_state(
     os.environ.pop("NCCL_COLLNET_ENABLE", None)
     checkpoint_timeout = step_timeout or effective_timeout(GroupOptions(timeout=timeout))
     # Every rank starts together, so the end's checkpoint is named alike on all of them whatever
-    # any rank did before (an earlier attempt that failed on some ranks only, say).
-    step = world_start(label, timeout=checkpoint_timeout, ranks=participants)
+    # any rank did before (an earlier attempt that failed on some ranks only, say); a recovery's
+    # participants share its round's name already, and start at once.
+    step = world_start(label, timeout=checkpoint_timeout, ranks=participants, attempt=attempt)
     try:
         with within_step(step):  # a failure elsewhere ends this rank's waits too
             _create_all(grids, options, to_world)

@@ -69,9 +69,9 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
             recipe = job.recipe
             return rebuild_megatron(recipe.config, plan, members, dist.get_rank(), share_groups=recipe.share_groups,
                                     strategy=strategy, check_agreement=recipe.check_agreement,
-                                    step_timeout=left(deadline))
+                                    step_timeout=left(deadline), attempt=scope)
         return rebuild_grid(dataclasses.replace(job.recipe, strategy=strategy), plan, members, dist.get_rank(),
-                            left(deadline))
+                            left(deadline), attempt=scope)
 
 
 def recovery_strategy(strategy: str) -> str:
@@ -154,7 +154,10 @@ def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: time
             REGISTRY.evict(pg)
 
 
-def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta) -> Any:
+def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta,
+                 attempt: Optional[str] = None) -> Any:
+    """This rank's grid of ``recipe`` on ``plan.new``, made by ``members`` together in one world
+    step (named by ``attempt``, the recovery round's name, where given: it then has no start)."""
     assert isinstance(recipe, GridRecipe)
     if plan.kind is RecoveryKind.SHRINK and recipe.views:
         raise RecoveryRefused(
@@ -166,7 +169,7 @@ def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: i
                         timeout=recipe.timeout, check_agreement=recipe.check_agreement, rank_map=plan.new.rank_map)
     for name, shape, dims, shared in recipe.views:
         new.register_view(name, list(shape), list(dims), list(shared) or None)
-    step = world_start("recover", timeout=timeout, ranks=members) if rank in members else None
+    step = world_start("recover", timeout=timeout, ranks=members, attempt=attempt) if rank in members else None
     try:
         for made in recipe.made:
             # The same calls in the same order: an unchanged group is the registry's existing one.

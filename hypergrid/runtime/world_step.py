@@ -16,6 +16,7 @@ Example, with no process group (nothing to meet through)::
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import threading
 import time
@@ -32,7 +33,8 @@ from .losses import WATCH_SLICE_S, loss_alarm, lost_among, watching_now
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
-__all__ = ["WorldRound", "world_start", "world_checkpoint", "start_step", "end_step", "within_step", "failed_step"]
+__all__ = ["WorldRound", "world_start", "world_checkpoint", "attempt_step", "start_step", "end_step", "within_step",
+           "failed_step"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,8 +60,13 @@ class WorldRound:
     epoch: int
     #: The participants, ascending; empty: every rank of the world.
     ranks: tuple[int, ...] = ()
+    #: Where the participants share the step's name already (a recovery's attempt, see
+    #: :func:`world_start`), its digest, in place of the epoch: nobody reads an epoch or waits at a start.
+    attempt: str = ""
 
     def key(self, name: str) -> str:
+        if self.attempt:
+            return f"{_base(self.ranks)}/attempt/{self.attempt}/{name}"
         return f"{_base(self.ranks)}/{self.epoch}/{name}"
 
     @property
@@ -69,6 +76,10 @@ class WorldRound:
     def missing(self, seen: set[int]) -> list[int]:
         """The participants not in ``seen``."""
         return [r for r in (self.ranks or range(dist.get_world_size())) if r not in seen]
+
+
+def _digest(name: str) -> str:
+    return hashlib.sha256(name.encode()).hexdigest()[:16]
 
 
 def _base(ranks: tuple[int, ...]) -> str:
@@ -106,13 +117,19 @@ def failed_step(store: StoreClient) -> Optional[tuple[WorldRound, CheckpointVerd
     return (step, verdict) if verdict.failed is not None else None
 
 
-def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]] = None) -> Optional[WorldRound]:
+def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]] = None,
+                attempt: Optional[str] = None) -> Optional[WorldRound]:
     """Every rank of the world (or of ``ranks``) starts ``label`` together; returns the step's round.
 
     A barrier through the store (one ``add`` and one ``wait`` per rank): once it returns, every
     rank has read the step's epoch, so the step's end (:func:`world_checkpoint`) is named alike on
     all of them, whatever any rank did before. A rank that does not arrive within ``timeout``
     fails the start on every rank that did, naming it.
+
+    ``attempt``: a name every one of ``ranks`` holds already and no other step of theirs will (a
+    recovery round's, whose verdict made them the participants): the step is named by it and
+    ``label``, and starts at once, with no barrier; a participant that never comes is found at the
+    end. One step per label and attempt.
 
     Example::
 
@@ -122,8 +139,29 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
     if not agreement_possible():
         return None
     members = tuple(sorted(set(ranks))) if ranks is not None else ()
+    if attempt is not None:
+        return attempt_step(label, members, attempt)
     return start_step(StoreClient(time.monotonic() + timeout.total_seconds()), dist.get_rank(), label, members,
                       timeout)
+
+
+def attempt_step(label: str, members: tuple[int, ...], attempt: str) -> WorldRound:
+    """The step ``label`` of ``members`` (ascending) in ``attempt``, a name they all hold already:
+    what :func:`world_start` returns for them, with no request to the store.
+
+    Example::
+
+        >>> step = attempt_step("recover", (0, 1, 4), "hypergrid/control/ns/job/f00d/0/7")
+        >>> step.key("go").split("/")[-3:-1] == ["attempt", step.attempt], len(step.attempt)
+        (True, 16)
+        >>> attempt_step("recover", (), "round 7")
+        Traceback (most recent call last):
+            ...
+        ValueError: a step named by its attempt ('round 7') needs its participants, got none
+    """
+    if not members:
+        raise ValueError(f"a step named by its attempt ({attempt!r}) needs its participants, got none")
+    return WorldRound(label, 0, members, attempt=_digest(f"{attempt}/{label}"))
 
 
 def start_step(store: StoreClient, rank: int, label: str, members: tuple[int, ...], timeout: timedelta) -> WorldRound:
@@ -137,7 +175,7 @@ def start_step(store: StoreClient, rank: int, label: str, members: tuple[int, ..
         >>> store = StoreClient(time.monotonic() + 5, base=dist.HashStore())
         >>> step = start_step(store, 0, "recover", (0,), timedelta(seconds=5))
         >>> step, end_step(store, 0, step, None, timedelta(seconds=5))
-        (WorldRound(label='recover', epoch=0, ranks=(0,)), None)
+        (WorldRound(label='recover', epoch=0, ranks=(0,), attempt=''), None)
     """
     epoch_key = f"{_base(members)}/epoch"
     try:
@@ -193,17 +231,23 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
         if error is not None:
             failed = CheckpointVerdict(rank, one_line(f"{type(error).__name__}: {error}", 1200))
             store.compare_set(go, "", encode(failed))  # the first failure stands
-            end_round(store, epoch_key, step.epoch)
+            if not step.attempt:
+                end_round(store, epoch_key, step.epoch)
             return
         if store.add(step.key("arrived"), 1) == world:
-            end_round(store, epoch_key, step.epoch)
-            store.compare_set(go, "", encode(CheckpointVerdict(None)))
-            _drop_old_steps(store, step)
+            if step.attempt:
+                store.compare_set(go, "", encode(CheckpointVerdict(None)))
+                _drop_old_attempts(store, step)
+            else:
+                end_round(store, epoch_key, step.epoch)
+                store.compare_set(go, "", encode(CheckpointVerdict(None)))
+                _drop_old_steps(store, step)
         store.append(step.key("who"), f"{rank},")
         verdict = _outcome(store, step, "go", "who")
         if verdict is None:
             missing = _not_in(store, step, "who")
-            end_round(store, epoch_key, step.epoch)
+            if not step.attempt:
+                end_round(store, epoch_key, step.epoch)
             raise GroupTimeoutError(
                 f"hypergrid: {step.label}: only {world - len(missing)} of {world} ranks finished it within "
                 f"the timeout ({timeout}); ranks {describe_ranks(missing)} did not: they are still at it, "
@@ -291,6 +335,17 @@ def _not_in(store: StoreClient, step: WorldRound, name: str, extend: bool = True
     key = step.key(name)
     seen = {int(r) for r in store.get(key).decode().split(",") if r} if store.check([key]) else set()
     return step.missing(seen)
+
+
+def _drop_old_attempts(store: StoreClient, step: WorldRound) -> None:
+    """Delete the keys of the earlier step of these participants that was named by its attempt:
+    all of them have ended this one, so that one too; this one's are deleted by the next."""
+    listed = f"{_base(step.ranks)}/attempts"
+    earlier = store.get(listed).decode() if store.check([listed]) else ""
+    if earlier and earlier != step.attempt:
+        for name in ("arrived", "who", "go"):
+            store.delete_key(f"{_base(step.ranks)}/attempt/{earlier}/{name}")
+    store.set(listed, step.attempt)
 
 
 def _drop_old_steps(store: StoreClient, step: WorldRound) -> None:
