@@ -17,7 +17,7 @@ import time
 import uuid
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch.distributed as dist
