@@ -16,8 +16,11 @@ Measured, per size:
   whole node going silent (monitors and all) to the board having all of its ranks (their
   watchers' publication) and to every other rank having them (the delivery as well);
 * one recovery round of every rank (hypergrid's ``RecoveryRound.agree``, every participant a
-  thread with its own connection): the time until every participant has the verdict, the
-  store's own CPU time for it, and its requests.
+  thread with its own connection), and the rebuild's world step after it as ``recover`` takes it
+  (named by the round, its checkpoint's wait hearing the board): the time until every
+  participant has the verdict and has ended the step, the store's own CPU time for both, and
+  their requests (past ``--connections`` ranks share a waits' connection, taking turns; what a
+  turn that ran out cost is reported apart, as re-waits).
 
 Beside it, the design it replaced ("scan": every rank adds to its heartbeat and reads up to 1,024
 other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
