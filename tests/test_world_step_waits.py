@@ -112,6 +112,15 @@ class _Step:
                 beat.forward(event)
 
 
+def _every_other_wait_ended_naming(step: _Step, lost: int) -> None:
+    """Every participant but ``lost`` ended its wait with the error naming ``lost``."""
+    for rank in step.members:
+        if rank != lost:
+            kind, message, _ = step.outcomes[rank]
+            assert kind == "GroupTimeoutError", (rank, step.outcomes[rank])
+            assert f"ranks [{lost}] were lost (the job's board says so) before they got here" in message, (rank, message)
+
+
 @pytest.fixture
 def world():
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -152,12 +161,7 @@ def test_a_participant_heard_lost_before_it_started_ends_every_participant_s_wai
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
     took = time.monotonic() - began
-    for rank in step.members:
-        if rank == lost:
-            continue
-        kind, message, _ = step.outcomes[rank]
-        assert kind == "GroupTimeoutError", (rank, step.outcomes[rank])
-        assert "ranks [4] were lost (the job's board says so) before they got here" in message, (rank, message)
+    _every_other_wait_ended_naming(step, lost)
     assert took < 5.0, took  # at the loss, not at the 30 s timeout
     # Each hearing participant read the list once and one of them set the key: two requests each.
     assert step.alarms["requests"] <= 2 * (len(step.members) - 1), step.alarms
@@ -190,10 +194,7 @@ def test_a_participant_lost_after_it_started_is_not_taken_for_one_that_never_cam
     step.lose(lost)
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
-    for rank in step.members:
-        if rank != lost:
-            kind, message, _ = step.outcomes[rank]
-            assert kind == "GroupTimeoutError" and "ranks [3] were lost" in message, (rank, step.outcomes[rank])
+    _every_other_wait_ended_naming(step, lost)
 
 
 def test_without_a_heartbeat_the_waits_look_at_the_board_once_a_slice(world, monkeypatch):
@@ -208,11 +209,8 @@ def test_without_a_heartbeat_the_waits_look_at_the_board_once_a_slice(world, mon
     publish(view.channel, view.plane, BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
-    for rank in step.members:
-        if rank != lost:
-            kind, message, waited = step.outcomes[rank]
-            assert kind == "GroupTimeoutError" and "ranks [2] were lost" in message, (rank, step.outcomes[rank])
-            assert waited < 5.0, (rank, waited)
+    _every_other_wait_ended_naming(step, lost)
+    assert all(step.outcomes[r][2] < 5.0 for r in step.members if r != lost), step.outcomes
 
 
 def test_a_step_named_by_its_recovery_attempt_has_no_start_and_costs_a_few_requests(world, monkeypatch):
@@ -251,7 +249,4 @@ def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wai
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
     assert time.monotonic() - began < 5.0
-    for rank in step.members:
-        if rank != lost:
-            kind, message, _ = step.outcomes[rank]
-            assert kind == "GroupTimeoutError" and "ranks [0] were lost" in message, (rank, step.outcomes[rank])
+    _every_other_wait_ended_naming(step, lost)

@@ -226,28 +226,24 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
     :func:`world_start` (its example ends a step so)."""
     world = step.size
     go = step.key("go")
-    epoch_key = f"{_base(step.ranks)}/epoch"
     try:
         if error is not None:
             failed = CheckpointVerdict(rank, one_line(f"{type(error).__name__}: {error}", 1200))
             store.compare_set(go, "", encode(failed))  # the first failure stands
-            if not step.attempt:
-                end_round(store, epoch_key, step.epoch)
+            _end_epoch(store, step)
             return
         if store.add(step.key("arrived"), 1) == world:
+            _end_epoch(store, step)
+            store.compare_set(go, "", encode(CheckpointVerdict(None)))
             if step.attempt:
-                store.compare_set(go, "", encode(CheckpointVerdict(None)))
                 _drop_old_attempts(store, step)
             else:
-                end_round(store, epoch_key, step.epoch)
-                store.compare_set(go, "", encode(CheckpointVerdict(None)))
                 _drop_old_steps(store, step)
         store.append(step.key("who"), f"{rank},")
         verdict = _outcome(store, step, "go", "who")
         if verdict is None:
             missing = _not_in(store, step, "who")
-            if not step.attempt:
-                end_round(store, epoch_key, step.epoch)
+            _end_epoch(store, step)
             raise GroupTimeoutError(
                 f"hypergrid: {step.label}: only {world - len(missing)} of {world} ranks finished it within "
                 f"the timeout ({timeout}); ranks {describe_ranks(missing)} did not: they are still at it, "
@@ -296,7 +292,7 @@ def _outcome(store: StoreClient, step: WorldRound, key: str, seen: str) -> Optio
                 break
             lost = lost_among(participants)
             if lost:
-                lost = sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
+                lost = _not_come(store, step, seen, lost)
             if lost:
                 raise GroupTimeoutError(_lost_message(step, lost))
     if raw is None:
@@ -305,6 +301,17 @@ def _outcome(store: StoreClient, step: WorldRound, key: str, seen: str) -> Optio
     if outcome.lost:
         raise GroupTimeoutError(_lost_message(step, list(outcome.lost)))
     return outcome
+
+
+def _end_epoch(store: StoreClient, step: WorldRound) -> None:
+    """Advance the participants' epoch past ``step`` (a step named by its attempt has none)."""
+    if not step.attempt:
+        end_round(store, f"{_base(step.ranks)}/epoch", step.epoch)
+
+
+def _not_come(store: StoreClient, step: WorldRound, seen: str, lost: list[int]) -> list[int]:
+    """Those of ``lost`` not in the step's list at ``seen``: they will never come."""
+    return sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
 
 
 def _lost_message(step: WorldRound, lost: list[int]) -> str:
@@ -319,7 +326,7 @@ def _set_lost(step: WorldRound, key: str, seen: str, lost: list[int]) -> None:
     stands)."""
     store = StoreClient(time.monotonic() + _ALARM_S)
     try:
-        missing = sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
+        missing = _not_come(store, step, seen, lost)
         if missing:
             store.compare_set(step.key(key), "", encode(CheckpointVerdict(None, lost=tuple(missing))))
     except (dist.DistError, StoreUnresponsiveError) as exc:
