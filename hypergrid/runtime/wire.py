@@ -279,12 +279,20 @@ class Verdict:
 @dataclass(frozen=True)
 class CheckpointVerdict:
     """How a world step's start or end came out: ``failed`` the rank that failed it (None: none
-    did), with its error; ``lost`` the participants heard lost before they got there (the others
-    stop waiting for them). Neither: every participant got there."""
+    did), with its error; ``lost`` the participants heard lost while the others waited (they stop
+    waiting for them); ``timed_out`` the participant whose timeout passed first while it waited
+    (every participant then names who had not come). None of them: every participant got there.
+
+    Example::
+
+        >>> decode(CheckpointVerdict, encode(CheckpointVerdict(None, timed_out=2)))
+        CheckpointVerdict(failed=None, error='', lost=(), timed_out=2)
+    """
 
     failed: Optional[int]
     error: str = ""
     lost: tuple[int, ...] = ()
+    timed_out: Optional[int] = None
 
 
 @dataclass(frozen=True)

@@ -180,14 +180,12 @@ def start_step(store: StoreClient, rank: int, label: str, members: tuple[int, ..
     epoch_key = f"{_base(members)}/epoch"
     try:
         step = WorldRound(label, int(store.add(epoch_key, 0)), members)
-        # Counted before listed: whoever is in the list was counted, so a participant lost after
-        # listing itself cannot leave the count short with nobody named missing.
         if store.add(step.key("start"), 1) == step.size:
             store.compare_set(step.key("ready"), "", encode(CheckpointVerdict(None)))
-        store.append(step.key("started"), f"{rank},")
-        if _outcome(store, step, "ready", "started") is not None:
+        outcome = _outcome(store, rank, step, _START)
+        if outcome.timed_out is None:
             return step
-        missing = _not_in(store, step, "started")
+        missing = _roll_call(store, rank, step, _START)
         end_round(store, epoch_key, step.epoch)
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise GroupCreationError(
@@ -225,24 +223,23 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
     """:func:`world_checkpoint` for ``rank`` over ``store``, as :func:`start_step` is
     :func:`world_start` (its example ends a step so)."""
     world = step.size
-    go = step.key("go")
+    go = step.key(_END.outcome)
     try:
         if error is not None:
             failed = CheckpointVerdict(rank, one_line(f"{type(error).__name__}: {error}", 1200))
             store.compare_set(go, "", encode(failed))  # the first failure stands
             _end_epoch(store, step)
             return
-        if store.add(step.key("arrived"), 1) == world:
+        if store.add(step.key(_END.count), 1) == world:
             _end_epoch(store, step)
             store.compare_set(go, "", encode(CheckpointVerdict(None)))
             if step.attempt:
                 _drop_old_attempts(store, step)
             else:
                 _drop_old_steps(store, step)
-        store.append(step.key("who"), f"{rank},")
-        verdict = _outcome(store, step, "go", "who")
-        if verdict is None:
-            missing = _not_in(store, step, "who")
+        verdict = _outcome(store, rank, step, _END)
+        if verdict.timed_out is not None:
+            missing = _roll_call(store, rank, step, _END)
             _end_epoch(store, step)
             raise GroupTimeoutError(
                 f"hypergrid: {step.label}: only {world - len(missing)} of {world} ranks finished it within "
@@ -264,43 +261,84 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
         )
 
 
-def _outcome(store: StoreClient, step: WorldRound, key: str, seen: str) -> Optional[CheckpointVerdict]:
-    """The outcome at the step's ``key`` once it is set, which every participant reads alike; None
-    at the deadline. :class:`~hypergrid.errors.GroupTimeoutError` where it says that participants
-    not yet in the list at ``seen`` were lost: inside a recovery's scope
-    (:func:`~hypergrid.runtime.losses.watching`), waiting longer is waiting for nobody.
+@dataclass(frozen=True)
+class _Meeting:
+    """Where a step's participants meet (its start or its end), by the names of its keys: each
+    participant adds itself to the ``count``; the last one counted, or the first to learn that the
+    meeting cannot complete, sets the ``outcome`` every participant reads; only where that says
+    a participant's timeout passed does each one present put its name on the ``roll``."""
 
-    - Where the scope hears losses as they are published (the rank's heartbeat forwards the
-      board, :func:`~hypergrid.runtime.losses.loss_alarm`), one blocking get: a loss heard of a
-      participant missing from the list sets ``key`` to say so (:func:`_set_lost`), the first
-      writer winning. Store requests per participant: the get's two, and two for each loss heard.
-    - Else in slices, a look at the job's board each (:func:`~hypergrid.runtime.losses.lost_among`).
+    count: str
+    outcome: str
+    roll: str
+
+
+_START = _Meeting("start", "ready", "started")
+_END = _Meeting("arrived", "go", "who")
+
+#: How long past its deadline a participant waits for the others present to answer the roll call.
+_ROLL_CALL_S = 2.0
+_ROLL_POLL_S = 0.05
+
+
+def _outcome(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting) -> CheckpointVerdict:
+    """The outcome of ``meeting`` once it is set, which every participant reads alike.
+
+    Nothing but the outcome's one key is read while waiting (a blocking get: two requests on the
+    wire), however long the wait, at any size. The key is set by the last participant counted, by
+    one that failed, and otherwise by the first participant that learns the meeting will not
+    complete, with what it learned, the first writer winning (compare-and-set):
+
+    - its deadline passed: ``timed_out`` (each participant present then names the missing ones,
+      :func:`_roll_call`);
+    - inside a recovery's scope (:func:`~hypergrid.runtime.losses.watching`), a participant was
+      lost: waiting longer would be waiting for a rank the recovery's next round counts out.
+      Where the scope hears losses as they are published (the rank's heartbeat forwards the
+      board, :func:`~hypergrid.runtime.losses.loss_alarm`) the get blocks once and the heartbeat's
+      thread sets the key (:func:`_set_lost`); else the wait looks at the board once a slice
+      (:func:`~hypergrid.runtime.losses.lost_among`).
+
+    Raises :class:`~hypergrid.errors.GroupTimeoutError` where participants were lost.
     """
+    key = step.key(meeting.outcome)
     participants = step.ranks or range(dist.get_world_size())
     alarm = loss_alarm()
     if alarm is not None:
-        with alarm.on_loss(participants, lambda lost: _set_lost(step, key, seen, lost)):
-            raw = store.get_within(step.key(key), store.remaining())
+        with alarm.on_loss(participants, lambda lost: _set_lost(step, key, lost)):
+            raw = store.get_within(key, store.remaining())
     else:
         raw = None
-        while True:
+        while raw is None and store.remaining() > 0:
             slice_s = min(WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()
-            if store.wait([step.key(key)], slice_s):
-                raw = store.get(step.key(key))
-                break
-            if store.remaining() <= 0:
-                break
-            lost = lost_among(participants)
+            raw = store.get_within(key, slice_s)
+            lost = lost_among(participants) if raw is None and store.remaining() > 0 else []
             if lost:
-                lost = _not_come(store, step, seen, lost)
-            if lost:
-                raise GroupTimeoutError(_lost_message(step, lost))
+                raw = store.compare_set(key, "", encode(CheckpointVerdict(None, lost=tuple(lost))))
     if raw is None:
-        return None
+        store.extend(_ROLL_CALL_S)
+        raw = store.compare_set(key, "", encode(CheckpointVerdict(None, timed_out=rank)))
     outcome = decode(CheckpointVerdict, raw)
     if outcome.lost:
         raise GroupTimeoutError(_lost_message(step, list(outcome.lost)))
     return outcome
+
+
+def _roll_call(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting) -> list[int]:
+    """The participants missing from ``meeting``, which a participant's timeout ended: each one
+    present puts its name on the roll, and reads it until it holds as many names as the meeting
+    counted (those that came after the timeout too), or for :data:`_ROLL_CALL_S` at most (one
+    present but slow to answer would be named missing then). Only a meeting that failed so costs
+    more than its count and its outcome's get: a list of every participant's name, written by
+    every one, is kept off the way of one that succeeds."""
+    store.extend(_ROLL_CALL_S)
+    roll = step.key(meeting.roll)
+    store.append(roll, f"{rank},")
+    counted = int(store.add(step.key(meeting.count), 0))
+    while True:
+        named = {int(r) for r in store.get(roll).decode().split(",") if r}
+        if len(named) >= counted or store.remaining() <= 0:
+            return step.missing(named)
+        time.sleep(_ROLL_POLL_S)
 
 
 def _end_epoch(store: StoreClient, step: WorldRound) -> None:
@@ -309,39 +347,21 @@ def _end_epoch(store: StoreClient, step: WorldRound) -> None:
         end_round(store, f"{_base(step.ranks)}/epoch", step.epoch)
 
 
-def _not_come(store: StoreClient, step: WorldRound, seen: str, lost: list[int]) -> list[int]:
-    """Those of ``lost`` not in the step's list at ``seen``: they will never come."""
-    return sorted(set(lost) & set(_not_in(store, step, seen, extend=False)))
-
-
 def _lost_message(step: WorldRound, lost: list[int]) -> str:
-    return (f"hypergrid: {step.label}: ranks {describe_ranks(lost)} were lost (the job's board says so) before "
-            f"they got here; the others stop waiting for them")
+    return (f"hypergrid: {step.label}: ranks {describe_ranks(lost)} were lost (the job's board says so) while "
+            f"the others waited for them; the others stop waiting")
 
 
-def _set_lost(step: WorldRound, key: str, seen: str, lost: list[int]) -> None:
-    """A loss heard while waiting for the step's ``key`` (on the heartbeat's thread, over its own
-    connection): those of ``lost`` not in the list at ``seen`` never come, so ``key`` says so,
-    unless it is set already (the step's own outcome, or another participant's alarm: the first
-    stands)."""
+def _set_lost(step: WorldRound, key: str, lost: list[int]) -> None:
+    """A loss heard while waiting for the step's outcome at ``key`` (on the heartbeat's thread,
+    over its own connection): the outcome says so, unless it is set already (the step's own
+    outcome, or another participant's alarm: the first stands)."""
     store = StoreClient(time.monotonic() + _ALARM_S)
     try:
-        missing = _not_come(store, step, seen, lost)
-        if missing:
-            store.compare_set(step.key(key), "", encode(CheckpointVerdict(None, lost=tuple(missing))))
+        store.compare_set(key, "", encode(CheckpointVerdict(None, lost=tuple(lost))))
     except (dist.DistError, StoreUnresponsiveError) as exc:
         logger.warning("hypergrid: %s: could not say that ranks %s were lost: %s", step.label,
                        describe_ranks(lost), exc)
-
-
-def _not_in(store: StoreClient, step: WorldRound, name: str, extend: bool = True) -> list[int]:
-    """The participants of ``step`` missing from the comma-separated list at its key ``name``;
-    ``extend``: allow one more answer past the deadline (to name them in an error)."""
-    if extend:
-        store.extend(1.0)
-    key = step.key(name)
-    seen = {int(r) for r in store.get(key).decode().split(",") if r} if store.check([key]) else set()
-    return step.missing(seen)
 
 
 def _drop_old_attempts(store: StoreClient, step: WorldRound) -> None:
