@@ -294,7 +294,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     from hypergrid.control.plane import ControlPlane
     from hypergrid.control.rounds import RecoveryRound
     from hypergrid.runtime.losses import watching
-    from hypergrid.runtime.wire import Arrival
+    from hypergrid.runtime.wire import Arrival, JobRecord, RoundEnd
     from hypergrid.runtime.world_step import attempt_step, end_step
 
     # Thousands of threads per process on two cores starve one another of the GIL for seconds: a
@@ -321,21 +321,37 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                          time.monotonic() + _ROUND_S, shared=share > 1)
         stores.append(store)
         go.wait()
-        rnd = RecoveryRound(channel, plane, 0, store, None)  # type: ignore[arg-type]
         try:
+            # As recover takes a round: open it (its number, the committed record, the offers),
+            # arrive and read the verdict, the rebuild's world step (named by the round, the groups
+            # made, its checkpoint, its wait hearing the board), then the round's end, the record
+            # committed, and the round closed.
+            store.phase = "open"
+            rnd = RecoveryRound.open(channel, plane, store.deadline, store)  # type: ignore[arg-type]
+            store.phase = "round"
             verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=_ROUND_S / 2,
                                 board=LossView(channel, plane))
             agreed = time.time()
-            # Then the rebuild's world step, as recover takes it (rebuild_grid: named by the
-            # round, the groups made, its checkpoint), its wait hearing the board.
+            store.phase = "step"
             with watching(_BoardLook(LossView(channel, plane), store)):
                 step = attempt_step("recover", members, channel.key(rnd.number))
                 end_step(store, rank, step, None, timedelta(seconds=_ROUND_S))  # type: ignore[arg-type]
+            store.phase = "close"
+            committed = JobRecord(1, (spec["n"],), ("dp",), ((0, 0, spec["n"]),), (), step=1)
+            if rnd.end(RoundEnd(True, job=committed)).committed:
+                rnd.commit(committed)
+            rnd.close()
         except Exception as exc:  # a participant that did not get the verdict is a figure too
             errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
             return
         results.append((agreed, time.time(), verdict.failed))
 
+    if 0 in ranks:
+        # The job as its first recovery left it: a later round's participants read the record.
+        from hypergrid.runtime.wire import encode
+
+        record = JobRecord(1, (spec["n"],), ("dp",), ((0, 0, spec["n"]),), (), step=0, gone=("rank 9: stale",))
+        beat_conns[0].set(channel.key("committed"), encode(record).encode())
     threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in ranks]
     for thread in threads:
         thread.start()
@@ -350,6 +366,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "agreed": len(results), "errors": errors[:3], "error_count": len(errors),
                       "requests": sum(c.requests for c in conns) - before[0],
                       "rewaits": sum(store.rewaits for store in stores),
+                      "made": {phase: sum(store.made.get(phase, 0) for store in stores)
+                               for phase in ("open", "round", "step", "close")},
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
@@ -390,6 +408,18 @@ class _Bounded:
         self.conn, self.lock, self.deadline = conn, lock, deadline
         self.wait_conn, self.wait_lock, self.shared = wait_conn, wait_lock, shared
         self.rewaits = 0
+        #: The participant's own requests (re-waits apart) in each part of the round it is in.
+        self.phase = "round"
+        self.made: dict[str, int] = {}
+
+    def _on(self, call: Any) -> Any:
+        """``call(conn)`` on the requests' connection, its requests counted to the phase."""
+        with self.lock:
+            before = self.conn.requests
+            try:
+                return call(self.conn)
+            finally:
+                self.made[self.phase] = self.made.get(self.phase, 0) + self.conn.requests - before
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -398,29 +428,28 @@ class _Bounded:
         self.deadline = max(self.deadline, time.monotonic() + seconds)
 
     def add(self, key: str, amount: int) -> int:
-        with self.lock:
-            return self.conn.add(key, amount)
+        return self._on(lambda conn: conn.add(key, amount))
 
     def set(self, key: str, value: str | bytes) -> None:
-        with self.lock:
-            self.conn.set(key, value.encode() if isinstance(value, str) else value)
+        self._on(lambda conn: conn.set(key, value.encode() if isinstance(value, str) else value))
 
     def append(self, key: str, value: str) -> None:
-        with self.lock:
-            self.conn.append(key, value.encode())
+        self._on(lambda conn: conn.append(key, value.encode()))
 
     def get(self, key: str) -> bytes:
-        with self.lock:
-            return self.conn.get(key)
+        return self._on(lambda conn: conn.get(key))
 
     def check(self, keys: list[str]) -> bool:
-        with self.lock:
-            return self.conn.check(keys)
+        return self._on(lambda conn: conn.check(keys))
 
     def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
         as_bytes = lambda v: v.encode() if isinstance(v, str) else v  # noqa: E731  (StoreClient takes both)
-        with self.lock:
-            return self.conn.compare_set(key, as_bytes(expected), as_bytes(desired))
+        return self._on(lambda conn: conn.compare_set(key, as_bytes(expected), as_bytes(desired)))
+
+    def get_if_set(self, key: str) -> Optional[bytes]:
+        from hypergrid.runtime.store import StoreClient
+
+        return StoreClient.get_if_set(self, key)  # type: ignore[arg-type]  (its one compare_set, over ours)
 
     def get_within(self, key: str, seconds: float) -> Optional[bytes]:
         # As torch's client: a wait and a get (one blocking get), on the waits' connection.
@@ -443,17 +472,17 @@ class _Bounded:
         it for a whole blocking wait would keep the others from the step it waits for (a cluster's
         ranks each have their own). What a turn that ran out cost, where more time was left, is a
         wait a rank of its own would not have made: counted in ``rewaits``, apart."""
-        if not self.shared:
-            with self.wait_lock:
-                return attempt(self.wait_conn, seconds)
         end = time.monotonic() + seconds
         while True:
             left = end - time.monotonic()
             with self.wait_lock:
                 before = self.wait_conn.requests
-                got = attempt(self.wait_conn, min(left, _SHARED_TURN_S))
+                got = attempt(self.wait_conn, min(left, _SHARED_TURN_S) if self.shared else left)
+                made = self.wait_conn.requests - before
                 if got is None and end - time.monotonic() > 0:
-                    self.rewaits += self.wait_conn.requests - before
+                    self.rewaits += made
+                else:
+                    self.made[self.phase] = self.made.get(self.phase, 0) + made
             if got is not None or end - time.monotonic() <= 0:
                 return got
 
@@ -669,6 +698,7 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": store_cpu,
             "step_seconds": max(steps) - start if steps else None,
             "requests": sum(o["requests"] for o in outs), "rewaits": sum(o["rewaits"] for o in outs),
+            "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step", "close")},
             "bytes": sum(o["bytes"] for o in outs),
             "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
             "errors": [e for o in outs for e in o["errors"]][:3], "error_count": sum(o["error_count"] for o in outs)}
@@ -839,7 +869,7 @@ def _table(rows: list, interval: float) -> None:
           "death), and the requests the board's waits made meanwhile.")
     print()
     print(f"| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | {RACK_LABEL} | one recovery "
-          "round: all have the verdict | and all ended its world step | store CPU (round and step) | their requests |")
+          "round: all have the verdict | and all ended its world step | store CPU (the whole round) | their requests |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for design, n, _, d, r, _ in rows:
         if design.startswith("scan") or (not d and not r):
@@ -852,8 +882,12 @@ def _table(rows: list, interval: float) -> None:
                 took += f" ({r['agreed']:,} agreed, {r['error_count']:,} did not)"
             stepped = f"{r['step_seconds']:.2f} s" if r.get("step_seconds") is not None else "-"
             rewaits = f" (+{r['rewaits']:,} re-waits on shared connections)" if r.get("rewaits") else ""
+            made = r["made"]
             round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {r['requests'] - r.get('rewaits', 0):,}, "
-                           f"{(r['requests'] - r.get('rewaits', 0)) / n:.1f} per rank{rewaits}")
+                           f"{(r['requests'] - r.get('rewaits', 0)) / n:.1f} per rank: "
+                           f"{(made['round'] + made['step']) / n:.1f} to arrive, read the verdict and end the step "
+                           f"({made['round'] / n:.1f} + {made['step'] / n:.1f}), {made['open'] / n:.1f} to open the "
+                           f"round, {made['close'] / n:.1f} to end it, commit and close{rewaits}")
         cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
                                                                "node 5 lost", RACK_LABEL))
         print(f"| {n:,} | {cells} | {round_cells} |")

@@ -137,8 +137,8 @@ def current_round(channel: JobChannel, plane: ControlPlane, store: Optional[Stor
 
 def read_record(channel: JobChannel, store: StoreClient) -> Optional[JobRecord]:
     """The job as its latest committed round left it (None: no round has committed yet)."""
-    key = channel.key("committed")
-    return decode(JobRecord, store.get(key)) if store.check([key]) else None
+    raw = store.get_if_set(channel.key("committed"))
+    return decode(JobRecord, raw) if raw is not None else None
 
 
 @dataclass
@@ -188,9 +188,12 @@ class RecoveryRound:
     offers: tuple[int, ...] = ()
 
     @classmethod
-    def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float) -> RecoveryRound:
-        """This rank's view of the job's open round (nothing is written yet)."""
-        store = plane.client(deadline)
+    def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float,
+             store: Optional[StoreClient] = None) -> RecoveryRound:
+        """This rank's view of the job's open round (nothing is written yet), over ``store``
+        (default: a client of the plane's, bounded by ``deadline``). Three requests: the round's
+        number, the committed record and the offers, each read without a wait."""
+        store = store or plane.client(deadline)
         try:
             number = current_round(channel, plane, store)
             record = read_record(channel, store)
@@ -250,7 +253,7 @@ class RecoveryRound:
         return _checked(verdict, rank, self.name)
 
     def _standing(self) -> Optional[FailureVerdict]:
-        key = self.key("verdict")
+        key = self.key("verdict")  # followers wait on it: a peek would wake them (StoreClient.get_if_set)
         return decode(FailureVerdict, self.store.get(key)) if self.store.check([key]) else None
 
     def _lead(self, waiting: _Waiting, board: LossView, bound_s: float) -> Optional[FailureVerdict]:
@@ -380,10 +383,10 @@ def _store_failed(what: str, exc: BaseException) -> RecoveryError:
 
 
 def _offers(channel: JobChannel, store: StoreClient, generation: int) -> tuple[int, ...]:
-    key = channel.key("offers")
-    if not store.check([key]):
+    raw = store.get_if_set(channel.key("offers"))
+    if raw is None:
         return ()
-    lines = store.get(key).decode().split()
+    lines = raw.decode().split()
     return tuple(sorted({int(r) for r, g in (line.split(":") for line in lines) if int(g) == generation}))
 
 

@@ -48,6 +48,9 @@ MIN_CALL_S = 0.05
 #: long its answer may take to come back before the store counts as not answering. A loaded
 #: machine (more ranks than cores, the store hosted in a busy process) answers seconds late.
 ANSWER_SLACK_S = 5.0
+#: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores (its
+#: records are text) begins with a NUL byte.
+_ABSENT = b"\x00hypergrid: not set"
 
 
 def member_set_key(members_digest: str) -> str:
@@ -173,6 +176,26 @@ class StoreClient:
 
     def get(self, key: str) -> bytes:
         return cast(bytes, self._call("get", lambda store: store.get(key)))
+
+    def get_if_set(self, key: str) -> Optional[bytes]:
+        """``key``'s value, or None where it is not set, without waiting: one request, where a
+        ``check`` and a ``get`` are three on the wire (torch's client waits before it gets). It is a
+        compare-and-set that never writes: expecting a value nobody stores, and desiring the same,
+        it returns the stored value where there is one, and what it expected where there is none.
+
+        Only for a key nobody waits on: torch's libuv server (the default) answers every wait on
+        the key at a compare-and-set, whether it wrote or not (torch 2.13 and 2.15 alike), so a
+        waiter would wake to a key that is not there and read an empty value.
+
+        Example, over a ``HashStore``::
+
+            >>> base = dist.HashStore(); base.set("a", "1")
+            >>> store = StoreClient(time.monotonic() + 5, base=base)
+            >>> store.get_if_set("a"), store.get_if_set("b"), base.check(["b"])
+            (b'1', None, False)
+        """
+        value = bytes(self.compare_set(key, _ABSENT, _ABSENT))
+        return None if value == _ABSENT else value
 
     def get_within(self, key: str, seconds: float) -> Optional[bytes]:
         """``key``'s value once it is set, waiting at most ``seconds``; None if it is not set by then.

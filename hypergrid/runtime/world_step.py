@@ -111,9 +111,9 @@ def within_step(step: Optional[WorldRound]) -> Iterator[None]:
 def failed_step(store: StoreClient) -> Optional[tuple[WorldRound, CheckpointVerdict]]:
     """The step this thread waits within and its verdict, if it has failed on some rank."""
     step = getattr(_steps, "current", None)
-    if step is None or not store.check([step.key("go")]):
+    if step is None or not store.check([step.key(_END.outcome)]):
         return None
-    verdict = decode(CheckpointVerdict, store.get(step.key("go")))
+    verdict = decode(CheckpointVerdict, store.get(step.key(_END.outcome)))
     return (step, verdict) if verdict.failed is not None else None
 
 
@@ -206,7 +206,8 @@ def world_checkpoint(step: Optional[WorldRound], error: Optional[BaseException],
     until every rank arrived, or one posted a failure, which they raise as
     :class:`~hypergrid.errors.GridMismatchError` naming that rank and its error; a step not ended
     by every rank in time raises :class:`~hypergrid.errors.GroupTimeoutError` naming the ranks
-    that did not. The step's keys, and those of every earlier step, are deleted once every rank has
+    that did not, on every rank that did, as soon as the first of them reached its timeout (one
+    outcome for all: none passes a step that another gave up on). The step's keys, and those of every earlier step, are deleted once every rank has
     ended it: the store does not grow with steps.
 
     Example::
@@ -368,7 +369,7 @@ def _drop_old_attempts(store: StoreClient, step: WorldRound) -> None:
     """Delete the keys of the earlier step of these participants that was named by its attempt:
     all of them have ended this one, so that one too; this one's are deleted by the next."""
     listed = f"{_base(step.ranks)}/attempts"
-    earlier = store.get(listed).decode() if store.check([listed]) else ""
+    earlier = (store.get_if_set(listed) or b"").decode()
     if earlier and earlier != step.attempt:
         for name in ("arrived", "who", "go"):
             store.delete_key(f"{_base(step.ranks)}/attempt/{earlier}/{name}")
