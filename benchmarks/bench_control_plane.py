@@ -15,12 +15,14 @@ Measured, per size:
   having it and to every other rank having it (rank 0, rank 1,500, the last rank), and from a
   whole node going silent (monitors and all) to the board having all of its ranks (their
   watchers' publication) and to every other rank having them (the delivery as well);
-* one recovery round of every rank (hypergrid's ``RecoveryRound.agree``, every participant a
-  thread with its own connection), and the rebuild's world step after it as ``recover`` takes it
-  (named by the round, its checkpoint's wait hearing the board): the time until every
-  participant has the verdict and has ended the step, the store's own CPU time for both, and
-  their requests (past ``--connections`` ranks share a waits' connection, taking turns; what a
-  turn that ran out cost is reported apart, as re-waits).
+* one recovery round of every rank as ``recover`` takes it, every participant a thread with its
+  own connection: the round opened (``RecoveryRound.open``, over a committed record, as in a job
+  after its first recovery), the arrival and the verdict (``RecoveryRound.agree``), the rebuild's
+  world step (named by the round, its checkpoint's wait hearing the board), and the round's end,
+  record and close: the time until every participant has the verdict and has ended the step, the
+  store's own CPU time for all of it, and the participants' requests, in all and by part (past
+  ``--connections`` ranks share a waits' connection, taking turns; what a turn that ran out cost
+  is reported apart, as re-waits).
 
 Beside it, the design it replaced ("scan": every rank adds to its heartbeat and reads up to 1,024
 other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
@@ -109,9 +111,14 @@ def _worker(spec: dict) -> None:
         with ThreadPoolExecutor(2) as pool:
             return list(pool.map(lambda _: WireStore.connect(host, port, timeout_s=600.0), range(count)))
 
-    opened = open_connections(len(groups) * (2 if spec["design"] == "round" else 1))
+    # A round's ranks that share connections have a second one for their waits (see _round); a
+    # rank with a connection of its own makes its requests and its waits on it, one after the
+    # other, as a rank's store client does: 16,384 of them fit the 20,000 descriptors.
+    waits_apart = spec["design"] == "round" and share > 1
+    opened = open_connections(len(groups) * (2 if waits_apart else 1))
     beat_conn = {g: opened[i] for i, g in enumerate(groups)}
-    board_conn = {g: opened[len(groups) + i] for i, g in enumerate(groups)} if spec["design"] == "round" else {}
+    board_conn = ({g: opened[len(groups) + i] for i, g in enumerate(groups)} if waits_apart
+                  else dict(beat_conn) if spec["design"] == "round" else {})
     conns = list(opened)
     if spec["design"] == "round":  # only a recovery round of every hosted rank, no monitors
         print("ready", flush=True)
@@ -285,9 +292,11 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     """Every hosted rank takes part in one recovery round, a thread each, through the real
     ``RecoveryRound.agree`` (its store calls over this worker's connections, bounded by a deadline).
 
-    The monitors are done by then: a connection group's beats connection is the round's, and a
-    second one of its own takes its waits (a follower's slice on the verdict). Ranks that share a group take turns on each: a wait does not hold up the
-    requests of the round's leader (in a cluster every rank has connections of its own)."""
+    The monitors are done by then: a rank with a connection of its own makes its requests and
+    its waits on it, as a rank's store client does. Where ranks share one (past ``--connections``),
+    a second one of the group's takes their waits (a follower's slice on the verdict), and they
+    take turns on each: a wait does not hold up the requests of the round's leader (in a cluster
+    every rank has its own)."""
     from hypergrid.control import rounds
     from hypergrid.control.board import LossView
     from hypergrid.control.keys import JobChannel
@@ -304,9 +313,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     threading.stack_size(256 * 1024)
     channel = JobChannel(namespace, "round", 0)
     plane = ControlPlane(namespace, None, (spec["host"], spec["port"]))
-    conns = list(beat_conns.values()) + list(board_conns.values())
+    conns = list({id(c): c for c in list(beat_conns.values()) + list(board_conns.values())}.values())
     locks = {g: threading.Lock() for g in beat_conns}
-    wait_locks = {g: threading.Lock() for g in board_conns}
+    # One connection per rank: its requests and its waits take turns on it, under one lock.
+    wait_locks = {g: threading.Lock() for g in board_conns} if share > 1 else locks
     before = sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns)
     go = threading.Event()
     results: list[Any] = []
@@ -843,7 +853,7 @@ def main() -> None:
             if workers is None:
                 started = time.monotonic()
                 workers = Workers(dict(spec, design="round"), round_workers)
-                print(f"ring {n}: the round's {2 * n // share} connections made in "
+                print(f"ring {n}: the round's {(2 if share > 1 else 1) * n // share} connections made in "
                       f"{time.monotonic() - started:.0f} s", flush=True)
             rnd = _round_all(workers, _namespace())
         rows.append(("ring (hypergrid)", n, steady, detect, rnd, share))
