@@ -150,8 +150,9 @@ def test_a_step_s_waits_cost_each_participant_the_same_few_requests_however_long
             assert waited >= LATE_S - 0.5, (rank, waited)
         # The start: its epoch, its count, one blocking get; the end: its count, one blocking get
         # (no list of names: only a step that timed out calls the roll). The last to start (the
-        # late one) sets the start's key; the last to end, whoever it is, the end's, and cleans up.
-        assert step.counts[rank]["requests"] <= 8, (rank, step.counts[rank])
+        # late one) sets the start's key; the last to end, whoever it is (the late one too, on a
+        # loaded machine), ends the epoch, sets the end's key and cleans up: 4 more at most.
+        assert step.counts[rank]["requests"] <= 10, (rank, step.counts[rank])
     above = [r for r in step.members if step.counts[r]["requests"] > 5]
     assert len(above) <= 2, {r: step.counts[r] for r in above}
     assert step.alarms["requests"] == 0
