@@ -273,6 +273,11 @@ class _Meeting:
     outcome: str
     roll: str
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every key the meeting may write (what a later step deletes)."""
+        return (self.count, self.outcome, self.roll)
+
 
 _START = _Meeting("start", "ready", "started")
 _END = _Meeting("arrived", "go", "who")
@@ -371,7 +376,7 @@ def _drop_old_attempts(store: StoreClient, step: WorldRound) -> None:
     listed = f"{_base(step.ranks)}/attempts"
     earlier = (store.get_if_set(listed) or b"").decode()
     if earlier and earlier != step.attempt:
-        for name in ("arrived", "who", "go"):
+        for name in _END.names:
             store.delete_key(f"{_base(step.ranks)}/attempt/{earlier}/{name}")
     store.set(listed, step.attempt)
 
@@ -381,7 +386,7 @@ def _drop_old_steps(store: StoreClient, step: WorldRound) -> None:
     cleaned_key = f"{_base(step.ranks)}/cleaned"
     first = int(store.add(cleaned_key, 0))
     for old in range(first, step.epoch):
-        for name in ("start", "started", "ready", "arrived", "who", "go"):
+        for name in _START.names + _END.names:
             store.delete_key(f"{_base(step.ranks)}/{old}/{name}")
     if step.epoch > first:
         store.add(cleaned_key, step.epoch - first)
