@@ -198,7 +198,14 @@ def members_digest(members: Sequence[int]) -> str:
         >>> members_digest([3, 1]) == members_digest([1, 3])
         True
     """
-    return hashlib.sha1(",".join(map(str, sorted(members))).encode()).hexdigest()[:20]
+    return _sorted_members_digest(tuple(sorted(members)))
+
+
+@functools.lru_cache(maxsize=32)
+def _sorted_members_digest(members: tuple[int, ...]) -> str:
+    # A job names the same few member sets over and over (its world, its groups, a recovery's
+    # survivors); spelling 16,384 ranks out takes 4 ms, looking the tuple up 0.1 ms.
+    return hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:20]
 
 
 class RoundOutcome(str, enum.Enum):
