@@ -105,10 +105,9 @@ def _worker(spec: dict) -> None:
     ranks: list[int] = spec["ranks"]
     groups = sorted({r // share for r in ranks})
     ring = spec["design"] in ("ring", "round")
-    # Two at a time per worker: torch's server here takes about 10 new connections a second, and
-    # a crowd of connections waiting for it only times out and comes back.
+    # A few at a time per worker: the store (see _host_store) takes thousands a second.
     def open_connections(count: int) -> list[Any]:
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(16) as pool:
             return list(pool.map(lambda _: WireStore.connect(host, port, timeout_s=600.0), range(count)))
 
     # A round's ranks that share connections have a second one for their waits (see _round); a
@@ -310,6 +309,11 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # leader thread that was not scheduled is not a leader that stopped. In a cluster each
     # participant is a process of its own; here a takeover would only measure the simulation.
     rounds._LEADER_QUIET_S = 600.0
+    # For the same reason a follower blocks on the verdict at once, not 2 s at a time: each slice
+    # costs two requests, and thousands of followers slicing here take both cores, which holds the
+    # round up, which makes more slices (4,096 ranks over 16 processes did not agree in 5
+    # minutes). What the slices cost a cluster's round is a figure of its own (docs/recovery.md).
+    rounds._FOLLOW_SLICE_S = _ROUND_S
     threading.stack_size(256 * 1024)
     channel = JobChannel(namespace, "round", 0)
     plane = ControlPlane(namespace, None, (spec["host"], spec["port"]))
@@ -319,6 +323,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     wait_locks = {g: threading.Lock() for g in board_conns} if share > 1 else locks
     before = sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns)
     go = threading.Event()
+    parts = _Parts(len(ranks))
     results: list[Any] = []
     errors: list[str] = []
     stores: list[_Bounded] = []
@@ -338,6 +343,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
             # committed, and the round closed.
             store.phase = "open"
             rnd = RecoveryRound.open(channel, plane, store.deadline, store)  # type: ignore[arg-type]
+            parts.reached("open")
             store.phase = "round"
             verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=_ROUND_S / 2,
                                 board=LossView(channel, plane))
@@ -346,6 +352,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
             with watching(_BoardLook(LossView(channel, plane), store)):
                 step = attempt_step("recover", members, channel.key(rnd.number))
                 end_step(store, rank, step, None, timedelta(seconds=_ROUND_S))  # type: ignore[arg-type]
+            stepped = time.time()
+            parts.reached("step")
             store.phase = "close"
             committed = JobRecord(1, (spec["n"],), ("dp",), ((0, 0, spec["n"]),), (), step=1)
             if rnd.end(RoundEnd(True, job=committed)).committed:
@@ -353,8 +361,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
             rnd.close()
         except Exception as exc:  # a participant that did not get the verdict is a figure too
             errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
+            parts.leave()
             return
-        results.append((agreed, time.time(), verdict.failed))
+        results.append((agreed, stepped, verdict.failed))
 
     if 0 in ranks:
         # The job as its first recovery left it: a later round's participants read the record.
@@ -368,6 +377,11 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     print("ready", flush=True)
     sys.stdin.readline()
     go.set()
+    for part in ("open", "step"):  # the parent reads the store's CPU between the parts
+        parts.wait_all(part)
+        print(f"{part} done", flush=True)
+        sys.stdin.readline()
+        parts.release(part)
     for thread in threads:
         thread.join()
     print(json.dumps({"last": max(t for t, _, _ in results) if results else None,
@@ -379,6 +393,38 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "made": {phase: sum(store.made.get(phase, 0) for store in stores)
                                for phase in ("open", "round", "step", "close")},
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
+
+
+class _Parts:
+    """Holds a worker's participants between the parts of the round (opening it; arriving, the
+    verdict and the world step; ending, recording and closing it) until the parent has read the
+    store's CPU: each part's figure is its own. In a cluster nobody waits there."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.cond = count, threading.Condition()
+        self.done: dict[str, int] = {}
+        self.released: set[str] = set()
+
+    def reached(self, part: str) -> None:
+        with self.cond:
+            self.done[part] = self.done.get(part, 0) + 1
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: part in self.released)
+
+    def leave(self) -> None:
+        """A participant that failed: the parts after it wait for one fewer."""
+        with self.cond:
+            self.count -= 1
+            self.cond.notify_all()
+
+    def wait_all(self, part: str) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.done.get(part, 0) >= self.count)
+
+    def release(self, part: str) -> None:
+        with self.cond:
+            self.released.add(part)
+            self.cond.notify_all()
 
 
 class _BoardLook:
@@ -692,20 +738,28 @@ def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict
 
 def _round_all(workers: Workers, namespace: str) -> dict:
     """One recovery round of every simulated rank (see the workers' _round); the store's CPU time
-    is this process's (it runs nothing else meanwhile)."""
+    is this process's (it runs nothing else meanwhile), read between the round's parts."""
     workers.send(f"round {namespace}")
     for proc in workers.procs:
         assert proc.stdout.readline().strip() == "ready"
-    cpu = time.process_time()
-    start = time.time()
+    cpu = {"open": time.process_time()}
     workers.send("go")
+    for part, after in (("open", "round"), ("step", "close")):
+        for proc in workers.procs:
+            assert proc.stdout.readline().strip() == f"{part} done"
+        cpu[after] = time.process_time()
+        if part == "open":
+            start = time.time()  # the round's time counts from its arrivals
+        workers.send("go")
     outs = [json.loads(proc.stdout.readline()) for proc in workers.procs]
-    store_cpu = time.process_time() - cpu
+    cpu["end"] = time.process_time()
     for proc in workers.procs:
         proc.wait(timeout=60)
     lasts = [o["last"] for o in outs if o["last"] is not None]
     steps = [o["last_step"] for o in outs if o["last_step"] is not None]
-    return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": store_cpu,
+    return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": cpu["end"] - cpu["open"],
+            "store_cpu_by_part": {"open": cpu["round"] - cpu["open"], "round and step": cpu["close"] - cpu["round"],
+                                  "close": cpu["end"] - cpu["close"]},
             "step_seconds": max(steps) - start if steps else None,
             "requests": sum(o["requests"] for o in outs), "rewaits": sum(o["rewaits"] for o in outs),
             "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step", "close")},
@@ -768,6 +822,27 @@ job.release_spares()
           f"{min(sizes):.1f}-{max(sizes):.1f} MB, CPU {min(shares):.2f}-{max(shares):.2f}% of a core")
 
 
+def _host_store(dist: Any) -> Any:
+    """torch's TCPStore server (libuv) on 127.0.0.1, listening on an IPv4 socket of this process's.
+
+    Given only a port, torch's server listens on IPv6 and IPv4 at once, and names each connection
+    it accepts (for its logs) by a reverse lookup of the peer's address: ``::ffff:127.0.0.1``,
+    which no hosts file lists, so a DNS query, made on the server's one thread. This machine's
+    resolver leaves some queries unanswered, and each such connection stops the whole store for
+    5 s (one connection in about 60 when opened one by one, nearly all of them past a few
+    hundred at once: 1,024 connections took 96 s, 4,096 never finished). An IPv4 socket's peers
+    are ``127.0.0.1``, which the hosts file names: 4,096 connections open in under a second.
+    """
+    import socket
+
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16384)  # the kernel caps it at net.core.somaxconn
+    port = listener.getsockname()[1]
+    return dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False, use_libuv=True,
+                         master_listen_fd=listener.detach())
+
+
 def _namespace() -> str:
     import uuid
 
@@ -801,7 +876,7 @@ def main() -> None:
     import torch
     import torch.distributed as dist
 
-    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, use_libuv=True)
+    server = _host_store(dist)
     host, port = "127.0.0.1", server.port
     print(f"torch {torch.__version__}; one TCPStore (libuv) on {host}:{port}; heartbeat every {args.interval:g} s, "
           f"stale after 5 beats; nodes of {NODE}; {os.cpu_count()} cores")
