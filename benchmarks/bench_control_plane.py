@@ -401,30 +401,34 @@ class _Parts:
     store's CPU: each part's figure is its own. In a cluster nobody waits there."""
 
     def __init__(self, count: int) -> None:
-        self.count, self.cond = count, threading.Condition()
+        self.count = count
+        lock = threading.Lock()
+        # Two conditions over one lock: an arrival wakes only the worker's main thread, not the
+        # thousand participants already held (a notify_all per arrival woke them all, each time).
+        self.counted, self.freed = threading.Condition(lock), threading.Condition(lock)
         self.done: dict[str, int] = {}
         self.released: set[str] = set()
 
     def reached(self, part: str) -> None:
-        with self.cond:
+        with self.counted:
             self.done[part] = self.done.get(part, 0) + 1
-            self.cond.notify_all()
-            self.cond.wait_for(lambda: part in self.released)
+            self.counted.notify()
+            self.freed.wait_for(lambda: part in self.released)
 
     def leave(self) -> None:
         """A participant that failed: the parts after it wait for one fewer."""
-        with self.cond:
+        with self.counted:
             self.count -= 1
-            self.cond.notify_all()
+            self.counted.notify()
 
     def wait_all(self, part: str) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: self.done.get(part, 0) >= self.count)
+        with self.counted:
+            self.counted.wait_for(lambda: self.done.get(part, 0) >= self.count)
 
     def release(self, part: str) -> None:
-        with self.cond:
+        with self.freed:
             self.released.add(part)
-            self.cond.notify_all()
+            self.freed.notify_all()
 
 
 class _BoardLook:
