@@ -346,10 +346,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
             parts.reached("open")
             store.phase = "round"
             verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=_ROUND_S / 2,
-                                board=LossView(channel, plane))
+                                board=LossView(channel, plane), node=rank // NODE)
             agreed = time.time()
             store.phase = "step"
-            with watching(_BoardLook(LossView(channel, plane), store)):
+            with watching(_BoardLook(LossView(channel, plane), store), node=rank // NODE):
                 step = attempt_step("recover", members, channel.key(rnd.number))
                 end_step(store, rank, step, None, timedelta(seconds=_ROUND_S))  # type: ignore[arg-type]
             stepped = time.time()

@@ -338,9 +338,9 @@ def _lost_since_the_last_commit(rank: int, world: int) -> dict:
     seen: list[dict] = []
     agree = control_rounds.RecoveryRound.agree
 
-    def watched(rnd: Any, domain: Any, arrival: Any, *, bound_s: float, board: Any, offers: Any = ()) -> Any:
+    def watched(rnd: Any, domain: Any, arrival: Any, *, bound_s: float, board: Any, **kwargs: Any) -> Any:
         start = board.seen
-        verdict = agree(rnd, domain, arrival, bound_s=bound_s, board=board, offers=offers)
+        verdict = agree(rnd, domain, arrival, bound_s=bound_s, board=board, **kwargs)
         seen.append({"round": rnd.number, "start": start, "lost": sorted(board.refresh()),
                      "failed": verdict.failed, "reasons": verdict.reasons})
         return verdict

@@ -9,7 +9,7 @@ one wait on the board and hands each entry it reads to the others over a local s
 store's work per entry is the same for a node of 8 as for a rank. (The leader also watches for
 its node, :mod:`hypergrid.control.monitor`; what it saw goes to its followers with its position.)
 
-The election is a name: the first monitor to bind the node's abstract Unix socket (Linux's
+The election is a name (:func:`~hypergrid.runtime.node_read.elect`): the first monitor to bind the node's abstract Unix socket (Linux's
 abstract namespace, one per host: nothing on disk to clean up, released when its holder ends)
 leads; the others connect to it (a process of another user is neither followed nor accepted: the
 name has no permissions). A follower whose leader goes (its rank ended, it left the job) reads
@@ -43,28 +43,14 @@ Example, two monitors of one node in this process::
 
 from __future__ import annotations
 
-import errno
 import hashlib
-import os
 import socket
-import struct
 from dataclasses import dataclass
 from typing import Optional
 
+from ..runtime.node_read import elect, same_user
+
 __all__ = ["NodeRelay", "Relayed", "node_address"]
-
-#: Tries at binding or connecting to the node's name (a leader may close it between the two).
-_JOIN_TRIES = 20
-#: How long a connection to the node's leader may take (one that hangs is not a leader to follow).
-_CONNECT_TIMEOUT_S = 1.0
-
-
-def _same_user(conn: socket.socket) -> bool:
-    """Whether the process at the other end of ``conn`` runs as this one's user (an abstract
-    socket's name has no permissions: another user's process could hold it, or connect)."""
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return bool(struct.unpack("3i", creds)[1] == os.getuid())
-
 
 def node_address(board: str, node: int) -> bytes:
     """The abstract socket name of ``board``'s relay on node ``node`` (a digest: names are short).
@@ -106,34 +92,8 @@ class NodeRelay:
         Returns a relay that leads with no listener where this system has no abstract sockets (the
         monitor then waits on the board itself, as a leader).
         """
-        for _ in range(_JOIN_TRIES):
-            listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            try:
-                listener.bind(address)
-            except OSError as exc:
-                listener.close()
-                if exc.errno != errno.EADDRINUSE:
-                    return cls(None, None)  # no abstract namespace here
-            else:
-                listener.listen(64)
-                listener.setblocking(False)
-                return cls(listener, None)
-            upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-            upstream.settimeout(_CONNECT_TIMEOUT_S)
-            try:
-                upstream.connect(address)
-            except ConnectionRefusedError:  # the leader closed its name between the two: try again
-                upstream.close()
-                continue
-            except OSError:  # a leader that does not take the connection: wait on the board alone
-                upstream.close()
-                return cls(None, None)
-            if not _same_user(upstream):  # an abstract name has no permissions: wait on the board alone
-                upstream.close()
-                return cls(None, None)
-            upstream.setblocking(False)
-            return cls(None, upstream)
-        return cls(None, None)
+        listener, upstream = elect(address)
+        return cls(listener, upstream)
 
     @property
     def leads(self) -> bool:
@@ -155,7 +115,7 @@ class NodeRelay:
             conn, _ = self.listener.accept()
         except BlockingIOError:
             return
-        if not _same_user(conn):
+        if not same_user(conn):
             conn.close()
             return
         conn.setblocking(False)

@@ -44,11 +44,12 @@ __all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_
 
 
 def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str],
-          board: Optional[LossView] = None) -> Any:
+          board: Optional[LossView] = None, node: Optional[int] = None) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement, for
     ``job``; the state from before is still held (and, for a Megatron job, no longer current).
     ``scope`` names the probe of the surviving groups (a recovery round's name); ``board``: the
-    job's board, whose losses end every wait for a lost rank at once (None: waits run their course).
+    job's board, whose losses end every wait for a lost rank at once (None: waits run their course);
+    ``node``: this rank's node, whose ranks read the rebuild's outcome once (None: each on its own).
 
     On a world whose communicator new groups are split from (NCCL bound to a device, torch 2.15's
     ``nccl2``), the changed groups are made as communicators of their own among their members
@@ -60,7 +61,7 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
     """
     strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
-    with watching(board, deadline if board is not None else None):
+    with watching(board, deadline if board is not None else None, node):
         if dist.get_rank() in members:
             evict_broken(members, frozenset(from_runs(verdict.aborted_by)), left(deadline), scope)
         if isinstance(job.recipe, MegatronRecipe):

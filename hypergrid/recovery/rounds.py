@@ -127,7 +127,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
                     f"ResilientJob.offer() offers it again")
             arrival = Arrival(rank, step, reason, tuple(take_aborted()))
             try:
-                verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered)
+                verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered,
+                                    node=rank // gpus_per_node)
                 if first:
                     deadline, first = time.monotonic() + timeout.total_seconds(), False
                 # Each attempt has the recovery's timeout at least to what is left of it; a round
@@ -194,7 +195,8 @@ def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node
         new_state = job.state  # a growth that found no replica to add: nothing to rebuild
     elif rank in members:
         try:
-            new_state = build(job, plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}", board=board)
+            new_state = build(job, plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}", board=board,
+                              node=rank // gpus_per_node)
         except RecoveryRefused as exc:
             restore(job)
             return rnd.end(RoundEnd(False, str(exc), refused=True)), None

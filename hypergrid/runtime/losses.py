@@ -66,16 +66,18 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
-def watching(check: Optional[LossCheck], deadline: Optional[float] = None) -> Iterator[None]:
+def watching(check: Optional[LossCheck], deadline: Optional[float] = None, node: Optional[int] = None) -> Iterator[None]:
     """While the block runs, this thread's waits for other ranks end as soon as one they wait for
     is lost (``check``); None: they wait as they would. ``deadline`` (a monotonic time): the
-    block's end, which bounds how long torch may take to make a group (:func:`creation_timeout`)."""
-    previous = getattr(_scope, "check", None), getattr(_scope, "deadline", None)
-    _scope.check, _scope.deadline = check, deadline
+    block's end, which bounds how long torch may take to make a group (:func:`creation_timeout`).
+    ``node``: this rank's node, whose ranks read the outcome of a step they wait for once
+    (:mod:`~hypergrid.runtime.node_read`, :func:`waits_node`); None: each reads it on its own."""
+    previous = getattr(_scope, "check", None), getattr(_scope, "deadline", None), getattr(_scope, "node", None)
+    _scope.check, _scope.deadline, _scope.node = check, deadline, node
     try:
         yield
     finally:
-        _scope.check, _scope.deadline = previous
+        _scope.check, _scope.deadline, _scope.node = previous
 
 
 def creation_timeout(timeout: timedelta) -> timedelta:
@@ -93,6 +95,19 @@ def creation_timeout(timeout: timedelta) -> timedelta:
     if deadline is None:
         return timeout
     return min(timeout, timedelta(seconds=max(1.0, deadline - time.monotonic())))
+
+
+def waits_node() -> Optional[int]:
+    """The node whose ranks share this thread's waits, inside :func:`watching` (else None).
+
+    Example::
+
+        >>> with watching(None, node=3):
+        ...     waits_node()
+        3
+    """
+    node: Optional[int] = getattr(_scope, "node", None)
+    return node
 
 
 def watching_now() -> bool:

@@ -30,7 +30,8 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
-from .losses import WATCH_SLICE_S, loss_alarm, lost_among, watching_now
+from .losses import WATCH_SLICE_S, loss_alarm, lost_among, waits_node, watching_now
+from .node_read import NodeRead
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
 
@@ -290,6 +291,9 @@ class _Meeting:
 _START = _Meeting("start", "ready", "started")
 _END = _Meeting("arrived", "go", "who")
 
+#: How long a node's reader of a step's outcome waits on the store before it tells its followers
+#: it still waits (they read the store themselves after some seconds of silence).
+_NODE_SLICE_S = 2.0
 #: How long past its deadline a participant waits for the others present to answer the roll call.
 _ROLL_CALL_S = 2.0
 _ROLL_POLL_S = 0.05
@@ -316,16 +320,23 @@ def _outcome(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting)
     """
     key = step.key(meeting.outcome)
     participants = step.ranks or range(dist.get_world_size())
-    alarm = loss_alarm()
-    if alarm is not None:
-        with alarm.on_loss(participants, lambda lost: _set_lost(step, key, lost)):
-            raw = store.get_within(key, store.remaining())
-    else:
-        raw = None
+    alarm, node = loss_alarm(), waits_node()
+    raw = None
+    # A node's participants read the outcome once (its reader slices, to tell its followers it
+    # still waits); on its own, a participant hearing losses blocks once.
+    with contextlib.ExitStack() as scope, NodeRead.of(key, node) as shared:
+        if alarm is not None:
+            scope.enter_context(alarm.on_loss(participants, lambda lost: _set_lost(step, key, lost)))
         while raw is None and store.remaining() > 0:
-            slice_s = min(WATCH_SLICE_S, store.remaining()) if watching_now() else store.remaining()
-            raw = store.get_within(key, slice_s)
-            lost = lost_among(participants) if raw is None and store.remaining() > 0 else []
+            slice_s = store.remaining()
+            if alarm is None and watching_now():
+                slice_s = min(WATCH_SLICE_S, slice_s)
+            if node is not None:
+                slice_s = min(_NODE_SLICE_S, slice_s)
+            read = shared.read(store, key, slice_s)
+            raw = read.value
+            lost = [] if alarm is not None or read.covered or raw is not None or store.remaining() <= 0 \
+                else lost_among(participants)
             if lost:
                 raw = store.compare_set(key, "", encode(CheckpointVerdict(None, lost=tuple(lost))))
     if raw is None:

@@ -1,0 +1,266 @@
+"""One blocking read of the store per node: the ranks of a node that wait for the same key elect
+one of them to wait on the store, and it hands them the value over a local socket.
+
+A recovery round ends with every participant reading one key (the round's verdict, the outcome of
+its rebuild's step). Each such read is a blocking ``get``: two requests on the wire (torch's client
+waits, then gets), so at 16,384 participants one key costs the store some 33,000 requests, about
+0.7 s of its one thread. Read once per node of 8 instead, it costs an eighth of that, and the
+participants hear it as soon as their node's reader does.
+
+The election is a name (as for the board's relay, :mod:`hypergrid.control.relay`): the first
+waiter of a node to bind the key's abstract Unix socket (Linux's abstract namespace, one per host:
+nothing on disk, released when its holder closes it or ends) is the node's *reader*; the others
+connect to it and block on that connection. The reader waits on the store a slice at a time and
+tells its followers after each slice: the value, after which it closes (a waiter that comes later
+binds the name and reads the store itself: the value is there by then), or that it is still
+waiting. A follower that reads end-of-file (its reader's process ended, or it stopped reading for
+the node) elects again; one that hears nothing for a slice and :data:`QUIET_S` (a reader alive but
+stuck, a process holding the GIL) reads the store itself from then on. Where there are no abstract
+sockets (not Linux) or the name's holder is another user's process, every waiter reads the store
+itself. So a follower never waits longer than it would have on the store, and no value is lost.
+
+No torch here: the board's relay, in the monitor's process, elects the same way (:func:`elect`).
+
+Example, two waiters of one node in this process, the value set while they wait::
+
+    >>> import threading, time, uuid
+    >>> import torch.distributed as dist
+    >>> from hypergrid.runtime.store import StoreClient
+    >>> base = dist.HashStore(); store = StoreClient(time.monotonic() + 10, base=base)
+    >>> key = f"doc/{uuid.uuid4()}/verdict"
+    >>> reader, follower = NodeRead.of(key, node=0), NodeRead.of(key, node=0)
+    >>> reader.reads, follower.reads
+    (True, False)
+    >>> threading.Timer(0.2, base.set, (key, "ranks 3 and 4")).start()
+    >>> reader.read(store, key, 5.0)
+    Read(value=b'ranks 3 and 4', covered=False)
+    >>> follower.read(store, key, 5.0)
+    Read(value=b'ranks 3 and 4', covered=True)
+    >>> reader.close(); follower.close()
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import select
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+__all__ = ["NodeRead", "Read", "elect", "same_user", "QUIET_S"]
+
+#: Tries at binding or connecting to a name (its holder may close it between the two).
+_ELECT_TRIES = 20
+#: How long a connection to a name's holder may take (one that hangs is not a reader to follow).
+_CONNECT_TIMEOUT_S = 1.0
+#: How long past a slice a follower waits for its reader's word before it reads the store itself.
+QUIET_S = 4.0
+_VALUE, _STILL = b"v", b"s"
+_HEADER = struct.Struct("!cI")
+
+
+def same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this one's user (an abstract
+    socket's name has no permissions: another user's process could hold it, or connect)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return bool(struct.unpack("3i", creds)[1] == os.getuid())
+
+
+def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], Optional[socket.socket]]:
+    """Hold the abstract socket name ``address`` if nobody does, else connect to whoever does.
+
+    Returns ``(listener, None)`` for the holder (listening, non-blocking), ``(None, connection)``
+    for a follower (non-blocking), and ``(None, None)`` where this process is on its own: no
+    abstract namespace here, a holder that does not take the connection, or another user's.
+
+    Example::
+
+        >>> import uuid
+        >>> name = b"\\0hypergrid-doc-" + uuid.uuid4().hex.encode()
+        >>> (held, _), (_, joined) = elect(name), elect(name)
+        >>> held is not None, joined is not None
+        (True, True)
+        >>> joined.close(); held.close()
+    """
+    for _ in range(_ELECT_TRIES):
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+        except OSError as exc:
+            listener.close()
+            if exc.errno != errno.EADDRINUSE:
+                return None, None  # no abstract namespace here
+        else:
+            listener.listen(backlog)
+            listener.setblocking(False)
+            return listener, None
+        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        upstream.settimeout(_CONNECT_TIMEOUT_S)
+        try:
+            upstream.connect(address)
+        except ConnectionRefusedError:  # the holder closed its name between the two: try again
+            upstream.close()
+            continue
+        except OSError:  # a holder that does not take the connection
+            upstream.close()
+            return None, None
+        if not same_user(upstream):
+            upstream.close()
+            return None, None
+        upstream.setblocking(False)
+        return None, upstream
+    return None, None
+
+
+def read_address(key: str, node: int) -> bytes:
+    """The abstract socket name of the node's read of ``key`` (a digest: names are short; the
+    key names the world's control plane, so two jobs on one host never share a name).
+
+    Example::
+
+        >>> read_address("ns/round/3/verdict", 0) != read_address("ns/round/3/verdict", 1)
+        True
+    """
+    digest = hashlib.sha256(f"{key}#{node}".encode()).hexdigest()[:40]
+    return b"\0hypergrid-read-" + digest.encode()
+
+
+@dataclass(frozen=True)
+class Read:
+    """What one slice of a :class:`NodeRead` found: the ``value`` (None: not set yet), and whether
+    the slice was ``covered`` by the node's reader (it looked at the store for this waiter, and
+    does whatever else a slice asks of a waiter, such as looking at a leader's beat, for the node;
+    False: this waiter looked itself, or heard nothing, and does those itself)."""
+
+    value: Optional[bytes]
+    covered: bool
+
+
+class NodeRead:
+    """One waiter's share of its node's read of one key (see the module)."""
+
+    def __init__(self, address: Optional[bytes]) -> None:
+        self.listener, self.upstream = elect(address) if address is not None else (None, None)
+        self.address = address
+        self.followers: list[socket.socket] = []
+        self._inbox = b""
+
+    @classmethod
+    def of(cls, key: str, node: Optional[int]) -> NodeRead:
+        """The waiter of node ``node`` for ``key`` (None: this rank reads the store on its own)."""
+        return cls(read_address(key, node) if node is not None else None)
+
+    @property
+    def reads(self) -> bool:
+        """Whether this waiter reads the store (its node's reader, or on its own)."""
+        return self.upstream is None
+
+    def read(self, store: Any, key: str, slice_s: float) -> Read:
+        """One slice of the wait for ``key`` over ``store`` (a :class:`~hypergrid.runtime.store.StoreClient`):
+        at most ``slice_s`` on the store for the reader; for a follower, until its reader's word
+        (``slice_s`` and :data:`QUIET_S` at most), never past the store's deadline."""
+        if self.upstream is None:
+            value = store.get_within(key, slice_s)
+            self._tell(value)
+            return Read(value, False)
+        heard = self._hear(min(slice_s + QUIET_S, max(0.0, store.remaining())))
+        if heard is _GONE:  # the reader ended or stopped reading for the node: elect again
+            self._follow_anew()
+            return Read(None, True)
+        if heard is _QUIET:  # a reader alive but stuck: read the store itself from now on
+            self._drop_upstream()
+            return Read(None, False)
+        return Read(heard if isinstance(heard, bytes) else None, True)
+
+    # ------------------------------------------------------------------ the reader's side
+    def _tell(self, value: Optional[bytes]) -> None:
+        """Take the followers that connected meanwhile and tell every one the slice's outcome; once
+        the value is read, the node's read is over: the name is let go."""
+        if self.listener is None:
+            return
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                break
+            if same_user(conn):
+                conn.setblocking(True)
+                conn.settimeout(_CONNECT_TIMEOUT_S)
+                self.followers.append(conn)
+            else:
+                conn.close()
+        frame = _HEADER.pack(_STILL, 0) if value is None else _HEADER.pack(_VALUE, len(value)) + value
+        for conn in list(self.followers):
+            try:
+                conn.sendall(frame)
+            except OSError:  # gone: it elects again and reads as it can
+                conn.close()
+                self.followers.remove(conn)
+        if value is not None:
+            self.close()
+
+    # ------------------------------------------------------------------ a follower's side
+    def _hear(self, seconds: float) -> object:
+        """The value, :data:`_STILL_WAITING`, :data:`_GONE` or :data:`_QUIET` (nothing for ``seconds``)."""
+        assert self.upstream is not None
+        end = time.monotonic() + seconds
+        while True:
+            frame = self._frame()
+            if frame is not None:
+                return frame
+            left = end - time.monotonic()
+            if left <= 0:
+                return _QUIET
+            ready, _, _ = select.select([self.upstream], [], [], left)
+            if not ready:
+                return _QUIET
+            try:
+                chunk = self.upstream.recv(65536)
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                chunk = b""
+            if not chunk:
+                return _GONE
+            self._inbox += chunk
+
+    def _frame(self) -> object:
+        if len(self._inbox) < _HEADER.size:
+            return None
+        kind, length = _HEADER.unpack_from(self._inbox)
+        if len(self._inbox) < _HEADER.size + length:
+            return None
+        body, self._inbox = self._inbox[_HEADER.size:_HEADER.size + length], self._inbox[_HEADER.size + length:]
+        return bytes(body) if kind == _VALUE else _STILL_WAITING
+
+    def _follow_anew(self) -> None:
+        self._drop_upstream()
+        self.listener, self.upstream = elect(self.address) if self.address is not None else (None, None)
+
+    def _drop_upstream(self) -> None:
+        if self.upstream is not None:
+            self.upstream.close()
+        self.upstream, self._inbox = None, b""
+
+    def close(self) -> None:
+        """Let the node's name go (a reader's followers read end-of-file and elect again)."""
+        for conn in self.followers:
+            conn.close()
+        self.followers.clear()
+        if self.listener is not None:
+            self.listener.close()
+        self._drop_upstream()
+        self.listener = None
+
+    def __enter__(self) -> NodeRead:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_STILL_WAITING, _GONE, _QUIET = object(), object(), object()
