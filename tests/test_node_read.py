@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from hypergrid.runtime.node_read import QUIET_S, NodeRead, read_address
+from hypergrid.runtime.node_read import QUIET_S, NodeRead, Read, read_address
 from hypergrid.runtime.store import StoreClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -157,3 +157,30 @@ def test_no_node_means_every_waiter_reads_on_its_own(server):
         read = alone.read(store, key, 1.0)
     assert (read.value, read.covered) == (b"v", False)
     assert read_address(key, 0) != read_address(key, 1)
+
+
+def test_a_follower_whose_socket_is_numbered_past_1024_still_hears_its_reader():
+    # select() refuses such descriptors; a training process (or a simulation of thousands of
+    # ranks) has that many open easily.
+    import resource
+    import threading
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1200:
+        pytest.skip(f"this machine allows {hard} descriptors a process")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, 1200 if hard == resource.RLIM_INFINITY else min(hard, 4096)),
+                                                hard))
+    pads = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+    try:
+        base = dist.HashStore()
+        store = StoreClient(time.monotonic() + 10, base=base)
+        key = _key()
+        with NodeRead.of(key, 0) as reader, NodeRead.of(key, 0) as follower:
+            assert follower.upstream is not None and follower.upstream.fileno() >= 1024
+            threading.Timer(0.2, base.set, (key, "v")).start()
+            assert reader.read(store, key, 5.0).value == b"v"
+            assert follower.read(store, key, 5.0) == Read(b"v", True)
+    finally:
+        for fd in pads:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))

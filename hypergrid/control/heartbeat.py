@@ -34,7 +34,6 @@ import json
 import logging
 import math
 import os
-import select
 import subprocess
 import sys
 import threading
@@ -46,6 +45,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
+from ..runtime.poll import readable
 from ..runtime.shutdown import register
 from ..runtime.wire import BoardEvent, decode
 from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
@@ -158,7 +158,7 @@ class Heartbeat:
                 next_tick = now + self.interval_s
             out = self._proc.stdout
             assert out is not None
-            ready, _, _ = select.select([out.fileno(), self._wake_r], [], [], max(0.0, next_tick - now))
+            ready = readable([out.fileno(), self._wake_r], next_tick - now)
             if self._stopping.is_set():
                 return
             if out.fileno() not in ready:
@@ -235,7 +235,7 @@ def _read_line(fd: int, timeout_s: float) -> Optional[str]:
     end, data = time.monotonic() + timeout_s, b""
     while b"\n" not in data:
         left = end - time.monotonic()
-        if left <= 0 or not select.select([fd], [], [], left)[0]:
+        if left <= 0 or not readable([fd], left):
             return None
         chunk = os.read(fd, 1)
         if not chunk:

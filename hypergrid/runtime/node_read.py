@@ -44,12 +44,13 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import select
 import socket
 import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
+
+from .poll import readable
 
 __all__ = ["NodeRead", "Read", "elect", "same_user", "QUIET_S"]
 
@@ -215,8 +216,7 @@ class NodeRead:
             left = end - time.monotonic()
             if left <= 0:
                 return _QUIET
-            ready, _, _ = select.select([self.upstream], [], [], left)
-            if not ready:
+            if not readable([self.upstream.fileno()], left):
                 return _QUIET
             try:
                 chunk = self.upstream.recv(65536)
