@@ -298,6 +298,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     every rank has its own)."""
     from hypergrid.control import rounds
     from hypergrid.control.board import LossView
+    from hypergrid.runtime import node_read
     from hypergrid.control.keys import JobChannel
     from hypergrid.control.plane import ControlPlane
     from hypergrid.control.rounds import RecoveryRound
@@ -314,6 +315,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # round up, which makes more slices (4,096 ranks over 16 processes did not agree in 5
     # minutes). What the slices cost a cluster's round is a figure of its own (docs/recovery.md).
     rounds._FOLLOW_SLICE_S = _ROUND_S
+    # And a node's followers keep to their reader however long it goes unheard: a reader thread
+    # not scheduled for seconds among a thousand others is not a reader that froze, and followers
+    # that left it would each read the store (in a cluster each rank is a process of its own).
+    node_read.QUIET_S = _ROUND_S
     threading.stack_size(256 * 1024)
     channel = JobChannel(namespace, "round", 0)
     plane = ControlPlane(namespace, None, (spec["host"], spec["port"]))
