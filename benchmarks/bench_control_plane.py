@@ -298,10 +298,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     every rank has its own)."""
     from hypergrid.control import rounds
     from hypergrid.control.board import LossView
-    from hypergrid.runtime import node_read
     from hypergrid.control.keys import JobChannel
     from hypergrid.control.plane import ControlPlane
     from hypergrid.control.rounds import RecoveryRound
+    from hypergrid.runtime import node_read
     from hypergrid.runtime.losses import watching
     from hypergrid.runtime.wire import Arrival, JobRecord, RoundEnd
     from hypergrid.runtime.world_step import attempt_step, end_step

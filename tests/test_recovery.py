@@ -143,7 +143,7 @@ def test_parallel_state_after_a_recovery_is_what_a_fresh_start_on_that_placement
 
 
 # ---------------------------------------------------------------------- multi-process pieces
-def _agree(rank: int, world: int) -> tuple:
+def _agree(rank: int, world: int, node_size: int = 0) -> tuple:
     from hypergrid.control.board import LossView, publish
     from hypergrid.control.keys import JobChannel
     from hypergrid.control.plane import control_plane
@@ -159,22 +159,25 @@ def _agree(rank: int, world: int) -> tuple:
         time.sleep(6)  # rank 3 is alive, but does not come within the bound: it hangs
     rnd = RecoveryRound.open(channel, plane, time.monotonic() + 20)
     try:
-        verdict = rnd.agree(range(world), Arrival(rank), bound_s=2.0, board=LossView(channel, plane))
+        verdict = rnd.agree(range(world), Arrival(rank), bound_s=2.0, board=LossView(channel, plane),
+                            node=rank // node_size if node_size else None)
     except ExcludedByRecovery as exc:
         return ("excluded", str(exc))
     return ("failed", verdict.failed)
 
 
 @pytest.mark.gloo
-def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out():
-    results = run_gloo(_agree, 4, timeout=90)
+@pytest.mark.parametrize("node_size", [0, 2, 4], ids=["each-alone", "nodes-of-2", "one-node"])
+def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out(node_size):
+    # With nodes, the ranks of a node that wait for the verdict read it from the store once.
+    results = run_gloo(_agree, 4, node_size, timeout=90)
     assert results[:2] == [("failed", (2, 3))] * 2, results
     for rank, why in ((2, "its process ended before it arrived"), (3, "it hangs")):
         assert results[rank][0] == "excluded" and "itself among them" in results[rank][1], results[rank]
         assert why in results[rank][1], results[rank]
 
 
-def _contenders_die(rank: int, world: int) -> tuple:
+def _contenders_die(rank: int, world: int, node_size: int = 0) -> tuple:
     from hypergrid.control.board import LossView, publish
     from hypergrid.control.keys import JobChannel
     from hypergrid.control.plane import control_plane
@@ -190,13 +193,17 @@ def _contenders_die(rank: int, world: int) -> tuple:
         publish(channel, plane, BoardEvent(EventKind.LOST, rank, "its process ended", by=rank))
         return ("died",)
     time.sleep(2.0)  # the others come after them: none of them is a contender
-    verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=LossView(channel, plane))
+    verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=LossView(channel, plane),
+                        node=rank // node_size if node_size else None)
     return ("failed", verdict.failed, rnd.store.get(rnd.key("leader")).decode())
 
 
 @pytest.mark.gloo
-def test_a_round_whose_first_arrivals_died_before_leading_is_decided_by_one_that_takes_over():
-    results = run_gloo(_contenders_die, 6, timeout=90)
+@pytest.mark.parametrize("node_size", [0, 6], ids=["each-alone", "one-node"])
+def test_a_round_whose_first_arrivals_died_before_leading_is_decided_by_one_that_takes_over(node_size):
+    # On one node, the node's reader of the verdict is the one that looks at the leader's beat and
+    # takes over; its followers then elect another reader, which hands them the verdict.
+    results = run_gloo(_contenders_die, 6, node_size, timeout=90)
     assert results[:3] == [("died",)] * 3, results
     leaders = {r[2] for r in results[3:]}
     assert [r[:2] for r in results[3:]] == [("failed", (0, 1, 2))] * 3 and len(leaders) == 1, results

@@ -48,7 +48,8 @@ class _Step:
     """``size`` simulated participants of one world step (ranks 0 ...), each hearing the board."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, size: int, hearing: bool = True,
-                 attempt: Optional[str] = None, timeouts: Optional[dict[int, float]] = None) -> None:
+                 attempt: Optional[str] = None, timeouts: Optional[dict[int, float]] = None,
+                 node_size: Optional[int] = None) -> None:
         import hypergrid.runtime.store as store_module
         from hypergrid.control.board import LossView
         from hypergrid.control.keys import JobChannel
@@ -57,6 +58,7 @@ class _Step:
         self.members = tuple(range(size))
         self.attempt = attempt  # the step is named by the recovery's attempt: no start
         self.timeouts = timeouts or {}  # a participant's own timeout, where not TIMEOUT_S
+        self.node_size = node_size  # ranks per node, whose participants read the outcome once (None: each reads it)
         self.counts = {r: {"requests": 0, "keys": 0} for r in self.members}
         self.alarms = {"requests": 0, "keys": 0}  # what the heartbeat's thread asked, for all ranks
         self.outcomes: dict[int, tuple[str, str, float]] = {}
@@ -95,7 +97,8 @@ class _Step:
         seconds = self.timeouts.get(rank, TIMEOUT_S)
         timeout = timedelta(seconds=seconds)
         try:
-            with watching(self.views[rank], started + seconds):
+            node = rank // self.node_size if self.node_size else None
+            with watching(self.views[rank], started + seconds, node):
                 store = StoreClient(started + seconds)
                 step = (attempt_step(self.label, self.members, self.attempt) if self.attempt is not None
                         else start_step(store, rank, self.label, self.members, timeout))
@@ -282,6 +285,39 @@ def test_a_step_named_by_its_recovery_attempt_has_no_start_and_costs_a_few_reque
 def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wait_when_heard_lost(world, monkeypatch):
     step = _Step(monkeypatch, 5, attempt="ns/job/f00d/0/9")
     lost = 0
+    threads = [step.take_part(r) for r in step.members if r != lost]
+    time.sleep(1.0)
+    began = time.monotonic()
+    step.lose(lost)
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    assert time.monotonic() - began < 5.0
+    _every_other_wait_ended_naming(step, lost)
+
+
+def test_the_participants_of_a_node_read_the_step_s_outcome_from_the_store_once(world, monkeypatch):
+    # Two nodes of 8 (threads of this process stand for their processes: the node's read is a
+    # local socket either way); the last participant 6 s late. Every participant ends the step;
+    # of each node, one (its reader) waits on the store, slicing every 2 s to tell the others it
+    # still waits, and the others make one request each (their count), where each made two.
+    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/1", node_size=8)
+    late = 15
+    threads = [step.take_part(r) for r in step.members if r != late] + [step.take_part(late, LATE_S)]
+    for thread in threads:
+        thread.join(TIMEOUT_S + 15)
+    assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
+    for node in (0, 1):
+        ranks = [r for r in step.members if r // 8 == node and r != late]
+        readers = [r for r in ranks if step.counts[r]["requests"] > 1]
+        assert len(readers) == 1, {r: step.counts[r] for r in ranks}
+        assert all(step.counts[r]["requests"] == 1 for r in ranks if r not in readers), {r: step.counts[r] for r in ranks}
+        # Its count, then one get a 2 s slice over the 6 s: a handful, not one per follower.
+        assert step.counts[readers[0]]["requests"] <= 7, step.counts[readers[0]]
+
+
+def test_a_loss_heard_while_a_node_reads_the_step_s_outcome_once_ends_every_participant_s_wait(world, monkeypatch):
+    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/2", node_size=8)
+    lost = 3
     threads = [step.take_part(r) for r in step.members if r != lost]
     time.sleep(1.0)
     began = time.monotonic()

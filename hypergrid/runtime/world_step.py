@@ -16,7 +16,6 @@ Example, with no process group (nothing to meet through)::
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import logging
 import threading
@@ -66,12 +65,18 @@ class WorldRound:
     #: :func:`world_start`), its digest, in place of the epoch: nobody reads an epoch or waits at a start.
     attempt: str = ""
 
-    @functools.cached_property
+    @property
     def base(self) -> str:
         """Where the participants' keys are (every step of the same participants: their epoch,
         their attempts), named by the participants. Made once per step: a digest of 16,384
-        participants takes milliseconds, and a step names a dozen keys."""
-        return _base(self.ranks)
+        participants takes milliseconds, and a step names a dozen keys. (Not a
+        ``functools.cached_property``: before Python 3.12 that holds one lock for every instance
+        of the class, and a process's threads naming the keys of steps of their own queue on it.)"""
+        made: Optional[str] = self.__dict__.get("_made_base")
+        if made is None:
+            made = _base(self.ranks)
+            object.__setattr__(self, "_made_base", made)  # frozen, and not a field: eq and repr ignore it
+        return made
 
     def key(self, name: str) -> str:
         if self.attempt:
