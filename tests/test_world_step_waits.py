@@ -315,13 +315,23 @@ def test_the_participants_of_a_node_read_the_step_s_outcome_from_the_store_once(
         assert step.counts[readers[0]]["requests"] <= 7, step.counts[readers[0]]
 
 
-def test_a_loss_heard_while_a_node_reads_the_step_s_outcome_once_ends_every_participant_s_wait(world, monkeypatch):
-    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/2", node_size=8)
+@pytest.mark.parametrize("hearing", [True, False], ids=["heard", "looked-up"])
+def test_a_loss_while_a_node_reads_the_step_s_outcome_once_ends_every_participant_s_wait(world, monkeypatch, hearing):
+    # Heard: each participant's heartbeat forwards the loss and sets the key. Looked up (no
+    # heartbeat): only each node's reader looks at the board, once a slice, and sets the key.
+    from hypergrid.control.board import publish
+    from hypergrid.runtime.wire import BoardEvent, EventKind
+
+    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/2", node_size=8, hearing=hearing)
     lost = 3
     threads = [step.take_part(r) for r in step.members if r != lost]
     time.sleep(1.0)
     began = time.monotonic()
-    step.lose(lost)
+    if hearing:
+        step.lose(lost)
+    else:
+        view = step.views[0]
+        publish(view.channel, view.plane, BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
     assert time.monotonic() - began < 5.0

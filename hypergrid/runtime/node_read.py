@@ -54,12 +54,15 @@ from .poll import readable
 
 __all__ = ["NodeRead", "Read", "elect", "same_user", "QUIET_S"]
 
-#: Tries at binding or connecting to a name (its holder may close it between the two).
-_ELECT_TRIES = 20
+#: How long a waiter keeps trying to bind or follow a name whose holder refuses it (it closes
+#: the name, or has bound it and not listened yet) before it reads the store on its own.
+_ELECT_S = 0.5
 #: How long a connection to a name's holder may take (one that hangs is not a reader to follow).
 _CONNECT_TIMEOUT_S = 1.0
-#: How long past a slice a follower waits for its reader's word before it reads the store itself.
-QUIET_S = 4.0
+#: How long past a slice a follower waits for its reader's word before it reads the store itself:
+#: longer than a store call may take to answer and still count as answering (the store client's
+#: slack, 5 s), so that a reader on a slow store is not left for one that is stuck.
+QUIET_S = 8.0
 _VALUE, _STILL = b"v", b"s"
 _HEADER = struct.Struct("!cI")
 
@@ -87,34 +90,55 @@ def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], O
         (True, True)
         >>> joined.close(); held.close()
     """
-    for _ in range(_ELECT_TRIES):
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    # A holder between its bind and its listen refuses a connection: try again for a moment
+    # (a busy host may hold it there a while), backing off, rather than give up at once.
+    give_up, pause = time.monotonic() + _ELECT_S, 0.001
+    while True:
         try:
-            listener.bind(address)
-        except OSError as exc:
-            listener.close()
-            if exc.errno != errno.EADDRINUSE:
-                return None, None  # no abstract namespace here
-        else:
-            listener.listen(backlog)
-            listener.setblocking(False)
-            return listener, None
-        upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            held = _bind(address, backlog)
+        except OSError:  # no abstract namespace here (or no descriptor left): on its own
+            return None, None
+        if held is not None:
+            return held, None
+        try:
+            return None, _connect(address)
+        except ConnectionRefusedError:  # the holder closed its name, or does not listen yet
+            if time.monotonic() >= give_up:
+                return None, None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        except OSError:  # a holder that does not take the connection, or is another user's
+            return None, None
+
+
+def _bind(address: bytes, backlog: int) -> Optional[socket.socket]:
+    """A listener holding ``address``; None where another holds it (raises where no name can be held)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(address)
+        listener.listen(backlog)
+        listener.setblocking(False)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
+    return listener
+
+
+def _connect(address: bytes) -> socket.socket:
+    """A connection to the holder of ``address``, of this user (raises OSError otherwise)."""
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
         upstream.settimeout(_CONNECT_TIMEOUT_S)
-        try:
-            upstream.connect(address)
-        except ConnectionRefusedError:  # the holder closed its name between the two: try again
-            upstream.close()
-            continue
-        except OSError:  # a holder that does not take the connection
-            upstream.close()
-            return None, None
+        upstream.connect(address)
         if not same_user(upstream):
-            upstream.close()
-            return None, None
+            raise PermissionError(f"the name {address!r} is held by another user's process")
         upstream.setblocking(False)
-        return None, upstream
-    return None, None
+    except OSError:
+        upstream.close()
+        raise
+    return upstream
 
 
 def read_address(key: str, node: int) -> bytes:
@@ -181,19 +205,23 @@ class NodeRead:
     def _tell(self, value: Optional[bytes]) -> None:
         """Take the followers that connected meanwhile and tell every one the slice's outcome; once
         the value is read, the node's read is over: the name is let go."""
-        if self.listener is None:
-            return
-        while True:
+        while self.listener is not None:
             try:
                 conn, _ = self.listener.accept()
             except (BlockingIOError, InterruptedError):
                 break
-            if same_user(conn):
-                conn.setblocking(True)
-                conn.settimeout(_CONNECT_TIMEOUT_S)
-                self.followers.append(conn)
-            else:
+            except OSError:  # no descriptor left, say: take no one more (those waiting elect again)
+                self.listener.close()
+                self.listener = None
+                break
+            try:
+                if not same_user(conn):
+                    raise PermissionError("another user's process")
+                conn.setblocking(False)  # a follower that does not take a frame at once is dropped
+            except OSError:
                 conn.close()
+                continue
+            self.followers.append(conn)
         frame = _HEADER.pack(_STILL, 0) if value is None else _HEADER.pack(_VALUE, len(value)) + value
         for conn in list(self.followers):
             try:

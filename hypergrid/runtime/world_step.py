@@ -325,10 +325,12 @@ def _outcome(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting)
     """
     key = step.key(meeting.outcome)
     participants = step.ranks or range(dist.get_world_size())
-    alarm, node = loss_alarm(), waits_node()
-    raw = None
     # A node's participants read the outcome once (its reader slices, to tell its followers it
-    # still waits); on its own, a participant hearing losses blocks once.
+    # still waits); on its own, a participant hearing losses blocks once. Only a step named by its
+    # recovery's attempt is shared so: its key names the world's control plane, where a step named
+    # by its epoch is named alike in two jobs of the same ranks on one host.
+    alarm, node = loss_alarm(), (waits_node() if step.attempt else None)
+    raw = None
     with contextlib.ExitStack() as scope, NodeRead.of(key, node) as shared:
         if alarm is not None:
             scope.enter_context(alarm.on_loss(participants, lambda lost: _set_lost(step, key, lost)))
