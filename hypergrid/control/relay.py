@@ -48,7 +48,7 @@ import socket
 from dataclasses import dataclass
 from typing import Optional
 
-from ..runtime.node_read import elect, same_user
+from ..runtime.node_read import elect, take_follower
 
 __all__ = ["NodeRelay", "Relayed", "node_address"]
 
@@ -112,13 +112,11 @@ class NodeRelay:
         if self.listener is None:
             return
         try:
-            conn, _ = self.listener.accept()
+            conn = take_follower(self.listener)
         except BlockingIOError:
             return
-        if not same_user(conn):
-            conn.close()
+        if conn is None:
             return
-        conn.setblocking(False)
         self.followers[conn.fileno()] = conn
         self._send_to(conn, f"at {position}\n".encode())
 

@@ -52,7 +52,7 @@ from typing import Any, Optional
 
 from .poll import readable
 
-__all__ = ["NodeRead", "Read", "elect", "same_user", "QUIET_S"]
+__all__ = ["NodeRead", "Read", "elect", "same_user", "take_follower", "QUIET_S"]
 
 #: How long a waiter keeps trying to bind or follow a name whose holder refuses it (it closes
 #: the name, or has bound it and not listened yet) before it reads the store on its own.
@@ -72,6 +72,21 @@ def same_user(conn: socket.socket) -> bool:
     socket's name has no permissions: another user's process could hold it, or connect)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return bool(struct.unpack("3i", creds)[1] == os.getuid())
+
+
+def take_follower(listener: socket.socket) -> Optional[socket.socket]:
+    """The next connection waiting on ``listener`` (non-blocking), if its process is this user's;
+    None where it is not (closed). Raises ``BlockingIOError`` where none waits, and ``OSError``
+    where the listener cannot accept."""
+    conn, _ = listener.accept()
+    try:
+        if not same_user(conn):
+            raise PermissionError("another user's process")
+        conn.setblocking(False)  # a follower that does not take a frame at once is dropped
+    except OSError:
+        conn.close()
+        return None
+    return conn
 
 
 def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], Optional[socket.socket]]:
@@ -207,21 +222,15 @@ class NodeRead:
         the value is read, the node's read is over: the name is let go."""
         while self.listener is not None:
             try:
-                conn, _ = self.listener.accept()
+                conn = take_follower(self.listener)
             except (BlockingIOError, InterruptedError):
                 break
             except OSError:  # no descriptor left, say: take no one more (those waiting elect again)
                 self.listener.close()
                 self.listener = None
                 break
-            try:
-                if not same_user(conn):
-                    raise PermissionError("another user's process")
-                conn.setblocking(False)  # a follower that does not take a frame at once is dropped
-            except OSError:
-                conn.close()
-                continue
-            self.followers.append(conn)
+            if conn is not None:
+                self.followers.append(conn)
         frame = _HEADER.pack(_STILL, 0) if value is None else _HEADER.pack(_VALUE, len(value)) + value
         for conn in list(self.followers):
             try:
