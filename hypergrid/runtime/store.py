@@ -48,6 +48,10 @@ MIN_CALL_S = 0.05
 #: long its answer may take to come back before the store counts as not answering. A loaded
 #: machine (more ranks than cores, the store hosted in a busy process) answers seconds late.
 ANSWER_SLACK_S = 5.0
+#: The least timeout a blocking call hands torch's store: torch counts a timeout in whole
+#: milliseconds, and one that rounds down to 0 ms is its "no timeout", so a get made with 0.4 ms
+#: left would wait for its key for ever (its caller then saw a store that stopped answering).
+_LEAST_STORE_TIMEOUT = timedelta(milliseconds=1)
 #: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores (its
 #: records are text) begins with a NUL byte.
 _ABSENT = b"\x00hypergrid: not set"
@@ -206,7 +210,7 @@ class StoreClient:
 
         def getting(store: Any) -> Optional[bytes]:
             previous = store.timeout
-            store.set_timeout(timedelta(seconds=seconds))  # how long the store waits for the key
+            store.set_timeout(_store_timeout(seconds))  # how long the store waits for the key
             try:
                 return cast(bytes, store.get(key))
             except dist.DistNetworkError:
@@ -250,7 +254,7 @@ class StoreClient:
 
         def waiting(store: Any) -> bool:
             try:
-                store.wait(keys, timedelta(seconds=seconds))
+                store.wait(keys, _store_timeout(seconds))
             except dist.DistNetworkError:
                 raise
             except RuntimeError:  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
@@ -259,6 +263,17 @@ class StoreClient:
 
         # A wait that runs out is normal; one that does not come back at all is the store.
         return self._call("wait", waiting, seconds + ANSWER_SLACK_S)
+
+
+def _store_timeout(seconds: float) -> timedelta:
+    """``seconds`` as a timeout for torch's store, never below what it counts as one (1 ms).
+
+    Example::
+
+        >>> _store_timeout(0.0004), _store_timeout(2.5)
+        (datetime.timedelta(microseconds=1000), datetime.timedelta(seconds=2, microseconds=500000))
+    """
+    return max(timedelta(seconds=seconds), _LEAST_STORE_TIMEOUT)
 
 
 def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
