@@ -319,6 +319,12 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # not scheduled for seconds among a thousand others is not a reader that froze, and followers
     # that left it would each read the store (in a cluster each rank is a process of its own).
     node_read.QUIET_S = _ROUND_S
+    # A thread waiting for the GIL wakes every switch interval (5 ms) to ask for it: a thousand
+    # participants just woken by one verdict then spend both cores waking each other (8,192 ranks
+    # in 16 processes had not agreed after 8 minutes, some 200 threads per process runnable at any
+    # time). The participants give the GIL up at each store call anyway; a long interval only
+    # stops the waiting ones from spinning. A cluster's ranks are processes of their own.
+    sys.setswitchinterval(0.5)
     threading.stack_size(256 * 1024)
     channel = JobChannel(namespace, "round", 0)
     plane = ControlPlane(namespace, None, (spec["host"], spec["port"]))
@@ -516,8 +522,10 @@ class _Bounded:
 
         return StoreClient.get_if_set(self, key)  # type: ignore[arg-type]  (its one compare_set, over ours)
 
-    def get_within(self, key: str, seconds: float) -> Optional[bytes]:
-        # As torch's client: a wait and a get (one blocking get), on the waits' connection.
+    def get_within(self, key: str, seconds: float, *, meanwhile: Any = None, every_s: float = 1.0) -> Optional[bytes]:
+        # As torch's client: a wait and a get (one blocking get), on the waits' connection. Here on
+        # the caller's own thread, so ``meanwhile`` (a node's reader telling its followers it still
+        # waits) is not called: the followers keep to their reader anyway (_round sets QUIET_S).
         from hypergrid.control.tcpstore import StoreTimeout
 
         def attempt(conn: Any, within: float) -> Optional[bytes]:
@@ -751,22 +759,27 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     workers.send(f"round {namespace}")
     for proc in workers.procs:
         assert proc.stdout.readline().strip() == "ready"
-    cpu = {"open": time.process_time()}
+    # The store's CPU: its user time (serving requests) and its system time (the kernel's work on
+    # its sockets, waking the thousands of simulated ranks it answers among them), apart.
+    cpu, kernel = {"open": time.process_time()}, {"open": os.times().system}
     workers.send("go")
     for part, after in (("open", "round"), ("step", "close")):
         for proc in workers.procs:
             assert proc.stdout.readline().strip() == f"{part} done"
-        cpu[after] = time.process_time()
+        cpu[after], kernel[after] = time.process_time(), os.times().system
         if part == "open":
             start = time.time()  # the round's time counts from its arrivals
         workers.send("go")
     outs = [json.loads(proc.stdout.readline()) for proc in workers.procs]
-    cpu["end"] = time.process_time()
+    cpu["end"], kernel["end"] = time.process_time(), os.times().system
     for proc in workers.procs:
         proc.wait(timeout=60)
     lasts = [o["last"] for o in outs if o["last"] is not None]
     steps = [o["last_step"] for o in outs if o["last_step"] is not None]
     return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": cpu["end"] - cpu["open"],
+            "store_system_by_part": {"open": kernel["round"] - kernel["open"],
+                                     "round and step": kernel["close"] - kernel["round"],
+                                     "close": kernel["end"] - kernel["close"]},
             "store_cpu_by_part": {"open": cpu["round"] - cpu["open"], "round and step": cpu["close"] - cpu["round"],
                                   "close": cpu["end"] - cpu["close"]},
             "step_seconds": max(steps) - start if steps else None,

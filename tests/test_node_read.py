@@ -15,7 +15,7 @@ import uuid
 import pytest
 import torch.distributed as dist
 
-from hypergrid.runtime.node_read import QUIET_S, NodeRead, Read, read_address
+from hypergrid.runtime.node_read import QUIET_S, TELL_EVERY_S, NodeRead, Read, read_address
 from hypergrid.runtime.store import StoreClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,6 +108,23 @@ def test_followers_of_a_killed_reader_elect_another_and_get_the_value(server):
     assert [o["value"] for o in outcomes] == ["rank 0 failed"] * 3
     # One of the three took the node's read over (it looked at the store itself).
     assert sum(not all(o["covered"]) for o in outcomes) == 1
+
+
+def test_a_reader_blocks_on_the_store_once_and_tells_its_followers_meanwhile_that_it_still_waits(server):
+    # A slice of 30 s: the reader makes one blocking get, and its followers, hearing from it every
+    # TELL_EVERY_S, keep to it past their quiet time (they would read the store themselves after it).
+    key = _key()
+    reader = _start(server, key, node=0, slice_s=30.0)
+    assert _joined(reader)
+    followers = [_start(server, key, node=0, slice_s=30.0) for _ in range(2)]
+    assert not any(_joined(p) for p in followers)
+    time.sleep(TELL_EVERY_S + QUIET_S + 1.0)
+    server.set(key, "rank 2 failed")
+    outcome, heard = _outcome(reader), [_outcome(p) for p in followers]
+    assert (outcome["value"], outcome["covered"]) == ("rank 2 failed", [False]), outcome  # one get
+    for follower in heard:
+        assert follower["value"] == "rank 2 failed" and all(follower["covered"]), follower
+        assert len(follower["covered"]) >= (TELL_EVERY_S + QUIET_S) // TELL_EVERY_S, follower  # its words
 
 
 def test_followers_of_a_frozen_reader_read_the_store_themselves_after_the_quiet_time(server):

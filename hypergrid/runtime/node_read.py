@@ -13,9 +13,10 @@ nothing on disk, released when its holder closes it or ends) is the node's *read
 connect to it and block on that connection. The reader waits on the store a slice at a time and
 tells its followers after each slice: the value, after which it closes (a waiter that comes later
 binds the name and reads the store itself: the value is there by then), or that it is still
-waiting. A follower that reads end-of-file (its reader's process ended, or it stopped reading for
-the node) elects again; one that hears nothing for a slice and :data:`QUIET_S` (a reader alive but
-stuck, a process holding the GIL) reads the store itself from then on. Where there are no abstract
+waiting, which it also tells them every :data:`TELL_EVERY_S` while its one blocking get is out
+(so a long wait costs the store one get per node, not one per slice). A follower that reads end-of-file (its reader's process ended, or it stopped reading for
+the node) elects again; one that hears nothing for :data:`QUIET_S` past its reader's due word (a
+reader alive but stuck, a process holding the GIL) reads the store itself from then on. Where there are no abstract
 sockets (not Linux) or the name's holder is another user's process, every waiter reads the store
 itself. So a follower never waits longer than it would have on the store, and no value is lost.
 
@@ -52,14 +53,17 @@ from typing import Any, Optional
 
 from .poll import readable
 
-__all__ = ["NodeRead", "Read", "elect", "same_user", "take_follower", "QUIET_S"]
+__all__ = ["NodeRead", "Read", "elect", "same_user", "take_follower", "QUIET_S", "TELL_EVERY_S"]
 
 #: How long a waiter keeps trying to bind or follow a name whose holder refuses it (it closes
 #: the name, or has bound it and not listened yet) before it reads the store on its own.
 _ELECT_S = 0.5
 #: How long a connection to a name's holder may take (one that hangs is not a reader to follow).
 _CONNECT_TIMEOUT_S = 1.0
-#: How long past a slice a follower waits for its reader's word before it reads the store itself:
+#: How often a reader tells its followers that it still waits, while its one blocking get on the
+#: store is out (words on a local socket: nothing for the store), and at the end of each slice.
+TELL_EVERY_S = 2.0
+#: How long past its reader's due word a follower waits for it before it reads the store itself:
 #: longer than a store call may take to answer and still count as answering (the store client's
 #: slack, 5 s), so that a reader on a slow store is not left for one that is stuck.
 QUIET_S = 8.0
@@ -201,13 +205,16 @@ class NodeRead:
 
     def read(self, store: Any, key: str, slice_s: float) -> Read:
         """One slice of the wait for ``key`` over ``store`` (a :class:`~hypergrid.runtime.store.StoreClient`):
-        at most ``slice_s`` on the store for the reader; for a follower, until its reader's word
-        (``slice_s`` and :data:`QUIET_S` at most), never past the store's deadline."""
+        at most ``slice_s`` on the store for the reader, one blocking get however long, while it
+        tells its followers every :data:`TELL_EVERY_S` that it still waits; for a follower, until
+        its reader's word (due within ``slice_s`` or :data:`TELL_EVERY_S`, whichever is shorter,
+        and waited for :data:`QUIET_S` more at most), never past the store's deadline."""
         if self.upstream is None:
-            value = store.get_within(key, slice_s)
+            still = (lambda: self._tell(None)) if self.listener is not None or self.followers else None
+            value = store.get_within(key, slice_s, meanwhile=still, every_s=TELL_EVERY_S)
             self._tell(value)
             return Read(value, False)
-        heard = self._hear(min(slice_s + QUIET_S, max(0.0, store.remaining())))
+        heard = self._hear(min(min(slice_s, TELL_EVERY_S) + QUIET_S, max(0.0, store.remaining())))
         if heard is _GONE:  # the reader ended or stopped reading for the node: elect again
             self._follow_anew()
             return Read(None, True)

@@ -112,14 +112,22 @@ class _Connection:
                 box.append((False, exc))
             done.set()
 
-    def call(self, fn: Callable[[Any], R], seconds: float) -> tuple[bool, Any]:
-        """``(finished, (ok, value or exception))``: not finished when ``seconds`` ran out first."""
+    def call(self, fn: Callable[[Any], R], seconds: float, meanwhile: Optional[Callable[[], None]] = None,
+             every_s: float = 1.0) -> tuple[bool, Any]:
+        """``(finished, (ok, value or exception))``: not finished when ``seconds`` ran out first.
+        ``meanwhile`` is called every ``every_s`` while the call is out (on the caller's thread)."""
         box: list[Any] = []
         done = threading.Event()
         self._calls.put((fn, box, done))
-        if not done.wait(seconds):
-            return False, None
-        return True, box[0]
+        end = time.monotonic() + seconds
+        while True:
+            left = end - time.monotonic()
+            if done.wait(max(0.0, left if meanwhile is None else min(left, every_s))):
+                return True, box[0]
+            if time.monotonic() >= end:
+                return False, None
+            assert meanwhile is not None
+            meanwhile()
 
 
 _connections = threading.local()
@@ -165,11 +173,12 @@ class StoreClient:
         """Allow at least ``seconds`` more from now (one more answer, to name who is missing)."""
         self.deadline = max(self.deadline, time.monotonic() + seconds)
 
-    def _call(self, what: str, fn: Callable[[Any], R], seconds: Optional[float] = None) -> R:
+    def _call(self, what: str, fn: Callable[[Any], R], seconds: Optional[float] = None,
+              meanwhile: Optional[Callable[[], None]] = None, every_s: float = 1.0) -> R:
         if self._connection is None:
-            return fn(self._base)
+            return fn(self._base)  # a store that cannot clone: called here, so nothing meanwhile
         budget = max(MIN_CALL_S, self.remaining() if seconds is None else seconds)
-        finished, result = self._connection.call(fn, budget)
+        finished, result = self._connection.call(fn, budget, meanwhile, every_s)
         if not finished:
             getattr(_connections, "by_store", {}).pop(id(self._base), None)  # stuck: the next use opens another
             raise StoreUnresponsiveError(f"the job's store did not answer a {what} within {budget:.1f} s")
@@ -201,9 +210,22 @@ class StoreClient:
         value = bytes(self.compare_set(key, _ABSENT, _ABSENT))
         return None if value == _ABSENT else value
 
-    def get_within(self, key: str, seconds: float) -> Optional[bytes]:
+    def get_within(self, key: str, seconds: float, *, meanwhile: Optional[Callable[[], None]] = None,
+                   every_s: float = 1.0) -> Optional[bytes]:
         """``key``'s value once it is set, waiting at most ``seconds``; None if it is not set by then.
-        One store call (a wait and a get would be two)."""
+        One store call (a wait and a get would be two), however long it waits: ``meanwhile``, if
+        given, is called every ``every_s`` while it does, on this thread (a node's reader tells
+        its followers it still waits so, at no cost to the store). A store that cannot clone is
+        called on this thread, and ``meanwhile`` is not called then.
+
+        Example, over a ``HashStore``, the key set 0.25 s into the wait::
+
+            >>> base = dist.HashStore(); ticks = []
+            >>> threading.Timer(0.25, base.set, ("late", "1")).start()
+            >>> StoreClient(time.monotonic() + 5, base=base).get_within(
+            ...     "late", 5.0, meanwhile=lambda: ticks.append(1), every_s=0.1), 1 <= len(ticks) <= 3
+            (b'1', True)
+        """
         seconds = min(seconds, self.remaining())
         if seconds <= 0:
             return None
@@ -220,7 +242,7 @@ class StoreClient:
             finally:
                 store.set_timeout(previous)  # the connection's other calls keep their own timeout
 
-        return self._call("get", getting, seconds + ANSWER_SLACK_S)
+        return self._call("get", getting, seconds + ANSWER_SLACK_S, meanwhile, every_s)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._call("set", lambda store: store.set(key, value))

@@ -296,9 +296,6 @@ class _Meeting:
 _START = _Meeting("start", "ready", "started")
 _END = _Meeting("arrived", "go", "who")
 
-#: How long a node's reader of a step's outcome waits on the store before it tells its followers
-#: it still waits (they read the store themselves after some seconds of silence).
-_NODE_SLICE_S = 2.0
 #: How long past its deadline a participant waits for the others present to answer the roll call.
 _ROLL_CALL_S = 2.0
 _ROLL_POLL_S = 0.05
@@ -325,8 +322,8 @@ def _outcome(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting)
     """
     key = step.key(meeting.outcome)
     participants = step.ranks or range(dist.get_world_size())
-    # A node's participants read the outcome once (its reader slices, to tell its followers it
-    # still waits); on its own, a participant hearing losses blocks once. Only a step named by its
+    # A node's participants read the outcome once: its reader blocks once, as a participant on
+    # its own that hears losses does, and tells its followers meanwhile that it still waits. Only a step named by its
     # recovery's attempt is shared so: its key names the world's control plane, where a step named
     # by its epoch is named alike in two jobs of the same ranks on one host.
     alarm, node = loss_alarm(), (waits_node() if step.attempt else None)
@@ -338,8 +335,6 @@ def _outcome(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting)
             slice_s = store.remaining()
             if alarm is None and watching_now():
                 slice_s = min(WATCH_SLICE_S, slice_s)
-            if node is not None:
-                slice_s = min(_NODE_SLICE_S, slice_s)
             read = shared.read(store, key, slice_s)
             raw = read.value
             lost = [] if alarm is not None or read.covered or raw is not None or store.remaining() <= 0 \
