@@ -178,7 +178,9 @@ class Read:
     """What one slice of a :class:`NodeRead` found: the ``value`` (None: not set yet), and whether
     the slice was ``covered`` by the node's reader (it looked at the store for this waiter, and
     does whatever else a slice asks of a waiter, such as looking at a leader's beat, for the node;
-    False: this waiter looked itself, or heard nothing, and does those itself)."""
+    False: this waiter looked itself, or heard nothing, and does those itself). A reader's word
+    while its get is out (slices longer than :data:`TELL_EVERY_S`) says only that it waits: a
+    caller whose slices carry other duties uses slices no longer than that."""
 
     value: Optional[bytes]
     covered: bool
@@ -210,7 +212,9 @@ class NodeRead:
         its reader's word (due within ``slice_s`` or :data:`TELL_EVERY_S`, whichever is shorter,
         and waited for :data:`QUIET_S` more at most), never past the store's deadline."""
         if self.upstream is None:
-            still = (lambda: self._tell(None)) if self.listener is not None or self.followers else None
+            # Words meanwhile only where the slice outlasts TELL_EVERY_S (its end tells them anyway).
+            still = ((lambda: self._tell(None)) if slice_s > TELL_EVERY_S and (self.listener is not None or self.followers)
+                     else None)
             value = store.get_within(key, slice_s, meanwhile=still, every_s=TELL_EVERY_S)
             self._tell(value)
             return Read(value, False)
