@@ -97,6 +97,22 @@ def test_invalid_configuration_rejected_like_megatron(name: str, world: int, kwa
         assert hm.active_grids() is None
 
 
+def test_sharp_without_a_cuda_device_is_refused_before_any_group_naming_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Megatron-Core makes its groups, then fails inside torch.cuda (a RuntimeError on a CUDA build
+    # without a driver, an AssertionError on a CPU build); ours is both, and comes first.
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with fake_world(0, 8):
+        groups_before = len(dist.distributed_c10d._world.pg_map)
+        with pytest.raises(ParallelConfigError) as refused:
+            hm.initialize_model_parallel(create_gloo_process_groups=False, use_sharp=True)
+        assert "use_sharp=True" in str(refused.value) and "torch.cuda.is_available() is False" in str(refused.value)
+        assert isinstance(refused.value, RuntimeError) and isinstance(refused.value, AssertionError)
+        assert len(dist.distributed_c10d._world.pg_map) == groups_before
+        assert REGISTRY.count() == 0 and hm.active_grids() is None
+
+
 def test_zero_size_is_a_value_error_naming_it() -> None:
     # Megatron-Core fails with ZeroDivisionError here; hypergrid names the keyword.
     with pytest.raises(ParallelConfigError, match=r"tensor_model_parallel_size must be an integer >= 1, got 0"):

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as ps
 
-from ..errors import UnsupportedTorchError
+from ..errors import ParallelConfigError, UnsupportedTorchError
 from ..grid import HyperCommGrid
 from ..layout.kinds import BackendChoice, GroupKind
 from ..runtime.options import GroupOptions, effective_timeout, same_as_world
@@ -109,6 +109,12 @@ def build_state(
     world = dist.get_world_size()
     # Everything that can fail on the arguments happens here, before the first group: options,
     # the (user) embedding callbacks, and the ranks of this rank's groups.
+    if plan.sharp is not None and not torch.cuda.is_available():
+        # Megatron-Core fails here only after its data-parallel groups exist, inside torch.cuda.
+        raise ParallelConfigError(
+            "use_sharp=True needs a CUDA device on this rank (SHARP is NCCL's CollNet, enabled by a "
+            "barrier on the rank's GPU), but torch.cuda.is_available() is False: pass use_sharp=False"
+        )
     nccl_cfgs = _load_nccl_cfgs(config)
     options = {kind.name: _options(kind, config, nccl_cfgs, timeout) for kind in plan.kinds}
     to_world = {
