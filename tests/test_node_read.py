@@ -67,6 +67,15 @@ def _outcome(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def _reader_and_followers(server, key: str, slice_s: float, count: int = 2) -> tuple[subprocess.Popen, list]:
+    """A waiter that holds node 0's read of ``key``, then ``count`` that follow it."""
+    reader = _start(server, key, node=0, slice_s=slice_s)
+    assert _joined(reader)
+    followers = [_start(server, key, node=0, slice_s=slice_s) for _ in range(count)]
+    assert not any(_joined(p) for p in followers)
+    return reader, followers
+
+
 def _key() -> str:
     return f"test/{uuid.uuid4()}/verdict"
 
@@ -114,10 +123,7 @@ def test_a_reader_blocks_on_the_store_once_and_tells_its_followers_meanwhile_tha
     # A slice of 30 s: the reader makes one blocking get, and its followers, hearing from it every
     # TELL_EVERY_S, keep to it past their quiet time (they would read the store themselves after it).
     key = _key()
-    reader = _start(server, key, node=0, slice_s=30.0)
-    assert _joined(reader)
-    followers = [_start(server, key, node=0, slice_s=30.0) for _ in range(2)]
-    assert not any(_joined(p) for p in followers)
+    reader, followers = _reader_and_followers(server, key, slice_s=30.0)
     time.sleep(TELL_EVERY_S + QUIET_S + 1.0)
     server.set(key, "rank 2 failed")
     outcome, heard = _outcome(reader), [_outcome(p) for p in followers]
@@ -129,10 +135,7 @@ def test_a_reader_blocks_on_the_store_once_and_tells_its_followers_meanwhile_tha
 
 def test_followers_of_a_frozen_reader_read_the_store_themselves_after_the_quiet_time(server):
     key = _key()
-    reader = _start(server, key, node=0, slice_s=1.0)
-    assert _joined(reader)
-    followers = [_start(server, key, node=0, slice_s=1.0) for _ in range(2)]
-    assert not any(_joined(p) for p in followers)
+    reader, followers = _reader_and_followers(server, key, slice_s=1.0)
     reader.send_signal(signal.SIGSTOP)  # alive, its name held, saying nothing
     try:
         time.sleep(1.0 + QUIET_S + 1.0)  # a slice and the quiet time: the followers gave up on it

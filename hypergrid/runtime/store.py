@@ -168,6 +168,10 @@ class StoreClient:
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
 
+    def _drop_connection(self) -> None:
+        """Forget this thread's connection to the store (its call is still out): the next use opens another."""
+        getattr(_connections, "by_store", {}).pop(id(self._base), None)
+
     def extend(self, seconds: float) -> None:
         """Allow at least ``seconds`` more from now (one more answer, to name who is missing)."""
         self.deadline = max(self.deadline, time.monotonic() + seconds)
@@ -180,11 +184,10 @@ class StoreClient:
         try:
             finished, result = self._connection.call(fn, budget, meanwhile, every_s)
         except BaseException:
-            # ``meanwhile`` raised with the call still out: the next use must not queue behind it.
-            getattr(_connections, "by_store", {}).pop(id(self._base), None)
+            self._drop_connection()  # ``meanwhile`` raised with the call still out: not queued behind it
             raise
         if not finished:
-            getattr(_connections, "by_store", {}).pop(id(self._base), None)  # stuck: the next use opens another
+            self._drop_connection()  # stuck: the next use opens another
             raise StoreUnresponsiveError(f"the job's store did not answer a {what} within {budget:.1f} s")
         ok, value = result
         if not ok:
