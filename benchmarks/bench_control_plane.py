@@ -301,8 +301,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     from hypergrid.control.keys import JobChannel
     from hypergrid.control.plane import ControlPlane
     from hypergrid.control.rounds import RecoveryRound
-    from hypergrid.runtime import node_read
+    from hypergrid.runtime import node_count, node_read
     from hypergrid.runtime.losses import watching
+    from hypergrid.runtime.node_read import Node
     from hypergrid.runtime.wire import Arrival, JobRecord, RoundEnd
     from hypergrid.runtime.world_step import attempt_step, end_step
 
@@ -319,6 +320,11 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # not scheduled for seconds among a thousand others is not a reader that froze, and followers
     # that left it would each read the store (in a cluster each rank is a process of its own).
     node_read.QUIET_S = _ROUND_S
+    # Likewise a node's writer waits for every participant of its node before it writes their
+    # arrivals and their counts (a cluster's ranks of a node arrive within milliseconds of each
+    # other; threads here may wait seconds for the GIL), not GATHER_S.
+    node_count.GATHER_S = 60.0
+    node_read._ELECT_S = 60.0
     # A thread waiting for the GIL wakes every switch interval (5 ms) to ask for it: a thousand
     # participants just woken by one verdict then spend both cores waking each other (8,192 ranks
     # in 16 processes had not agreed after 8 minutes, some 200 threads per process runnable at any
@@ -357,10 +363,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
             parts.reached("open")
             store.phase = "round"
             verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=_ROUND_S / 2,
-                                board=LossView(channel, plane), node=rank // NODE)
+                                board=LossView(channel, plane), node=Node.of(rank, NODE))
             agreed = time.time()
             store.phase = "step"
-            with watching(_BoardLook(LossView(channel, plane), store), node=rank // NODE):
+            with watching(_BoardLook(LossView(channel, plane), store), node=Node.of(rank, NODE)):
                 step = attempt_step("recover", members, channel.key(rnd.number))
                 end_step(store, rank, step, None, timedelta(seconds=_ROUND_S))  # type: ignore[arg-type]
             stepped = time.time()

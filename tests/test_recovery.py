@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, ResilientJob, recover
 from hypergrid.errors import RecoveryRefused
+from hypergrid.runtime.node_read import Node
 from hypergrid.runtime.registry import REGISTRY
 from tests.harness import fake_world, run_gloo
 
@@ -160,7 +161,7 @@ def _agree(rank: int, world: int, node_size: int = 0) -> tuple:
     rnd = RecoveryRound.open(channel, plane, time.monotonic() + 20)
     try:
         verdict = rnd.agree(range(world), Arrival(rank), bound_s=2.0, board=LossView(channel, plane),
-                            node=rank // node_size if node_size else None)
+                            node=Node.of(rank, node_size) if node_size else None)
     except ExcludedByRecovery as exc:
         return ("excluded", str(exc))
     return ("failed", verdict.failed)
@@ -194,7 +195,7 @@ def _contenders_die(rank: int, world: int, node_size: int = 0) -> tuple:
         return ("died",)
     time.sleep(2.0)  # the others come after them: none of them is a contender
     verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=LossView(channel, plane),
-                        node=rank // node_size if node_size else None)
+                        node=Node.of(rank, node_size) if node_size else None)
     return ("failed", verdict.failed, rnd.store.get(rnd.key("leader")).decode())
 
 

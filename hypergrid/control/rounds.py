@@ -27,7 +27,8 @@ spare's next wait always meet in a new round:
     the participant that decides the round (the first to arrive; another takes its place when
     its beat stands still), and the counter it advances as it works. Only the first three
     arrivals and a participant about to take over ask who leads: any other arrival costs two
-    requests, and its verdict one blocking ``get`` (two on the wire: torch's client waits, then gets).
+    requests (three per node, where a node's participants arrive in one batch), and its verdict
+    one blocking ``get`` (two on the wire: torch's client waits, then gets; once per node).
 ``<n>/verdict``
     the round's one :class:`~hypergrid.runtime.wire.FailureVerdict` (compare-and-set: the first
     proposal stands).
@@ -80,7 +81,8 @@ import torch.distributed as dist
 
 from ..errors import ExcludedByRecovery, RecoveryError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
-from ..runtime.node_read import NodeRead
+from ..runtime.node_count import Tally, count_in
+from ..runtime.node_read import Node, NodeRead
 from ..runtime.store import StoreClient, end_round
 from ..runtime.wire import Arrival, BoardEvent, EventKind, FailureVerdict, JobRecord, RoundEnd, decode, encode
 from ..runtime.world_step import world_checkpoint, world_start
@@ -158,8 +160,8 @@ class _Waiting:
     leader_beat: int = -1
     leader_since: float = 0.0
     woke_spares: bool = False
-    #: This rank's node (None: it reads the verdict on its own) and its share of the node's read.
-    node: Optional[int] = None
+    #: This rank's node (None: it arrives and reads the verdict on its own) and its share of the node's read.
+    node: Optional[Node] = None
     shared: Optional[NodeRead] = None
 
     def __post_init__(self) -> None:
@@ -215,15 +217,17 @@ class RecoveryRound:
 
     # ------------------------------------------------------------------ the wait
     def agree(self, domain: Sequence[int], arrival: Arrival, *, bound_s: float, board: LossView,
-              offers: Sequence[int] = (), node: Optional[int] = None) -> FailureVerdict:
+              offers: Sequence[int] = (), node: Optional[Node] = None) -> FailureVerdict:
         """Arrive with ``arrival`` and return the round's verdict, as every participant reads it.
 
         ``domain``: every rank the job counts on (those that do not come are found failed);
         ``offers``: ranks outside it that offered themselves, waited for alike and taken as spares
         if they come. ``bound_s``: how long a rank that is alive but absent is waited for; the
         store's deadline bounds the whole wait: past it, this rank abandons the round. ``node``:
-        this rank's node; the participants of a node that wait for the verdict read it from the
-        store once (:mod:`~hypergrid.runtime.node_read`). None: this rank reads it on its own.
+        this rank's node; the participants of a node arrive in one batch
+        (:mod:`~hypergrid.runtime.node_count`: ``domain`` and ``offers`` ascending, to count a
+        node's participants in O(log N)) and read the verdict from the store once
+        (:mod:`~hypergrid.runtime.node_read`). None: this rank arrives and reads on its own.
 
         Raises:
             ExcludedByRecovery: this rank is in the verdict's failed set (it came too late).
@@ -232,12 +236,14 @@ class RecoveryRound:
         store, rank = self.store, arrival.rank
         waiting = _Waiting(rank, domain, offers, time.monotonic(), node=node)
         try:
-            store.append(self.key("here"), encode(arrival) + "\n")
-            leader, place = _UNKNOWN, int(store.add(self.key("count"), 1))
+            peers = node.peers_in(domain) + node.peers_in(offers) if node is not None else 1
+            place = count_in(store, Tally(self.key("count"), self.key("here")), rank, encode(arrival) + "\n",
+                             node=node, peers=peers).place
+            leader = _UNKNOWN
             if place == 1:
                 publish(self.channel, self.plane, BoardEvent(EventKind.ROUND, rank, arrival.reason,
                                                              number=self.number, by=rank), store)
-            if place <= _CONTENDERS:
+            if place is not None and place <= _CONTENDERS:
                 store.set(self.key("wake"), "")
                 waiting.woke_spares = True
                 leader = int(store.compare_set(self.key("leader"), "", str(rank)))
@@ -295,7 +301,7 @@ class RecoveryRound:
         this rank, where it took over from a leader whose beat stood still)."""
         store = self.store
         if waiting.shared is None:
-            waiting.shared = NodeRead.of(self.key("verdict"), waiting.node)
+            waiting.shared = NodeRead.of(self.key("verdict"), waiting.node.index if waiting.node else None)
         # One blocking get per node, not a wait and then a get per participant: at 16,384
         # participants each request saved is 16,384 fewer for the store to serve in the round.
         read = waiting.shared.read(store, self.key("verdict"), _FOLLOW_SLICE_S)  # it stops at the deadline itself

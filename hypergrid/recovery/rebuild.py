@@ -33,6 +33,7 @@ from ..layout.replan import RecoveryKind, RecoveryPlan
 from ..runtime.health import broken_groups
 from ..runtime.losses import watching
 from ..runtime.modes import job_setup
+from ..runtime.node_read import Node
 from ..runtime.registry import REGISTRY
 from ..runtime.torch_compat import TorchCommsSubgroups, Unsplit, unsplit_mechanism
 from ..runtime.wire import FailureVerdict
@@ -44,7 +45,7 @@ __all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_
 
 
 def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str],
-          board: Optional[LossView] = None, node: Optional[int] = None) -> Any:
+          board: Optional[LossView] = None, node: Optional[Node] = None) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement, for
     ``job``; the state from before is still held (and, for a Megatron job, no longer current).
     ``scope`` names the probe of the surviving groups (a recovery round's name); ``board``: the

@@ -47,6 +47,7 @@ from ..layout import GridLayout
 from ..layout.describe import describe_ranks, one_line
 from ..layout.rank_map import RankMap
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
+from ..runtime.node_read import Node
 from ..runtime.registry import REGISTRY
 from ..runtime.wire import Arrival, FailureVerdict, JobRecord, RoundEnd
 from .rebuild import build, let_go, reset_megatron_if, restore
@@ -128,7 +129,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str, *
             arrival = Arrival(rank, step, reason, tuple(take_aborted()))
             try:
                 verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered,
-                                    node=rank // gpus_per_node)
+                                    node=Node.of(rank, gpus_per_node))
                 if first:
                     deadline, first = time.monotonic() + timeout.total_seconds(), False
                 # Each attempt has the recovery's timeout at least to what is left of it; a round
@@ -196,7 +197,7 @@ def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, gpus_per_node
     elif rank in members:
         try:
             new_state = build(job, plan, verdict, deadline, scope=f"{rnd.channel.key(rnd.number)}", board=board,
-                              node=rank // gpus_per_node)
+                              node=Node.of(rank, gpus_per_node))
         except RecoveryRefused as exc:
             restore(job)
             return rnd.end(RoundEnd(False, str(exc), refused=True)), None

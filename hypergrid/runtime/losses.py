@@ -32,6 +32,8 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Optional, Protocol, runtime_checkable
 
+from .node_read import Node
+
 __all__ = ["LossCheck", "LossAlarm", "watching", "watching_now", "lost_among", "loss_alarm", "creation_timeout",
            "WATCH_SLICE_S"]
 
@@ -66,12 +68,13 @@ _scope = threading.local()
 
 
 @contextlib.contextmanager
-def watching(check: Optional[LossCheck], deadline: Optional[float] = None, node: Optional[int] = None) -> Iterator[None]:
+def watching(check: Optional[LossCheck], deadline: Optional[float] = None, node: Optional[Node] = None) -> Iterator[None]:
     """While the block runs, this thread's waits for other ranks end as soon as one they wait for
     is lost (``check``); None: they wait as they would. ``deadline`` (a monotonic time): the
     block's end, which bounds how long torch may take to make a group (:func:`creation_timeout`).
-    ``node``: this rank's node, whose ranks read the outcome of a step they wait for once
-    (:mod:`~hypergrid.runtime.node_read`, :func:`waits_node`); None: each reads it on its own."""
+    ``node``: this rank's node, whose ranks count themselves at the end of a step in one batch
+    and read its outcome once (:mod:`~hypergrid.runtime.node_count`,
+    :mod:`~hypergrid.runtime.node_read`, :func:`waits_node`); None: each on its own."""
     previous = getattr(_scope, "check", None), getattr(_scope, "deadline", None), getattr(_scope, "node", None)
     _scope.check, _scope.deadline, _scope.node = check, deadline, node
     try:
@@ -97,16 +100,16 @@ def creation_timeout(timeout: timedelta) -> timedelta:
     return min(timeout, timedelta(seconds=max(1.0, deadline - time.monotonic())))
 
 
-def waits_node() -> Optional[int]:
+def waits_node() -> Optional[Node]:
     """The node whose ranks share this thread's waits, inside :func:`watching` (else None).
 
     Example::
 
-        >>> with watching(None, node=3):
+        >>> with watching(None, node=Node.of(27, 8)):
         ...     waits_node()
-        3
+        Node(index=3, size=8)
     """
-    node: Optional[int] = getattr(_scope, "node", None)
+    node: Optional[Node] = getattr(_scope, "node", None)
     return node
 
 

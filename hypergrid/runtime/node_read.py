@@ -48,12 +48,14 @@ import os
 import socket
 import struct
 import time
+from bisect import bisect_left
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from .poll import readable
 
-__all__ = ["NodeRead", "Read", "elect", "same_user", "take_follower", "QUIET_S", "TELL_EVERY_S"]
+__all__ = ["Node", "NodeRead", "Read", "elect", "same_user", "take_follower", "QUIET_S", "TELL_EVERY_S"]
 
 #: How long a waiter keeps trying to bind or follow a name whose holder refuses it (it closes
 #: the name, or has bound it and not listened yet) before it reads the store on its own.
@@ -69,6 +71,31 @@ TELL_EVERY_S = 2.0
 QUIET_S = 8.0
 _VALUE, _STILL = b"v", b"s"
 _HEADER = struct.Struct("!cI")
+
+
+@dataclass(frozen=True)
+class Node:
+    """A rank's node for the waits and counts its ranks share: node ``index`` holds the ranks
+    ``index * size`` to ``(index + 1) * size - 1`` (``size``: ranks per node).
+
+    Example::
+
+        >>> node = Node.of(13, 8)
+        >>> node, node.peers_in(range(0, 16, 2))
+        (Node(index=1, size=8), 4)
+    """
+
+    index: int
+    size: int
+
+    @classmethod
+    def of(cls, rank: int, size: int) -> Node:
+        return cls(rank // size, size)
+
+    def peers_in(self, ranks: Sequence[int]) -> int:
+        """How many of ``ranks`` (ascending) are on this node: O(log len(ranks))."""
+        low, high = self.index * self.size, (self.index + 1) * self.size
+        return bisect_left(ranks, high) - bisect_left(ranks, low)
 
 
 def same_user(conn: socket.socket) -> bool:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..errors import GridMismatchError, GroupCreationError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
 from .losses import WATCH_SLICE_S, loss_alarm, lost_among, waits_node, watching_now
+from .node_count import Tally, count_in
 from .node_read import NodeRead
 from .store import PREFIX, StoreClient, agreement_possible, end_round
 from .wire import CheckpointVerdict, decode, encode, members_digest
@@ -245,7 +246,12 @@ def end_step(store: StoreClient, rank: int, step: WorldRound, error: Optional[Ba
             store.compare_set(go, "", encode(failed))  # the first failure stands
             _end_epoch(store, step)
             return
-        if store.add(step.key(_END.count), 1) == world:
+        # A node's participants count themselves in one batch (as they read the outcome once),
+        # where the step is named by its recovery's attempt (see _outcome).
+        node = waits_node() if step.attempt else None
+        counted = count_in(store, Tally(step.key(_END.count)), rank, node=node,
+                           peers=node.peers_in(step.ranks) if node is not None else 1)
+        if counted.closes(world):
             _end_epoch(store, step)
             store.compare_set(go, "", encode(CheckpointVerdict(None)))
             if step.attempt:
@@ -328,7 +334,7 @@ def _outcome(store: StoreClient, rank: int, step: WorldRound, meeting: _Meeting)
     # by its epoch is named alike in two jobs of the same ranks on one host.
     alarm, node = loss_alarm(), (waits_node() if step.attempt else None)
     raw = None
-    with contextlib.ExitStack() as scope, NodeRead.of(key, node) as shared:
+    with contextlib.ExitStack() as scope, NodeRead.of(key, node.index if node is not None else None) as shared:
         if alarm is not None:
             scope.enter_context(alarm.on_loss(participants, lambda lost: _set_lost(step, key, lost)))
         while raw is None and store.remaining() > 0:
