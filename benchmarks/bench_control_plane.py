@@ -322,7 +322,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     node_read.QUIET_S = _ROUND_S
     # Likewise a node's writer waits for every participant of its node before it writes their
     # arrivals and their counts (a cluster's ranks of a node arrive within milliseconds of each
-    # other; threads here may wait seconds for the GIL), not GATHER_S.
+    # other; threads here may wait seconds for the GIL), not GATHER_S; and a rank keeps trying a
+    # name whose holder has bound it and not yet listened (a thread unscheduled between the two
+    # calls), where it would give up after half a second and write alone, leaving its writer to
+    # wait for it (4,096 ranks: 67 s to every verdict where it was 8 s).
     node_count.GATHER_S = 60.0
     node_read._ELECT_S = 60.0
     # A thread waiting for the GIL wakes every switch interval (5 ms) to ask for it: a thousand

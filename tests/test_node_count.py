@@ -36,11 +36,13 @@ _PARTICIPANT = textwrap.dedent("""
     from hypergrid.runtime.store import StoreClient
     port, name, rank, peers, mode = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
     node_count.GATHER_S, node_read.QUIET_S = float(sys.argv[6]), float(sys.argv[7])
+    exactly_once = sys.argv[8] == "exactly-once"
     base = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
     store = StoreClient(time.monotonic() + 60, base=base)
 
     class AtClaim:
-        # The writer's store: its claim is where it stops or ends, before or after the claim lands.
+        # The writer's store: its claim (or, with no claim, its append) is where it stops or ends,
+        # before or after that lands.
         def __getattr__(self, attr):
             return getattr(store, attr)
         def compare_set(self, key, expected, desired):
@@ -50,6 +52,10 @@ _PARTICIPANT = textwrap.dedent("""
             if "/node/" in key and mode.endswith("after-claim"):
                 self.pause()
             return value
+        def append(self, key, value):
+            if mode.endswith("before-append"):
+                self.pause()
+            return store.append(key, value)
         def pause(self):
             print(json.dumps({{"at": "claim"}}), flush=True)
             if mode.startswith("stop"):
@@ -64,8 +70,8 @@ _PARTICIPANT = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGSTOP)
         return writing(*args, **kwargs)
     node_count._write_for_node = announced
-    counted = count_in(AtClaim() if mode != "plain" else store, Tally(name + "/count", name + "/here"), rank,
-                       f"rank {{rank}}\\n", node=Node(0, 8), peers=peers)
+    counted = count_in(AtClaim() if mode != "plain" else store, Tally(name + "/count", name + "/here", exactly_once),
+                       rank, f"rank {{rank}}\\n", node=Node(0, 8), peers=peers)
     print(json.dumps({{"place": counted.place, "end": counted.batch_end, "wrote": counted.wrote}}), flush=True)
 """).format(root=ROOT)
 
@@ -75,10 +81,11 @@ def server():
     return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
-def _start(server, name: str, rank: int, peers: int = 8, mode: str = "plain", gather_s: float = 20.0,
-           quiet_s: float = 8.0) -> subprocess.Popen:
+def _start(server, name: str, rank: int, peers: int = 8, mode: str = "plain", gather_s: float = 180.0,
+           quiet_s: float = 8.0, exactly_once: bool = True) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-c", _PARTICIPANT, str(server.port), name, str(rank), str(peers), mode,
-                             str(gather_s), str(quiet_s)], stdout=subprocess.PIPE, text=True)
+                             str(gather_s), str(quiet_s), "exactly-once" if exactly_once else "hint"],
+                            stdout=subprocess.PIPE, text=True)
 
 
 def _said(proc: subprocess.Popen) -> dict:
@@ -87,7 +94,7 @@ def _said(proc: subprocess.Popen) -> dict:
     return json.loads(line)
 
 
-def _outcome(proc: subprocess.Popen, timeout: float = 60.0) -> dict:
+def _outcome(proc: subprocess.Popen, timeout: float = 240.0) -> dict:
     out, _ = proc.communicate(timeout=timeout)
     lines = [json.loads(line) for line in out.splitlines() if line]
     return lines[-1]
@@ -100,9 +107,11 @@ def _count_and_lines(server, name: str) -> tuple[int, list[str]]:
 
 
 def _writer_and_followers(server, name: str, mode: str = "plain", followers: int = 7, **kwargs) -> tuple:
+    # The writer gathers until all its followers came (each a process importing torch: seconds
+    # under load), so its window is long: the tests are of what happens after.
     writer = _start(server, name, 0, mode=mode, **kwargs)
     assert _said(writer) == {"writes": True}
-    others = [_start(server, name, rank, mode="plain", **kwargs) for rank in range(1, followers + 1)]
+    others = [_start(server, name, rank, **kwargs) for rank in range(1, followers + 1)]
     return writer, others
 
 
@@ -113,6 +122,7 @@ def test_a_node_counts_itself_in_one_batch_and_every_participant_learns_its_plac
     assert sorted(o["place"] for o in outcomes) == list(range(1, 9)), outcomes
     assert [o["wrote"] for o in outcomes] == [True] + [False] * 7 and {o["end"] for o in outcomes} == {8}
     assert _count_and_lines(server, name) == (8, [f"rank {r}" for r in range(8)])
+    assert not server.check([f"{name}/count/node/0/0"])  # its ranks hung up: the claim is gone
 
 
 def test_a_writer_killed_at_its_claim_leaves_its_node_to_write_alone(server):
@@ -152,6 +162,33 @@ def test_a_writer_frozen_at_its_claim_and_resumed_counts_everyone_once(server, c
     mine = _outcome(writer)
     assert mine["wrote"] and mine["end"] == (8 if claimed else mine["place"]), mine
     assert _count_and_lines(server, name) == (8, [f"rank {r}" for r in range(8)])
+
+
+def test_arrivals_whose_writer_is_killed_before_it_writes_are_each_written_by_their_rank(server):
+    # No claim (a count that may run ahead): the ranks it included hear it end and write alone.
+    name = f"t/{uuid.uuid4()}"
+    writer, others = _writer_and_followers(server, name, mode="exit-before-append", exactly_once=False)
+    assert _said(writer) == {"at": "claim"}
+    outcomes = [_outcome(p) for p in others]
+    assert all(o["wrote"] for o in outcomes), outcomes
+    assert _count_and_lines(server, name) == (7, [f"rank {r}" for r in range(1, 8)])
+
+
+def test_arrivals_whose_writer_froze_are_written_by_their_ranks_and_again_when_it_resumes(server):
+    # Every line is in the ledger while the writer is frozen (what a round's leader reads, by
+    # rank); the count runs ahead once it resumes, which a count without a claim may.
+    name = f"t/{uuid.uuid4()}"
+    writer, others = _writer_and_followers(server, name, mode="stop-before-append", quiet_s=2.0, exactly_once=False)
+    try:
+        assert _said(writer) == {"at": "claim"}
+        outcomes = [_outcome(p) for p in others]
+        assert all(o["wrote"] for o in outcomes), outcomes
+        assert _count_and_lines(server, name) == (7, [f"rank {r}" for r in range(1, 8)])
+    finally:
+        os.kill(writer.pid, signal.SIGCONT)
+    assert _outcome(writer) == {"place": 8, "end": 15, "wrote": True}
+    count, lines = _count_and_lines(server, name)
+    assert count == 15 and sorted(set(lines)) == sorted(f"rank {r}" for r in range(8)), (count, lines)
 
 
 def test_a_rank_that_its_frozen_writer_never_included_writes_alone_and_is_not_included_after(server):

@@ -299,9 +299,10 @@ def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wai
 def test_the_participants_of_a_node_count_themselves_and_read_the_step_s_outcome_once(world, monkeypatch):
     # Two nodes of 8 (threads of this process stand for their processes: the node's writer and
     # reader are local sockets either way); the last participant 6 s late. Every participant ends
-    # the step; of each node, one (its writer) claims the node's batch and adds it to the count,
-    # one (its reader) blocks on the store once, telling the others every 2 s meanwhile that it
-    # still waits, and the others make no request at all (each made its count and its get before).
+    # the step; of each node, one (its writer) claims the node's batch, adds it to the count and
+    # deletes its claim, one (its reader) blocks on the store once, telling the others every 2 s
+    # meanwhile that it still waits, and the others make no request at all (each made its count
+    # and its get before).
     step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/1", node_size=8)
     late = 15
     threads = [step.take_part(r) for r in step.members if r != late] + [step.take_part(late, LATE_S)]
@@ -311,8 +312,9 @@ def test_the_participants_of_a_node_count_themselves_and_read_the_step_s_outcome
     for node in (0, 1):
         ranks = [r for r in step.members if r // 8 == node and r != late]
         asking = {r: step.counts[r]["requests"] for r in ranks if step.counts[r]["requests"]}
-        # The claim and the count, then one get for the whole 6 s: not one per participant, nor per slice.
-        assert sum(asking.values()) == 3 and len(asking) <= 2, {r: step.counts[r] for r in ranks}
+        # The claim, the count and the claim deleted, then one get for the whole 6 s: not one per
+        # participant, nor per slice.
+        assert sum(asking.values()) == 4 and len(asking) <= 2, {r: step.counts[r] for r in ranks}
     # The late one writes a batch of its own (its node's writer had let the name go): it is
     # counted once, or the step would not have ended on every participant.
     from hypergrid.runtime.world_step import attempt_step

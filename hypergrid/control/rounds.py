@@ -27,7 +27,7 @@ spare's next wait always meet in a new round:
     the participant that decides the round (the first to arrive; another takes its place when
     its beat stands still), and the counter it advances as it works. Only the first three
     arrivals and a participant about to take over ask who leads: any other arrival costs two
-    requests (three per node, where a node's participants arrive in one batch), and its verdict
+    requests (two per node, where a node's participants arrive in one batch), and its verdict
     one blocking ``get`` (two on the wire: torch's client waits, then gets; once per node).
 ``<n>/verdict``
     the round's one :class:`~hypergrid.runtime.wire.FailureVerdict` (compare-and-set: the first
@@ -237,8 +237,9 @@ class RecoveryRound:
         waiting = _Waiting(rank, domain, offers, time.monotonic(), node=node)
         try:
             peers = node.peers_in(domain) + node.peers_in(offers) if node is not None else 1
-            place = count_in(store, Tally(self.key("count"), self.key("here")), rank, encode(arrival) + "\n",
-                             node=node, peers=peers).place
+            # Arrivals are read by rank and counted only as a hint to read them: one may count twice.
+            place = count_in(store, Tally(self.key("count"), self.key("here"), exactly_once=False), rank,
+                             encode(arrival) + "\n", node=node, peers=peers).place
             leader = _UNKNOWN
             if place == 1:
                 publish(self.channel, self.plane, BoardEvent(EventKind.ROUND, rank, arrival.reason,

@@ -5,29 +5,32 @@ node's in one ``append`` and one ``add``.
 A recovery round's participants each arrive (their arrival appended, then counted) and each count
 themselves at the end of the rebuild's step: three requests per participant, about 49,000 at
 16,384 participants, more than the rest of the round together. Written once per node of 8, the
-same writes cost the store three requests per node, and every participant still learns its
+same writes cost the store five requests per node, and every participant still learns its
 *place* (the count just after its own addition, as if its node's ranks had been added one by one),
 by which it does what the first arrivals or the last one counted do.
 
 The ranks elect a *writer* by a name, as for a node's read (:mod:`~hypergrid.runtime.node_read`):
 the first to bind the counter's abstract Unix socket for its node. The others connect and send it
-their rank and line. The writer gathers them until every participant of its node has come
-(:meth:`~hypergrid.runtime.node_read.Node.peers_in`) or :data:`GATHER_S` has passed, lets the name go (a rank that comes later
-elects again: a batch of its own), and *includes* each rank it read by telling it so. Then it
-claims the batch (a compare-and-set of a key named by the node and its own rank), appends the
-lines, adds their number and tells each rank its place.
+their line. The writer gathers them until every participant of its node has come
+(:meth:`~hypergrid.runtime.node_read.Node.peers_in`) or :data:`GATHER_S` has passed, lets the
+name go (a rank that comes later elects again: a batch of its own), and *includes* each rank it
+read by telling it so. Then it appends the lines, adds their number and tells each rank its place
+(two requests per node; a writer that included nobody writes as a rank alone).
 
-Nothing is counted twice and nothing is lost, whoever dies or freezes where:
-
-- a rank not told it is included (its writer ended, or closed its name before reading it) elects
-  again; one whose writer froze before including it writes alone (it closed its connection, so
-  the writer, if it resumes, cannot include it: telling it fails);
-- a rank told it is included whose writer then ends or stays silent for :data:`QUIET_S` *voids*
-  the batch (the same compare-and-set): if its void stands, the batch will never be written and
-  it writes alone; if the writer's claim stands, the writer counted it or will, and it goes on
-  without knowing its place (``place`` None: it is not the first to arrive, and the last one
-  counted is the writer of its batch, :attr:`Counted.closes`);
-- a writer whose claim finds the batch voided writes alone and tells its ranks to.
+A rank not told it is included (its writer ended, or closed its name before reading it) elects
+again; one whose writer froze before including it writes alone: it shuts its socket for reading
+first, after which Linux refuses the writer's word, so "included" was either read or never said.
+A rank that was included and whose writer then ends or stays silent for :data:`QUIET_S` writes
+alone too, and is counted twice if the writer resumes: harmless for a round's arrivals, which are
+read by rank. A count that must never run ahead of its participants (a step's end, where the one
+that brings it to their number ends the step for all: :attr:`Tally.exactly_once`) is *claimed*
+before it is written, by a compare-and-set of a key named by the node and the writer's rank, and
+the claim is deleted once the batch's ranks have hung up (three requests per node): an included
+rank whose writer falls silent *voids* the claim the same way and writes alone only if its void
+stands; if the claim stands, the writer counted it or will, and it goes on without its place
+(``place`` None: the last one counted is the writer of its batch, :meth:`Counted.closes`). A
+writer whose claim finds its batch voided writes alone (the void stays in the store, as does the
+claim of a writer whose ranks did not hang up within a second).
 
 Example, two ranks of one node in this process (threads), each with its arrival::
 
@@ -49,18 +52,16 @@ Example, two ranks of one node in this process (threads), each with its arrival:
 
 from __future__ import annotations
 
-import hashlib
 import socket
-import struct
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import node_read
-from .node_read import Node, elect, take_follower
+from .node_read import Node, elect, frame, node_address, split_frame, take_follower
 from .poll import readable
 
-__all__ = ["Tally", "Counted", "count_in", "count_address", "GATHER_S"]
+__all__ = ["Tally", "Counted", "count_in", "GATHER_S"]
 
 #: How long a node's writer waits for the node's other participants before it writes those it has
 #: (a late one writes in a batch of its own). A node's ranks learn of a failure from one event and
@@ -69,19 +70,29 @@ GATHER_S = 0.25
 #: How often a rank that found the name held but could not be included tries again before it
 #: writes alone (a name let go and taken in turn by ranks that each came just too late).
 _ELECTIONS = 3
+#: How long a writer waits, after it told its ranks their places, for them to hang up before it
+#: deletes its claim (local sockets: milliseconds where the ranks run).
+_SETTLE_S = 1.0
 _CLAIMED, _VOID = "counted", "void"
-_HEADER = struct.Struct("!cI")
 #: Frames: a rank's share (to its writer); included (the batch's claim key); its place; write alone.
 _SHARE, _INCLUDED, _PLACE, _ALONE = b"c", b"i", b"p", b"a"
 
 
 @dataclass(frozen=True)
 class Tally:
-    """A count every participant adds itself to once: the ``counter`` key and, where each adds a
-    line first, the ``ledger`` key the lines are appended to (the count never runs ahead of it)."""
+    """A count every participant adds itself to: the ``counter`` key and, where each adds a line
+    first, the ``ledger`` key the lines are appended to (the count never runs ahead of it).
+
+    ``exactly_once``: the count must never run ahead of its participants (a step's end: the one
+    that brings it to their number ends the step for all), so a batch is claimed before it is
+    written and a rank whose writer fell silent voids the claim before it writes alone. False
+    (a round's arrivals, whose readers take each line once, by its rank, and use the count only as
+    a hint to read them): no claim; a rank whose writer fell silent after including it writes
+    alone, and may be counted twice if that writer resumes."""
 
     counter: str
     ledger: Optional[str] = None
+    exactly_once: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,19 +111,6 @@ class Counted:
         return self.wrote and self.batch_end == total
 
 
-def count_address(counter: str, node: int) -> bytes:
-    """The abstract socket name of node ``node``'s writer for ``counter`` (a digest, as
-    :func:`~hypergrid.runtime.node_read.read_address`).
-
-    Example::
-
-        >>> count_address("ns/round/3/count", 0) != count_address("ns/round/3/count", 1)
-        True
-    """
-    digest = hashlib.sha256(f"{counter}#{node}".encode()).hexdigest()[:40]
-    return b"\0hypergrid-count-" + digest.encode()
-
-
 def count_in(store: Any, tally: Tally, rank: int, line: str = "", *, node: Optional[Node] = None,
              peers: int = 1) -> Counted:
     """Add ``rank`` to ``tally`` (``line`` appended to its ledger first, where it has one) over
@@ -120,7 +118,7 @@ def count_in(store: Any, tally: Tally, rank: int, line: str = "", *, node: Optio
     ``peers`` participants of its ``node`` (itself included) that come meanwhile; alone where
     ``node`` is None or it has no peers. See the module (its example)."""
     if node is not None and peers > 1:
-        address = count_address(tally.counter, node.index)
+        address = node_address("count", tally.counter, node.index)
         for _ in range(_ELECTIONS):
             listener, upstream = elect(address, backlog=max(64, 2 * peers))
             if listener is not None:
@@ -175,19 +173,58 @@ def _write_for_node(store: Any, tally: Tally, rank: int, line: str, listener: so
         listener.close()  # the name is free: a rank that comes now elects again
         for waiting in pending.values():
             waiting.conn.close()  # never told it is included: it elects again
+    if not included:  # nobody was told it is included, so nobody can void: no claim
+        return _write(store, tally, [line])
+    if not tally.exactly_once:
+        try:
+            return _write_and_place(store, tally, line, included)
+        finally:
+            for conn, _ in included:
+                conn.close()
     try:
         if store.compare_set(claim, "", _CLAIMED) != _CLAIMED.encode():  # a rank gave up on this writer
             for conn, _ in included:
                 _tell(conn, _ALONE, "")
             return _write(store, tally, [line])
-        counted = _write(store, tally, [line] + [share for _, share in included])
-        for offset, (conn, _) in enumerate(included, start=1):
-            assert counted.place is not None
-            _tell(conn, _PLACE, f"{counted.place + offset},{counted.batch_end}")
+        counted = _write_and_place(store, tally, line, included)
+        # Once every rank of the batch has hung up (it read its place, or ended its void), none
+        # will look at the claim again: it goes, so that the store does not keep a key per node
+        # per count. One that does not hang up in time (frozen) leaves it there.
+        if _hung_up([conn for conn, _ in included], _SETTLE_S):
+            store.delete_key(claim)
         return counted
     finally:
         for conn, _ in included:
             conn.close()
+
+
+def _write_and_place(store: Any, tally: Tally, line: str, included: list[tuple[socket.socket, str]]) -> Counted:
+    """Write this writer's line and its ranks' in one batch, and tell each rank its place."""
+    counted = _write(store, tally, [line] + [share for _, share in included])
+    assert counted.place is not None
+    for offset, (conn, _) in enumerate(included, start=1):
+        _tell(conn, _PLACE, f"{counted.place + offset},{counted.batch_end}")
+    return counted
+
+
+def _hung_up(conns: list[socket.socket], seconds: float) -> bool:
+    """Whether every one of ``conns`` reads end-of-file (or is broken) within ``seconds``."""
+    open_fds = {conn.fileno(): conn for conn in conns}
+    end = time.monotonic() + seconds
+    while open_fds:
+        ready = readable(open_fds, max(0.0, end - time.monotonic()))
+        if not ready:
+            return False
+        for fd in ready:
+            try:
+                if open_fds[fd].recv(4096):
+                    continue  # nothing more is due from it; read on to its end
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                pass
+            del open_fds[fd]
+    return True
 
 
 def _take_all(listener: socket.socket, pending: dict[int, _Pending]) -> None:
@@ -213,17 +250,16 @@ def _receive(waiting: _Pending) -> object:
     if not chunk:
         return None
     waiting.inbox += chunk
-    frame = _frame(waiting.inbox)
-    if frame is None:
+    whole = split_frame(waiting.inbox)
+    if whole is None:
         return _NOTHING_YET
-    kind, body, _ = frame
+    kind, body, _ = whole
     return body.decode() if kind == _SHARE else None
 
 
 def _tell(conn: socket.socket, kind: bytes, body: str) -> bool:
-    data = body.encode()
     try:
-        conn.sendall(_HEADER.pack(kind, len(data)) + data)
+        conn.sendall(frame(kind, body.encode()))
     except OSError:  # gone (it closed: it was never included), or not taking frames
         return False
     return True
@@ -249,7 +285,7 @@ def _hand_over(store: Any, tally: Tally, rank: int, line: str, upstream: socket.
                     # Not included: a writer that ended let the name go (elect again); one that froze
                     # can include it no more (its word would fail), so it writes alone.
                     return None if frame is _GONE_ENDED else _write(store, tally, [line])
-                return _void(store, tally, line, claim)
+                return _void(store, tally, line, claim) if tally.exactly_once else _write(store, tally, [line])
             assert isinstance(frame, tuple)
             kind, body = frame
             if kind == _INCLUDED:
@@ -285,9 +321,9 @@ def _void(store: Any, tally: Tally, line: str, claim: str) -> Counted:
 def _next_frame(conn: socket.socket, inbox: bytes, seconds: float) -> tuple[object, bytes]:
     end = time.monotonic() + seconds
     while True:
-        frame = _frame(inbox)
-        if frame is not None:
-            kind, body, rest = frame
+        whole = split_frame(inbox)
+        if whole is not None:
+            kind, body, rest = whole
             return (kind, body.decode()), rest
         if not readable([conn.fileno()], max(0.0, end - time.monotonic())):
             return _GONE_QUIET, inbox
@@ -300,15 +336,6 @@ def _next_frame(conn: socket.socket, inbox: bytes, seconds: float) -> tuple[obje
         if not chunk:
             return _GONE_ENDED, inbox
         inbox += chunk
-
-
-def _frame(inbox: bytes) -> Optional[tuple[bytes, bytes, bytes]]:
-    if len(inbox) < _HEADER.size:
-        return None
-    kind, length = _HEADER.unpack_from(inbox)
-    if len(inbox) < _HEADER.size + length:
-        return None
-    return kind, inbox[_HEADER.size:_HEADER.size + length], inbox[_HEADER.size + length:]
 
 
 _NOTHING_YET, _GONE_QUIET, _GONE_ENDED = object(), object(), object()

@@ -55,7 +55,7 @@ from typing import Any, Optional
 
 from .poll import readable
 
-__all__ = ["Node", "NodeRead", "Read", "elect", "same_user", "take_follower", "QUIET_S", "TELL_EVERY_S"]
+__all__ = ["Node", "NodeRead", "Read", "elect", "node_address", "frame", "split_frame", "same_user", "take_follower", "QUIET_S", "TELL_EVERY_S"]
 
 #: How long a waiter keeps trying to bind or follow a name whose holder refuses it (it closes
 #: the name, or has bound it and not listened yet) before it reads the store on its own.
@@ -187,17 +187,46 @@ def _connect(address: bytes) -> socket.socket:
     return upstream
 
 
-def read_address(key: str, node: int) -> bytes:
-    """The abstract socket name of the node's read of ``key`` (a digest: names are short; the
-    key names the world's control plane, so two jobs on one host never share a name).
+def node_address(purpose: str, key: str, node: int) -> bytes:
+    """The abstract socket name of node ``node``'s ``purpose`` (a read, a count) of ``key`` (a
+    digest: names are short; the key names the world's control plane, so two jobs on one host
+    never share a name).
 
     Example::
 
-        >>> read_address("ns/round/3/verdict", 0) != read_address("ns/round/3/verdict", 1)
+        >>> node_address("read", "ns/round/3/verdict", 0) != node_address("read", "ns/round/3/verdict", 1)
+        True
+        >>> node_address("read", "ns/k", 0) != node_address("count", "ns/k", 0)
         True
     """
     digest = hashlib.sha256(f"{key}#{node}".encode()).hexdigest()[:40]
-    return b"\0hypergrid-read-" + digest.encode()
+    return f"\0hypergrid-{purpose}-{digest}".encode()
+
+
+def read_address(key: str, node: int) -> bytes:
+    """The abstract socket name of the node's read of ``key`` (:func:`node_address`)."""
+    return node_address("read", key, node)
+
+
+def frame(kind: bytes, body: bytes) -> bytes:
+    """One frame of a node's local socket: its kind (one byte), its body's length, its body."""
+    return _HEADER.pack(kind, len(body)) + body
+
+
+def split_frame(inbox: bytes) -> Optional[tuple[bytes, bytes, bytes]]:
+    """The first whole frame of ``inbox`` as (kind, body, the rest); None until one is whole.
+
+    Example::
+
+        >>> split_frame(frame(b"v", b"ranks 3 and 4") + b"\\0"), split_frame(frame(b"v", b"ranks")[:6])
+        ((b'v', b'ranks 3 and 4', b'\\x00'), None)
+    """
+    if len(inbox) < _HEADER.size:
+        return None
+    kind, length = _HEADER.unpack_from(inbox)
+    if len(inbox) < _HEADER.size + length:
+        return None
+    return kind, inbox[_HEADER.size:_HEADER.size + length], inbox[_HEADER.size + length:]
 
 
 @dataclass(frozen=True)
@@ -269,10 +298,10 @@ class NodeRead:
                 break
             if conn is not None:
                 self.followers.append(conn)
-        frame = _HEADER.pack(_STILL, 0) if value is None else _HEADER.pack(_VALUE, len(value)) + value
+        said = frame(_STILL, b"") if value is None else frame(_VALUE, value)
         for conn in list(self.followers):
             try:
-                conn.sendall(frame)
+                conn.sendall(said)
             except OSError:  # gone: it elects again and reads as it can
                 conn.close()
                 self.followers.remove(conn)
@@ -304,12 +333,10 @@ class NodeRead:
             self._inbox += chunk
 
     def _frame(self) -> object:
-        if len(self._inbox) < _HEADER.size:
+        whole = split_frame(self._inbox)
+        if whole is None:
             return None
-        kind, length = _HEADER.unpack_from(self._inbox)
-        if len(self._inbox) < _HEADER.size + length:
-            return None
-        body, self._inbox = self._inbox[_HEADER.size:_HEADER.size + length], self._inbox[_HEADER.size + length:]
+        kind, body, self._inbox = whole
         return bytes(body) if kind == _VALUE else _STILL_WAITING
 
     def _follow_anew(self) -> None:
