@@ -519,6 +519,9 @@ class _Bounded:
     def get(self, key: str) -> bytes:
         return self._on(lambda conn: conn.get(key))
 
+    def delete_key(self, key: str) -> bool:
+        return self._on(lambda conn: conn.delete_key(key))
+
     def check(self, keys: list[str]) -> bool:
         return self._on(lambda conn: conn.check(keys))
 

@@ -126,6 +126,7 @@ def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_messa
     server.append("n/log", "2")
     assert wire.get("n/log") == b"12"
     assert wire.multi_get(["n/set", "n/torch"]) == [b"v", b"t"]
+    assert wire.delete_key("n/cas") and not wire.delete_key("n/cas") and not server.check(["n/cas"])
     assert not wire.wait(["n/never"], 0.2)
     wire.start_wait(["n/later"])
     server.set("n/later", "1")

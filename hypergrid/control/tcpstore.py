@@ -40,7 +40,7 @@ from typing import Optional
 __all__ = ["WireStore", "StoreProtocolError", "StoreTimeout"]
 
 _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
-_APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 9, 10, 12, 13
+_DELETE_KEY, _APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 8, 9, 10, 12, 13
 _MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
 #: How long one try at a connection waits for the ping's echo before it connects again (torch's
@@ -183,6 +183,11 @@ class WireStore:
     def append(self, key: str, value: bytes) -> None:
         """Append ``value`` to ``key``'s value (made empty)."""
         self._send(bytes([_APPEND]) + self._key(key) + _string(value))
+
+    def delete_key(self, key: str) -> bool:
+        """Delete ``key``; whether it was there."""
+        self._send(bytes([_DELETE_KEY]) + self._key(key))
+        return bool(struct.unpack("<q", self._recv(8))[0] == 1)
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes:
         """Set ``key`` to ``desired`` if it holds ``expected`` (or is absent and ``expected`` is

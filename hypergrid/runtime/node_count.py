@@ -52,6 +52,7 @@ Example, two ranks of one node in this process (threads), each with its arrival:
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from dataclasses import dataclass
@@ -62,6 +63,8 @@ from .node_read import Node, elect, frame, node_address, split_frame, take_follo
 from .poll import readable
 
 __all__ = ["Tally", "Counted", "count_in", "GATHER_S"]
+
+logger = logging.getLogger(__name__)
 
 #: How long a node's writer waits for the node's other participants before it writes those it has
 #: (a late one writes in a batch of its own). A node's ranks learn of a failure from one event and
@@ -149,9 +152,39 @@ class _Pending:
 
 def _write_for_node(store: Any, tally: Tally, rank: int, line: str, listener: socket.socket, claim: str,
                     peers: int) -> Counted:
+    """The writer: gather the node's shares, then write them with its own in one batch."""
+    included = _gather(listener, claim, peers, min(GATHER_S, max(0.0, store.remaining())))
+    try:
+        if not included:  # nobody was told it is included, so nobody can void: no claim
+            return _write(store, tally, [line])
+        if not tally.exactly_once:
+            return _write_and_place(store, tally, line, included)
+        if store.compare_set(claim, "", _CLAIMED) != _CLAIMED.encode():  # a rank gave up on this writer
+            for conn, _ in included:
+                _tell(conn, _ALONE, "")
+            return _write(store, tally, [line])
+        counted = _write_and_place(store, tally, line, included)
+        # Once every rank of the batch has hung up (it read its place, or ended its void), none
+        # will look at the claim again: it goes, so that the store does not keep a key per node
+        # per count. One that does not hang up in time (frozen) leaves it there.
+        if _hung_up([conn for conn, _ in included], _SETTLE_S):
+            try:
+                store.delete_key(claim)
+            except (RuntimeError, OSError) as exc:  # the count stands: its closer must still end the step
+                logger.warning("hypergrid: the claim %s stays in the store: %s", claim, exc)
+        return counted
+    finally:
+        for conn, _ in included:
+            conn.close()
+
+
+def _gather(listener: socket.socket, claim: str, peers: int, seconds: float) -> list[tuple[socket.socket, str]]:
+    """The ranks that hand their share to this writer within ``seconds`` (until ``peers`` with
+    it), each told it is included (with the ``claim``'s key), with its connection and its line;
+    the name is let go then, and a rank not included yet is hung up on (it elects again)."""
     included: list[tuple[socket.socket, str]] = []
     pending: dict[int, _Pending] = {}
-    end = time.monotonic() + min(GATHER_S, max(0.0, store.remaining()))
+    end = time.monotonic() + seconds
     try:
         while 1 + len(included) < peers:
             left = end - time.monotonic()
@@ -170,32 +203,10 @@ def _write_for_node(store: Any, tally: Tally, rank: int, line: str, listener: so
                 else:
                     conn.close()
     finally:
-        listener.close()  # the name is free: a rank that comes now elects again
+        listener.close()
         for waiting in pending.values():
-            waiting.conn.close()  # never told it is included: it elects again
-    if not included:  # nobody was told it is included, so nobody can void: no claim
-        return _write(store, tally, [line])
-    if not tally.exactly_once:
-        try:
-            return _write_and_place(store, tally, line, included)
-        finally:
-            for conn, _ in included:
-                conn.close()
-    try:
-        if store.compare_set(claim, "", _CLAIMED) != _CLAIMED.encode():  # a rank gave up on this writer
-            for conn, _ in included:
-                _tell(conn, _ALONE, "")
-            return _write(store, tally, [line])
-        counted = _write_and_place(store, tally, line, included)
-        # Once every rank of the batch has hung up (it read its place, or ended its void), none
-        # will look at the claim again: it goes, so that the store does not keep a key per node
-        # per count. One that does not hang up in time (frozen) leaves it there.
-        if _hung_up([conn for conn, _ in included], _SETTLE_S):
-            store.delete_key(claim)
-        return counted
-    finally:
-        for conn, _ in included:
-            conn.close()
+            waiting.conn.close()
+    return included
 
 
 def _write_and_place(store: Any, tally: Tally, line: str, included: list[tuple[socket.socket, str]]) -> Counted:
