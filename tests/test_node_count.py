@@ -56,6 +56,11 @@ _PARTICIPANT = textwrap.dedent("""
             if mode.endswith("before-append"):
                 self.pause()
             return store.append(key, value)
+        def add(self, key, amount):
+            value = store.add(key, amount)
+            if mode.endswith("after-add"):
+                self.pause()
+            return value
         def pause(self):
             print(json.dumps({{"at": "claim"}}), flush=True)
             if mode.startswith("stop"):
@@ -143,6 +148,17 @@ def test_a_writer_killed_after_its_claim_is_counted_by_nobody_twice(server):
     outcomes = [_outcome(p) for p in others]
     assert outcomes == [{"place": None, "end": None, "wrote": False}] * 7, outcomes
     assert _count_and_lines(server, name) == (0, [])
+
+
+def test_a_writer_killed_after_it_counted_its_batch_leaves_it_counted_once(server):
+    # Claimed and written, but nobody told where: the others learn the claim stands (no place),
+    # and the count is the batch's, once.
+    name = f"t/{uuid.uuid4()}"
+    writer, others = _writer_and_followers(server, name, mode="exit-after-add", quiet_s=2.0)
+    assert _said(writer) == {"at": "claim"}
+    outcomes = [_outcome(p) for p in others]
+    assert outcomes == [{"place": None, "end": None, "wrote": False}] * 7, outcomes
+    assert _count_and_lines(server, name) == (8, [f"rank {r}" for r in range(8)])
 
 
 @pytest.mark.parametrize("claimed", [False, True], ids=["frozen-before-claim", "frozen-after-claim"])

@@ -110,6 +110,11 @@ class LossView:
         for callback in alarms:
             callback([event.rank])
 
+    def known_lost(self) -> set[int]:
+        """The ranks this view holds lost without asking the store: read at its last look, or heard."""
+        with self._lock:
+            return set(self.lost) | self.heard
+
     @contextlib.contextmanager
     def on_loss(self, ranks: Collection[int], callback: Callable[[list[int]], None]) -> Iterator[None]:
         """While the block runs, call ``callback`` with those of ``ranks`` heard lost: at once with

@@ -71,6 +71,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -236,7 +237,7 @@ class RecoveryRound:
         store, rank = self.store, arrival.rank
         waiting = _Waiting(rank, domain, offers, time.monotonic(), node=node)
         try:
-            peers = node.peers_in(domain) + node.peers_in(offers) if node is not None else 1
+            peers = _node_peers(node, domain, offers, board.known_lost()) if node is not None else 1
             # Arrivals are read by rank and counted only as a hint to read them: one may count twice.
             place = count_in(store, Tally(self.key("count"), self.key("here"), exactly_once=False), rank,
                              encode(arrival) + "\n", node=node, peers=peers).place
@@ -385,6 +386,25 @@ class RecoveryRound:
         with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
             self.store.extend(2.0)
             end_round(self.store, self.channel.key("round"), self.number)
+
+
+def _node_peers(node: Node, domain: Sequence[int], offers: Sequence[int], lost: set[int]) -> int:
+    """How many participants of a round may come from ``node``: its ranks among ``domain`` and
+    ``offers`` (each ascending), less those known lost (its writer does not wait for them).
+
+    Example: node 1 of nodes of 4 holds ranks 4-7 of the job, rank 6 is lost (and rank 2, on
+    node 0), and the offer (rank 9) is on node 2::
+
+        >>> _node_peers(Node(1, 4), range(8), [9], {6, 2})
+        3
+    """
+    gone = sum(1 for r in lost if node.holds(r) and (_among(domain, r) or _among(offers, r)))
+    return node.peers_in(domain) + node.peers_in(offers) - gone
+
+
+def _among(ranks: Sequence[int], rank: int) -> bool:
+    at = bisect_left(ranks, rank)
+    return at < len(ranks) and ranks[at] == rank
 
 
 def _checked(verdict: FailureVerdict, rank: int, name: str) -> FailureVerdict:

@@ -30,7 +30,7 @@ rank whose writer falls silent *voids* the claim the same way and writes alone o
 stands; if the claim stands, the writer counted it or will, and it goes on without its place
 (``place`` None: the last one counted is the writer of its batch, :meth:`Counted.closes`). A
 writer whose claim finds its batch voided writes alone (the void stays in the store, as does the
-claim of a writer whose ranks did not hang up within a second).
+claim of a writer whose ranks did not hang up within a quarter of a second).
 
 Example, two ranks of one node in this process (threads), each with its arrival::
 
@@ -74,8 +74,9 @@ GATHER_S = 0.25
 #: writes alone (a name let go and taken in turn by ranks that each came just too late).
 _ELECTIONS = 3
 #: How long a writer waits, after it told its ranks their places, for them to hang up before it
-#: deletes its claim (local sockets: milliseconds where the ranks run).
-_SETTLE_S = 1.0
+#: deletes its claim (local sockets: microseconds where the ranks run; a step's closer ends the
+#: step only after, so one rank frozen just then costs every participant this much, once).
+_SETTLE_S = 0.25
 _CLAIMED, _VOID = "counted", "void"
 #: Frames: a rank's share (to its writer); included (the batch's claim key); its place; write alone.
 _SHARE, _INCLUDED, _PLACE, _ALONE = b"c", b"i", b"p", b"a"
@@ -167,7 +168,7 @@ def _write_for_node(store: Any, tally: Tally, rank: int, line: str, listener: so
         # Once every rank of the batch has hung up (it read its place, or ended its void), none
         # will look at the claim again: it goes, so that the store does not keep a key per node
         # per count. One that does not hang up in time (frozen) leaves it there.
-        if _hung_up([conn for conn, _ in included], _SETTLE_S):
+        if _hung_up([conn for conn, _ in included], min(_SETTLE_S, max(0.0, store.remaining()))):
             try:
                 store.delete_key(claim)
             except (RuntimeError, OSError) as exc:  # the count stands: its closer must still end the step
@@ -180,13 +181,15 @@ def _write_for_node(store: Any, tally: Tally, rank: int, line: str, listener: so
 
 def _gather(listener: socket.socket, claim: str, peers: int, seconds: float) -> list[tuple[socket.socket, str]]:
     """The ranks that hand their share to this writer within ``seconds`` (until ``peers`` with
-    it), each told it is included (with the ``claim``'s key), with its connection and its line;
-    the name is let go then, and a rank not included yet is hung up on (it elects again)."""
-    included: list[tuple[socket.socket, str]] = []
+    it), with their connections and lines, each told it is included (with the ``claim``'s key)
+    once the gathering is over, so that its wait for its place covers only the writer's store
+    calls; the name is let go then, and a rank whose share was not read is hung up on (it elects
+    again), as is one that can no longer be told (it gave up, and writes alone)."""
+    gathered: list[tuple[socket.socket, str]] = []
     pending: dict[int, _Pending] = {}
     end = time.monotonic() + seconds
     try:
-        while 1 + len(included) < peers:
+        while 1 + len(gathered) < peers:
             left = end - time.monotonic()
             if left <= 0:
                 break
@@ -198,14 +201,20 @@ def _gather(listener: socket.socket, claim: str, peers: int, seconds: float) -> 
                 if share is _NOTHING_YET:
                     continue
                 conn = pending.pop(fd).conn
-                if isinstance(share, str) and _tell(conn, _INCLUDED, claim):
-                    included.append((conn, share))
+                if isinstance(share, str):
+                    gathered.append((conn, share))
                 else:
                     conn.close()
     finally:
         listener.close()
         for waiting in pending.values():
             waiting.conn.close()
+    included = []
+    for conn, share in gathered:
+        if _tell(conn, _INCLUDED, claim):
+            included.append((conn, share))
+        else:
+            conn.close()
     return included
 
 
@@ -223,7 +232,8 @@ def _hung_up(conns: list[socket.socket], seconds: float) -> bool:
     open_fds = {conn.fileno(): conn for conn in conns}
     end = time.monotonic() + seconds
     while open_fds:
-        ready = readable(open_fds, max(0.0, end - time.monotonic()))
+        left = end - time.monotonic()
+        ready = readable(open_fds, max(0.0, left)) if left > 0 else set()
         if not ready:
             return False
         for fd in ready:

@@ -81,8 +81,8 @@ class Node:
     Example::
 
         >>> node = Node.of(13, 8)
-        >>> node, node.peers_in(range(0, 16, 2))
-        (Node(index=1, size=8), 4)
+        >>> node, node.peers_in(range(0, 16, 2)), node.holds(8), node.holds(16)
+        (Node(index=1, size=8), 4, True, False)
     """
 
     index: int
@@ -96,6 +96,10 @@ class Node:
         """How many of ``ranks`` (ascending) are on this node: O(log len(ranks))."""
         low, high = self.index * self.size, (self.index + 1) * self.size
         return bisect_left(ranks, high) - bisect_left(ranks, low)
+
+    def holds(self, rank: int) -> bool:
+        """Whether ``rank`` is on this node."""
+        return rank // self.size == self.index
 
 
 def same_user(conn: socket.socket) -> bool:
