@@ -1,7 +1,7 @@
 """The recovery's control plane at the sizes where failures are routine: N simulated ranks'
 monitors, hypergrid's own code, against one real TCPStore.
 
-Each simulated rank is a :class:`hypergrid.control.monitor.RankMonitor` (the code a rank's monitor
+Each simulated rank is a :class:`hypergrid.liveness.monitor.RankMonitor` (the code a rank's monitor
 process runs) with its own store connections, hosted by a few worker processes (no torch in
 them, as in a monitor); the data plane is not simulated: a rank "aborts" when its monitor hands
 it a loss of the job's board. The store is torch's own TCPStore server (libuv), in this process.
@@ -28,7 +28,7 @@ Beside it, the design it replaced ("scan": every rank adds to its heartbeat and 
 other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
 the same client.
 
-Each node's monitors elect a relay leader (:mod:`hypergrid.control.relay`, abstract Unix
+Each node's monitors elect a relay leader (:mod:`hypergrid.liveness.relay`, abstract Unix
 sockets, within a worker as on a host), which alone has a board connection and waits on the
 board, and hands each event to the node's other monitors: the store's work of delivering an
 event is two requests per node, and each loss's line says how many the board's waits made.
@@ -71,7 +71,6 @@ import subprocess
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any, NamedTuple, Optional
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,16 +87,16 @@ def _worker(spec: dict) -> None:
     """Host ``spec["ranks"]``'s monitors (or, ``scan``, the replaced design's traffic); obey stdin."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from hypergrid.control.keys import JobChannel, beat_key
-    from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
-    from hypergrid.control.tcpstore import StoreProtocolError, StoreTimeout, WireStore
+    from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
+    from hypergrid.store.keys import JobChannel, beat_key
+    from hypergrid.store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
 
     # In a cluster each monitor decodes each event once, on a host of its own, all of them at the
     # same time; here a worker's thousand monitors would decode the same few events one after
     # another (15 us each, most of a worker's time delivering an event). The worker decodes each
     # event once for all of them (the records are frozen): what is left of the delivery's time is
     # the store's, the relays' and the monitors' own handling, still done in turn.
-    monitor_module = sys.modules["hypergrid.control.monitor"]
+    monitor_module = sys.modules["hypergrid.liveness.monitor"]
     decode_events = monitor_module.decode_events
     monitor_module.decode_events = functools.lru_cache(maxsize=256)(lambda raw: tuple(decode_events(raw)))
 
@@ -150,7 +149,7 @@ def _worker(spec: dict) -> None:
     halted: set[int] = set()
     boards: list[Any] = []  # every board connection a relay leader opened, closed ones too: their requests count
 
-    def board_connection() -> Any:
+    def board_connection(timeout_s: float) -> Any:
         boards.append(WireStore.connect(host, port, timeout_s=600.0))
         return boards[-1]
 
@@ -167,8 +166,7 @@ def _worker(spec: dict) -> None:
                         by_leaders.setdefault(event.rank, {}).setdefault(rank, time.time())
 
             monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
-                                  now=time.monotonic(), store=beat_conn[rank // share],
-                                  connect=board_connection)
+                                  now=time.monotonic(), connect=_first_then_new(beat_conn[rank // share], board_connection))
             monitors[rank] = monitor
         for rank in ranks:  # every one of them made before any attaches: relays form with all there
             monitors[rank].attach(job)
@@ -281,53 +279,47 @@ def _worker(spec: dict) -> None:
                     return
 
 
+def _first_then_new(first: Any, connect: Any) -> Any:
+    """A simulated monitor's connections: its beats' (shared by ``share`` ranks: a machine's descriptors
+    are too few for one each), then its board's, one of its own where it becomes its node's delegate."""
+    pending = [first]
+
+    def connection(timeout_s: float) -> Any:
+        return pending.pop() if pending else connect(timeout_s)
+
+    return connection
+
+
 def _lost(rank: int) -> Any:
-    from hypergrid.runtime.wire import BoardEvent, EventKind
+    from hypergrid.store.records import BoardEvent, EventKind
 
     return BoardEvent(EventKind.LOST, rank, "its process ended", by=rank)
 
 
 def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, share: int, namespace: str) -> None:
-    """Every hosted rank takes part in one recovery round, a thread each, through the real
-    ``RecoveryRound.agree`` (its store calls over this worker's connections, bounded by a deadline).
+    """Every hosted rank takes part in one recovery round, a thread each, as ``recover`` takes it,
+    from the library's public pieces: the round opened (``RecoveryRound.open``: the job's record,
+    as in a job after its first recovery), the arrival and the verdict (``RecoveryRound.agree``),
+    and the rebuild's end, a meeting named by the round (``hypergrid.store.meeting``) whose last
+    participant decides it, tells the job's board and commits the record, once. The verdict and
+    the rebuild's outcome reach the participants as they reach a rank: through the board, read
+    once per node by the node's delegate (here a thread per node with a board connection of its
+    own, as a monitor's relay), which hands each entry to its node's participants' views
+    (``BoardView.hear``). Timings are the library's defaults (``RecoverySettings()``).
 
-    The monitors are done by then: a rank with a connection of its own makes its requests and
-    its waits on it, as a rank's store client does. Where ranks share one (past ``--connections``),
-    a second one of the group's takes their waits (a follower's slice on the verdict), and they
-    take turns on each: a wait does not hold up the requests of the round's leader (in a cluster
-    every rank has its own)."""
-    from hypergrid.control import rounds
-    from hypergrid.control.board import LossView
-    from hypergrid.control.keys import JobChannel
-    from hypergrid.control.plane import ControlPlane
-    from hypergrid.control.rounds import RecoveryRound
-    from hypergrid.runtime import node_count, node_read
-    from hypergrid.runtime.losses import watching
-    from hypergrid.runtime.node_read import Node
-    from hypergrid.runtime.wire import Arrival, JobRecord, RoundEnd
-    from hypergrid.runtime.world_step import attempt_step, end_step
+    A rank with a connection of its own makes its requests and its waits on it, as a rank's store
+    client does. Where ranks share one (past ``--connections``), a second one of the group's takes
+    their waits, and they take turns on each (in a cluster every rank has its own)."""
+    from hypergrid.liveness.board import BoardView
+    from hypergrid.liveness.plane import ControlPlane
+    from hypergrid.recovery.round import RecoveryRound
+    from hypergrid.recovery.settings import RecoverySettings
+    from hypergrid.store import meeting
+    from hypergrid.store.keys import JobChannel
+    from hypergrid.store.records import Arrival, JobRecord, JobState, StepOutcome, decode_events, encode
+    from hypergrid.store.tcpstore import WireStore
 
-    # Thousands of threads per process on two cores starve one another of the GIL for seconds: a
-    # leader thread that was not scheduled is not a leader that stopped. In a cluster each
-    # participant is a process of its own; here a takeover would only measure the simulation.
-    rounds._LEADER_QUIET_S = 600.0
-    # For the same reason a follower blocks on the verdict at once, not 2 s at a time: each slice
-    # costs two requests, and thousands of followers slicing here take both cores, which holds the
-    # round up, which makes more slices (4,096 ranks over 16 processes did not agree in 5
-    # minutes). What the slices cost a cluster's round is a figure of its own (docs/recovery.md).
-    rounds._FOLLOW_SLICE_S = _ROUND_S
-    # And a node's followers keep to their reader however long it goes unheard: a reader thread
-    # not scheduled for seconds among a thousand others is not a reader that froze, and followers
-    # that left it would each read the store (in a cluster each rank is a process of its own).
-    node_read.QUIET_S = _ROUND_S
-    # Likewise a node's writer waits for every participant of its node before it writes their
-    # arrivals and their counts (a cluster's ranks of a node arrive within milliseconds of each
-    # other; threads here may wait seconds for the GIL), not GATHER_S; and a rank keeps trying a
-    # name whose holder has bound it and not yet listened (a thread unscheduled between the two
-    # calls), where it would give up after half a second and write alone, leaving its writer to
-    # wait for it (4,096 ranks: 67 s to every verdict where it was 8 s).
-    node_count.GATHER_S = 60.0
-    node_read._ELECT_S = 60.0
+    settings = RecoverySettings(gpus_per_node=NODE)
     # A thread waiting for the GIL wakes every switch interval (5 ms) to ask for it: a thousand
     # participants just woken by one verdict then spend both cores waking each other (8,192 ranks
     # in 16 processes had not agreed after 8 minutes, some 200 threads per process runnable at any
@@ -341,44 +333,64 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     locks = {g: threading.Lock() for g in beat_conns}
     # One connection per rank: its requests and its waits take turns on it, under one lock.
     wait_locks = {g: threading.Lock() for g in board_conns} if share > 1 else locks
-    before = sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns)
     go = threading.Event()
     parts = _Parts(len(ranks))
     results: list[Any] = []
     errors: list[str] = []
     stores: list[_Bounded] = []
+    views: dict[int, list[Any]] = {}  # node -> its participants' views of the board, hearing its delegate
+    registered = threading.Semaphore(0)
+    n = spec["n"]
+    record = JobRecord(2, (n,), ("dp",), ((0, 0, n),), (), step=1, board_from=0)
 
-    members = tuple(range(spec["n"]))
+    nodes = sorted({rank // NODE for rank in ranks})
+    delegates = {node: WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S) for node in nodes}
+
+    def delegate(node: int) -> None:
+        """The node's one wait on the board, as a relay's delegate keeps it: a pending wait on the
+        next entry (nothing for the store until it is set), its read, and every entry handed to the
+        node's participants."""
+        conn, index = delegates[node], 0
+        while True:
+            key = channel.board_slot(index)
+            conn.start_wait([key])
+            conn.finish_wait()
+            events = decode_events(conn.read(key))
+            for view in views[node]:
+                for event in events:
+                    view.hear(event)
+            index += 1
 
     def participant(rank: int) -> None:
         group = rank // share
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
                          time.monotonic() + _ROUND_S, shared=share > 1)
+        view = BoardView(channel, lambda: store)
+        view.hear_from(_Handed(), "the node's delegate")
+        views.setdefault(rank // NODE, []).append(view)
         stores.append(store)
+        registered.release()
         go.wait()
         try:
-            # As recover takes a round: open it (its number, the committed record, the offers),
-            # arrive and read the verdict, the rebuild's world step (named by the round, the groups
-            # made, its checkpoint, its wait hearing the board), then the round's end, the record
-            # committed, and the round closed.
             store.phase = "open"
             rnd = RecoveryRound.open(channel, plane, store.deadline, store)  # type: ignore[arg-type]
             parts.reached("open")
             store.phase = "round"
-            verdict = rnd.agree(range(spec["n"]), Arrival(rank, step=1), bound_s=_ROUND_S / 2,
-                                board=LossView(channel, plane), node=Node.of(rank, NODE))
+            verdict = rnd.agree(range(n), Arrival(rank, step=1, settings=settings.describe()), bound_s=_ROUND_S / 2,
+                                board=view, settings=settings)
             agreed = time.time()
+            parts.reached("verdict")
             store.phase = "step"
-            with watching(_BoardLook(LossView(channel, plane), store), node=Node.of(rank, NODE)):
-                step = attempt_step("recover", members, channel.key(rnd.number))
-                end_step(store, rank, step, None, timedelta(seconds=_ROUND_S))  # type: ignore[arg-type]
+            rebuild = rnd.keys.rebuild("recover")
+            if meeting.arrive(store, rebuild, n).completes:  # type: ignore[arg-type]
+                done = encode(StepOutcome(None)).encode()
+                if meeting.decide(store, rebuild, done) == done:  # type: ignore[arg-type]
+                    view.publish(rebuild.outcome, done, rank)
+                    rnd.commit(record)
+            elif meeting.wait_outcome(store, rebuild, store.remaining(), view,  # type: ignore[arg-type]
+                                      settings.outcome_fallback_s) is None:
+                raise TimeoutError("the rebuild's outcome did not come")
             stepped = time.time()
-            parts.reached("step")
-            store.phase = "close"
-            committed = JobRecord(1, (spec["n"],), ("dp",), ((0, 0, spec["n"]),), (), step=1)
-            if rnd.end(RoundEnd(True, job=committed)).committed:
-                rnd.commit(committed)
-            rnd.close()
         except Exception as exc:  # a participant that did not get the verdict is a figure too
             errors.append(f"rank {rank}: {type(exc).__name__}: {exc}")
             parts.leave()
@@ -386,18 +398,22 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         results.append((agreed, stepped, verdict.failed))
 
     if 0 in ranks:
-        # The job as its first recovery left it: a later round's participants read the record.
-        from hypergrid.runtime.wire import encode
-
-        record = JobRecord(1, (spec["n"],), ("dp",), ((0, 0, spec["n"]),), (), step=0, gone=("rank 9: stale",))
-        beat_conns[0].set(channel.key("committed"), encode(record).encode())
+        # The job as its first recovery left it: the round's participants read the record.
+        first = JobRecord(1, (n,), ("dp",), ((0, 0, n),), (), step=0, gone=("rank 9: stale",))
+        beat_conns[0].set(channel.state, encode(JobState(1, first)).encode())
     threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in ranks]
     for thread in threads:
         thread.start()
+    for _ in ranks:
+        registered.acquire()
+    for node in nodes:
+        threading.Thread(target=delegate, args=(node,), daemon=True).start()
+    before = (sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns),
+              sum(c.requests for c in delegates.values()))
     print("ready", flush=True)
     sys.stdin.readline()
     go.set()
-    for part in ("open", "step"):  # the parent reads the store's CPU between the parts
+    for part in ("open", "verdict"):  # the parent reads the store's CPU between the parts
         parts.wait_all(part)
         print(f"{part} done", flush=True)
         sys.stdin.readline()
@@ -409,16 +425,18 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "failed": sorted({r for _, _, failed in results for r in failed}),
                       "agreed": len(results), "errors": errors[:3], "error_count": len(errors),
                       "requests": sum(c.requests for c in conns) - before[0],
+                      "delegate_requests": sum(c.requests for c in delegates.values()) - before[2],
+                      "delegates": len(nodes),
                       "rewaits": sum(store.rewaits for store in stores),
                       "made": {phase: sum(store.made.get(phase, 0) for store in stores)
-                               for phase in ("open", "round", "step", "close")},
+                               for phase in ("open", "round", "step")},
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
 class _Parts:
-    """Holds a worker's participants between the parts of the round (opening it; arriving, the
-    verdict and the world step; ending, recording and closing it) until the parent has read the
-    store's CPU: each part's figure is its own. In a cluster nobody waits there."""
+    """Holds a worker's participants between the parts of the round (opening it; arriving and the
+    verdict; the rebuild's end and the commit) until the parent has read the store's CPU: each
+    part's figure is its own. In a cluster nobody waits there."""
 
     def __init__(self, count: int) -> None:
         self.count = count
@@ -451,32 +469,11 @@ class _Parts:
             self.freed.notify_all()
 
 
-class _BoardLook:
-    """A participant's view of the job's board in the rebuild's waits. A rank's view is fed by its
-    heartbeat, which forwards each entry of the board as it is published, so that a wait blocks
-    once on its key and a loss heard ends it (:meth:`hypergrid.control.board.LossView.on_loss`);
-    the simulated round runs no monitors and loses nobody, so nothing is heard. A look, where a
-    wait asks for one, reads the board over the simulated rank's own connection."""
+class _Handed:
+    """What a participant's view hears from: its node's delegate thread calls the view itself
+    (a rank's heartbeat would, on its own thread), so there is nothing to register with."""
 
-    def __init__(self, view: Any, store: Any) -> None:
-        self.view, self.store = view, store
-        view.hear_from(_Silent())
-
-    @property
-    def hearing(self) -> bool:
-        return bool(self.view.hearing)
-
-    def on_loss(self, ranks: Any, callback: Any) -> Any:
-        return self.view.on_loss(ranks, callback)
-
-    def lost_among(self, ranks: Any) -> list[int]:
-        return sorted(r for r in self.view.refresh(self.store) if r in ranks)
-
-
-class _Silent:
-    """A heartbeat that forwards nothing: the simulated round's monitors are not running."""
-
-    def listen(self, name: str, callback: Any) -> None:
+    def listen(self, name: str, callback: Any, replay: bool = False) -> None:
         pass
 
 
@@ -530,7 +527,7 @@ class _Bounded:
         return self._on(lambda conn: conn.compare_set(key, as_bytes(expected), as_bytes(desired)))
 
     def get_if_set(self, key: str) -> Optional[bytes]:
-        from hypergrid.runtime.store import StoreClient
+        from hypergrid.store.client import StoreClient
 
         return StoreClient.get_if_set(self, key)  # type: ignore[arg-type]  (its one compare_set, over ours)
 
@@ -538,7 +535,7 @@ class _Bounded:
         # As torch's client: a wait and a get (one blocking get), on the waits' connection. Here on
         # the caller's own thread, so ``meanwhile`` (a node's reader telling its followers it still
         # waits) is not called: the followers keep to their reader anyway (_round sets QUIET_S).
-        from hypergrid.control.tcpstore import StoreTimeout
+        from hypergrid.store.tcpstore import StoreTimeout
 
         def attempt(conn: Any, within: float) -> Optional[bytes]:
             try:
@@ -621,7 +618,7 @@ class Workers:
 
 def _probe(host: str, port: int, seconds: float) -> tuple[float, float]:
     """Median and p99 of a plain ``get`` by a client of its own, in ms, over ``seconds``."""
-    from hypergrid.control.tcpstore import WireStore
+    from hypergrid.store.tcpstore import WireStore
 
     conn = WireStore.connect(host, port, timeout_s=30.0)
     conn.set("bench/probe", b"x")
@@ -661,8 +658,8 @@ class _BoardClock(threading.Thread):
 
     def __init__(self, host: str, port: int, namespace: str) -> None:
         super().__init__(daemon=True)
-        from hypergrid.control.keys import JobChannel
-        from hypergrid.control.tcpstore import WireStore
+        from hypergrid.store.keys import JobChannel
+        from hypergrid.store.tcpstore import WireStore
 
         self.channel = JobChannel(namespace, "bench", 0)
         self.conn = WireStore.connect(host, port, timeout_s=30.0)
@@ -670,13 +667,13 @@ class _BoardClock(threading.Thread):
         self.halted = threading.Event()
 
     def run(self) -> None:
-        from hypergrid.control.tcpstore import StoreTimeout
-        from hypergrid.runtime.wire import EventKind, decode_events
+        from hypergrid.store.records import EventKind, decode_events
+        from hypergrid.store.tcpstore import StoreTimeout
 
         index = 0
         while not self.halted.is_set():
             try:
-                events = decode_events(self.conn.get(self.channel.event(index), within_s=1.0))
+                events = decode_events(self.conn.get(self.channel.board_slot(index), within_s=1.0))
             except StoreTimeout:  # not published yet: look again unless the clock was stopped
                 continue
             for event in events:
@@ -730,9 +727,9 @@ def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict
     are found at one look or two). For each, the time until every leader has all 8, the store's
     CPU meanwhile (this process's: it runs nothing else but the polling), and the board's
     requests."""
-    from hypergrid.control.keys import JobChannel
-    from hypergrid.control.tcpstore import WireStore
-    from hypergrid.runtime.wire import encode_events
+    from hypergrid.store.keys import JobChannel
+    from hypergrid.store.records import encode_events
+    from hypergrid.store.tcpstore import WireStore
 
     spec = {"host": host, "port": port, "n": n, "interval": interval, "namespace": _namespace(), "design": "ring",
             "share": 1024, "hosted": list(range(0, n, NODE))}
@@ -746,10 +743,10 @@ def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict
         cpu, start = time.process_time(), time.time()
         for part in range(entries):  # as a monitor publishes: fill the next slot, then count it
             payload = encode_events([_lost(v) for v in victims[part::entries]]).encode()
-            slot = channel.event(conn.add(channel.events(), 0))
+            slot = channel.board_slot(conn.add(channel.board_count(), 0))
             conn.compare_set(slot, b"", payload)
             conn.set(slot, payload)
-            conn.add(channel.events(), 1)
+            conn.add(channel.board_count(), 1)
         last = None
         while last is None:
             time.sleep(0.05)
@@ -775,7 +772,7 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     # its sockets, waking the thousands of simulated ranks it answers among them), apart.
     cpu, kernel = {"open": time.process_time()}, {"open": os.times().system}
     workers.send("go")
-    for part, after in (("open", "round"), ("step", "close")):
+    for part, after in (("open", "round"), ("verdict", "step")):
         for proc in workers.procs:
             assert proc.stdout.readline().strip() == f"{part} done"
         cpu[after], kernel[after] = time.process_time(), os.times().system
@@ -790,13 +787,14 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     steps = [o["last_step"] for o in outs if o["last_step"] is not None]
     return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": cpu["end"] - cpu["open"],
             "store_system_by_part": {"open": kernel["round"] - kernel["open"],
-                                     "round and step": kernel["close"] - kernel["round"],
-                                     "close": kernel["end"] - kernel["close"]},
-            "store_cpu_by_part": {"open": cpu["round"] - cpu["open"], "round and step": cpu["close"] - cpu["round"],
-                                  "close": cpu["end"] - cpu["close"]},
+                                     "arrive and verdict": kernel["step"] - kernel["round"],
+                                     "rebuild's end and commit": kernel["end"] - kernel["step"]},
+            "store_cpu_by_part": {"open": cpu["round"] - cpu["open"], "arrive and verdict": cpu["step"] - cpu["round"],
+                                  "rebuild's end and commit": cpu["end"] - cpu["step"]},
             "step_seconds": max(steps) - start if steps else None,
             "requests": sum(o["requests"] for o in outs), "rewaits": sum(o["rewaits"] for o in outs),
-            "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step", "close")},
+            "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step")},
+            "delegate_requests": sum(o["delegate_requests"] for o in outs), "delegates": sum(o["delegates"] for o in outs),
             "bytes": sum(o["bytes"] for o in outs),
             "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
             "errors": [e for o in outs for e in o["errors"]][:3], "error_count": sum(o["error_count"] for o in outs)}
@@ -1002,11 +1000,12 @@ def _table(rows: list, interval: float) -> None:
             stepped = f"{r['step_seconds']:.2f} s" if r.get("step_seconds") is not None else "-"
             rewaits = f" (+{r['rewaits']:,} re-waits on shared connections)" if r.get("rewaits") else ""
             made = r["made"]
-            round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {r['requests'] - r.get('rewaits', 0):,}, "
-                           f"{(r['requests'] - r.get('rewaits', 0)) / n:.1f} per rank: "
-                           f"{(made['round'] + made['step']) / n:.1f} to arrive, read the verdict and end the step "
-                           f"({made['round'] / n:.1f} + {made['step'] / n:.1f}), {made['open'] / n:.1f} to open the "
-                           f"round, {made['close'] / n:.1f} to end it, commit and close{rewaits}")
+            own = made["open"] + made["round"] + made["step"]
+            round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {own:,}, {own / n:.2f} per rank: "
+                           f"{made['open'] / n:.2f} to open the round, {made['round'] / n:.2f} to arrive and hear the "
+                           f"verdict, {made['step'] / n:.2f} to end the rebuild (its last participant commits); the "
+                           f"{r['delegates']:,} nodes' delegates {r['delegate_requests'] / n:.2f} more per rank to read "
+                           f"the board for them{rewaits}")
         cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
                                                                "node 5 lost", RACK_LABEL))
         print(f"| {n:,} | {cells} | {round_cells} |")

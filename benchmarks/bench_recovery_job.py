@@ -8,7 +8,7 @@ ranks 6 and 7 spares (``hypergrid.ResilientJob.of_megatron(spares=[6, 7], ...)``
 every 0.5 s, two ranks per node (``gpus_per_node=2``). A step is an all-reduce on
 ``parallel_state``'s tensor-parallel group, then one on its data-parallel group. At step 3, rank 3
 writes ``time.time()`` into the job's store and SIGKILLs itself. Every survivor catches the
-``RuntimeError``, calls ``hypergrid.recover(job, gpus_per_node=2, step=step)`` and runs one more
+``RuntimeError``, calls ``hypergrid.recover(job, step=step)`` and runs one more
 step on the new groups; the spare that takes rank 3's place (rank 6) runs that step from
 ``job.wait_as_spare``. Each reports the seconds from the kill to the end of that step (time.time()
 across processes of one machine); the time printed is the largest: every rank of the new
@@ -161,10 +161,11 @@ def _job_rank(rank: int, port: int, case: str) -> None:
     job = hypergrid.ResilientJob.of_megatron(
         spares=list(SPARES), tensor_model_parallel_size=2, create_gloo_process_groups=False,
         distributed_timeout_minutes=collective_s / 60, timeout=datetime.timedelta(seconds=RECOVERY_S),
+        settings=hypergrid.RecoverySettings(gpus_per_node=GPUS_PER_NODE),
     )
     store.add(f"{PREFIX}ready", 1)
     if not job.in_grid:
-        job = job.wait_as_spare(timeout=datetime.timedelta(seconds=START_S + 120), gpus_per_node=GPUS_PER_NODE)
+        job = job.wait_as_spare(timeout=datetime.timedelta(seconds=START_S + 120))
         if not job.in_grid:
             _report(store, rank, {"role": "unused spare"})
             return
@@ -189,7 +190,7 @@ def _job_rank(rank: int, port: int, case: str) -> None:
         except RuntimeError:
             caught = time.time()
             break
-    job = hypergrid.recover(job, gpus_per_node=GPUS_PER_NODE, step=number)
+    job = hypergrid.recover(job, step=number)
     recovered = time.time()
     if not job.in_grid:
         _report(store, rank, {"role": "left", "plan": job.last.describe()})

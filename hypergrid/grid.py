@@ -27,7 +27,7 @@ from .runtime.modes import creation_mode, resolve_strategy
 from .runtime.options import GroupOptions
 from .runtime.registry import REGISTRY
 from .runtime.request import GroupRequest, Origin
-from .runtime.wire import GridFacts, Position, ViewFacts
+from .store.records import GridFacts, Position, ViewFacts
 
 __all__ = ["HyperCommGrid", "RankView", "MadeGroup"]
 

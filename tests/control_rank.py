@@ -27,10 +27,10 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from hypergrid.control.heartbeat import Heartbeat
-from hypergrid.control.keys import JobChannel
-from hypergrid.control.monitor import JobSpec
-from hypergrid.control.plane import control_plane
+from hypergrid.liveness.heartbeat import Heartbeat
+from hypergrid.liveness.monitor import JobSpec
+from hypergrid.liveness.plane import control_plane
+from hypergrid.store.keys import JobChannel
 
 
 def main() -> None:

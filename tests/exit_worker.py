@@ -29,6 +29,7 @@ import torch.distributed as dist
 import hypergrid
 from hypergrid import HyperCommGrid, ResilientJob
 from hypergrid.errors import ExcludedByRecovery
+from hypergrid.recovery.settings import RecoverySettings
 
 STEPS, FREEZE_STEP, FROZEN, SPARES = 5, 2, 3, [4]
 COLLECTIVE = timedelta(seconds=4)
@@ -58,7 +59,7 @@ def main() -> None:
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=args.world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
-    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=timedelta(seconds=30))
+    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=timedelta(seconds=30), settings=RecoverySettings(gpus_per_node=2))
     outcome: dict = {"rank": rank, "role": "grid" if job.in_grid else "spare", "steps": 0}
     if not job.in_grid:
         job = job.wait_as_spare(timeout=timedelta(seconds=90))
@@ -75,7 +76,7 @@ def main() -> None:
             outcome["steps"] += 1
         except RuntimeError:
             try:
-                job = hypergrid.recover(job, step=step, gpus_per_node=2)
+                job = hypergrid.recover(job, step=step)
             except ExcludedByRecovery as exc:
                 outcome["excluded"] = str(exc)
                 break

@@ -37,7 +37,7 @@ def _job_agree(rank: int, world_size: int) -> tuple:
 def _job_store_keys_over_cycles(rank: int, world_size: int) -> list:
     """Create and destroy the same grid's groups several times; after each cycle, the agreement keys
     this rank has written that are still in the store."""
-    import hypergrid.runtime.store as agreement
+    import hypergrid.runtime.environment as agreement
     from hypergrid import HyperCommGrid
 
     real = agreement.default_store()
@@ -259,7 +259,7 @@ class _LostStore(dist.Store):
 
 
 def _make_agreement():
-    from hypergrid.runtime.wire import Agreement, GridFacts, Position, RequestFacts
+    from hypergrid.store.records import Agreement, GridFacts, Position, RequestFacts
 
     facts = GridFacts.of([2, 4], ["tp", "dp"], 0)
     request = RequestFacts("dp-cp", None, False, None, None, None, "local")
@@ -271,7 +271,7 @@ _AGREEMENT = _make_agreement()
 
 def test_a_store_that_stops_answering_is_named_with_the_group(monkeypatch):
     import hypergrid.runtime.agreement as agreement
-    import hypergrid.runtime.store as store
+    import hypergrid.runtime.environment as store
     from hypergrid.errors import GroupCreationError
 
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)

@@ -3,9 +3,9 @@
 The members of one group are simulated by threads of this process over one ``HashStore`` (a
 one-rank gloo world; each thread is a rank of its own, as ``dist.get_rank`` tells it): every
 member calls :func:`hypergrid.runtime.agreement.check_agreement` as a rank of a job does, inside a
-recovery's scope (:func:`hypergrid.runtime.losses.watching`, with the job's board as that rank
+recovery's scope (:func:`hypergrid.runtime.scope.watching`, with the job's board as that rank
 reads it), and each member's store is wrapped to count its requests and the keys they name.
-One member arrives late: the leader and the followers wait for it, and their store work over
+One member arrives late: the decider and the followers wait for it, and their store work over
 the wait is counted against the number of slices the wait lasted. The same is asserted for 4
 and for 64 members: a waiting rank's work per slice must not depend on the group's size.
 """
@@ -32,7 +32,7 @@ class _Counted:
 
     Each clone keeps its own timeout, as a TCPStore's clone (a connection of its own) does. A
     ``HashStore``'s clone is the store itself: a blocking get, whose timeout
-    :meth:`~hypergrid.runtime.store.StoreClient.get_within` sets on its connection just before it
+    :meth:`~hypergrid.store.client.StoreClient.get_within` sets on its connection just before it
     gets, then waited for as long as another thread had just set on its own, and a participant
     with 0.05 s left blocked for 27 s and was reported as a store that stopped answering.
     """
@@ -85,8 +85,8 @@ class _Group:
     """``size`` simulated members (ranks ``first`` ...) of one group over ``server``."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, size: int, first: int = 0) -> None:
-        import hypergrid.runtime.store as store_module
-        from hypergrid.control.keys import JobChannel
+        import hypergrid.runtime.environment as store_module
+        from hypergrid.store.keys import JobChannel
 
         self.members = list(range(first, first + size))
         self.counts = {r: {"requests": 0, "keys": 0} for r in self.members}
@@ -108,14 +108,20 @@ class _Group:
 
     def wait_arrived(self, ranks: list[int], timeout_s: float = 30.0) -> None:
         """Until every one of ``ranks`` has published its entry (this store is fresh: in round 0)."""
-        from hypergrid.runtime.store import member_set_key
-        from hypergrid.runtime.wire import members_digest
+        from hypergrid.store.keys import MemberSetKeys
 
-        base = member_set_key(members_digest(self.members))
+        keys = MemberSetKeys.of(self.members)
         end = time.monotonic() + timeout_s
-        while not self.real.check([f"{base}/entry/{r}" for r in ranks]):
+        while not self.real.check([keys.entry(r) for r in ranks]):
             assert time.monotonic() < end, f"ranks {ranks} did not arrive within {timeout_s} s"
             time.sleep(0.05)
+
+    def publish(self, event: Any) -> None:
+        """Put ``event`` on the group's job's board, as a monitor does."""
+        from hypergrid.liveness.board import BoardView
+        from hypergrid.store.client import StoreClient
+
+        BoardView(self.channel, lambda: StoreClient(time.monotonic() + 5.0, base=self.real)).publish_event(event)
 
     def arrive(self, rank: int, delay_s: float = 0.0) -> threading.Thread:
         thread = threading.Thread(target=self._member, args=(rank, delay_s), daemon=True)
@@ -123,18 +129,19 @@ class _Group:
         return thread
 
     def _member(self, rank: int, delay_s: float) -> None:
-        from hypergrid.control.board import LossView
-        from hypergrid.control.plane import ControlPlane
+        from hypergrid.liveness.board import BoardView
         from hypergrid.runtime.agreement import check_agreement
-        from hypergrid.runtime.losses import watching
-        from hypergrid.runtime.wire import Agreement, GridFacts, Position, RequestFacts
+        from hypergrid.runtime.scope import watching
+        from hypergrid.store.client import StoreClient
+        from hypergrid.store.records import Agreement, GridFacts, Position, RequestFacts
 
         self._local.rank = rank
         time.sleep(delay_s)
         facts = GridFacts.of([len(self.members)], ["dp"], self.members[0])
         agreement = Agreement(Position(facts.family, facts.digest, 0), facts,
                               RequestFacts("dp", None, False, None, None, None, "local"))
-        board = LossView(self.channel, ControlPlane(self.channel.namespace, self._store(), None))
+        store = self._store()
+        board = BoardView(self.channel, lambda: StoreClient(time.monotonic() + 5.0, base=store))
         started = time.monotonic()
         try:
             with watching(board, started + TIMEOUT_S):
@@ -169,7 +176,7 @@ def _slices(waited_s: float, first_s: float, cap_s: float) -> int:
 @pytest.mark.parametrize("size", [4, 64])
 def test_a_wait_for_a_late_member_costs_each_waiting_rank_a_few_requests_a_slice_at_any_size(world, monkeypatch, size):
     from hypergrid.runtime import agreement
-    from hypergrid.runtime.losses import WATCH_SLICE_S
+    from hypergrid.runtime.scope import WATCH_SLICE_S
 
     group = _Group(monkeypatch, size)
     late = group.members[-1]
@@ -204,15 +211,12 @@ def test_a_wait_for_a_late_member_costs_each_waiting_rank_a_few_requests_a_slice
 
 
 def test_a_member_lost_on_the_board_ends_every_member_s_wait_naming_it(world, monkeypatch):
-    from hypergrid.control.board import publish
-    from hypergrid.control.plane import ControlPlane
-    from hypergrid.runtime.wire import BoardEvent, EventKind
+    from hypergrid.store.records import BoardEvent, EventKind
 
     group = _Group(monkeypatch, 4)
     threads = [group.arrive(r) for r in group.members[:-1]]  # rank 3 never comes
     time.sleep(1.0)
-    publish(group.channel, ControlPlane(group.channel.namespace, group.real, None),
-            BoardEvent(EventKind.LOST, 3, "its process ended", by=3))
+    group.publish(BoardEvent(EventKind.LOST, 3, "its process ended", by=3))
     for thread in threads:
         thread.join(TIMEOUT_S + 30)
     for rank in group.members[:-1]:
@@ -223,20 +227,17 @@ def test_a_member_lost_on_the_board_ends_every_member_s_wait_naming_it(world, mo
     assert len({message for _, message, _ in group.outcomes.values()}) == 1, group.outcomes
 
 
-def test_a_leader_lost_after_it_arrived_ends_its_followers_wait_naming_it(world, monkeypatch):
+def test_a_decider_lost_after_it_arrived_ends_its_followers_wait_naming_it(world, monkeypatch):
     import hypergrid.runtime.agreement as agreement
-    from hypergrid.control.board import publish
-    from hypergrid.control.plane import ControlPlane
-    from hypergrid.runtime.wire import BoardEvent, EventKind
+    from hypergrid.store.records import BoardEvent, EventKind
 
     group = _Group(monkeypatch, 4)
     leading, released = threading.Event(), threading.Event()
-    monkeypatch.setattr(agreement, "_lead", lambda rnd, timeout: (leading.set(), released.wait(TIMEOUT_S + 30)))
+    monkeypatch.setattr(agreement, "_lead", lambda check, timeout: (leading.set(), released.wait(TIMEOUT_S + 30)))
     threads = [group.arrive(r) for r in group.members]
     try:
         assert leading.wait(10)  # rank 0 arrived, and decides nothing: as if it died there
-        publish(group.channel, ControlPlane(group.channel.namespace, group.real, None),
-                BoardEvent(EventKind.LOST, 0, "its process ended", by=0))
+        group.publish(BoardEvent(EventKind.LOST, 0, "its process ended", by=0))
         for thread in threads[1:]:
             thread.join(TIMEOUT_S + 30)
     finally:

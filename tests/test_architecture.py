@@ -25,29 +25,33 @@ LAYERS = {
     "releases": 0,
     # pure: rank arithmetic and the kinds of groups; no torch
     "layout": 1,
-    # Megatron-Core's rules as pure values; the runtime, the only code that makes groups
+    # how ranks talk through the store, no torch: every key, the records, the one meeting, the clients
+    "store": 2,
+    # Megatron-Core's rules as pure values
     "megatron.spec": 2,
-    "runtime": 2,
-    # the public grid; the offline planning tool (pure); the recovery's control plane: monitors,
-    # the board of losses, the rounds' waits
-    "grid": 3,
-    "planning": 3,
-    "control": 3,
+    # the runtime, the only code that makes groups
+    "runtime": 3,
+    # the public grid; the offline planning tool (pure); who is alive: monitors, the ring, the board
+    "grid": 4,
+    "planning": 4,
+    "liveness": 4,
     # adapters over the grid
-    "mesh": 4,
-    "megatron": 4,
-    # recovery in-process: re-placing a job's grid and rebuilding its adapters' state
-    "recovery": 5,
+    "mesh": 5,
+    "megatron": 5,
+    # recovery in-process: rounds, re-placing a job's grid and rebuilding its adapters' state
+    "recovery": 6,
     # the applications: command line, demo, local launcher
-    "app": 6,
+    "app": 7,
     # the package's public names, and python -m hypergrid
-    "": 7,
-    "__main__": 8,
+    "": 8,
+    "__main__": 9,
 }
 
-#: Folders and modules that must not import torch at all: planning works without a process group.
+#: Folders and modules that must not import torch at all: planning works without a process group,
+#: and a rank's monitor process imports the store room and its own modules with no torch.
 PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console",
-        "app.argtypes", "control.keys", "control.ring", "control.tcpstore", "control.monitor", "control.verdict")
+        "app.argtypes", "store", "liveness.ring", "liveness.relay", "liveness.monitor", "liveness.board",
+        "liveness.poll", "recovery.quorum")
 
 #: The only modules that may touch torch's private names: c10d's, and DeviceMesh's.
 COMPAT = {"runtime.torch_compat", "runtime.mesh_compat"}

@@ -47,13 +47,13 @@ PROGRESS_S, FROZEN_S = 6.0, 15.0
 
 def _job(rank: int, world: int, scenario: str, victim: int, progress_s: float) -> dict:
     import hypergrid
-    from hypergrid import HyperCommGrid, ResilientJob
-    from hypergrid.control.abort import take_aborted
-    from hypergrid.control.heartbeat import running_heartbeat
-    from hypergrid.control.plane import control_plane
-    from hypergrid.control.rounds import current_round
+    from hypergrid import HyperCommGrid, RecoverySettings, ResilientJob
     from hypergrid.errors import ExcludedByRecovery
-    from hypergrid.runtime.wire import EventKind
+    from hypergrid.liveness.heartbeat import running_heartbeat
+    from hypergrid.liveness.plane import control_plane
+    from hypergrid.recovery.abort import take_aborted
+    from hypergrid.recovery.round import read_state
+    from hypergrid.store.records import EventKind
 
     store = job_store()
     store.set(f"pid/{rank}", str(os.getpid()))
@@ -62,7 +62,7 @@ def _job(rank: int, world: int, scenario: str, victim: int, progress_s: float) -
     grid = HyperCommGrid([2, (world - 2) // 2], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
-    job = ResilientJob.of_grid(grid, spares=spares, timeout=timedelta(seconds=60), gpus_per_node=2)
+    job = ResilientJob.of_grid(grid, spares=spares, timeout=timedelta(seconds=60), settings=RecoverySettings(gpus_per_node=2))
     if scenario == "stop" and rank == 0:
         threading.Thread(target=_freezer, args=(job_store(), victim), daemon=True).start()  # a client of its own
     out: dict[str, Any] = {"failures": [], "steps": 0}
@@ -113,7 +113,8 @@ def _job(rank: int, world: int, scenario: str, victim: int, progress_s: float) -
         store.wait(["thawed"], timedelta(seconds=120))  # the freezer lives in this process: it must finish
     plane = control_plane()
     out.update(role="member", ranks=list(job.layout.ranks), aborted=take_aborted(),
-               rounds=current_round(job.channel, plane), sums=_sums(job.state, rank))
+               rounds=read_state(job.channel, plane.client(time.monotonic() + 10))[0].round,
+               sums=_sums(job.state, rank))
     job.release_spares()
     return out
 

@@ -18,10 +18,10 @@ from typing import Optional
 import pytest
 import torch.distributed as dist
 
-from hypergrid.control.heartbeat import Heartbeat, start_heartbeat
-from hypergrid.control.keys import JobChannel, beat_key
-from hypergrid.control.plane import ControlPlane
-from hypergrid.runtime.wire import BoardEvent, decode_events
+from hypergrid.liveness.heartbeat import Heartbeat, start_heartbeat
+from hypergrid.liveness.plane import ControlPlane
+from hypergrid.store.keys import JobChannel, beat_key
+from hypergrid.store.records import BoardEvent, decode_events
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,8 +33,8 @@ def _env() -> dict[str, str]:
 
 def _board(store: dist.TCPStore, namespace: str) -> list[BoardEvent]:
     channel = JobChannel.of([0, 1], 0, namespace)
-    count = store.add(channel.events(), 0)
-    return [event for i in range(count) for event in decode_events(store.get(channel.event(i)))]
+    count = store.add(channel.board_count(), 0)
+    return [event for i in range(count) for event in decode_events(store.get(channel.board_slot(i)))]
 
 
 def _run(scenario: str, *args: str, settle_s: float = 1.5) -> tuple[dist.TCPStore, str, int, subprocess.Popen,
@@ -126,8 +126,8 @@ def test_bad_heartbeat_settings_are_refused_naming_the_value(kwargs, message):
 def test_settings_other_than_those_of_the_running_heartbeat_are_refused_naming_both(monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers "fake")
 
-    from hypergrid.control import heartbeat as module
-    from hypergrid.control.heartbeat import running_heartbeat
+    from hypergrid.liveness import heartbeat as module
+    from hypergrid.liveness.heartbeat import running_heartbeat
 
     # Rank 0 of two, its monitor a real one on a real store; the fake backend has no control plane
     # of its own (nobody to agree with), so the test hands it one over that store.
@@ -198,8 +198,8 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
     import signal
     import uuid
 
-    from hypergrid.control.monitor import JobSpec
-    from hypergrid.runtime.wire import EventKind, encode
+    from hypergrid.liveness.monitor import JobSpec
+    from hypergrid.store.records import EventKind, encode
 
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     plane = ControlPlane(f"hypergrid/relay-test/{uuid.uuid4()}", store, ("127.0.0.1", store.port))
@@ -211,8 +211,8 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
         beat.attach(JobSpec(channel, ((0, 3),), 3))  # one node of three
 
     def publish(rank: int, reason: str) -> None:
-        index = store.add(channel.events(), 1) - 1
-        store.set(channel.event(index), encode(BoardEvent(EventKind.LOST, rank, reason, by=rank)))
+        index = store.add(channel.board_count(), 1) - 1
+        store.set(channel.board_slot(index), encode(BoardEvent(EventKind.LOST, rank, reason, by=rank)))
 
     def holders() -> list[int]:
         return [rank for rank, beat in enumerate(beats) if _store_connections(beat.pid, store.port) == 2]

@@ -18,12 +18,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from hypergrid.control.keys import DEPARTED, JobChannel, beat_key
-from hypergrid.control.monitor import JobSpec, MonitorConfig, RankMonitor
-from hypergrid.control.ring import Ring, as_runs, from_runs
-from hypergrid.control.tcpstore import StoreProtocolError, WireStore
-from hypergrid.control.verdict import RoundView, decide
-from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind, encode_events
+from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
+from hypergrid.liveness.ring import Ring, as_runs, from_runs
+from hypergrid.recovery.quorum import RoundView, decide
+from hypergrid.store.keys import DEPARTED, JobChannel, beat_key
+from hypergrid.store.records import Arrival, BoardEvent, EventKind, encode_events
+from hypergrid.store.tcpstore import StoreProtocolError, WireStore
 
 
 # ---------------------------------------------------------------------- the ring
@@ -64,7 +64,7 @@ def test_the_ring_watches_every_rank_exactly_once_and_from_another_node(ranks, n
 def test_runs_round_trip():
     ranks = [0, 1, 2, 7, 9, 10, 2047]
     assert list(from_runs(as_runs(ranks))) == ranks and as_runs([]) == []
-    with pytest.raises(ValueError, match="node_size must be a positive number of ranks, got 0"):
+    with pytest.raises(ValueError, match="gpus_per_node must be a positive number of ranks, got 0"):
         Ring.of([0, 1], 0)
 
 
@@ -153,9 +153,22 @@ def test_something_that_is_not_a_tcpstore_is_refused_naming_its_address():
 
 
 # ---------------------------------------------------------------------- the monitor's work
+def _first_then_new(first, port):
+    """A monitor's connections: ``first`` (its beats' connection, which ranks share here), then new
+    ones to ``port`` (a number, or a function giving the one at the time)."""
+    pending = [first]
+
+    def connect(timeout_s):
+        if pending:
+            return pending.pop()
+        return WireStore.connect("127.0.0.1", port() if callable(port) else port, timeout_s=timeout_s)
+
+    return connect
+
+
 class _Sim:
     """``count`` ranks' monitors in this process against ``server``, ``share`` of them per beats
-    connection (a job of thousands within this machine's descriptors; each node's relay leader has
+    connection (a job of thousands within this machine's descriptors; each node's delegate has
     a board connection of its own), on a clock this test advances: no sleeping."""
 
     def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8, runs=None, first=()):
@@ -171,7 +184,8 @@ class _Sim:
                 beats[group] = WireStore.connect("127.0.0.1", server.port, timeout_s=30)
             config = MonitorConfig("127.0.0.1", server.port, self.channel.namespace, rank, interval,
                                    progress_timeout_s=progress if math.isfinite(progress) else 1e9)
-            monitor = RankMonitor(config, forward=self.heard[rank].append, now=0.0, store=beats[group])
+            monitor = RankMonitor(config, forward=self.heard[rank].append, now=0.0,
+                                  connect=_first_then_new(beats[group], server.port))
             monitor.attach(JobSpec(self.channel, runs or ((0, count),), node))
             self.monitors[rank] = monitor
         self.halted = set()
@@ -245,7 +259,7 @@ def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_count
 
 
 def test_a_node_lost_whole_is_published_by_the_leader_of_the_node_before_in_one_entry_per_look(server):
-    sim = _Sim(server, 16, node=8)  # node 0's leader (rank 0) watches for node 0: ranks 8-15
+    sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches for node 0: ranks 8-15
     sim.tick(0.0)
     sim.halt(8, 9, 10, 11)  # half of node 1 made its last beat at 0.0, after rank 0 looked
     sim.tick(1.0)
@@ -260,7 +274,7 @@ def test_a_node_lost_whole_is_published_by_the_leader_of_the_node_before_in_one_
     assert all([e.rank for e in sim.heard[r]] == list(range(8, 16)) for r in range(8))
     assert {e.by for e in sim.heard[3]} == {0}
     board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
-    assert board.add(sim.channel.events(), 0) == 2  # two entries for the node's eight losses
+    assert board.add(sim.channel.board_count(), 0) == 2  # two entries for the node's eight losses
 
 
 def test_consecutive_nodes_lost_together_are_each_watched_from_a_node_still_there(server):
@@ -276,15 +290,15 @@ def test_consecutive_nodes_lost_together_are_each_watched_from_a_node_still_ther
         assert not any(sim.heard[r] for r in sim.monitors if r not in sim.halted), now
     sim.tick(5.0)  # no beat since 0.0: the bound
     assert sim.lost_heard_by_all(range(8, 32))
-    for rank in (r for r in sim.monitors if r not in sim.halted):  # each node by the leader before it
+    for rank in (r for r in sim.monitors if r not in sim.halted):  # each node by the delegate before it
         assert {e.rank: e.by for e in sim.heard[rank]} == {r: 32 + 8 * (r // 8 - 1) for r in range(8, 32)}, rank
     board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
-    assert board.add(sim.channel.events(), 0) == 3  # one entry per lost node
+    assert board.add(sim.channel.board_count(), 0) == 3  # one entry per lost node
 
 
 def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_ranks(server):
     sim = _Sim(server, 16, node=8, runs=((0, 6), (8, 8)), first=(6,))  # 6 and 7: spares on node 0
-    assert sim.monitors[6].relay.leads and not sim.monitors[0].relay.leads
+    assert sim.monitors[6].relay.delegates and not sim.monitors[0].relay.delegates
     sim.tick(0.0)
     sim.halt(*range(8, 16))
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):
@@ -296,19 +310,19 @@ def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_
 
 
 def test_a_new_leader_continues_the_watch_of_the_last_one_so_a_loss_is_not_published_later(server):
-    sim = _Sim(server, 16, node=8)  # node 0's leader (rank 0) watches for node 0: ranks 8-15
+    sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches for node 0: ranks 8-15
     sim.tick(0.0)
     sim.tick(1.0)
     sim.halt(*range(8, 16))  # node 1's last beats came just after 1.0
     sim.tick(2.0)  # rank 0 sees them: it tells its followers what it saw, after its look
-    sim.halt(0)  # and is killed: its followers elect another leader
+    sim.halt(0)  # and is killed: its followers elect another delegate
     sim.drain()
     for now in (3.0, 4.0, 5.0):
         sim.tick(now)
         assert not any(e.rank >= 8 for e in sim.heard[3]), now
-    leader = next(r for r in range(1, 8) if sim.monitors[r].relay.leads)
+    delegate = next(r for r in range(1, 8) if sim.monitors[r].relay.delegates)
     sim.tick(6.0)  # 5 s after the look before the last beats, as rank 0 would have published them
-    assert sorted((e.rank, e.by) for e in sim.heard[3] if e.rank >= 8) == [(r, leader) for r in range(8, 16)]
+    assert sorted((e.rank, e.by) for e in sim.heard[3] if e.rank >= 8) == [(r, delegate) for r in range(8, 16)]
 
 
 def test_a_monitor_told_of_a_recovery_its_leader_was_not_told_of_watches_for_itself(server):
@@ -316,7 +330,7 @@ def test_a_monitor_told_of_a_recovery_its_leader_was_not_told_of_watches_for_its
     grown = JobSpec(sim.channel, ((0, 16),), 8)  # the job grows to rank 15: rank 0, hung, is not told
     for rank in range(1, 16):
         sim.monitors[rank].attach(grown)
-    assert sim.monitors[0].relay.leads and sim.monitors[0].job.ring.successor(7) == 0  # its old ring
+    assert sim.monitors[0].relay.delegates and sim.monitors[0].job.ring.successor(7) == 0  # its old ring
     sim.tick(0.0)  # rank 0 takes its followers in, and tells them its spec from 1.0 on
     sim.halt(15)  # its new watcher is the same local index on node 0: rank 7, in the grown ring
     for now in range(1, 7):
@@ -324,7 +338,7 @@ def test_a_monitor_told_of_a_recovery_its_leader_was_not_told_of_watches_for_its
         assert sim.heard[3] == [], now  # rank 7 has looked since 2.0: its first look saw no beat come
     sim.tick(7.0)
     assert [(e.rank, e.by) for e in sim.heard[3]] == [(15, 7)]
-    assert sim.monitors[9].job.watched == {}  # node 1's followers have their leader's ring: they read nothing
+    assert sim.monitors[9].job.watched == {}  # node 1's followers have their delegate's ring: they read nothing
 
 
 def test_a_publisher_that_ends_between_its_two_requests_leaves_no_slot_that_blocks_the_board(server):
@@ -332,12 +346,12 @@ def test_a_publisher_that_ends_between_its_two_requests_leaves_no_slot_that_bloc
     sim.tick(0.0)
     raw = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
     first = encode_events([BoardEvent(EventKind.LOST, 3, "its process ended", by=3)]).encode()
-    assert raw.compare_set(sim.channel.event(0), b"", first) == first  # its slot, and then it ended: never counted
+    assert raw.compare_set(sim.channel.board_slot(0), b"", first) == first  # its slot, and then it ended: never counted
     sim.monitors[1].publish(BoardEvent(EventKind.LOST, 2, "its process ended", by=2))  # slot 0 taken: slot 1
     sim.drain()
     for rank in (0, 1):
         assert [e.rank for e in sim.heard[rank]] == [3, 2], rank  # both, in the board's order
-    assert raw.add(sim.channel.events(), 0) == 1
+    assert raw.add(sim.channel.board_count(), 0) == 1
 
 
 def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(server):
@@ -400,8 +414,8 @@ def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_leader_w
     sim.monitors[0].parent_ended()  # rank 0's process ended: its monitor publishes it and leaves
     sim.halted.add(0)
     sim.drain()
-    leaders = [r for r in (1, 2, 3) if sim.monitors[r].board is not None]
-    assert len(leaders) == 1, leaders
+    delegates = [r for r in (1, 2, 3) if sim.monitors[r].board is not None]
+    assert len(delegates) == 1, delegates
     sim.monitors[5].publish(BoardEvent(EventKind.LOST, 6, "its process ended", by=6))
     sim.drain()
     for rank in range(1, 8):
@@ -411,15 +425,15 @@ def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_leader_w
 def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_once(server):
     sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
     sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))  # nobody has read it yet
-    sim.monitors[0].detach()  # the leader goes before it read it
+    sim.monitors[0].detach()  # the delegate goes before it read it
     follower, late = sim.monitors[1], sim.monitors[2]
     follower.on_ready(follower.readers()[0])  # end of file: it leads now, and waits on the board
     assert follower.board is not None
     assert select.select([follower.board.fileno()], [], [], 5)[0]
     follower.on_ready(follower.board.fileno())  # the event was there: read, its position is 1
-    late.on_ready(late.readers()[0])  # end of file: it follows the new leader
+    late.on_ready(late.readers()[0])  # end of file: it follows the new delegate
     assert late.board is None and follower.relay.listener is not None
-    follower.on_ready(follower.relay.listener.fileno())  # the leader takes it and says "at 1"
+    follower.on_ready(follower.relay.listener.fileno())  # the delegate takes it and says "at 1"
     assert select.select(late.readers(), [], [], 5)[0]
     late.on_ready(late.readers()[0])  # 1 is past its own 0: it reads event 0 from the store
     assert [(e.rank, e.reason) for e in sim.heard[2]] == [(7, "first")]
@@ -436,9 +450,9 @@ def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_a
     follower = sim.monitors[1]
     for now in range(1, 7):
         sim.tick(float(now))
-        assert follower.board is None, now  # still counting on its leader for the board
+        assert follower.board is None, now  # still counting on its delegate for the board
         assert (0 in follower.job.watched) is (now >= 3), now  # not for the watch after two quiet ticks
-    sim.tick(7.0)  # seven ticks without a word from its leader: it waits on the board itself
+    sim.tick(7.0)  # seven ticks without a word from its delegate: it waits on the board itself
     assert follower.board is not None and sim.heard[1] == []
     sim.tick(8.0)  # rank 0's counter stood still over its looks from 3.0 on, 5 s: published, and heard
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
@@ -455,16 +469,17 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     def monitor(rank, port):
         config = MonitorConfig("127.0.0.1", port, channel.namespace, rank, 1.0)
         made = RankMonitor(config, forward=lambda event: None, now=0.0,
-                           store=WireStore.connect("127.0.0.1", server.port, timeout_s=30))
+                           connect=_first_then_new(WireStore.connect("127.0.0.1", server.port, timeout_s=30),
+                                                   lambda: made.config.port))
         made.attach(JobSpec(channel, ((0, 2),), 2))
         return made
 
-    leader, follower = monitor(0, server.port), monitor(1, server.port)
-    assert leader.board is not None and follower.board is None
+    delegate, follower = monitor(0, server.port), monitor(1, server.port)
+    assert delegate.board is not None and follower.board is None
     follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
-    leader.detach()
+    delegate.detach()
     follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect in half an interval
-    assert follower.relay.leads and follower.board is None
+    assert follower.relay.delegates and follower.board is None
     follower.tick(now=1.0)
     follower.tick(now=2.0)  # it tries again at each tick, and beats meanwhile
     assert follower.board is None
@@ -487,11 +502,11 @@ def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank
     for now in (1.0, 2.0, 3.0, 4.0):
         sim.tick(now)
         assert not sim.lost_heard_by_all([2047]), now
-    sim.tick(5.0)  # no beat since 0.0, 5 s: node 255's ranks are published by node 127's leader
+    sim.tick(5.0)  # no beat since 0.0, 5 s: node 255's ranks are published by node 127's delegate
     assert sim.lost_heard_by_all([1500, *range(2040, 2048)])
     publishers = {e.rank: e.by for e in sim.heard[0]}
     # The node before node 255 in the ring, the two halves of the 256 nodes interleaved, is node
     # 127; its first rank to join its relay leads it.
     assert {publishers[r] for r in range(2040, 2048)} == {1016}
     board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
-    assert board.add(sim.channel.events(), 0) == 2  # rank 1,500's entry, and one for the whole node
+    assert board.add(sim.channel.board_count(), 0) == 2  # rank 1,500's entry, and one for the whole node

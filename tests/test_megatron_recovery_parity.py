@@ -42,6 +42,7 @@ group) does not fit a job with spares: ``ResilientJob.of_megatron`` refuses it (
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import re
@@ -54,6 +55,7 @@ import pytest
 import hypergrid
 import hypergrid.megatron as hm
 from hypergrid.errors import RecoveryRefused
+from hypergrid.recovery.settings import RecoverySettings
 from tests import test_megatron_parallel_state_parity as parity
 from tests.harness import fake_world
 
@@ -187,7 +189,7 @@ def hypergrid_state(case: Case, rank: int) -> Recovered:
                                                      **case.options, **case.kwargs)
             placements, kinds = [], []
             for failed, gpus_per_node in case.recoveries:
-                job = job.recover(failed=failed, gpus_per_node=gpus_per_node)
+                job = dataclasses.replace(job, settings=RecoverySettings(gpus_per_node=gpus_per_node)).recover(failed=failed)
                 placements.append(tuple(job.layout.ranks))
                 kinds.append(job.last.kind.value)
             config = parity.config_of(len(job.layout.ranks), case.kwargs)
@@ -438,7 +440,7 @@ def test_a_shrink_megatron_cannot_initialize_is_refused(world: int, kwargs: dict
             job = hypergrid.ResilientJob.of_megatron(create_gloo_process_groups=False, **kwargs)
             tp = parity.ps.get_tensor_model_parallel_group()
             with pytest.raises(RecoveryRefused, match="Megatron-Core's sizes do not fit"):
-                job.recover(failed=[world - 1], gpus_per_node=2)
+                dataclasses.replace(job, settings=RecoverySettings(gpus_per_node=2)).recover(failed=[world - 1])
             # Nothing changed: the state from before still answers.
             assert parity.ps.get_tensor_model_parallel_group() is tp
         finally:

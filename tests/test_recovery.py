@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, ResilientJob, recover
 from hypergrid.errors import RecoveryRefused
-from hypergrid.runtime.node_read import Node
+from hypergrid.recovery.settings import RecoverySettings
 from hypergrid.runtime.registry import REGISTRY
 from tests.harness import fake_world, run_gloo
 
@@ -40,9 +40,9 @@ def test_a_grid_job_keeps_unchanged_groups_and_makes_only_the_changed_ones(rank,
     with fake_world(rank, 10):
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
         before = {dims: grid.create_pg(dims) for dims in ("tp", "dp", "pp")}
-        job = ResilientJob.of_grid(grid, spares=[8, 9])
+        job = ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2))
         made = _count_new_groups(monkeypatch)
-        after = job.recover(failed=[5], gpus_per_node=2)
+        after = job.recover(failed=[5])
         assert list(after.layout.ranks) == [0, 1, 2, 3, 4, 8, 6, 7] and after.spares == (9,)
         new = after.state
         for dims, old in before.items():
@@ -104,10 +104,10 @@ def test_recovery_is_refused_where_torch_can_make_no_group_among_its_members(mon
 
     with fake_world(0, 10):
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
-        job = ResilientJob.of_grid(grid, spares=[8, 9])
+        job = ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2))
         monkeypatch.setattr(rebuild, "job_setup", lambda: JobSetup("nccl", None, None, TorchCommsSubgroups.WORLD_SPLIT))
         with pytest.raises(RecoveryRefused, match="TorchComms .* makes every new_group a split"):
-            job.recover(failed=[5], gpus_per_node=2)
+            job.recover(failed=[5])
         grid.destroy()
 
 
@@ -129,8 +129,8 @@ def test_parallel_state_after_a_recovery_is_what_a_fresh_start_on_that_placement
     from hypergrid.megatron import destroy_model_parallel
 
     with fake_world(rank, 10):
-        job = ResilientJob.of_megatron(spares=[8, 9], **SIZES)
-        after = job.recover(failed=[5], gpus_per_node=2)
+        job = ResilientJob.of_megatron(spares=[8, 9], settings=RecoverySettings(gpus_per_node=2), **SIZES)
+        after = job.recover(failed=[5])
         recovered = _megatron_globals() if after.in_grid else None
         destroy_model_parallel()
     with fake_world(rank, 10):
@@ -144,71 +144,123 @@ def test_parallel_state_after_a_recovery_is_what_a_fresh_start_on_that_placement
 
 
 # ---------------------------------------------------------------------- multi-process pieces
-def _agree(rank: int, world: int, node_size: int = 0) -> tuple:
-    from hypergrid.control.board import LossView, publish
-    from hypergrid.control.keys import JobChannel
-    from hypergrid.control.plane import control_plane
-    from hypergrid.control.rounds import RecoveryRound
+def _board(channel, plane, rank: int, world: int, nodes_of: int):
+    """The job's board as this rank's recovery reads it: heard through its heartbeat's monitor
+    (``nodes_of`` ranks per node, a delegate each), or looked at in the store (0)."""
+    from hypergrid.liveness.heartbeat import start_heartbeat
+    from hypergrid.liveness.monitor import JobSpec
+    from hypergrid.liveness.ring import as_runs
+    from hypergrid.recovery.round import board_view
+
+    board = board_view(channel, plane)
+    if nodes_of:
+        beat = start_heartbeat(0.5, progress_timeout_s=60.0)
+        beat.attach(JobSpec(channel, tuple(as_runs(range(world))), nodes_of))
+        board.hear_from(beat)
+    return board
+
+
+def _agree(rank: int, world: int, nodes_of: int = 0) -> tuple:
     from hypergrid.errors import ExcludedByRecovery
-    from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind
+    from hypergrid.liveness.plane import control_plane
+    from hypergrid.recovery.round import RecoveryRound
+    from hypergrid.store.keys import JobChannel
+    from hypergrid.store.records import Arrival, BoardEvent, EventKind
 
     plane = control_plane()
     channel = JobChannel.of(range(world), 0, plane.namespace)
+    board = _board(channel, plane, rank, world, nodes_of)
+    time.sleep(1.0)  # every monitor has attached: none starts reading the board past the loss
     if rank == 2:  # its monitor would say so: its process ended (it still arrives, late, to learn it)
-        publish(channel, plane, BoardEvent(EventKind.LOST, 2, "its process ended", by=2))
+        board.publish_event(BoardEvent(EventKind.LOST, 2, "its process ended", by=2))
     if rank in (2, 3):
         time.sleep(6)  # rank 3 is alive, but does not come within the bound: it hangs
     rnd = RecoveryRound.open(channel, plane, time.monotonic() + 20)
     try:
-        verdict = rnd.agree(range(world), Arrival(rank), bound_s=2.0, board=LossView(channel, plane),
-                            node=Node.of(rank, node_size) if node_size else None)
+        verdict = rnd.agree(range(world), Arrival(rank), bound_s=2.0, board=board, settings=RecoverySettings())
     except ExcludedByRecovery as exc:
         return ("excluded", str(exc))
     return ("failed", verdict.failed)
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("node_size", [0, 2, 4], ids=["each-alone", "nodes-of-2", "one-node"])
-def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out(node_size):
-    # With nodes, the ranks of a node that wait for the verdict read it from the store once.
-    results = run_gloo(_agree, 4, node_size, timeout=90)
-    assert results[:2] == [("failed", (2, 3))] * 2, results
+@pytest.mark.parametrize("nodes_of", [0, 2, 4], ids=["store-waits", "heard-nodes-of-2", "heard-one-node"])
+def test_survivors_agree_on_who_is_gone_and_a_late_rank_learns_it_was_counted_out(nodes_of):
+    # Heard: the verdict reaches the participants through their monitors (one wait on the board per node).
+    results = run_gloo(_agree, 4, nodes_of, timeout=90)
+    assert [r[:2] for r in results[:2]] == [("failed", (2, 3))] * 2, results
     for rank, why in ((2, "its process ended before it arrived"), (3, "it hangs")):
         assert results[rank][0] == "excluded" and "itself among them" in results[rank][1], results[rank]
         assert why in results[rank][1], results[rank]
 
 
-def _contenders_die(rank: int, world: int, node_size: int = 0) -> tuple:
-    from hypergrid.control.board import LossView, publish
-    from hypergrid.control.keys import JobChannel
-    from hypergrid.control.plane import control_plane
-    from hypergrid.control.rounds import RecoveryRound
-    from hypergrid.runtime.wire import Arrival, BoardEvent, EventKind, encode
+def _contenders_die(rank: int, world: int, nodes_of: int = 0) -> tuple:
+    from hypergrid.liveness.plane import control_plane
+    from hypergrid.recovery.round import RecoveryRound
+    from hypergrid.store import meeting
+    from hypergrid.store.keys import JobChannel
+    from hypergrid.store.records import Arrival, BoardEvent, EventKind, encode
 
     plane = control_plane()
     channel = JobChannel.of(range(world), 0, plane.namespace)
+    board = _board(channel, plane, rank, world, nodes_of)
+    time.sleep(1.0)
     rnd = RecoveryRound.open(channel, plane, time.monotonic() + 40)
     if rank < 3:  # the round's first three arrivals, each dying on its way in before it claims the lead
-        rnd.store.append(rnd.key("here"), encode(Arrival(rank)) + "\n")
-        rnd.store.add(rnd.key("count"), 1)
-        publish(channel, plane, BoardEvent(EventKind.LOST, rank, "its process ended", by=rank))
+        meeting.arrive(rnd.store, rnd.keys.arrivals, world, encode(Arrival(rank)))
+        board.publish_event(BoardEvent(EventKind.LOST, rank, "its process ended", by=rank))
         return ("died",)
     time.sleep(2.0)  # the others come after them: none of them is a contender
-    verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=LossView(channel, plane),
-                        node=Node.of(rank, node_size) if node_size else None)
-    return ("failed", verdict.failed, rnd.store.get(rnd.key("leader")).decode())
+    settings = RecoverySettings(leader_quiet_s=1.0, outcome_fallback_s=1.0)
+    verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=board, settings=settings)
+    return ("failed", verdict.failed, rnd.store.get(rnd.keys.leader).decode())
 
 
 @pytest.mark.gloo
-@pytest.mark.parametrize("node_size", [0, 6], ids=["each-alone", "one-node"])
-def test_a_round_whose_first_arrivals_died_before_leading_is_decided_by_one_that_takes_over(node_size):
-    # On one node, the node's reader of the verdict is the one that looks at the leader's beat and
-    # takes over; its followers then elect another reader, which hands them the verdict.
-    results = run_gloo(_contenders_die, 6, node_size, timeout=90)
+@pytest.mark.parametrize("nodes_of", [0, 6], ids=["store-waits", "heard-one-node"])
+def test_a_round_whose_first_arrivals_died_before_leading_is_decided_by_one_that_takes_over(nodes_of):
+    # Nobody said who leads: after the quiet time one of the others takes the lead.
+    results = run_gloo(_contenders_die, 6, nodes_of, timeout=90)
     assert results[:3] == [("died",)] * 3, results
     leaders = {r[2] for r in results[3:]}
     assert [r[:2] for r in results[3:]] == [("failed", (0, 1, 2))] * 3 and len(leaders) == 1, results
     assert int(leaders.pop()) in (3, 4, 5), results
+
+
+def _leader_dies(rank: int, world: int, nodes_of: int) -> tuple:
+    """Rank 0 leads the round and dies before it decides; its loss is on the board at once."""
+    from hypergrid.liveness.plane import control_plane
+    from hypergrid.recovery.round import RecoveryRound
+    from hypergrid.store import meeting
+    from hypergrid.store.keys import JobChannel
+    from hypergrid.store.records import Arrival, BoardEvent, EventKind, encode
+
+    plane = control_plane()
+    channel = JobChannel.of(range(world), 0, plane.namespace)
+    board = _board(channel, plane, rank, world, nodes_of)
+    time.sleep(1.0)
+    rnd = RecoveryRound.open(channel, plane, time.monotonic() + 40)
+    if rank == 0:
+        meeting.arrive(rnd.store, rnd.keys.arrivals, world, encode(Arrival(rank)))
+        rnd.store.compare_set(rnd.keys.leader, "", "0")
+        board.publish_event(BoardEvent(EventKind.ROUND, 0, "recover", number=rnd.number, by=0, value="0"))
+        time.sleep(1.0)
+        board.publish_event(BoardEvent(EventKind.LOST, 0, "its process ended", by=0))
+        return ("died",)
+    time.sleep(0.5)  # after the leader: none of the others leads
+    # The quiet times outlast the round's deadline: only the loss heard can hand the lead on in time.
+    rnd.store.deadline = time.monotonic() + 20.0
+    settings = RecoverySettings(leader_quiet_s=60.0, outcome_fallback_s=60.0)
+    verdict = rnd.agree(range(world), Arrival(rank), bound_s=60.0, board=board, settings=settings)
+    return ("failed", verdict.failed, verdict.decided_by)
+
+
+@pytest.mark.gloo
+def test_a_leader_heard_lost_is_replaced_at_once_not_after_a_quiet_time():
+    results = run_gloo(_leader_dies, 4, 2, timeout=90)
+    assert results[0] == ("died",), results
+    assert [r[:2] for r in results[1:]] == [("failed", (0,))] * 3, results
+    assert len({r[2] for r in results[1:]}) == 1 and results[1][2] in (1, 2, 3), results
 
 
 def _spares_released(rank: int, world: int) -> tuple:
@@ -229,7 +281,7 @@ def test_spares_return_once_the_job_releases_them():
 
 
 def _broken(rank: int, world: int) -> list:
-    from hypergrid.runtime.health import broken_groups
+    from hypergrid.recovery.health import broken_groups
 
     pair = dist.new_group([0, 1], timeout=timedelta(seconds=2))
     fine = dist.new_group([0, 1], timeout=timedelta(seconds=30))
@@ -261,7 +313,7 @@ def test_a_device_mesh_of_the_recovered_grid_answers_for_the_new_placement(rank)
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
         for dims in ("tp", "dp", "pp"):
             grid.create_pg(dims)
-        after = ResilientJob.of_grid(grid, spares=[8, 9]).recover(failed=[5], gpus_per_node=2)
+        after = ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2)).recover(failed=[5])
         mesh = device_mesh(after.state, device_type="cpu")
         assert mesh.mesh_dim_names == ("pp", "dp", "tp")
         assert mesh.get_group("tp") is after.state.get_pg("tp")
@@ -303,6 +355,6 @@ def test_a_grid_made_in_megatrons_enumerate_pattern_is_rebuilt_among_members():
     with fake_world(4, 10):
         grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"], strategy="enumerate")
         grid.create_pg("dp")
-        after = ResilientJob.of_grid(grid, spares=[8, 9]).recover(failed=[5], gpus_per_node=2)
+        after = ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2)).recover(failed=[5])
         assert after.state.strategy == "auto" and after.state.ranks("dp") == [4, 6]
         after.state.destroy()

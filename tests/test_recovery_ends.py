@@ -39,8 +39,8 @@ def _die() -> None:
 
 def _doom_the_spare(where: str) -> None:
     """Make this rank (spare 4) die at ``where`` of the recovery that chose it."""
-    import hypergrid.control.rounds as rounds
     import hypergrid.recovery.rebuild as rebuild
+    import hypergrid.recovery.round as rounds
     import hypergrid.runtime.create as create
 
     if where == "verdict":
@@ -74,7 +74,7 @@ def _doom_the_spare(where: str) -> None:
 
 def _spare_dies(rank: int, world: int, where: str) -> dict:
     import hypergrid
-    from hypergrid import HyperCommGrid, ResilientJob
+    from hypergrid import HyperCommGrid, RecoverySettings, ResilientJob
     from hypergrid.errors import RecoveryError
 
     hypergrid.start_heartbeat(interval_s=0.5)
@@ -82,7 +82,7 @@ def _spare_dies(rank: int, world: int, where: str) -> dict:
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
-    job = ResilientJob.of_grid(grid, spares=[4, 5], timeout=RECOVERY, gpus_per_node=1)
+    job = ResilientJob.of_grid(grid, spares=[4, 5], timeout=RECOVERY, settings=RecoverySettings(gpus_per_node=1))
     if rank == 4:
         _doom_the_spare(where)
     out: dict[str, Any] = {"errors": []}
@@ -141,7 +141,7 @@ def test_the_spare_chosen_dies_and_the_survivors_end_on_the_other_spare(where):
 
 def _offer_not_taken(rank: int, world: int) -> dict:
     import hypergrid
-    from hypergrid import HyperCommGrid, ResilientJob
+    from hypergrid import HyperCommGrid, RecoverySettings, ResilientJob
     from hypergrid.errors import ExcludedByRecovery
 
     store = job_store()
@@ -150,7 +150,7 @@ def _offer_not_taken(rank: int, world: int) -> dict:
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
-    job = ResilientJob.of_grid(grid, timeout=RECOVERY, gpus_per_node=2)
+    job = ResilientJob.of_grid(grid, timeout=RECOVERY, settings=RecoverySettings(gpus_per_node=2))
     if rank == 0:
         threading.Thread(target=_freeze, args=(job_store(), 3), daemon=True).start()
     step = 0

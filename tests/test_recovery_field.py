@@ -62,7 +62,7 @@ def _die(store: dist.TCPStore) -> None:
 
 def _field_job(rank: int, world: int, victim: int, during: Optional[int]) -> dict:
     import hypergrid
-    from hypergrid import HyperCommGrid, ResilientJob
+    from hypergrid import HyperCommGrid, RecoverySettings, ResilientJob
 
     store = job_store()
     hypergrid.start_heartbeat(interval_s=0.5)
@@ -71,19 +71,19 @@ def _field_job(rank: int, world: int, victim: int, during: Optional[int]) -> dic
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
     before = {dims: grid.get_pg(dims) for dims in ("tp", "dp")}
-    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY)
+    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY, settings=RecoverySettings(gpus_per_node=2))
     if during is not None and rank == during:
-        from hypergrid.control import rounds
-        from hypergrid.runtime.wire import Arrival, encode
+        from hypergrid.recovery import round as rounds
+        from hypergrid.store import meeting
+        from hypergrid.store.records import Arrival, encode
 
         def arrive_and_die(self: Any, domain: Any, arrival: Any, **kwargs: Any) -> Any:
-            self.store.append(self.key("here"), encode(Arrival(rank)) + "\n")  # it arrived, then its node went
-            self.store.add(self.key("count"), 1)
+            meeting.arrive(self.store, self.keys.arrivals, len(domain), encode(Arrival(rank)))  # then its node went
             _die(store)
 
         rounds.RecoveryRound.agree = arrive_and_die
     if not job.in_grid:
-        job = job.wait_as_spare(timeout=timedelta(seconds=90), gpus_per_node=2)
+        job = job.wait_as_spare(timeout=timedelta(seconds=90))
         if not job.in_grid:
             return {"role": "unused spare"}
         return _report(job, rank, store, kept=None)
@@ -95,7 +95,7 @@ def _field_job(rank: int, world: int, victim: int, during: Optional[int]) -> dic
             _step(job.state)
             step += 1
         except RuntimeError:  # a peer is gone: the docs' loop
-            job = hypergrid.recover(job, gpus_per_node=2, step=step)
+            job = hypergrid.recover(job, step=step)
             break
     kept = {dims: job.state.get_pg(dims) is before[dims] for dims in ("tp", "dp")} if job.in_grid else None
     return _report(job, rank, store, kept)

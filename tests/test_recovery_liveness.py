@@ -69,7 +69,7 @@ def _sums(grid: Any, rank: int) -> dict:
 
 def _liveness_job(rank: int, world: int, scenario: Scenario) -> dict:
     import hypergrid
-    from hypergrid import HyperCommGrid, ResilientJob
+    from hypergrid import HyperCommGrid, RecoverySettings, ResilientJob
     from hypergrid.errors import ExcludedByRecovery
 
     store = job_store()
@@ -79,12 +79,12 @@ def _liveness_job(rank: int, world: int, scenario: Scenario) -> dict:
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
-    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY)
+    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY, settings=RecoverySettings(gpus_per_node=2))
     if rank == 0 and scenario.frozen is not None:
         threading.Thread(target=_freezer, args=(store, scenario), daemon=True).start()
     plans: list[str] = []
     if not job.in_grid:
-        job = job.wait_as_spare(timeout=timedelta(seconds=120), gpus_per_node=2)
+        job = job.wait_as_spare(timeout=timedelta(seconds=120))
         if not job.in_grid:
             return {"role": "unused spare"}
         plans.append(job.last.describe())
@@ -106,7 +106,7 @@ def _liveness_job(rank: int, world: int, scenario: Scenario) -> dict:
             logging.getLogger(__name__).info("rank %d, step %d, %s %s: %s", rank, step, current,
                                              dist.get_process_group_ranks(job.state.get_pg(current)), error)
             try:
-                job = hypergrid.recover(job, gpus_per_node=2, step=step)
+                job = hypergrid.recover(job, step=step)
             except ExcludedByRecovery as exc:
                 return {"role": "excluded", "why": str(exc)}
             plans.append(job.last.describe())

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, ResilientJob, recover
+from hypergrid.recovery.settings import RecoverySettings
 from tests.harness import fake_world, run_gloo
 
 WORLD, SPARES = 6, [4, 5]
@@ -47,7 +48,7 @@ def _job(world: int) -> Any:
     grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=world)
     for dims in ("tp", "dp"):
         grid.create_pg(dims)
-    return ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY)
+    return ResilientJob.of_grid(grid, spares=SPARES, timeout=RECOVERY, settings=RecoverySettings(gpus_per_node=2))
 
 
 def _step(job: Any) -> None:
@@ -63,7 +64,7 @@ def _cpu_s() -> float:
 def _spare(job: Any) -> dict:
     """A spare's life: wait, take part in rounds, and say how it ended and what its wait cost."""
     started, cpu = time.monotonic(), _cpu_s()
-    job = job.wait_as_spare(timeout=timedelta(seconds=120), gpus_per_node=2)
+    job = job.wait_as_spare(timeout=timedelta(seconds=120))
     out = {"in_grid": job.in_grid, "waited_s": time.monotonic() - started, "cpu_s": _cpu_s() - cpu,
            "generation": job.generation}
     if job.in_grid:
@@ -87,12 +88,12 @@ def _rank_3_dies(job: Any, rank: int, *, settle_s: float = 0.5, retry: bool = Fa
         _step(job)
     except RuntimeError:
         try:
-            job = recover(job, gpus_per_node=2)
+            job = recover(job)
         except RecoveryError as exc:
             if not retry:
                 raise
             first = type(exc).__name__
-            job = recover(job, gpus_per_node=2)
+            job = recover(job)
     _step(job)
     job.release_spares()
     out = {"ranks": list(job.layout.ranks), "plan": job.last.describe()}
@@ -105,7 +106,7 @@ def _nobody_then_a_death(rank: int, world: int) -> dict:
     if not job.in_grid:
         return _spare(job)
     _step(job)
-    job = recover(job, gpus_per_node=2, step=1)  # every grid rank at once, nobody failed
+    job = recover(job, step=1)  # every grid rank at once, nobody failed
     repaired = (job.last, list(job.layout.ranks), job.generation, job.step)
     _step(job)
     try:
@@ -114,7 +115,7 @@ def _nobody_then_a_death(rank: int, world: int) -> dict:
         time.sleep(1.0)
         _step(job)
     except RuntimeError:
-        job = recover(job, gpus_per_node=2, step=2)
+        job = recover(job, step=2)
     _step(job)
     time.sleep(2.0)  # the unused spare waits a while longer: what its wait costs is measured
     job.release_spares()
@@ -142,7 +143,7 @@ def test_a_round_where_nobody_failed_ends_and_a_later_death_is_recovered():
 def _spare_dies_when_used(rank: int, world: int) -> dict:
     job = _job(world)
     if rank == 4:
-        from hypergrid.recovery import rounds
+        from hypergrid.recovery import driver as rounds
 
         original = rounds.attempt
 
@@ -173,7 +174,7 @@ def test_the_spare_a_plan_uses_dies_and_the_same_call_recovers_onto_the_other():
 def _fail_then_retry(rank: int, world: int) -> dict:
     job = _job(world)
     if rank == 1:
-        from hypergrid.recovery import rounds
+        from hypergrid.recovery import driver as rounds
 
         original, calls = rounds.build, []
 
@@ -233,15 +234,15 @@ def test_a_second_job_on_the_same_ranks_has_spares_of_its_own():
 # ---------------------------------------------------------------------- the board's history
 class BoardRequests:
     """This process's store requests on ``channel``'s board (its entries and its count), counted by
-    wrapping :class:`~hypergrid.runtime.store.StoreClient`'s calls, through which a rank reads and
+    wrapping :class:`~hypergrid.store.client.StoreClient`'s calls, through which a rank reads and
     writes the board (its monitor, a process of its own, is not counted)."""
 
     CALLS = ("get", "get_within", "check", "wait", "set", "add", "compare_set")
 
     def __init__(self, channel: Any) -> None:
-        from hypergrid.runtime.store import StoreClient
+        from hypergrid.store.client import StoreClient
 
-        self.prefix = channel.events()[:-1]  # ".../event": the entries ("event/<k>") and the count ("events")
+        self.prefix = channel.board_count()[:-1]  # ".../event": the entries ("event/<k>") and the count ("events")
         self.count = 0
         for name in self.CALLS:
             setattr(StoreClient, name, self._counted(getattr(StoreClient, name)))
@@ -262,19 +263,19 @@ def _job_on(world: int, *, grid: list[int], spares: list[int]) -> Any:
     hypergrid.start_heartbeat(interval_s=0.5)
     made = HyperCommGrid(grid, ["dp"], world_size=world)
     made.create_pg("dp")
-    return ResilientJob.of_grid(made, spares=spares, timeout=RECOVERY)
+    return ResilientJob.of_grid(made, spares=spares, timeout=RECOVERY, settings=RecoverySettings(gpus_per_node=2))
 
 
 def _earlier_losses(job: Any, ranks: range) -> None:
     """Publish the losses of ``ranks`` on the job's board, one entry each, as monitors did in the
     job's earlier life (ranks the job no longer counts on)."""
-    from hypergrid.control.board import publish
-    from hypergrid.control.plane import control_plane
-    from hypergrid.runtime.wire import BoardEvent, EventKind
+    from hypergrid.liveness.plane import control_plane
+    from hypergrid.recovery.round import board_view
+    from hypergrid.store.records import BoardEvent, EventKind
 
-    plane = control_plane()
+    board = board_view(job.channel, control_plane())
     for r in ranks:
-        publish(job.channel, plane, BoardEvent(EventKind.LOST, r, "its process ended", by=r))
+        board.publish_event(BoardEvent(EventKind.LOST, r, "its process ended", by=r))
 
 
 EARLIER = 200
@@ -302,7 +303,7 @@ def _board_requests_per_recovery(rank: int, world: int) -> list[int]:
         if n == 1 and rank == 0:
             _earlier_losses(job, range(100, 100 + EARLIER))  # after the last commit: the next recovery reads them
         before = requests.count
-        job = recover(job, gpus_per_node=2, step=n)
+        job = recover(job, step=n)
         counts.append(requests.count - before)
     job.release_spares()
     return counts
@@ -327,10 +328,10 @@ def _lost_since_the_last_commit(rank: int, world: int) -> dict:
     board. A recovery in which nobody failed commits, while spare 3 dies once it has the verdict;
     then rank 1 dies. Rank 0 recovers once both losses are on the board: each participant's view
     of the board in that round, and its verdict."""
-    from hypergrid.control import rounds as control_rounds
-    from hypergrid.control.board import LossView
-    from hypergrid.control.plane import control_plane
-    from hypergrid.recovery import rounds
+    from hypergrid.liveness.plane import control_plane
+    from hypergrid.recovery import driver as rounds
+    from hypergrid.recovery import round as control_rounds
+    from hypergrid.recovery.round import board_view
 
     job = _job_on(world, grid=[2], spares=[2, 3])
     if rank == 0:
@@ -355,15 +356,15 @@ def _lost_since_the_last_commit(rank: int, world: int) -> dict:
 
         rounds.attempt = dying
     if not job.in_grid:
-        job = job.wait_as_spare(timeout=timedelta(seconds=90), gpus_per_node=2)
+        job = job.wait_as_spare(timeout=timedelta(seconds=90))
         return {"seen": seen, "ranks": list(job.layout.ranks)}
-    job = recover(job, gpus_per_node=2, step=1)  # nobody failed: it commits
+    job = recover(job, step=1)  # nobody failed: it commits
     if rank == 1:
         os.kill(os.getpid(), signal.SIGKILL)
-    board, until = LossView(job.channel, control_plane()), time.monotonic() + 60
+    board, until = board_view(job.channel, control_plane()), time.monotonic() + 60
     while board.lost_among([1, 3]) != [1, 3] and time.monotonic() < until:
         time.sleep(0.1)
-    job = recover(job, gpus_per_node=2, step=2)
+    job = recover(job, step=2)
     job.release_spares()
     return {"seen": seen, "ranks": list(job.layout.ranks), "plan": job.last.describe()}
 
@@ -391,7 +392,7 @@ def test_losses_after_the_last_round_s_verdict_are_seen_by_every_participant_of_
 def _grid_job(world: int = 10) -> ResilientJob:
     grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
     grid.create_pg("tp")
-    return ResilientJob.of_grid(grid, spares=[8, 9])
+    return ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2))
 
 
 @pytest.mark.parametrize("failed, error, words", [
@@ -407,7 +408,7 @@ def test_a_failed_set_that_is_not_ranks_of_the_job_is_refused_naming_it(failed, 
     with fake_world(0, 10):
         job = _grid_job()
         with pytest.raises(error) as caught:
-            job.recover(failed=failed, gpus_per_node=2)
+            job.recover(failed=failed)
         assert words in str(caught.value)
         job.state.destroy()
 
@@ -422,7 +423,7 @@ def test_a_bad_timeout_or_step_is_refused_naming_it(kwargs, error, words):
     with fake_world(0, 10):
         job = _grid_job()
         with pytest.raises(error, match=words.replace("(", "\\(").replace(")", "\\)")):
-            job.recover(failed=[5], gpus_per_node=2, **kwargs)
+            job.recover(failed=[5], **kwargs)
         job.state.destroy()
 
 

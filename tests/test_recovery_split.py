@@ -29,6 +29,7 @@ import pytest
 import torch.distributed as dist
 
 from hypergrid import HyperCommGrid, ResilientJob
+from hypergrid.recovery.settings import RecoverySettings
 from hypergrid.runtime.modes import CreationMode, creation_mode, job_setup
 from hypergrid.runtime.torch_compat import Unsplit, unsplit_mechanism
 from tests import test_split_strategy as split_world
@@ -85,7 +86,7 @@ def splitting_world(rank: int, world: int, monkeypatch: pytest.MonkeyPatch) -> I
 def _grid_job(spares: list[int], **options: Any) -> tuple[Any, dict]:
     grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
     before = {dims: grid.create_pg(dims, **options) for dims in ("tp", "dp", "pp")}
-    return ResilientJob.of_grid(grid, spares=spares), before
+    return ResilientJob.of_grid(grid, spares=spares, settings=RecoverySettings(gpus_per_node=2)), before
 
 
 def _check_recovered(job: Any, after: Any, before: dict, watch: Watch, rank: int) -> None:
@@ -108,7 +109,7 @@ def test_a_replacement_on_a_world_that_splits_makes_no_call_that_needs_a_lost_ra
     with splitting_world(rank, 10, monkeypatch) as watch:
         job, before = _grid_job(spares=[8, 9])
         watch.clear()
-        after = job.recover(failed=[5], gpus_per_node=2)
+        after = job.recover(failed=[5])
         assert list(after.layout.ranks) == [0, 1, 2, 3, 4, 8, 6, 7]
         # The changed groups, made among their members: rank 5's tp peer (rank 4) makes its tp
         # group again, the spare its three; the others nothing.
@@ -164,12 +165,12 @@ def test_a_megatron_job_with_spares_on_a_world_that_splits_makes_its_groups_amon
 
     sizes = dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, create_gloo_process_groups=False)
     with splitting_world(rank, 10, monkeypatch) as watch:
-        job = ResilientJob.of_megatron(spares=[8, 9], **sizes)
+        job = ResilientJob.of_megatron(spares=[8, 9], settings=RecoverySettings(gpus_per_node=2), **sizes)
         # The spares make no group, so none may be split off the world's, from the start.
         assert watch.needing_the_world() == [], watch.needing_the_world()
         tp = ps.get_tensor_model_parallel_group() if job.in_grid else None
         watch.clear()
-        after = job.recover(failed=[4], gpus_per_node=2)
+        after = job.recover(failed=[4])
         assert watch.needing_the_world() == [], watch.needing_the_world()
         assert list(after.layout.ranks) == [0, 1, 2, 3, 8, 5, 6, 7]
         if rank == 1:
@@ -190,9 +191,9 @@ def test_one_rank_of_a_huge_world_that_splits_recovers_with_no_world_wide_call(w
         with splitting_world(rank, world, monkeypatch) as watch:
             grid = HyperCommGrid([8, 2, grid_size // 128, 8], ["tp", "cp", "dp", "pp"])
             before = {dims: grid.create_pg(dims) for dims in ("tp", "cp", "pp")}
-            job = ResilientJob.of_grid(grid, spares=spares)
+            job = ResilientJob.of_grid(grid, spares=spares, settings=RecoverySettings(gpus_per_node=node))
             watch.clear()
-            after = job.recover(failed=list(range(node, 2 * node)), gpus_per_node=node)
+            after = job.recover(failed=list(range(node, 2 * node)))
             assert watch.needing_the_world() == [], watch.needing_the_world()
             assert after.last.describe().startswith("replace: rank 8 -> " + str(grid_size))
             if rank == 0:

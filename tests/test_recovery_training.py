@@ -150,20 +150,20 @@ def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: i
     import hypergrid
 
     hypergrid.start_heartbeat(interval_s=0.5)
-    job = hypergrid.ResilientJob.of_megatron(spares=spares, **SIZES)
+    job = hypergrid.ResilientJob.of_megatron(spares=spares, settings=hypergrid.RecoverySettings(gpus_per_node=2), **SIZES)
     params: list[torch.Tensor] = []
     if job.in_grid:
         params = _initial_shard(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
     else:
         # Longer than the whole test may run: an unused spare returns because the job released it.
-        job = job.wait_as_spare(timeout=timedelta(hours=1), recovery_timeout=RECOVERY, gpus_per_node=2)
+        job = job.wait_as_spare(timeout=timedelta(hours=1), recovery_timeout=RECOVERY)
         if not job.in_grid:
             return {"role": "unused spare"}
         params = [torch.zeros(DIM, HIDDEN // TP), torch.zeros(HIDDEN // TP, DIM)]
         _copy_from_peer(job, params)
         return _train_on(job, params, KILL_STEP, rank, recovered_at=time.monotonic())
     if second_victim is not None and rank == second_victim:
-        import hypergrid.recovery.rounds as recovery_job
+        import hypergrid.recovery.driver as recovery_job
 
         original = recovery_job.plan_recovery
 
@@ -185,7 +185,7 @@ def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: i
         except Exception as exc:  # a peer is gone: recover in-process
             failed_at = time.monotonic()
             try:
-                job = hypergrid.recover(job, timeout=RECOVERY, gpus_per_node=2)
+                job = hypergrid.recover(job, timeout=RECOVERY)
             except Exception as error:
                 job.release_spares()  # the job gives up: spares still waiting need not wait on
                 return {"role": "survivor", "recovery_error": type(error).__name__, "message": str(error)[:300],
@@ -220,7 +220,7 @@ def _fresh(rank: int, world: int, ranks: list[int], start: int, states: dict) ->
     """A job started on ``ranks`` (a recovered placement) from the parameters each position had."""
     import hypergrid
 
-    job = hypergrid.ResilientJob.of_megatron(ranks=ranks, **SIZES)
+    job = hypergrid.ResilientJob.of_megatron(ranks=ranks, settings=hypergrid.RecoverySettings(gpus_per_node=2), **SIZES)
     if not job.in_grid:
         return {}
     params = [torch.tensor(values) for values in states[_position(job, rank)]]

@@ -146,7 +146,7 @@ def _job_store_host_dies(rank: int, world_size: int) -> tuple:
     """The store the agreement uses is hosted by rank 0 (as with init_method 'env://'); rank 0 dies."""
     import os
 
-    import hypergrid.runtime.store as agreement
+    import hypergrid.runtime.environment as agreement
     from hypergrid import HyperCommGrid
 
     job_store = agreement.default_store()

@@ -317,7 +317,7 @@ def _frozen_store_host(rank: int, world: int) -> tuple:
     import signal
     import subprocess
 
-    import hypergrid.runtime.store as agreement
+    import hypergrid.runtime.environment as agreement
     from hypergrid import HyperCommGrid
 
     job_store = agreement.default_store()

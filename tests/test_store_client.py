@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch.distributed as dist
 
-from hypergrid.runtime.store import StoreClient
+from hypergrid.store.client import StoreClient
 
 
 @pytest.fixture(params=["hash", "tcp"])

@@ -1,13 +1,15 @@
 """What a world step costs the store while its participants wait, and what ends the wait early.
 
 Inside a recovery, each rank's heartbeat forwards the job's board to the rank's view of it
-(:meth:`hypergrid.control.board.LossView.hear_from`), and a world step's waits then block once on
-their key: a participant lost before it got there is heard, and the key is set to say so, which
-ends every participant's wait alike. The participants are simulated by threads of this process
-over one ``HashStore`` (a one-rank gloo world; each thread is a rank of its own), each through
-:func:`~hypergrid.runtime.world_step.start_step` and :func:`~hypergrid.runtime.world_step.end_step`
-as a rank's rebuild takes them, with its store wrapped to count its requests. The heartbeat is a
-stand-in that hands the view what a monitor would forward.
+(:meth:`hypergrid.liveness.board.BoardView.hear_from`), and a world step's waits then block once:
+a participant lost before it got there is heard, and the outcome is decided to say so, which ends
+every participant's wait alike; a step named by its recovery's round is heard from the board as
+well, at no request of the participants. The participants are simulated by threads of this process
+over one ``HashStore`` (a one-rank gloo world; each thread is a rank of its own, as
+``dist.get_rank`` tells it), each through :func:`~hypergrid.runtime.world_step.world_start` and
+:func:`~hypergrid.runtime.world_step.world_checkpoint` as a rank's rebuild takes them, with its
+store wrapped to count its requests. The heartbeat is a stand-in that hands every view what a
+monitor would forward, the outcomes decided included.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ class _Heartbeat:
     def __init__(self) -> None:
         self.listeners: dict[str, Callable[[Any], None]] = {}
 
-    def listen(self, name: str, callback: Callable[[Any], None]) -> None:
+    def listen(self, name: str, callback: Callable[[Any], None], replay: bool = False) -> None:
         self.listeners[name] = callback
 
     def forward(self, event: Any) -> None:
@@ -44,31 +46,64 @@ class _Heartbeat:
             callback(event)
 
 
+class _Scope:
+    """A participant's recovery scope: its view of the board, whose publications (made in the store,
+    as a rank does) the stand-in heartbeats forward to every participant."""
+
+    def __init__(self, view: Any, step: _Step) -> None:
+        self.view, self.step = view, step
+
+    @property
+    def hearing(self) -> bool:
+        return self.view.hearing
+
+    fallback_s = 10.0
+
+    def lost_among(self, ranks: Any) -> list[int]:
+        return self.view.lost_among(ranks)
+
+    def on_loss(self, ranks: Any, callback: Any) -> Any:
+        return self.view.on_loss(ranks, callback)
+
+    def heard(self, key: str, seconds: float) -> Optional[bytes]:
+        return self.view.heard(key, seconds)
+
+    def publish(self, key: str, value: bytes) -> None:
+        from hypergrid.store.records import BoardEvent, EventKind
+
+        self.view.publish(key, value)
+        for beat in self.step.beats.values():
+            beat.forward(BoardEvent(EventKind.DECIDED, -1, key=key, value=value.decode()))
+
+    def succeeded(self, key: str) -> None:
+        self.step.succeeded.append(key)
+
+
 class _Step:
     """``size`` simulated participants of one world step (ranks 0 ...), each hearing the board."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, size: int, hearing: bool = True,
-                 attempt: Optional[str] = None, timeouts: Optional[dict[int, float]] = None,
-                 node_size: Optional[int] = None) -> None:
-        import hypergrid.runtime.store as store_module
-        from hypergrid.control.board import LossView
-        from hypergrid.control.keys import JobChannel
-        from hypergrid.control.plane import ControlPlane
+                 attempt: Optional[str] = None, timeouts: Optional[dict[int, float]] = None) -> None:
+        import hypergrid.runtime.environment as store_module
+        from hypergrid.liveness.board import BoardView
+        from hypergrid.store.client import StoreClient
+        from hypergrid.store.keys import JobChannel
 
         self.members = tuple(range(size))
-        self.attempt = attempt  # the step is named by the recovery's attempt: no start
+        self.attempt = attempt  # the step is named by the recovery's round: no start, its outcome heard
         self.timeouts = timeouts or {}  # a participant's own timeout, where not TIMEOUT_S
-        self.node_size = node_size  # ranks per node, whose participants read the outcome once (None: each reads it)
         self.counts = {r: {"requests": 0, "keys": 0} for r in self.members}
         self.alarms = {"requests": 0, "keys": 0}  # what the heartbeat's thread asked, for all ranks
         self.outcomes: dict[int, tuple[str, str, float]] = {}
+        self.succeeded: list[str] = []
         self.label = f"recover-{uuid.uuid4()}"
         self._local = threading.local()
         self._stores: dict[Any, _Counted] = {}
         self.real = store_module.default_store()
         self.beats = {r: _Heartbeat() for r in self.members}
         channel = JobChannel(f"test-{uuid.uuid4()}", "job", 0)
-        self.views = {r: LossView(channel, ControlPlane(channel.namespace, self.real, None)) for r in self.members}
+        self.views = {r: BoardView(channel, lambda: StoreClient(time.monotonic() + 5.0, base=self._store()))
+                      for r in self.members}
         if hearing:
             for rank, view in self.views.items():
                 view.hear_from(self.beats[rank])
@@ -81,16 +116,14 @@ class _Step:
             self._stores[rank] = _Counted(self.real, self.counts[rank] if rank is not None else self.alarms)
         return self._stores[rank]
 
-    def take_part(self, rank: int, delay_s: float = 0.0) -> threading.Thread:
-        thread = threading.Thread(target=self._participant, args=(rank, delay_s), daemon=True)
+    def take_part(self, rank: int, delay_s: float = 0.0, end: bool = True) -> threading.Thread:
+        thread = threading.Thread(target=self._participant, args=(rank, delay_s, end), daemon=True)
         thread.start()
         return thread
 
-    def _participant(self, rank: int, delay_s: float) -> None:
-        from hypergrid.runtime.losses import watching
-        from hypergrid.runtime.node_read import Node
-        from hypergrid.runtime.store import StoreClient
-        from hypergrid.runtime.world_step import attempt_step, end_step, start_step
+    def _participant(self, rank: int, delay_s: float, end: bool) -> None:
+        from hypergrid.runtime.scope import watching
+        from hypergrid.runtime.world_step import world_checkpoint, world_start
 
         self._local.rank = rank
         time.sleep(delay_s)
@@ -98,19 +131,17 @@ class _Step:
         seconds = self.timeouts.get(rank, TIMEOUT_S)
         timeout = timedelta(seconds=seconds)
         try:
-            node = Node.of(rank, self.node_size) if self.node_size else None
-            with watching(self.views[rank], started + seconds, node):
-                store = StoreClient(started + seconds)
-                step = (attempt_step(self.label, self.members, self.attempt) if self.attempt is not None
-                        else start_step(store, rank, self.label, self.members, timeout))
-                end_step(store, rank, step, None, timeout)
+            with watching(_Scope(self.views[rank], self), started + seconds):
+                step = world_start(self.label, timeout=timeout, ranks=self.members, attempt=self.attempt)
+                if end:
+                    world_checkpoint(step, None, timeout=timeout)
             self.outcomes[rank] = ("ok", "", time.monotonic() - started)
         except Exception as exc:  # reported to the test
             self.outcomes[rank] = (type(exc).__name__, str(exc), time.monotonic() - started)
 
     def lose(self, rank: int) -> None:
         """The board says ``rank`` was lost: every other participant's heartbeat forwards it."""
-        from hypergrid.runtime.wire import BoardEvent, EventKind
+        from hypergrid.store.records import BoardEvent, EventKind
 
         event = BoardEvent(EventKind.LOST, rank, "its process ended", by=rank)
         for other, beat in self.beats.items():
@@ -182,25 +213,11 @@ def test_a_participant_lost_after_the_start_ends_the_wait_at_the_end(world, monk
     # Every participant started; one is lost before the end. The start, which every participant
     # passed, stands: the end's wait is the one the loss ends.
     step = _Step(monkeypatch, 4)
-    from hypergrid.runtime.world_step import start_step
-
     lost = 3
-    starts: dict[int, Any] = {}
-
-    def start_only(rank: int) -> None:
-        from hypergrid.runtime.losses import watching
-        from hypergrid.runtime.store import StoreClient
-
-        step._local.rank = rank
-        with watching(step.views[rank], time.monotonic() + TIMEOUT_S):
-            starts[rank] = start_step(StoreClient(time.monotonic() + TIMEOUT_S), rank, step.label, step.members,
-                                      timedelta(seconds=TIMEOUT_S))
-
-    lost_thread = threading.Thread(target=start_only, args=(lost,), daemon=True)
-    lost_thread.start()
+    lost_thread = step.take_part(lost, end=False)
     threads = [step.take_part(r) for r in step.members if r != lost]
     lost_thread.join(TIMEOUT_S)
-    assert lost in starts
+    assert step.outcomes[lost][0] == "ok", step.outcomes[lost]
     time.sleep(1.0)  # the others are in the end's wait by now
     step.lose(lost)
     for thread in threads:
@@ -242,45 +259,36 @@ def test_the_first_timeout_ends_the_step_for_every_participant_naming_who_did_no
 
 
 def test_without_a_heartbeat_the_waits_look_at_the_board_once_a_slice(world, monkeypatch):
-    from hypergrid.control.board import publish
-    from hypergrid.runtime.wire import BoardEvent, EventKind
+    from hypergrid.store.records import BoardEvent, EventKind
 
     step = _Step(monkeypatch, 4, hearing=False)
     lost = 2
     threads = [step.take_part(r) for r in step.members if r != lost]
     time.sleep(1.0)
-    view = step.views[0]
-    publish(view.channel, view.plane, BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
+    step.views[0].publish_event(BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
     _every_other_wait_ended_naming(step, lost)
     assert all(step.outcomes[r][2] < 5.0 for r in step.members if r != lost), step.outcomes
 
 
-def test_a_step_named_by_its_recovery_attempt_has_no_start_and_costs_a_few_requests(world, monkeypatch):
+@pytest.mark.parametrize("size", [8, 64])
+def test_a_step_named_by_its_recovery_round_has_no_start_and_its_outcome_is_heard(world, monkeypatch, size):
     # A recovery's participants share its round's name: the step starts at once, and only its end
-    # meets (the last participant 6 s late). Then a second attempt of the same participants: the
-    # first one's keys are gone once it ends.
-    step = _Step(monkeypatch, 8, attempt="ns/job/f00d/0/3")
-    threads = [step.take_part(r) for r in step.members[:-1]] + [step.take_part(step.members[-1], LATE_S)]
+    # meets (the last participant 6 s late). Each participant counts itself in (one request) and
+    # hears the outcome from the board; the last one decides it, publishes it (a board entry:
+    # three requests and the count's read) and makes the round's commit, once.
+    step = _Step(monkeypatch, size, attempt=f"ns/job/{uuid.uuid4()}/0/3")
+    late = step.members[-1]
+    threads = [step.take_part(r) for r in step.members[:-1]] + [step.take_part(late, LATE_S)]
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
     assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
     for rank in step.members:
-        # Its count and one blocking get; the last (the late one) sets the key and cleans up.
-        assert step.counts[rank]["requests"] <= (9 if rank == step.members[-1] else 2), (rank, step.counts[rank])
-    from hypergrid.runtime.world_step import attempt_step
+        assert step.counts[rank]["requests"] <= (8 if rank == late else 1), (rank, step.counts[rank])
+    from hypergrid.runtime.world_step import WorldStep
 
-    first = attempt_step(step.label, step.members, "ns/job/f00d/0/3")
-    assert step.real.check([first.key("go")])
-    step.attempt = "ns/job/f00d/0/4"
-    step.outcomes.clear()
-    threads = [step.take_part(r) for r in step.members]
-    for thread in threads:
-        thread.join(TIMEOUT_S + 15)
-    assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
-    assert not any(step.real.check([first.key(name)]) for name in ("arrived", "who", "go"))
-    assert step.real.check([attempt_step(step.label, step.members, "ns/job/f00d/0/4").key("go")])
+    assert step.succeeded == [WorldStep(step.label, 0, step.members, attempt=step.attempt).end.outcome]
 
 
 def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wait_when_heard_lost(world, monkeypatch):
@@ -296,40 +304,13 @@ def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wai
     _every_other_wait_ended_naming(step, lost)
 
 
-def test_the_participants_of_a_node_count_themselves_and_read_the_step_s_outcome_once(world, monkeypatch):
-    # Two nodes of 8 (threads of this process stand for their processes: the node's writer and
-    # reader are local sockets either way); the last participant 6 s late. Every participant ends
-    # the step; of each node, one (its writer) claims the node's batch, adds it to the count and
-    # deletes its claim, one (its reader) blocks on the store once, telling the others every 2 s
-    # meanwhile that it still waits, and the others make no request at all (each made its count
-    # and its get before).
-    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/1", node_size=8)
-    late = 15
-    threads = [step.take_part(r) for r in step.members if r != late] + [step.take_part(late, LATE_S)]
-    for thread in threads:
-        thread.join(TIMEOUT_S + 15)
-    assert {r: o[0] for r, o in step.outcomes.items()} == {r: "ok" for r in step.members}, step.outcomes
-    for node in (0, 1):
-        ranks = [r for r in step.members if r // 8 == node and r != late]
-        asking = {r: step.counts[r]["requests"] for r in ranks if step.counts[r]["requests"]}
-        # The claim, the count and the claim deleted, then one get for the whole 6 s: not one per
-        # participant, nor per slice.
-        assert sum(asking.values()) == 4 and len(asking) <= 2, {r: step.counts[r] for r in ranks}
-    # The late one writes a batch of its own (its node's writer had let the name go): it is
-    # counted once, or the step would not have ended on every participant.
-    from hypergrid.runtime.world_step import attempt_step
-
-    assert step.real.add(attempt_step(step.label, step.members, step.attempt).key("arrived"), 0) == len(step.members)
-
-
 @pytest.mark.parametrize("hearing", [True, False], ids=["heard", "looked-up"])
-def test_a_loss_while_a_node_reads_the_step_s_outcome_once_ends_every_participant_s_wait(world, monkeypatch, hearing):
-    # Heard: each participant's heartbeat forwards the loss and sets the key. Looked up (no
-    # heartbeat): only each node's reader looks at the board, once a slice, and sets the key.
-    from hypergrid.control.board import publish
-    from hypergrid.runtime.wire import BoardEvent, EventKind
+def test_a_loss_while_an_attempt_s_participants_wait_ends_every_participant_s_wait(world, monkeypatch, hearing):
+    # Heard: each participant's heartbeat forwards the loss and the first decides the outcome, which
+    # the board carries to the others. Looked up (no heartbeat): each looks at the board once a slice.
+    from hypergrid.store.records import BoardEvent, EventKind
 
-    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/2", node_size=8, hearing=hearing)
+    step = _Step(monkeypatch, 16, attempt=f"ns/job/{uuid.uuid4()}/0/2", hearing=hearing)
     lost = 3
     threads = [step.take_part(r) for r in step.members if r != lost]
     time.sleep(1.0)
@@ -337,9 +318,9 @@ def test_a_loss_while_a_node_reads_the_step_s_outcome_once_ends_every_participan
     if hearing:
         step.lose(lost)
     else:
-        view = step.views[0]
-        publish(view.channel, view.plane, BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
+        step.views[0].publish_event(BoardEvent(EventKind.LOST, lost, "its process ended", by=lost))
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
-    assert time.monotonic() - began < 5.0
+    assert time.monotonic() - began < TIMEOUT_S / 2
     _every_other_wait_ended_naming(step, lost)
+    assert step.succeeded == []

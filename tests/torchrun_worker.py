@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 import hypergrid
 from hypergrid import HyperCommGrid, ResilientJob
+from hypergrid.recovery.settings import RecoverySettings
 
 DIMS = ("tp", "dp")
 SHAPE = [2, 2]
@@ -105,7 +106,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     grid = HyperCommGrid(SHAPE, list(DIMS), world_size=world)
     for dims in DIMS:
         grid.create_pg(dims)
-    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=timedelta(seconds=a.recovery_timeout))
+    job = ResilientJob.of_grid(grid, spares=SPARES, timeout=timedelta(seconds=a.recovery_timeout),
+                               settings=RecoverySettings(gpus_per_node=GPUS_PER_NODE))
     _write(a.out / f"started-{rank}.json", {
         "rank": rank, "node": int(os.environ["GROUP_RANK"]), "local_rank": int(os.environ["LOCAL_RANK"]),
         "agent": os.getppid(), "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
@@ -117,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if job.in_grid:
         step = 0
     else:
-        job = job.wait_as_spare(timeout=timedelta(seconds=a.spare_wait), gpus_per_node=GPUS_PER_NODE)
+        job = job.wait_as_spare(timeout=timedelta(seconds=a.spare_wait))
         if not job.in_grid:
             _write(a.out / f"rank-{rank}.json", {"rank": rank, "role": "unused spare"})
             return 0
@@ -135,7 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         except RuntimeError as exc:  # a peer is gone: the docs' loop
             failures.append({"step": step, "error": str(exc).splitlines()[0][:300], "time": time.time()})
             logger.info("step %d failed (%s); recovering", step, failures[-1]["error"])
-            job = hypergrid.recover(job, gpus_per_node=GPUS_PER_NODE, step=step)
+            job = hypergrid.recover(job, step=step)
             failures[-1]["recovered"] = time.time()
             if not job.in_grid:
                 _write(a.out / f"rank-{rank}.json", {"rank": rank, "role": "left", "ranks": list(job.layout.ranks)})

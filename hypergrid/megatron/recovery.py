@@ -93,6 +93,7 @@ def rebuild_megatron(
     check_agreement: bool,
     step_timeout: Optional[timedelta] = None,
     attempt: Optional[str] = None,
+    label: str = "recover",
 ) -> Optional[MegatronGrids]:
     """``parallel_state`` for ``recovery.new``, built by its ``members``; None on other ranks.
 
@@ -102,7 +103,8 @@ def rebuild_megatron(
     Afterwards ``parallel_state`` answers for the new state (empty on a rank outside it, or where
     the build failed). ``step_timeout``: how long the members wait for each other at the start
     and the end (what is left of the recovery's timeout; by default the configuration's);
-    ``attempt``: the recovery round's name, which names the members' world step (it then has no start).
+    ``attempt``: the recovery round's keys, which name the members' world step ``label`` (it then has
+    no start).
 
     Raises:
         RecoveryRefused: Megatron-Core's sizes do not fit the new number of ranks (a shrink that
@@ -125,7 +127,7 @@ def rebuild_megatron(
         return None
     grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
                         check_agreement=check_agreement, timeout=_timeout(new_config),
-                        participants=members, label="recover", step_timeout=step_timeout, attempt=attempt)
+                        participants=members, label=label, step_timeout=step_timeout, attempt=attempt)
     ps._set_global_memory_buffer()
     set_active(grids)
     return grids

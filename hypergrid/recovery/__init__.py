@@ -22,13 +22,15 @@ from collections.abc import Sequence
 from datetime import timedelta
 from typing import Optional
 
-from ..control.abort import register_abortable_backend
-from ..control.heartbeat import start_heartbeat
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
+from ..liveness.heartbeat import start_heartbeat
+from .abort import register_abortable_backend
 from .job import GridRecipe, MegatronRecipe, ResilientJob
+from .settings import RecoverySettings
 
 __all__ = [
     "ResilientJob",
+    "RecoverySettings",
     "GridRecipe",
     "MegatronRecipe",
     "RecoveryKind",
@@ -49,7 +51,7 @@ def recover(
     timeout: Optional[timedelta] = None,
     step: Optional[int] = None,
     gpus_per_node: Optional[int] = None,
-    replica_dim: str = "dp",
+    replica_dim: Optional[str] = None,
 ) -> ResilientJob:
     """The job after a failure, on every surviving rank: :meth:`ResilientJob.recover`.
 
@@ -75,7 +77,7 @@ def recover(
 
 
 def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
-         gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
+         gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
     """The job grown back towards the size it was made with, on every rank of its grid
     (:meth:`ResilientJob.grow`); spares take part from :meth:`ResilientJob.wait_as_spare`.
 

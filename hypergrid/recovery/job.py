@@ -5,7 +5,7 @@ alike: the current placement of the grid, the spares, how to build the job's gro
 Megatron-Core configuration, or a grid's ``create_pg`` calls) and the job's channel in the store.
 After a failure every surviving rank calls :meth:`ResilientJob.recover` (spares wait in
 :meth:`ResilientJob.wait_as_spare`), and the recovery runs in *rounds*
-(:mod:`hypergrid.control.rounds`) until one commits:
+(:mod:`hypergrid.recovery.round`) until one commits:
 
 1. every rank of the job arrives, or is found failed: the job's board says it was lost (its
    process ended, its node stopped beating, or it made no progress for the progress timeout), or
@@ -32,8 +32,8 @@ set is given instead of agreed): tp 2 x dp 2 x pp 2 on ranks 0-7, spares 8 and 9
     >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=10)
     >>> grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
     >>> tp, dp = grid.create_pg("tp"), grid.create_pg("dp")
-    >>> job = ResilientJob.of_grid(grid, spares=[8, 9])
-    >>> after = job.recover(failed=[5], gpus_per_node=2)
+    >>> job = ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2))
+    >>> after = job.recover(failed=[5])
     >>> after.last.describe(), after.state.get_pg("tp") is tp, after.state.ranks("dp")
     ('replace: rank 5 -> 8; 1 spares left', True, [0, 2])
     >>> after.state.destroy(); dist.destroy_process_group()
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -52,48 +51,27 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..control.heartbeat import running_heartbeat, start_heartbeat
-from ..control.keys import JobChannel
-from ..control.plane import control_plane
-from ..control.rounds import offer, open_channel, read_record, release_spares, wait_for_round
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, StoreUnresponsiveError
 from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.checks import as_int, check_timeout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryPlan
+from ..liveness.heartbeat import running_heartbeat, start_heartbeat
+from ..liveness.plane import control_plane
+from ..runtime.environment import agreement_possible
 from ..runtime.modes import job_setup
-from ..runtime.store import agreement_possible
+from ..store.keys import JobChannel
+from ..store.records import JobRecord
+from .driver import attach, detach, recover_known, run_rounds, synced
 from .rebuild import world_grid
 from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
-from .rounds import attach, detach, recover_known, run_rounds, synced
+from .round import offer, open_channel, read_state, release_spares, wait_for_round
+from .settings import RecoverySettings
 
 __all__ = ["ResilientJob", "GridRecipe", "MegatronRecipe", "DEFAULT_TIMEOUT"]
 
 logger = logging.getLogger(__name__)
-
-#: The heartbeat interval a job starts with where none runs yet.
-DEFAULT_HEARTBEAT_S = 1.0
-#: Ranks per node where neither the job nor the launcher (torchrun's LOCAL_WORLD_SIZE) says.
-DEFAULT_GPUS_PER_NODE = 8
-
-
-def node_size(gpus_per_node: Optional[int]) -> int:
-    """Ranks per node: ``gpus_per_node``, else torchrun's ``LOCAL_WORLD_SIZE``, else 8.
-
-    Example::
-
-        >>> node_size(4)
-        4
-    """
-    if gpus_per_node is None:
-        local = os.environ.get("LOCAL_WORLD_SIZE", "")
-        return int(local) if local.isdigit() and int(local) > 0 else DEFAULT_GPUS_PER_NODE
-    number = as_int(gpus_per_node, "gpus_per_node")
-    if number < 1:
-        raise ValueError(f"gpus_per_node must be a positive number of ranks, got {number}")
-    return number
-
 
 @dataclass(frozen=True)
 class ResilientJob:
@@ -123,19 +101,23 @@ class ResilientJob:
     #: The job's ranks (grid and spares) when it was made: what names it in the store.
     origin: tuple[int, ...] = ()
     channel: Optional[JobChannel] = None
-    generation: int = 0
+    #: The job as its latest committed recovery left it (None: none has committed).
+    record: Optional[JobRecord] = None
+    #: The first recovery round this rank has not taken part in (or learnt the end of).
+    next_round: int = 0
     step: Optional[int] = None
     timeout: timedelta = DEFAULT_TIMEOUT
     collective_timeout: Optional[timedelta] = None
     #: The number of replicas along each dim when the job was made (what :meth:`grow` returns to).
     made_shape: tuple[int, ...] = ()
-    #: Ranks per node: a lost node's ranks go to a spare node local rank for local rank, and each
-    #: rank's heartbeat is watched from another node.
-    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    #: How it recovers (node size, replica dim, heartbeat, timings), alike on every rank.
+    settings: RecoverySettings = dataclasses.field(default_factory=RecoverySettings)
     #: The grid whose one group is :attr:`world` for this placement, made when first asked for.
     _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.settings, RecoverySettings):
+            raise TypeError(f"settings must be a RecoverySettings, got {type(self.settings).__name__} {self.settings!r}")
         if not self.origin:
             object.__setattr__(self, "origin", self.domain)
         if not self.made_shape:
@@ -144,13 +126,14 @@ class ResilientJob:
     # ------------------------------------------------------------------ making one
     @classmethod
     def of_grid(cls, grid: HyperCommGrid, *, spares: Sequence[int] = (),
-                timeout: timedelta = DEFAULT_TIMEOUT, gpus_per_node: Optional[int] = None) -> ResilientJob:
+                timeout: timedelta = DEFAULT_TIMEOUT, settings: Optional[RecoverySettings] = None) -> ResilientJob:
         """A job whose groups are ``grid``'s ``create_pg`` calls (those made before this call; a
         recovery repeats them, in order). Call it on every rank of the job, spares included,
         with the same grid and calls (a rank outside the grid gets None from each); the ranks
         meet in the store once, to name the job, and each starts its heartbeat if none runs.
-        ``timeout``: how long :meth:`recover` takes by default. ``gpus_per_node``: ranks per node
-        (default: torchrun's ``LOCAL_WORLD_SIZE``, else 8), the default of :meth:`recover`'s.
+        ``timeout``: how long :meth:`recover` takes by default. ``settings``: how it recovers
+        (:class:`~hypergrid.recovery.RecoverySettings`: ranks per node, by default torchrun's
+        ``LOCAL_WORLD_SIZE``, else 8; the replica dim; the heartbeat; the timings), alike on every rank.
 
         Example::
 
@@ -172,7 +155,7 @@ class ResilientJob:
         # every group (enumerate) cannot be kept once ranks are lost.
         recipe = dataclasses.replace(GridRecipe.of(grid), strategy=rebuild_strategy(grid.strategy))
         job = cls(grid.layout, spare_ranks, recipe, grid, timeout=timeout,
-                  collective_timeout=longest_collective(recipe.longest_timeout()), gpus_per_node=node_size(gpus_per_node))
+                  collective_timeout=longest_collective(recipe.longest_timeout()), settings=_settings(settings))
         return job._started()
 
     @classmethod
@@ -185,7 +168,7 @@ class ResilientJob:
         share_groups: bool = True,
         strategy: Optional[str] = None,
         check_agreement: bool = True,
-        gpus_per_node: Optional[int] = None,
+        settings: Optional[RecoverySettings] = None,
         **megatron_kwargs: Any,
     ) -> ResilientJob:
         """Initialize Megatron-Core's ``parallel_state`` on every rank but ``spares``, as
@@ -238,7 +221,7 @@ class ResilientJob:
         )
         recipe = MegatronRecipe(config, share_groups, resolved, check_agreement)
         job = cls(layout, spare_ranks, recipe, state, timeout=timeout,
-                  collective_timeout=longest_collective(recipe.longest_timeout()), gpus_per_node=node_size(gpus_per_node))
+                  collective_timeout=longest_collective(recipe.longest_timeout()), settings=_settings(settings))
         return job._started()
 
     def _started(self) -> ResilientJob:
@@ -247,9 +230,9 @@ class ResilientJob:
         if not agreement_possible() or not self.counts_on(dist.get_rank()):
             return self  # nobody to recover with, or this rank is not one of the job's
         if running_heartbeat() is None:
-            start_heartbeat(DEFAULT_HEARTBEAT_S)
+            start_heartbeat()  # with its defaults: one started before the job keeps its own
         job = dataclasses.replace(self, channel=open_channel(self.domain, timeout=self.timeout))
-        attach(job)
+        attach(job, first_round=0)
         return job
 
     # ------------------------------------------------------------------ facts
@@ -283,10 +266,10 @@ class ResilientJob:
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
             >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
-            >>> job = ResilientJob.of_grid(grid, spares=[4, 5])
+            >>> job = ResilientJob.of_grid(grid, spares=[4, 5], settings=RecoverySettings(gpus_per_node=2))
             >>> dist.get_process_group_ranks(job.world)
             [0, 1, 2, 3]
-            >>> after = job.recover(failed=[3], gpus_per_node=2)
+            >>> after = job.recover(failed=[3])
             >>> dist.get_process_group_ranks(after.world)
             [0, 1, 2, 4]
             >>> after.destroy(); dist.destroy_process_group()
@@ -306,6 +289,11 @@ class ResilientJob:
             return world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
 
     @property
+    def generation(self) -> int:
+        """How many recoveries of the job have committed (its record's generation)."""
+        return self.record.generation if self.record is not None else 0
+
+    @property
     def in_grid(self) -> bool:
         """Whether this rank holds a position of the grid."""
         return self.layout.contains(dist.get_rank())
@@ -315,9 +303,9 @@ class ResilientJob:
         """The latest recovery (None: none yet)."""
         return self.recoveries[-1] if self.recoveries else None
 
-    def state_source(self, rank: Optional[int] = None, replica_dim: str = "dp") -> Optional[int]:
+    def state_source(self, rank: Optional[int] = None) -> Optional[int]:
         """Where ``rank`` (default: this rank) copies its replica's state from after the latest
-        recovery: the first rank of its ``replica_dim`` group that did not just arrive (a surviving
+        recovery: the first rank of its replica dim's group (the settings') that did not just arrive (a surviving
         data-parallel peer holding the same shard); None where ``rank`` did not just arrive, or no
         peer survived (then the state must come from a checkpoint).
 
@@ -327,8 +315,9 @@ class ResilientJob:
             >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=8, world_size=10)
-            >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"]), spares=[8, 9])
-            >>> after = job.recover(failed=[5], gpus_per_node=2)
+            >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"]), spares=[8, 9],
+            ...                            settings=RecoverySettings(gpus_per_node=2))
+            >>> after = job.recover(failed=[5])
             >>> after.in_grid, after.state_source(), after.state.ranks("dp")
             (True, 7, [8, 7])
             >>> after.state.destroy(); dist.destroy_process_group()
@@ -337,6 +326,7 @@ class ResilientJob:
         arrived = self.arrived()
         if rank not in arrived:
             return None
+        replica_dim = self.settings.replica_dim
         group = self.layout.group_ranks([replica_dim], rank) if replica_dim in self.layout.dim_names else [rank]
         return next((r for r in group if r not in arrived), None)
 
@@ -362,7 +352,7 @@ class ResilientJob:
         timeout: Optional[timedelta] = None,
         step: Optional[int] = None,
         gpus_per_node: Optional[int] = None,
-        replica_dim: str = "dp",
+        replica_dim: Optional[str] = None,
     ) -> ResilientJob:
         """The job after the failure that just happened, on every surviving rank (spares too).
 
@@ -386,16 +376,16 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", self.timeout if timeout is None else timeout)
         step = None if step is None else _nonnegative("step", step)
-        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
+        self.settings.with_call("recover", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         if failed is not None:
-            return recover_known(self, self._failed_arg(failed), timeout, gpus_per_node, replica_dim)
+            return recover_known(self, self._failed_arg(failed), timeout)
         if not agreement_possible() or self.channel is None:
             raise RecoveryError("hypergrid: agreeing on failed ranks needs the job's store (a gloo or NCCL job made "
                                 "with ResilientJob.of_grid or of_megatron, not the fake backend); pass failed= instead")
-        return run_rounds(self, timeout, step, "recover", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+        return run_rounds(self, timeout, step, "recover")
 
     def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
-             gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
+             gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
         """Add replicas of waiting spares back along ``replica_dim``, up to the size the job was
         made with, after a shrink: one call on every rank of the grid, at the same point (say,
         every few hundred steps); the spares take part from :meth:`wait_as_spare`. Unchanged
@@ -411,13 +401,13 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", self.timeout if timeout is None else timeout)
         step = None if step is None else _nonnegative("step", step)
-        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
+        self.settings.with_call("grow", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         if not agreement_possible() or self.channel is None:
             return self
-        return run_rounds(self, timeout, step, "grow", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+        return run_rounds(self, timeout, step, "grow")
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
-                      gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
+                      gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
         """On a spare: wait until a recovery (or a growth) needs this rank, take part in it, and
         return the job once this rank holds a position (or unchanged, still outside, after
         ``timeout`` with no recovery, or once the job releases its spares). Rounds that use other
@@ -432,7 +422,7 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", timeout)
         recovery_timeout = _checked_timeout("recovery_timeout", recovery_timeout or self.timeout)
-        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
+        self.settings.with_call("wait_as_spare", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         job = self
         plane = control_plane()
         if plane is None or job.channel is None:
@@ -440,11 +430,11 @@ class ResilientJob:
         end = time.monotonic() + timeout.total_seconds()
         while not job.in_grid:
             left = end - time.monotonic()
-            if left <= 0 or not wait_for_round(job.channel, plane, timeout=timedelta(seconds=left)):
+            if left <= 0 or not wait_for_round(job.channel, plane, timeout=timedelta(seconds=left),
+                                                  slice_s=job.settings.spare_slice_s, first=job.next_round):
                 return job.as_stored()
             try:
-                job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
-                                 replica_dim=replica_dim)
+                job = run_rounds(job, recovery_timeout, None, "wait")
             except (RecoveryError, RecoveryRefused) as exc:
                 # The survivors failed this recovery too, and retry (or give up, and release the
                 # spares): this rank waits on, as it was.
@@ -452,7 +442,7 @@ class ResilientJob:
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
-              gpus_per_node: Optional[int] = None, replica_dim: str = "dp") -> ResilientJob:
+              gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
         """On a rank the job counted out (it raised :class:`~hypergrid.errors.ExcludedByRecovery`:
         it hung, or froze, and is fit again): offer it to the job as a spare and wait like one
         (:meth:`wait_as_spare`); the next round takes it in (a :meth:`grow` uses it). Returns the
@@ -466,7 +456,7 @@ class ResilientJob:
         """
         timeout = _checked_timeout("timeout", timeout)
         recovery_timeout = _checked_timeout("recovery_timeout", recovery_timeout or self.timeout)
-        gpus_per_node = self.gpus_per_node if gpus_per_node is None else node_size(gpus_per_node)
+        self.settings.with_call("offer", gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         plane = control_plane()
         if plane is None or self.channel is None:
             return self
@@ -474,11 +464,11 @@ class ResilientJob:
         job, channel = self, self.channel
         while time.monotonic() < end:
             offer(channel, plane, rank)
-            if not wait_for_round(channel, plane, timeout=timedelta(seconds=end - time.monotonic())):
+            if not wait_for_round(channel, plane, timeout=timedelta(seconds=end - time.monotonic()),
+                                  slice_s=self.settings.spare_slice_s, first=job.next_round):
                 return job.as_stored()
             try:
-                job = run_rounds(job, recovery_timeout, None, "wait", gpus_per_node=gpus_per_node,
-                                  replica_dim=replica_dim)
+                job = run_rounds(job, recovery_timeout, None, "wait")
             except ExcludedByRecovery:
                 continue  # the job moved on before this offer was seen: offer again, to the job as it is
             except (RecoveryError, RecoveryRefused) as exc:
@@ -486,8 +476,7 @@ class ResilientJob:
                             dist.get_rank(), exc)
                 continue
             left = timedelta(seconds=max(0.001, end - time.monotonic()))
-            return job.wait_as_spare(timeout=left, recovery_timeout=recovery_timeout, gpus_per_node=gpus_per_node,
-                                     replica_dim=replica_dim)
+            return job.wait_as_spare(timeout=left, recovery_timeout=recovery_timeout)
         return job.as_stored()
 
     def as_stored(self) -> ResilientJob:
@@ -505,11 +494,11 @@ class ResilientJob:
         if plane is None or self.channel is None:
             return self
         try:
-            record = read_record(self.channel, plane.client(time.monotonic() + 30.0))
+            state, _ = read_state(self.channel, plane.client(time.monotonic() + 30.0))
         except (dist.DistError, StoreUnresponsiveError) as exc:
             raise RecoveryError(f"hypergrid: could not read the job's committed record: the job's store did not "
                                 f"answer ({exc})") from exc
-        stored = synced(self, record)
+        stored = synced(self, state.committed, state.round)
         if stored is not self and self.state is not None and not stored.in_grid:
             # It held groups of a placement that is gone (it was counted out): they go too.
             self.destroy()
@@ -567,6 +556,12 @@ class ResilientJob:
         return lost
 
 # ---------------------------------------------------------------------- helpers
+def _settings(settings: Optional[RecoverySettings]) -> RecoverySettings:
+    if settings is not None and not isinstance(settings, RecoverySettings):
+        raise TypeError(f"settings must be a RecoverySettings, got {type(settings).__name__} {settings!r}")
+    return settings or RecoverySettings()
+
+
 def _checked_timeout(name: str, value: object) -> timedelta:
     if not isinstance(value, timedelta):
         raise TypeError(f"{name} must be a datetime.timedelta, got {type(value).__name__} {value!r}")

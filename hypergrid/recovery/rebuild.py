@@ -22,35 +22,37 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..control.abort import abort_group, can_abort
-from ..control.board import LossView
-from ..control.ring import from_runs
 from ..errors import RecoveryError, RecoveryRefused
 from ..grid import HyperCommGrid
 from ..layout import GridLayout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryKind, RecoveryPlan
-from ..runtime.health import broken_groups
-from ..runtime.losses import watching
+from ..liveness.ring import from_runs
 from ..runtime.modes import job_setup
-from ..runtime.node_read import Node
 from ..runtime.registry import REGISTRY
+from ..runtime.scope import RecoveryScope, watching
 from ..runtime.torch_compat import TorchCommsSubgroups, Unsplit, unsplit_mechanism
-from ..runtime.wire import FailureVerdict
 from ..runtime.world_step import world_checkpoint, world_start
+from ..store.records import FailureVerdict
+from .abort import abort_group, can_abort
+from .health import broken_groups
 from .recipes import GridRecipe, MegatronRecipe, Recipe
 
-__all__ = ["build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left", "recovery_strategy",
+#: The label of a recovery's rebuild, a world step named by its round: its outcome is the round's end.
+REBUILD_LABEL = "recover"
+
+__all__ = ["REBUILD_LABEL", "build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left", "recovery_strategy",
            "world_grid"]
 
 
-def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, scope: Optional[str],
-          board: Optional[LossView] = None, node: Optional[Node] = None) -> Any:
+def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, *, attempt: Optional[str],
+          scope: Optional[RecoveryScope]) -> Any:
     """This rank's state over ``plan.new``, built with the other ranks of the new placement, for
     ``job``; the state from before is still held (and, for a Megatron job, no longer current).
-    ``scope`` names the probe of the surviving groups (a recovery round's name); ``board``: the
-    job's board, whose losses end every wait for a lost rank at once (None: waits run their course);
-    ``node``: this rank's node, whose ranks read the rebuild's outcome once (None: each on its own).
+    ``attempt`` names the rebuild (a recovery round's keys: its probe of the surviving groups and
+    its world step, :data:`REBUILD_LABEL`, whose outcome is the round's end; None: a recovery every
+    rank knows of, with nobody to agree with); ``scope``: the job's board as the rebuild's waits
+    use it, whose losses end every wait for a lost rank at once (None: waits run their course).
 
     On a world whose communicator new groups are split from (NCCL bound to a device, torch 2.15's
     ``nccl2``), the changed groups are made as communicators of their own among their members
@@ -62,18 +64,19 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
     """
     strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
-    with watching(board, deadline if board is not None else None, node):
+    with watching(scope, deadline if scope is not None else None):
         if dist.get_rank() in members:
-            evict_broken(members, frozenset(from_runs(verdict.aborted_by)), left(deadline), scope)
+            evict_broken(members, frozenset(from_runs(verdict.aborted_by)), left(deadline), attempt,
+                         job.settings.probe_s)
         if isinstance(job.recipe, MegatronRecipe):
             from ..megatron.recovery import rebuild_megatron  # megatron-core is needed only here
 
             recipe = job.recipe
             return rebuild_megatron(recipe.config, plan, members, dist.get_rank(), share_groups=recipe.share_groups,
                                     strategy=strategy, check_agreement=recipe.check_agreement,
-                                    step_timeout=left(deadline), attempt=scope)
+                                    step_timeout=left(deadline), attempt=attempt, label=REBUILD_LABEL)
         return rebuild_grid(dataclasses.replace(job.recipe, strategy=strategy), plan, members, dist.get_rank(),
-                            left(deadline), attempt=scope)
+                            left(deadline), attempt=attempt)
 
 
 def recovery_strategy(strategy: str) -> str:
@@ -141,14 +144,16 @@ def let_go(state: Any, *, keep: Any) -> None:
         state.release()
 
 
-def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: timedelta, scope: Optional[str]) -> None:
+def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: timedelta, attempt: Optional[str],
+                 probe_s: float = 10.0) -> None:
     """Stop sharing the groups of living members that the failure broke (or that a member
     aborted: a rank that aborted, aborted every abortable group it held), so that they are made anew."""
     alive = set(members)
     candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
     aborted = [tuple(dist.get_process_group_ranks(pg)) for pg in candidates
                if can_abort(pg) and not aborted_by.isdisjoint(dist.get_process_group_ranks(pg))]
-    broken = broken_groups(candidates, participants=members, timeout=timeout, scope=scope, known=aborted)
+    broken = broken_groups(candidates, participants=members, timeout=timeout, attempt=attempt, known=aborted,
+                           probe_s=probe_s)
     for pg in candidates:
         if tuple(dist.get_process_group_ranks(pg)) in broken:
             if can_abort(pg):
@@ -159,7 +164,7 @@ def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: time
 def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta,
                  attempt: Optional[str] = None) -> Any:
     """This rank's grid of ``recipe`` on ``plan.new``, made by ``members`` together in one world
-    step (named by ``attempt``, the recovery round's name, where given: it then has no start)."""
+    step (named by ``attempt``, the recovery round's keys, where given: it then has no start)."""
     assert isinstance(recipe, GridRecipe)
     if plan.kind is RecoveryKind.SHRINK and recipe.views:
         raise RecoveryRefused(
@@ -171,7 +176,7 @@ def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: i
                         timeout=recipe.timeout, check_agreement=recipe.check_agreement, rank_map=plan.new.rank_map)
     for name, shape, dims, shared in recipe.views:
         new.register_view(name, list(shape), list(dims), list(shared) or None)
-    step = world_start("recover", timeout=timeout, ranks=members, attempt=attempt) if rank in members else None
+    step = world_start(REBUILD_LABEL, timeout=timeout, ranks=members, attempt=attempt) if rank in members else None
     try:
         for made in recipe.made:
             # The same calls in the same order: an unchanged group is the registry's existing one.

@@ -39,12 +39,12 @@ import torch.distributed as dist
 
 from ..errors import GroupCreationError, GroupTimeoutError, UnsupportedTorchError
 from ..layout.describe import describe_ranks
+from ..store.records import CheckId
 from .agreement import explain_creation_failure
-from .losses import creation_timeout, lost_among
 from .modes import CreationMode
 from .request import GroupRequest
+from .scope import creation_timeout, lost_among
 from .torch_compat import group_name_override, new_group_keeps_order, unsplit
-from .wire import RoundId
 
 __all__ = ["create", "enumerate_before_init", "require_initialized"]
 
@@ -126,11 +126,11 @@ _MODES = {CreationMode.LOCAL: _local, CreationMode.FRESH: _fresh, CreationMode.S
 
 
 def create(request: GroupRequest, *, name: Optional[str], timeout: timedelta,
-           round_id: Optional[RoundId] = None) -> Optional[dist.ProcessGroup]:
+           check_id: Optional[CheckId] = None) -> Optional[dist.ProcessGroup]:
     """This rank's new group for ``request``, made by torch in the request's mode; None where this
     rank is in none (or the non-member sentinel torch gives).
 
-    ``name``: the torch name the group gets, alike on every member (None: torch's own); ``round_id``:
+    ``name``: the torch name the group gets, alike on every member (None: torch's own); ``check_id``:
     the round its members agreed in, for naming those that never report back if torch fails.
     torch's refusal of ``pg_options`` is a TypeError naming the group and the option; any other
     failure a :class:`~hypergrid.errors.GroupCreationError` naming the group and its members.
@@ -148,7 +148,7 @@ def create(request: GroupRequest, *, name: Optional[str], timeout: timedelta,
     except Exception as exc:
         members = request.members
         shown = describe_ranks(members) if members is not None else "none (not a member)"
-        who = explain_creation_failure(request.label, members or (), request.agreement, round_id)
+        who = explain_creation_failure(request.label, members or (), request.agreement, check_id)
         raise GroupCreationError(
             f"creating process group {request.label!r} with members {shown} failed: "
             f"{type(exc).__name__}: {exc}" + (f"; {who}" if who else "")

@@ -23,10 +23,11 @@ import torch.distributed as dist
 
 from ..errors import GridMismatchError, GroupTimeoutError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, shorten
-from .losses import lost_among
-from .round import Round
-from .store import StoreClient, member_set_key, read_last, read_lasts, read_present
-from .wire import Entry, LastState, RoundOutcome, State, Verdict, decode, encode
+from ..store.client import StoreClient, read_last, read_lasts, read_present
+from ..store.keys import MemberSetKeys
+from ..store.records import CheckOutcome, Entry, LastState, State, Verdict, decode, encode
+from .check import Check
+from .scope import lost_among
 from .world_step import failed_step
 
 __all__ = ["differences", "format_differences", "concurrency_hint", "judge_absent", "last_states", "entries_of"]
@@ -88,71 +89,71 @@ def concurrency_hint(diffs: Mapping[str, Any]) -> str:
     return ""
 
 
-def entries_of(rnd: Round, ranks: list[int]) -> dict[int, Entry]:
-    """The entries of ``ranks`` in this round; a rank without one (or with an older one) is absent.
+def entries_of(check: Check, ranks: list[int]) -> dict[int, Entry]:
+    """The entries of ``ranks`` in this check; a rank without one (or with an older one) is absent.
 
     One ``check`` and one ``multi_get`` once every rank has published at least once; before that,
     a ``check`` per rank, for at most 64 of them."""
-    raws = read_present(rnd.store, [rnd.entry_key(r) for r in ranks])
-    entries = {r: decode(Entry, raws[rnd.entry_key(r)]) for r in ranks if rnd.entry_key(r) in raws}
-    return {r: e for r, e in entries.items() if e.epoch == rnd.epoch}
+    raws = read_present(check.store, [check.keys.entry(r) for r in ranks])
+    entries = {r: decode(Entry, raws[check.keys.entry(r)]) for r in ranks if check.keys.entry(r) in raws}
+    return {r: e for r, e in entries.items() if e.epoch == check.epoch}
 
 
-def judge_absent(rnd: Round, absent: list[int]) -> None:
+def judge_absent(check: Check, absent: list[int]) -> None:
     """Raise now if an absent member can never arrive; otherwise it is late, and waited for."""
     lost = lost_among(absent)
     if lost:
         raise GroupTimeoutError(
-            f"hypergrid: {rnd.where()} cannot be created: ranks {describe_ranks(lost)} were lost (the job's board "
+            f"hypergrid: {check.where()} cannot be created: ranks {describe_ranks(lost)} were lost (the job's board "
             f"says so) while the others waited for them"
         )
-    failed = failed_step(rnd.store) if absent else None
+    failed = failed_step(check.store) if absent else None
     if failed is not None:
         step, verdict = failed
         raise GridMismatchError(
-            f"hypergrid: {rnd.where()} cannot be created: {step.label} has failed on rank {verdict.failed}, "
+            f"hypergrid: {check.where()} cannot be created: {step.label} has failed on rank {verdict.failed}, "
             f"so ranks {describe_ranks(absent)} will not come: {verdict.error}",
             root_cause=verdict.error,
         )
     # A bounded look, read at once: diagnosing must not cost O(group size) each slice.
-    lasts = read_lasts(rnd.store, [r for r in absent[:64] if r != rnd.rank])
+    lasts = read_lasts(check.store, [r for r in absent[:64] if r != check.rank])
     for r, last in lasts.items():
-        reason, cycle = _cannot_arrive(rnd, last, r)
+        reason, cycle = _cannot_arrive(check, last, r)
         if reason is None:
             continue
         # In a wait-for cycle the rank that differs may be further along it than ``r``: compare the
         # requests of every rank in it, so that the field at fault is named whoever finds the cycle.
         compared = {rank: state.asked.fields() for rank, state in cycle}
-        compared.update({rnd.rank: rnd.asked.fields(), r: last.asked.fields()})
+        compared.update({check.rank: check.asked.fields(), r: last.asked.fields()})
         diffs = differences(compared)
         message = (
-            f"hypergrid: {rnd.where()} cannot be created: rank {r} will not join, {reason}; its last "
+            f"hypergrid: {check.where()} cannot be created: rank {r} will not join, {reason}; its last "
             f"request was {last.label!r} ({last.position.describe()}):\n  {format_differences(diffs)}"
             + (f"\n  root cause on rank {r}: {last.error}" if last.error else "")
         )
-        # A wait-for cycle is a deadlock none of its rounds can leave: every one of them fails now,
+        # A wait-for cycle is a deadlock none of its checks can leave: every one of them fails now,
         # with this one verdict, instead of each at its own timeout (or one of them only).
         for _, state in cycle:
             with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
-                rnd.store.compare_set(f"{member_set_key(state.members)}/verdict/{state.epoch}", "",
-                                      encode(Verdict(RoundOutcome.MISMATCH, message)))
+                check.store.compare_set(MemberSetKeys.named(state.members).meeting(state.epoch).outcome, "",
+                                        encode(Verdict(CheckOutcome.MISMATCH, message)))
         raise GridMismatchError(message, root_cause=last.error or None)
 
 
-def _cannot_arrive(rnd: Round, last: LastState, holder: int) -> tuple[Optional[str], list[tuple[int, LastState]]]:
-    """Why rank ``holder``, whose last state is ``last``, will never arrive in this round (None when
-    it may be late), and the rounds of a wait-for cycle it found, each with the rank waiting in it."""
-    mine = rnd.agreement.position
+def _cannot_arrive(check: Check, last: LastState, holder: int) -> tuple[Optional[str], list[tuple[int, LastState]]]:
+    """Why rank ``holder``, whose last state is ``last``, will never arrive in this check (None when
+    it may be late), and the checks of a wait-for cycle it found, each with the rank waiting in it."""
+    mine = check.agreement.position
     # The same request: the same place in the sequence of a grid with the same facts (what it asks
     # for there, and over whom, is what may differ). Grids that differ are told apart by the
-    # rounds they wait in, not by their places, which another grid of the same dims may share.
+    # checks they wait in, not by their places, which another grid of the same dims may share.
     same_request = last.position == mine
-    if last.members == rnd.round_id.members:
-        if last.epoch > rnd.epoch:
-            return f"it has gone past this round of these members (it is at round {last.epoch}, this is {rnd.epoch})", []
-        if last.epoch == rnd.epoch and last.state is State.FAILED:
-            return "its part in this very round failed", []
-        return None, []  # an earlier round of these members: late
+    if last.members == check.check_id.members:
+        if last.epoch > check.epoch:
+            return f"it has gone past this check of these members (it is at check {last.epoch}, this is {check.epoch})", []
+        if last.epoch == check.epoch and last.state is State.FAILED:
+            return "its part in this very check failed", []
+        return None, []  # an earlier check of these members: late
     if same_request:
         # A rank asks for one thing at one place of one grid: this place of a grid with these facts
         # it has already asked for, over other members or for something else, however long ago.
@@ -164,82 +165,82 @@ def _cannot_arrive(rnd: Round, last: LastState, holder: int) -> tuple[Optional[s
         if (last.position.family, last.position.index) == (mine.family, mine.index):
             return "at this same request it is in none of the groups, by its own grid", []
         return None, []
-    if last.state is not State.WAITING or not _is_open(rnd.store, last):
-        return None, []  # it has left that round: busy elsewhere since, and may be late
-    chain, rounds = _wait_chain(rnd, holder, last)
-    if chain and all(_is_open(rnd.store, state) for _, state in rounds):
-        return (f"it waits in a round of other members ({last.shown}, request {last.label!r}), and "
-                f"{chain}: these creations wait for each other"), rounds + [(rnd.rank, rnd.last_state(State.WAITING))]
+    if last.state is not State.WAITING or not _is_open(check.store, last):
+        return None, []  # it has left that check: busy elsewhere since, and may be late
+    chain, checks = _wait_chain(check, holder, last)
+    if chain and all(_is_open(check.store, state) for _, state in checks):
+        return (f"it waits in a check of other members ({last.shown}, request {last.label!r}), and "
+                f"{chain}: these creations wait for each other"), checks + [(check.rank, check.last_state(State.WAITING))]
     return None, []
 
 
 def _is_open(store: StoreClient, state: LastState) -> bool:
-    """Whether ``state``'s round is still open: no verdict, and its epoch has not moved past it."""
-    base = member_set_key(state.members)
-    return int(store.add(f"{base}/epoch", 0)) == state.epoch and not store.check([f"{base}/verdict/{state.epoch}"])
+    """Whether ``state``'s check is still open: no verdict, and its epoch has not moved past it."""
+    keys = MemberSetKeys.named(state.members)
+    return int(store.add(keys.epoch, 0)) == state.epoch and not store.check([keys.meeting(state.epoch).outcome])
 
 
-def _wait_chain(rnd: Round, holder: int, state: LastState,
+def _wait_chain(check: Check, holder: int, state: LastState,
                 depth: int = _CYCLE_DEPTH) -> tuple[str, list[tuple[int, LastState]]]:
-    """How the open round that rank ``holder`` waits in (its last state ``state``) waits, through
-    other open rounds, for this rank, which waits in its own round: a cycle that no member can
-    leave. Returns its description and its rounds, each with the rank waiting in it (``("", [])``
+    """How the open check that rank ``holder`` waits in (its last state ``state``) waits, through
+    other open checks, for this rank, which waits in its own check: a cycle that no member can
+    leave. Returns its description and its checks, each with the rank waiting in it (``("", [])``
     when none is found within the bounds).
 
-    A round waits for a member that is not in it (its entry is not of that round's epoch); that
-    member, if it waits in an open round of its own, passes the wait on. A rank is in one round
-    at a time (creations are serialised per process), so a chain of open rounds is current."""
+    A check waits for a member that is not in it (its entry is not of that check's epoch); that
+    member, if it waits in an open check of its own, passes the wait on. A rank is in one check
+    at a time (creations are serialised per process), so a chain of open checks is current."""
     members = _shown_members(state)
-    if rnd.rank in members and not _in_round(rnd.store, state, rnd.rank):
-        return f"that round needs rank {rnd.rank}", [(holder, state)]
+    if check.rank in members and not _in_check(check.store, state, check.rank):
+        return f"that check needs rank {check.rank}", [(holder, state)]
     if depth <= 1:
         return "", []
-    for other in [m for m in members if m != rnd.rank][:_CYCLE_BREADTH]:
-        if _in_round(rnd.store, state, other):
+    for other in [m for m in members if m != check.rank][:_CYCLE_BREADTH]:
+        if _in_check(check.store, state, other):
             continue
-        nxt = read_last(rnd.store, other)
+        nxt = read_last(check.store, other)
         if nxt is None or nxt.state is not State.WAITING or (nxt.members, nxt.epoch) == (state.members, state.epoch):
             continue
-        if not _is_open(rnd.store, nxt):
+        if not _is_open(check.store, nxt):
             continue
-        rest, rounds = _wait_chain(rnd, other, nxt, depth - 1)
+        rest, checks = _wait_chain(check, other, nxt, depth - 1)
         if rest:
-            return (f"that round needs rank {other}, which waits in a round of members {nxt.shown}, and {rest}",
-                    [(holder, state)] + rounds)
+            return (f"that check needs rank {other}, which waits in a check of members {nxt.shown}, and {rest}",
+                    [(holder, state)] + checks)
     return "", []
 
 
 def _shown_members(state: LastState) -> list[int]:
-    """The members of ``state``'s round, where its summary lists them whole (groups of up to 16)."""
+    """The members of ``state``'s check, where its summary lists them whole (groups of up to 16)."""
     text = state.shown
     if not text.startswith("["):
         return []  # a larger group is shown summarised: not followed
     return [int(x) for x in text.strip("[]").split(",") if x.strip()]
 
 
-def _in_round(store: StoreClient, state: LastState, rank: int) -> bool:
-    """Whether ``rank`` has published its entry in ``state``'s round."""
-    key = f"{member_set_key(state.members)}/entry/{rank}"
+def _in_check(store: StoreClient, state: LastState, rank: int) -> bool:
+    """Whether ``rank`` has published its entry in ``state``'s check."""
+    key = MemberSetKeys.named(state.members).entry(rank)
     return bool(store.check([key])) and decode(Entry, store.get(key)).epoch == state.epoch
 
 
-def last_states(rnd: Round, ranks: list[int]) -> str:
+def last_states(check: Check, ranks: list[int]) -> str:
     """What the given ranks were last doing, for a timeout message."""
     notes = []
     for r in ranks[:8]:
         try:
-            last = read_last(rnd.store, r)
+            last = read_last(check.store, r)
         except (dist.DistError, StoreUnresponsiveError):
             notes.append("the store did not answer when asked what they were last doing")
             break
         if last is None:
             notes.append(f"rank {r} never reached a hypergrid group creation")
             continue
-        diffs = differences({rnd.rank: rnd.asked.fields(), r: last.asked.fields()})
-        where = f"round {last.epoch} of members {last.shown}" if last.members else "in none of its groups"
+        diffs = differences({check.rank: check.asked.fields(), r: last.asked.fields()})
+        where = f"check {last.epoch} of members {last.shown}" if last.members else "in none of its groups"
         notes.append(
             f"rank {r} was last {last.state.value} on {last.label!r} ({last.position.describe()}, {where}; "
-            f"differs from this rank's request in: {_fields_differing(diffs, rnd.rank, r)})"
+            f"differs from this rank's request in: {_fields_differing(diffs, check.rank, r)})"
             + (f": {last.error}" if last.error else "")
         )
     if len(ranks) > 8:

@@ -1,4 +1,4 @@
-"""Where a grid learns how large the world is and which rank this process is.
+"""Where a grid learns how large the world is, which rank this process is, and where ranks meet.
 
 Megatron-Core's ``HyperCommGrid`` reads the world size from ``WORLD_SIZE`` before
 torch.distributed, so that a grid larger than the running job can be planned and enumerated
@@ -24,8 +24,11 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..layout import as_int
+from ..store.client import StoreClient
+from .torch_compat import default_store
 
-__all__ = ["resolve_world_size", "int_from_environment", "current_rank", "world_size_if_started"]
+__all__ = ["resolve_world_size", "int_from_environment", "current_rank", "world_size_if_started", "agreement_possible",
+           "job_store"]
 
 
 def resolve_world_size(world_size: Optional[int] = None) -> int:
@@ -117,3 +120,40 @@ def world_size_if_started() -> Optional[int]:
         True
     """
     return dist.get_world_size() if dist.is_initialized() else None
+
+
+def agreement_possible() -> bool:
+    """Whether this job has a store its ranks can meet in (not on the fake backend).
+
+    Example::
+
+        >>> agreement_possible()     # no process group
+        False
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return False
+    if str(dist.get_backend()).lower() == "fake":
+        return False  # one simulated rank: there is nobody to agree with
+    return default_store() is not None
+
+
+def job_store(deadline: float) -> StoreClient:
+    """The default group's store, over this thread's own connection, every call bounded by
+    ``deadline`` (a monotonic time).
+
+    Raises:
+        RuntimeError: there is no store to meet in (:func:`agreement_possible` says so).
+
+    Example, in a one-rank gloo world whose store is a ``HashStore``::
+
+        >>> import time
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> job_store(time.monotonic() + 5).add("count", 1)
+        1
+        >>> dist.destroy_process_group()
+    """
+    base = default_store()
+    if base is None:
+        raise RuntimeError("hypergrid: the job has no store to meet in (torch.distributed is not initialized, or "
+                           "its default group has no store)")
+    return StoreClient(deadline, base=base)

@@ -45,13 +45,13 @@ from typing import Optional
 import torch.distributed as dist
 
 from ..layout import Partition
+from ..store.records import CheckId
 from .agreement import check_agreement, publish_position
 from .create import create, enumerate_before_init, require_initialized
 from .modes import CreationMode
 from .options import GroupOptions, effective_timeout
 from .request import ByMembers, GroupRequest, SharingKey
 from .torch_compat import default_group, forget_empty_tags
-from .wire import RoundId
 
 __all__ = ["GroupRegistry", "REGISTRY"]
 
@@ -334,26 +334,26 @@ class GroupRegistry:
     def _create(self, request: GroupRequest) -> Optional[dist.ProcessGroup]:
         """Check that the members agree (members only), then have torch make the group."""
         timeout = effective_timeout(request.options)
-        round_id: Optional[RoundId] = None
+        check_id: Optional[CheckId] = None
         agreement = request.agreement
         if agreement is not None:
             if request.members is not None:
-                round_id = check_agreement(request.label, request.members, agreement, timeout=timeout)
+                check_id = check_agreement(request.label, request.members, agreement, timeout=timeout)
             else:
                 publish_position(agreement)
-        return create(request, name=self._group_name(request, round_id), timeout=timeout, round_id=round_id)
+        return create(request, name=self._group_name(request, check_id), timeout=timeout, check_id=check_id)
 
-    def _group_name(self, request: GroupRequest, round_id: Optional[RoundId]) -> Optional[str]:
+    def _group_name(self, request: GroupRequest, check_id: Optional[CheckId]) -> Optional[str]:
         """The torch name of this rank's new group: alike on every member, unlike any earlier one.
 
-        From the round its members agreed in (their member set and its epoch in the store), which
+        From the check its members agreed in (their member set and its epoch in the store), which
         is theirs alone; without one (a group of one rank, no agreement check, no store to meet
         in) from how many times this process made the group, which names it alike only where
         every member made the same groups."""
         if request.members is None:
             return None
-        if round_id is not None:
-            return "hypergrid-" + hashlib.sha1(round_id.seed.encode()).hexdigest()
+        if check_id is not None:
+            return "hypergrid-" + hashlib.sha1(check_id.seed.encode()).hexdigest()
         # A partition's group is named by the partition and its lowest rank, O(1); a group given
         # by its members alone, by the members.
         if isinstance(request.identity, Partition):

@@ -24,9 +24,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 from ..layout import Partition
+from ..store.records import Agreement, GridFacts, Position, RequestFacts
 from .modes import CreationMode
 from .options import GroupOptions
-from .wire import Agreement, GridFacts, Position, RequestFacts
 
 __all__ = ["DerivedGroup", "GroupIdentity", "Origin", "GroupRequest", "ByMembers", "ByRequest", "SharingKey"]
 

@@ -1,23 +1,21 @@
-"""The job's store as the agreement uses it: a connection of its own, every call bounded.
+"""The job's store as hypergrid calls it: a connection of its own, every call bounded.
 
 torch's store calls block until the store's host answers, for as long as the connection's own
-timeout, whatever the caller has left. Agreement makes its calls on a clone of the job's store,
-on a thread of its own, and waits for each only until the request's deadline: a host that stops
-answering (exited, frozen, overloaded) is reported within the timeout, as what it is
+timeout, whatever the caller has left. :class:`StoreClient` makes its calls on a clone of the
+job's store, on a thread of its own, and waits for each only until the caller's deadline: a host
+that stops answering (exited, frozen, overloaded) is reported within the timeout, as what it is
 (:class:`~hypergrid.errors.StoreUnresponsiveError`), never as a peer that did not come.
 
-The keys are named here too: per member set (a digest of its ranks) an epoch counter, one entry
-per member and a verdict per round; per rank one last state; per world step a few keys.
+It imports no torch: it calls whatever store object it is given (torch's ``TCPStore``,
+``HashStore``, ``FileStore``, ``PrefixStore``) by its methods.
 
-Example, in a one-rank gloo world whose store is a ``HashStore``::
+Example, over a ``HashStore``::
 
     >>> import time
     >>> import torch.distributed as dist
-    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    >>> store = StoreClient(time.monotonic() + 5)
-    >>> store.add(member_set_key("abc") + "/epoch", 0), store.get_within(last_key(0), 0.05) is None
-    (0, True)
-    >>> dist.destroy_process_group()
+    >>> store = StoreClient(time.monotonic() + 5, base=dist.HashStore())
+    >>> store.add("count", 2), store.get_within("absent", 0.05) is None
+    (2, True)
 """
 
 from __future__ import annotations
@@ -29,19 +27,15 @@ from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Optional, TypeVar, cast
 
-import torch.distributed as dist
-
 from ..errors import StoreUnresponsiveError
+from .keys import last_state_key
+from .records import LastState, decode
 from .shutdown import register
-from .torch_compat import default_store
-from .wire import LastState, decode
 
-__all__ = ["PREFIX", "StoreClient", "agreement_possible", "member_set_key", "last_key", "read_last", "read_lasts", "read_present"]
+__all__ = ["StoreClient", "read_last", "read_lasts", "read_present", "advance_epoch", "is_network_error"]
 
 R = TypeVar("R")
 
-#: Every key agreement writes starts with this.
-PREFIX = "hypergrid/agree"
 #: The least a store call is given, so that a call made at the deadline still gets an answer.
 MIN_CALL_S = 0.05
 #: Beyond the time a blocking call (a wait, a get of a key not set yet) may wait by design, how
@@ -55,31 +49,6 @@ _LEAST_STORE_TIMEOUT = timedelta(milliseconds=1)
 #: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores (its
 #: records are text) begins with a NUL byte.
 _ABSENT = b"\x00hypergrid: not set"
-
-
-def member_set_key(members_digest: str) -> str:
-    """Where a member set's epoch, entries and verdicts live."""
-    return f"{PREFIX}/{members_digest}"
-
-
-def last_key(rank: int) -> str:
-    """Where ``rank``'s last state lives."""
-    return f"{PREFIX}/last/{rank}"
-
-
-def agreement_possible() -> bool:
-    """Whether this job has a store the members can meet in (not on the fake backend).
-
-    Example::
-
-        >>> agreement_possible()     # no process group
-        False
-    """
-    if not dist.is_available() or not dist.is_initialized():
-        return False
-    if str(dist.get_backend()).lower() == "fake":
-        return False  # one simulated rank: there is nobody to agree with
-    return default_store() is not None
 
 
 class _Connection:
@@ -97,7 +66,7 @@ class _Connection:
         thread = threading.Thread(target=self._serve, name="hypergrid-store", daemon=True)
         thread.start()
         # Ended before the interpreter finalizes: a call in flight then must not come back into
-        # a finalizing interpreter (hypergrid.runtime.shutdown says why).
+        # a finalizing interpreter (hypergrid.store.shutdown says why).
         register("a store connection", lambda: self._calls.put(None), thread.join)
 
     def _serve(self) -> None:
@@ -140,10 +109,7 @@ class StoreClient:
     ``wait`` that runs out is not: the keys are simply not there yet (False).
     """
 
-    def __init__(self, deadline: float, base: Optional[Any] = None) -> None:
-        base = default_store() if base is None else base
-        if base is None:
-            raise RuntimeError("the job has no store to meet in (see agreement_possible)")
+    def __init__(self, deadline: float, *, base: Any) -> None:
         self.deadline = deadline
         self._base = base
         self._connection = self._open(base)
@@ -209,6 +175,7 @@ class StoreClient:
 
         Example, over a ``HashStore``::
 
+            >>> import torch.distributed as dist
             >>> base = dist.HashStore(); base.set("a", "1")
             >>> store = StoreClient(time.monotonic() + 5, base=base)
             >>> store.get_if_set("a"), store.get_if_set("b"), base.check(["b"])
@@ -229,6 +196,7 @@ class StoreClient:
 
         Example, over a ``HashStore``, the key set 0.25 s into the wait::
 
+            >>> import torch.distributed as dist
             >>> base = dist.HashStore(); ticks = []
             >>> threading.Timer(0.25, base.set, ("late", "1")).start()
             >>> StoreClient(time.monotonic() + 5, base=base).get_within(
@@ -244,10 +212,10 @@ class StoreClient:
             store.set_timeout(_store_timeout(seconds))  # how long the store waits for the key
             try:
                 return cast(bytes, store.get(key))
-            except dist.DistNetworkError:
-                raise
-            except RuntimeError:  # not set in time
-                return None
+            except RuntimeError as exc:
+                if is_network_error(exc):
+                    raise
+                return None  # not set in time
             finally:
                 store.set_timeout(previous)  # the connection's other calls keep their own timeout
 
@@ -286,10 +254,10 @@ class StoreClient:
         def waiting(store: Any) -> bool:
             try:
                 store.wait(keys, _store_timeout(seconds))
-            except dist.DistNetworkError:
-                raise
-            except RuntimeError:  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
-                return False
+            except RuntimeError as exc:
+                if is_network_error(exc):
+                    raise
+                return False  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
             return True
 
         # A wait that runs out is normal; one that does not come back at all is the store.
@@ -309,7 +277,7 @@ def _store_timeout(seconds: float) -> timedelta:
 
 def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
     """``rank``'s last state (None: it never reached a hypergrid group creation)."""
-    key = last_key(rank)
+    key = last_state_key(rank)
     if not store.check([key]):
         return None
     return decode(LastState, store.get(key))
@@ -322,6 +290,7 @@ def read_present(store: StoreClient, keys: list[str], limit: int = 64) -> dict[s
 
     Example, over a ``HashStore``::
 
+        >>> import torch.distributed as dist
         >>> base = dist.HashStore(); base.set("a", "1")
         >>> read_present(StoreClient(time.monotonic() + 5, base=base), ["a", "b"])
         {'a': b'1'}
@@ -337,10 +306,24 @@ def read_present(store: StoreClient, keys: list[str], limit: int = 64) -> dict[s
 def read_lasts(store: StoreClient, ranks: list[int]) -> dict[int, LastState]:
     """The last states of those of ``ranks`` that have one (a rank that never reached a group
     creation has none), read as :func:`read_present` reads."""
-    raws = read_present(store, [last_key(r) for r in ranks], limit=len(ranks))
-    return {r: decode(LastState, raws[last_key(r)]) for r in ranks if last_key(r) in raws}
+    raws = read_present(store, [last_state_key(r) for r in ranks], limit=len(ranks))
+    return {r: decode(LastState, raws[last_state_key(r)]) for r in ranks if last_state_key(r) in raws}
 
 
-def end_round(store: StoreClient, epoch_key: str, epoch: int) -> None:
+def advance_epoch(store: StoreClient, epoch_key: str, epoch: int) -> None:
     """Advance ``epoch_key`` from ``epoch`` to the next, once: idempotent, whoever calls first wins."""
     store.compare_set(epoch_key, str(epoch), str(epoch + 1))
+
+
+def is_network_error(exc: BaseException) -> bool:
+    """Whether ``exc`` is torch's ``DistNetworkError`` (the connection to the store broke), as
+    opposed to a store call that ran out of time: known by its class's name, since this module
+    imports no torch.
+
+    Example::
+
+        >>> class DistNetworkError(RuntimeError): ...
+        >>> is_network_error(DistNetworkError("reset")), is_network_error(RuntimeError("timeout"))
+        (True, False)
+    """
+    return any(cls.__name__ == "DistNetworkError" for cls in type(exc).__mro__)

@@ -1,6 +1,6 @@
 """A client of torch's TCPStore that needs no torch: the monitor process's connection to the store.
 
-A rank's monitor (:mod:`hypergrid.control.monitor`) is a process of its own so that a paused
+A rank's monitor (:mod:`hypergrid.liveness.monitor`) is a process of its own so that a paused
 interpreter cannot stop its heartbeat; importing torch would cost it 216 MB (torch 2.13, CPU
 build) to 523 MB (torch 2.15, CUDA build) of memory of its own, against 12 MB for a bare Python.
 So it speaks the store's wire protocol itself, the few messages it needs, exactly as torch's own

@@ -1,11 +1,11 @@
 """Who watches whom: a ring over a job's ranks in which every rank's watcher is on another node,
 and, where the job has more than a few nodes, on a node far from it.
 
-Each rank's *successor* is watched for it (by its node's relay leader, which reads the
+Each rank's *successor* is watched for it (by its node's relay delegate, which reads the
 successors of its node's ranks, or by its own monitor alone), one heartbeat per rank and
 interval, so the store's work per rank is the same at 8 ranks and at 100,000, and every rank is
 watched on behalf of exactly one other. The ring visits the ranks by local index first and node
-second (rank ``r`` is local index ``r % node_size`` of node ``r // node_size``): local 0 of every
+second (rank ``r`` is local index ``r % gpus_per_node`` of node ``r // gpus_per_node``): local 0 of every
 node, then local 1 of every node, and so on. A rank's watcher is therefore the same local index
 on the node before it in the ring, not a rank of its own node, where every node has that local
 index: when a whole node is lost, monitors and all, each of its ranks is watched from a node that
@@ -31,14 +31,14 @@ successors found by bisection, so that a monitor's memory stays small at a milli
 Example, ranks 0-7 on nodes of 4 (two nodes), and ranks 0-11 on nodes of 2 (six nodes, visited
 as 0, 3, 1, 4, 2, 5)::
 
-    >>> ring = Ring.of(range(8), node_size=4)
+    >>> ring = Ring.of(range(8), gpus_per_node=4)
     >>> [ring.successor(r) for r in range(8)]
     [4, 5, 6, 7, 1, 2, 3, 0]
     >>> ring.order()
     [0, 4, 1, 5, 2, 6, 3, 7]
-    >>> Ring.of(range(12), node_size=2).order()
+    >>> Ring.of(range(12), gpus_per_node=2).order()
     [0, 6, 2, 8, 4, 10, 1, 7, 3, 9, 5, 11]
-    >>> Ring.of([0, 1, 2, 3, 8, 9], node_size=4).successor(1)     # node 2 has no local 1
+    >>> Ring.of([0, 1, 2, 3, 8, 9], gpus_per_node=4).successor(1)     # node 2 has no local 1
     9
 """
 
@@ -84,23 +84,23 @@ def from_runs(runs: Iterable[Sequence[int]]) -> Iterator[int]:
 
 @dataclass(frozen=True)
 class Ring:
-    """The watching ring over ``ranks`` (sorted, distinct) with nodes of ``node_size`` ranks;
+    """The watching ring over ``ranks`` (sorted, distinct) with nodes of ``gpus_per_node`` ranks;
     ``nodes``: the nodes that hold any of them, ascending (made by :meth:`of`)."""
 
     ranks: array
-    node_size: int
+    gpus_per_node: int
     nodes: array
 
     @classmethod
-    def of(cls, ranks: Iterable[int], node_size: int) -> Ring:
-        if node_size < 1:
-            raise ValueError(f"node_size must be a positive number of ranks, got {node_size}")
+    def of(cls, ranks: Iterable[int], gpus_per_node: int) -> Ring:
+        if gpus_per_node < 1:
+            raise ValueError(f"gpus_per_node must be a positive number of ranks, got {gpus_per_node}")
         ordered = array("q", sorted(set(ranks)))
         nodes = array("q")
         for rank in ordered:
-            if not nodes or nodes[-1] != rank // node_size:
-                nodes.append(rank // node_size)
-        return cls(ordered, node_size, nodes)
+            if not nodes or nodes[-1] != rank // gpus_per_node:
+                nodes.append(rank // gpus_per_node)
+        return cls(ordered, gpus_per_node, nodes)
 
     def __len__(self) -> int:
         return len(self.ranks)
@@ -126,7 +126,7 @@ class Ring:
         """The rank of local index ``local`` on the first node at ``from_position`` or after, in
         the ring's order of nodes, that has one (the nodes without it, few, one bisection each)."""
         for position in range(from_position, len(self.nodes)):
-            candidate = self._node_at(position) * self.node_size + local
+            candidate = self._node_at(position) * self.gpus_per_node + local
             if candidate in self:
                 return candidate
         return None
@@ -138,7 +138,7 @@ class Ring:
         if rank not in self:
             raise ValueError(f"rank {rank} is not in the ring (its {len(self.ranks)} ranks run from "
                              f"{self.ranks[0]} to {self.ranks[-1]})")
-        size = self.node_size
+        size = self.gpus_per_node
         local, position = rank % size, self._position(rank // size)
         found = self._first_with(local, position + 1)
         if found is not None:
@@ -157,10 +157,10 @@ class Ring:
 
         Example, node 1 with local indices 2 and 3 alone::
 
-            >>> ring = Ring.of([0, 1, 4, 5, 6, 7], node_size=4)
+            >>> ring = Ring.of([0, 1, 4, 5, 6, 7], gpus_per_node=4)
             >>> ring.order(), ring.watched_from(1), ring.watched_from(5)
             ([0, 4, 1, 5, 6, 7], [5, 6, 7], [6])
-            >>> Ring.of(range(8), node_size=8).watched_from(3)      # one node: its successor only
+            >>> Ring.of(range(8), gpus_per_node=8).watched_from(3)      # one node: its successor only
             [4]
         """
         run = [self.successor(rank)]
@@ -176,25 +176,25 @@ class Ring:
 
         Example::
 
-            >>> ring = Ring.of([0, 1, 4, 5, 6, 7], node_size=4)
+            >>> ring = Ring.of([0, 1, 4, 5, 6, 7], gpus_per_node=4)
             >>> ring.run_goes_on(5, 6, watcher=1), ring.run_goes_on(5, 6, watcher=4)
             (True, False)
         """
-        node = read // self.node_size
-        return following // self.node_size == node != watcher // self.node_size
+        node = read // self.gpus_per_node
+        return following // self.gpus_per_node == node != watcher // self.gpus_per_node
 
     def on_node(self, node: int) -> list[int]:
         """The ranks of the ring on node ``node``.
 
         Example::
 
-            >>> Ring.of([0, 1, 3, 4, 6], node_size=4).on_node(0)
+            >>> Ring.of([0, 1, 3, 4, 6], gpus_per_node=4).on_node(0)
             [0, 1, 3]
         """
-        low = bisect.bisect_left(self.ranks, node * self.node_size)
-        high = bisect.bisect_left(self.ranks, (node + 1) * self.node_size)
+        low = bisect.bisect_left(self.ranks, node * self.gpus_per_node)
+        high = bisect.bisect_left(self.ranks, (node + 1) * self.gpus_per_node)
         return list(self.ranks[low:high])
 
     def order(self) -> list[int]:
         """Every rank, in ring order from the least (for people and tests: O(ranks))."""
-        return sorted(self.ranks, key=lambda r: (r % self.node_size, self._position(r // self.node_size)))
+        return sorted(self.ranks, key=lambda r: (r % self.gpus_per_node, self._position(r // self.gpus_per_node)))

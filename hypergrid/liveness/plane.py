@@ -33,14 +33,12 @@ from typing import Any, Optional
 import torch.distributed as dist
 
 from ..errors import StoreUnresponsiveError
-from ..runtime.store import StoreClient, agreement_possible
+from ..runtime.environment import agreement_possible, job_store
 from ..runtime.torch_compat import default_store
-from .keys import ROOT
+from ..store.client import StoreClient
+from ..store.keys import CONTROL_ROOT, NAMESPACE_TOKEN
 
 __all__ = ["ControlPlane", "control_plane", "root_store"]
-
-#: Under the default group's prefix: the token every rank of the world reads back.
-_TOKEN_KEY = f"{ROOT}/namespace"
 
 
 @dataclass(frozen=True)
@@ -90,11 +88,11 @@ def control_plane(timeout_s: float = 60.0) -> Optional[ControlPlane]:
         if _cached is not None and _cached[0] is base:
             return _cached[1]
         try:
-            token = StoreClient(time.monotonic() + timeout_s).compare_set(_TOKEN_KEY, "", uuid.uuid4().hex[:12])
+            token = job_store(time.monotonic() + timeout_s).compare_set(NAMESPACE_TOKEN, "", uuid.uuid4().hex[:12])
         except (dist.DistError, StoreUnresponsiveError) as exc:
             raise RuntimeError(f"hypergrid: the job's store did not answer while naming the control plane: {exc}") from exc
         root = root_store(base)
         address = (str(root.host), int(root.port)) if isinstance(root, dist.TCPStore) else None
-        plane = ControlPlane(f"{ROOT}/{token.decode()}", root, address)
+        plane = ControlPlane(f"{CONTROL_ROOT}/{token.decode()}", root, address)
         _cached = (base, plane)
         return plane

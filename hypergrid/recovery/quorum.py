@@ -1,6 +1,6 @@
 """Who failed, decided from what a recovery round's leader sees: a pure function, no store.
 
-A round's leader (:mod:`hypergrid.control.rounds`) gathers the arrivals, the job's board of
+A round's leader (:mod:`hypergrid.recovery.round`) gathers the arrivals, the job's board of
 losses and how long it has waited, and asks :func:`decide`; the store only carries those inputs
 and the one verdict. The rule:
 
@@ -11,13 +11,15 @@ and the one verdict. The rule:
   that left for the recovery until that collective times out. It is waited for up to ``bound_s``
   (the job's longest collective timeout, a margin and the staleness bound), then counted out as
   hung. A round whose deadline comes first is abandoned, naming those it waited for;
+- participants whose recovery settings differ abandon the round, naming both values (they
+  would plan apart);
 - the verdict's size grows with what failed and who offered itself, not with the job. It says
   how far the board was read (``board_read``): a round that commits records it, and the next
   recovery reads the board from there, not from its first entry.
 
 Example: of the job ``[0, 1, 2, 3]``, ranks 0 and 1 arrived and rank 2's process ended::
 
-    >>> from hypergrid.runtime.wire import Arrival
+    >>> from hypergrid.store.records import Arrival
     >>> arrivals = {0: Arrival(0, step=5), 1: Arrival(1, step=4, aborted=((0, 1),))}
     >>> seen = RoundView(0, (0, 1, 2, 3), arrivals, {2: "its process ended"}, waited_s=1.0)
     >>> decide(seen, bound_s=30.0, remaining_s=60.0) is None     # rank 3 is alive: waited for
@@ -34,8 +36,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..layout.describe import describe_ranks
-from ..runtime.wire import Arrival, FailureVerdict
-from .ring import as_runs
+from ..liveness.ring import as_runs
+from ..store.records import Arrival, FailureVerdict
 
 __all__ = ["RoundView", "decide", "ABANDON_MARGIN_S"]
 
@@ -59,8 +61,29 @@ class RoundView:
     board_read: int = 0
 
 
+def _settings_disagree(arrivals: Mapping[int, Arrival]) -> str:
+    """Why the arrivals cannot plan alike (their job's settings differ), naming the ranks and each
+    value; empty where they agree.
+
+    Example::
+
+        >>> _settings_disagree({0: Arrival(0, settings="gpus_per_node=8"), 5: Arrival(5, settings="gpus_per_node=4")})
+        "the participants' recovery settings differ: ranks [0] have gpus_per_node=8; ranks [5] have gpus_per_node=4"
+    """
+    by_value: dict[str, list[int]] = {}
+    for rank, arrival in sorted(arrivals.items()):
+        by_value.setdefault(arrival.settings, []).append(rank)
+    if len(by_value) <= 1:
+        return ""
+    held = "; ".join(f"ranks {describe_ranks(ranks)} have {value or 'none said'}" for value, ranks in by_value.items())
+    return f"the participants' recovery settings differ: {held}"
+
+
 def decide(seen: RoundView, *, bound_s: float, remaining_s: float) -> Optional[FailureVerdict]:
     """The round's verdict, or None to wait longer (see the module)."""
+    disagree = _settings_disagree({r: a for r, a in seen.arrivals.items() if r not in seen.lost})
+    if disagree:
+        return FailureVerdict((), seen.number, abandoned=disagree)
     absent = [r for r in (*seen.domain, *seen.offers) if r not in seen.arrivals]
     live_absent = [r for r in absent if r not in seen.lost]
     reasons = {r: f"{seen.lost[r]} before it arrived" for r in absent if r in seen.lost}

@@ -7,10 +7,10 @@ the rank's process group) stops it. Every ``interval_s`` a node's monitors make 
 requests per rank (one ``add`` each), whatever the job's size:
 
 - each adds 1 to its rank's heartbeat counter;
-- the node's relay leader (:mod:`hypergrid.control.relay`) reads, for each rank of its node, the
-  counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.control.ring`,
+- the node's relay delegate (:mod:`hypergrid.liveness.relay`) reads, for each rank of its node, the
+  counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.liveness.ring`,
   on another node, and where nodes are short of ranks those after it on that node:
-  :meth:`~hypergrid.control.ring.Ring.watched_from`); a monitor alone (no relay, a leader silent for more than two of its ticks,
+  :meth:`~hypergrid.liveness.ring.Ring.watched_from`); a monitor alone (no relay, a delegate silent for more than two of its ticks,
   or one that watches an older ring of the job) reads its own successor's. A counter that made
   no beat for ``stale_beats`` intervals of the monitor's own clock (no clocks are compared across
   hosts), counted from the look before the one that saw its last beat and over ``stale_beats``
@@ -26,17 +26,17 @@ published at once (a ``pidfd`` becomes readable; where there is none, its parent
 at every 0.1 s), before the monitor leaves. It tells a paused rank from a dead one: the rank's
 interpreter sends it a tick every interval (it needs the GIL to), and only when no tick came for
 ``progress_timeout_s`` (minutes by default) is the rank published as hung. A rank that leaves
-cleanly says so (``bye``): its counter is marked as left (:data:`~hypergrid.control.keys.DEPARTED`)
+cleanly says so (``bye``): its counter is marked as left (:data:`~hypergrid.store.keys.DEPARTED`)
 and nobody counts it lost.
 
 Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
-:class:`~hypergrid.control.keys.JobChannel`): the publisher fills the first free entry's key
+:class:`~hypergrid.store.keys.JobChannel`): the publisher fills the first free entry's key
 (:meth:`RankMonitor.publish`; an entry holds one event, or the losses found at one look), then
 adds 1 to ``events``. One monitor per node keeps a wait pending on the board's next key, which costs nothing until an entry is published;
 the store's answer wakes it, and it reads the entry (one get: the wait was answered, the key is
 there), waits on the next key, hands the entry to the node's other monitors (the relay, which
 also elects it) and forwards its events to its rank (which aborts its communicators,
-:mod:`hypergrid.control.watch`): two requests per entry and node.
+:class:`~hypergrid.recovery.abort.CollectiveWatch`): two requests per entry and node.
 
 :class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
 the monitor process, or the control-plane benchmark's, which runs thousands of them against one
@@ -45,13 +45,13 @@ real store.
 Example, one rank's monitor against a store of torch's, its parent played by this process::
 
     >>> import torch.distributed as dist
-    >>> from hypergrid.control.keys import JobChannel
-    >>> from hypergrid.runtime.wire import BoardEvent, EventKind
+    >>> from hypergrid.store.keys import JobChannel
+    >>> from hypergrid.store.records import BoardEvent, EventKind
     >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     >>> config = MonitorConfig("127.0.0.1", server.port, "ns", rank=0, interval_s=1.0)
     >>> seen = []
     >>> monitor = RankMonitor(config, forward=seen.append, now=0.0)
-    >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), node_size=1)
+    >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), gpus_per_node=1)
     >>> monitor.attach(job)
     >>> for second in range(6):                                     # rank 1 never beats: after 5
     ...     monitor.tick(now=float(second))                        # seconds of standing still, it is gone
@@ -74,11 +74,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..runtime.wire import BoardEvent, EventKind, decode_events, encode, encode_events
-from .keys import DEPARTED, JobChannel, beat_key, put_entry
-from .relay import NodeRelay, node_address
+from ..store.keys import DEPARTED, JobChannel, beat_key
+from ..store.records import BoardEvent, EventKind, decode_events, encode, encode_events
+from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
+from .board import put_entry
+from .relay import NodeRelay, socket_name
 from .ring import Ring, from_runs
-from .tcpstore import StoreProtocolError, StoreTimeout, WireStore
 
 __all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
 
@@ -116,7 +117,7 @@ class JobSpec:
 
     channel: JobChannel
     runs: tuple[tuple[int, int], ...]
-    node_size: int
+    gpus_per_node: int
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -130,7 +131,7 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         raw = json.loads(text)
-        return cls(JobChannel(**raw["channel"]), tuple((int(a), int(b)) for a, b in raw["runs"]), int(raw["node_size"]))
+        return cls(JobChannel(**raw["channel"]), tuple((int(a), int(b)) for a, b in raw["runs"]), int(raw["gpus_per_node"]))
 
 
 @dataclass
@@ -167,21 +168,23 @@ class RankMonitor:
     """
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
-                 connect: Optional[Callable[[], WireStore]] = None, store: Optional[WireStore] = None) -> None:
+                 connect: Optional[Callable[[float], WireStore]] = None) -> None:
         self.config = config
         self._forward = forward
-        self._given_connect = connect  # the benchmark's and the tests': used whatever the wait
-        # Beats, reads and publications: one round trip each (``store``: a connection given, the
-        # benchmark's, which lets ranks share one where a machine has too few file descriptors).
-        self.store = store if store is not None else self._connect(config.connect_timeout_s)
+        # Where its connections come from (a timeout in, a connection out): the store's address by
+        # default; a caller that hosts many monitors (or a proxy in front of the store) gives its own.
+        self._connect: Callable[[float], WireStore] = connect or (
+            lambda timeout_s: WireStore.connect(self.config.host, self.config.port, timeout_s=timeout_s))
+        # Beats, reads and publications: one round trip each.
+        self.store = self._connect(config.connect_timeout_s)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
-        self.relay: Optional[NodeRelay] = None  # the node's monitors: this one leads, or follows
-        self._leader_quiet = 0  # this monitor's ticks since its leader last said anything
-        # What the node's leader last told of its watch: the digest of its job spec (a follower
+        self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
+        self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
+        # What the node's delegate last told of its watch: the digest of its job spec (a follower
         # whose spec differs watches for itself), and the counters it watched, which this monitor
         # takes over once it watches (it was elected, or went alone).
-        self._leader_spec: Optional[str] = None
-        self._leader_watched: Optional[list[list[float]]] = None
+        self._delegate_spec: Optional[str] = None
+        self._delegate_watched: Optional[list[list[float]]] = None
         self.job: Optional[_Job] = None
         self.last_progress = now
         self.hung_published = False
@@ -191,11 +194,11 @@ class RankMonitor:
     def attach(self, spec: JobSpec) -> None:
         """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery)."""
         if self.job is not None and self.job.spec.channel == spec.channel:
-            self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), self.job.next_event, self.job.lost)
+            self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), self.job.next_event, self.job.lost)
             return
         self._leave_board()
-        first = self.store.add(spec.channel.events(), 0)
-        self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.node_size), first)
+        first = self.store.add(spec.channel.board_count(), 0)
+        self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), first)
         self._join_board(first=True)
 
     def detach(self) -> None:
@@ -204,20 +207,20 @@ class RankMonitor:
         self._leave_board()
 
     def _join_board(self, first: bool = False) -> None:
-        """Lead the node's relay (and wait on the board), or follow its leader. ``first``: as the
+        """Be the node's delegate (and wait on the board), or follow the one that is. ``first``: as the
         job is attached (its connection is made as every other one is then, however long it takes)."""
         job = self.job
         assert job is not None
-        node = self.config.rank // max(1, job.spec.node_size)
-        board = f"{self.config.host}:{self.config.port}/{job.spec.channel.events()}"
-        self.relay = NodeRelay.join(node_address(board, node))
-        self._leader_quiet = 0
-        self._leader_spec = None
-        if self.relay.leads:
+        node = self.config.rank // max(1, job.spec.gpus_per_node)
+        board = f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}"
+        self.relay = NodeRelay.join(socket_name("relay", board, node))
+        self._delegate_quiet = 0
+        self._delegate_spec = None
+        if self.relay.delegates:
             self._open_board(within_s=None if first else self.config.interval_s / 2)
 
     def _open_board(self, within_s: Optional[float]) -> None:
-        """Connect to the board and wait on its next event. ``within_s``: a leader elected while the
+        """Connect to the board and wait on its next event. ``within_s``: a delegate elected while the
         job runs tries for that long only, and again at its next tick, so that its own beats go on
         (a store takes a new connection seconds late now and then, and a monitor that stops beating
         for the staleness bound is published as lost)."""
@@ -231,15 +234,10 @@ class RankMonitor:
             except (OSError, StoreProtocolError):
                 return
         self.board = board
-        board.start_wait([job.spec.channel.event(job.next_event)])
-
-    def _connect(self, timeout_s: float) -> WireStore:
-        if self._given_connect is not None:
-            return self._given_connect()
-        return WireStore.connect(self.config.host, self.config.port, timeout_s=timeout_s)
+        board.start_wait([job.spec.channel.board_slot(job.next_event)])
 
     def _go_alone(self) -> None:
-        """Stop counting on the node's leader (it said nothing for the staleness bound: alive but
+        """Stop counting on the node's delegate (it said nothing for the staleness bound: alive but
         stuck): wait on the board itself from here on, for this job."""
         assert self.relay is not None
         self.relay.close()
@@ -268,25 +266,25 @@ class RankMonitor:
             return
         elif relay.listener is not None and fd == relay.listener.fileno():
             relay.accept(position=self.job.next_event)
-        elif relay.leads:
+        elif relay.delegates:
             relay.follower_ready(fd)
         else:
             self._on_relayed(relay)
 
     def _on_relayed(self, relay: NodeRelay) -> None:
-        """The node's leader sent events (or its position), or went: then elect again."""
+        """The node's delegate sent events (or its position), or went: then elect again."""
         job = self.job
         assert job is not None
         heard = relay.receive()
-        if heard is None:  # the next leader tells its position, or this one waits on the board
+        if heard is None:  # the next delegate tells its position, or this one waits on the board
             relay.close()
             self._join_board()
             return
-        self._leader_quiet = 0
+        self._delegate_quiet = 0
         for item in heard:
             if item.payload is None and item.state:
                 told = json.loads(item.state)
-                self._leader_spec, self._leader_watched = told["spec"], told["watched"]
+                self._delegate_spec, self._delegate_watched = told["spec"], told["watched"]
             self._catch_up(job, item.index)
             if item.payload is not None and item.index == job.next_event:
                 job.next_event += 1
@@ -294,13 +292,13 @@ class RankMonitor:
 
     def _catch_up(self, job: _Job, position: int) -> None:
         """Read from the store the entries before ``position`` that this monitor has not had (it
-        joined the relay after its leader read them, or changed leader): rare, a get each.
+        joined the relay after its delegate read them, or changed delegate): rare, a get each.
 
-        Every entry before a leader's position was read by it, so it is written; the read waits
+        Every entry before a delegate's position was read by it, so it is written; the read waits
         half an interval at most all the same (an entry not had then is passed over), so that a
         store slow to answer does not hold the monitor's beats back."""
         while job.next_event < position:
-            key = job.spec.channel.event(job.next_event)
+            key = job.spec.channel.board_slot(job.next_event)
             job.next_event += 1
             try:
                 payload = self.store.get(key, within_s=self.config.interval_s / 2)
@@ -316,16 +314,16 @@ class RankMonitor:
         if job is None:
             return
         relay = self.relay
-        if relay is not None and relay.leads:
+        if relay is not None and relay.delegates:
             if self.board is None:  # elected, and its connection to the board not made yet
                 self._open_board(within_s=self.config.interval_s / 2)
         elif relay is not None:
-            self._leader_quiet += 1
-            if self._leader_quiet > self.config.stale_beats + 1:
+            self._delegate_quiet += 1
+            if self._delegate_quiet > self.config.stale_beats + 1:
                 self._go_alone()
         self._watch(job, now)
         relay = self.relay
-        if relay is not None and relay.leads and relay.followers:  # after the watch: what it saw now
+        if relay is not None and relay.delegates and relay.followers:  # after the watch: what it saw now
             relay.keep_alive(job.next_event, self._watch_state(job))
         quiet = now - self.last_progress
         if quiet >= self.config.progress_timeout_s and not self.hung_published:
@@ -343,25 +341,25 @@ class RankMonitor:
     def _watch(self, job: _Job, now: float) -> None:
         """Read the counters this monitor watches, and publish those found lost, in one entry.
 
-        A node's relay leader watches for the whole node: the successor of each of the node's
-        ranks. So a node lost whole is found by the one leader of the node before it in the ring, at one or
+        A node's relay delegate watches for the whole node: the successor of each of the node's
+        ranks. So a node lost whole is found by the one delegate of the node before it in the ring, at one or
         two of its looks (its ranks' last beats came within one interval), and published in one
         or two entries, not eight: the board's delivery is the store's work per entry. A follower
-        whose leader speaks watches nothing; one alone (no relay here, or its leader silent for
+        whose delegate speaks watches nothing; one alone (no relay here, or its delegate silent for
         more than two of its ticks, or one whose spec differs: a recovery it was not told of)
         watches its own successor.
         """
         me, ring = self.config.rank, job.ring
         relay = self.relay
-        following = (relay is not None and not relay.leads and self._leader_quiet <= 2
-                     and self._leader_spec in (None, job.spec.digest))
-        for_node = relay is not None and relay.leads and relay.listener is not None
-        # A leader watches for its node's ranks of the job, whether its own rank is one or not,
+        following = (relay is not None and not relay.delegates and self._delegate_quiet <= 2
+                     and self._delegate_spec in (None, job.spec.digest))
+        for_node = relay is not None and relay.delegates and relay.listener is not None
+        # A delegate watches for its node's ranks of the job, whether its own rank is one or not,
         # and for those lost too: the successor of a rank of its node lost alone is watched from
         # another node so (and from its own, by the lost rank's watcher, walking past it: its loss
         # may be published twice, which readers take as once; but a node lost whole with it is
         # seen at once, not a bound later).
-        starts = ring.on_node(me // ring.node_size) if for_node else [me] if me in ring else []
+        starts = ring.on_node(me // ring.gpus_per_node) if for_node else [me] if me in ring else []
         if len(ring) < 2 or following or not starts:
             job.watched.clear()
             return
@@ -380,17 +378,17 @@ class RankMonitor:
             self.publish(*found)
 
     def _watch_state(self, job: _Job) -> str:
-        """What a leader tells its followers of its watch, with its position: its spec's digest
+        """What a delegate tells its followers of its watch, with its position: its spec's digest
         and what it saw of each counter (times of the host's monotonic clock, which the node's
         monitors share)."""
         watched = [[rank, w.value, w.since, w.first_seen, w.last_look, w.looks] for rank, w in job.watched.items()]
         return json.dumps({"spec": job.spec.digest, "watched": watched}, separators=(",", ":"))
 
     def _take_over(self, job: _Job) -> None:
-        """Continue from what the node's last leader saw of the counters this monitor now watches
-        (it was elected, or went alone): a rank lost just before a leader changed is published
+        """Continue from what the node's last delegate saw of the counters this monitor now watches
+        (it was elected, or went alone): a rank lost just before a delegate changed is published
         within the bound of its last beat still, not a bound after the change."""
-        told, self._leader_watched = self._leader_watched, None
+        told, self._delegate_watched = self._delegate_watched, None
         for rank, value, since, first_seen, last_look, looks in told or []:
             if int(rank) in job.ring and int(rank) not in job.watched:
                 job.watched[int(rank)] = _Watched(int(value), since=since, first_seen=first_seen, last_look=last_look,
@@ -446,7 +444,7 @@ class RankMonitor:
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:
         """Put ``events`` on the job's board, in one entry (nothing where no job is served), in
-        the first free slot from the next this monitor would read (:func:`~hypergrid.control.keys.put_entry`)."""
+        the first free slot from the next this monitor would read (:func:`~hypergrid.store.keys.put_entry`)."""
         job = self.job
         if job is not None:
             put_entry(self.store, job.spec.channel, encode_events(events).encode(), job.next_event)
@@ -461,13 +459,13 @@ class RankMonitor:
             return
         channel = job.spec.channel
         if not board.waiting:  # nothing asked yet: ask (answered at once where the event is there)
-            board.start_wait([channel.event(job.next_event)])
+            board.start_wait([channel.board_slot(job.next_event)])
             return
         board.finish_wait()
         index = job.next_event
-        payload = board.read(channel.event(index))
+        payload = board.read(channel.board_slot(index))
         job.next_event += 1
-        board.start_wait([channel.event(job.next_event)])
+        board.start_wait([channel.board_slot(job.next_event)])
         if self.relay is not None:
             self.relay.send(index, payload.decode())
         self._deliver_entry(payload)
@@ -544,8 +542,8 @@ def _parent_watch(pid: int) -> Optional[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The monitor process: ``python -c 'from hypergrid.control.monitor import main; main()' CONFIG``,
-    started by :func:`hypergrid.control.heartbeat.start_heartbeat` with pipes to and from its rank."""
+    """The monitor process: ``python -c 'from hypergrid.liveness.monitor import main; main()' CONFIG``,
+    started by :func:`hypergrid.liveness.heartbeat.start_heartbeat` with pipes to and from its rank."""
     args = list(sys.argv[1:] if argv is None else argv)
     config = MonitorConfig(**json.loads(args[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C ends the rank, which ends this
@@ -579,7 +577,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 monitor.parent_ended()
                 return 0
             for fd in ready:
-                if fd in monitor.readers():  # the one before may have closed it (a new leader)
+                if fd in monitor.readers():  # the one before may have closed it (a new delegate)
                     monitor.on_ready(fd)
             out.flush()
             if stdin is not None and stdin in ready:

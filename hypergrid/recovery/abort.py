@@ -6,14 +6,14 @@ leaves the ranks still in a collective with it waiting just as long. A recovery 
 long. On backends whose ``ProcessGroup.abort()`` ends the operations in flight (NCCL, torch
 2.15's ``nccl2`` and ``nccl-lazy``, and any backend registered with
 :func:`register_abortable_backend`), this rank's communicators are aborted as soon as its job's
-board says a rank was lost or a recovery opened (:mod:`hypergrid.control.watch`), while this
+board says a rank was lost or a recovery opened (:class:`CollectiveWatch`), while this
 rank's own code is not in the recovery (:func:`recovering`): the blocked collective raises, the
 rank's training loop calls the recovery, and the aborted communicators, broken now for every
 member, are made anew (each rank says which it aborted when it arrives, :func:`take_aborted`).
 
 gloo cannot do this (measured on torch 2.13 and 2.15: ``abort()`` returns at once, and a blocked
 all-reduce waits until its own timeout): there the recovery waits for a rank that is alive up to
-the job's longest collective timeout (:mod:`hypergrid.control.verdict`).
+the job's longest collective timeout (:mod:`hypergrid.recovery.quorum`).
 
 Example::
 
@@ -27,13 +27,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Optional
 
 import torch.distributed as dist
 
+from ..store.keys import JobChannel
+from ..store.records import BoardEvent, EventKind
+
 __all__ = ["register_abortable_backend", "abortable_backends", "can_abort", "abort_group", "abort_all",
-           "recovering", "in_recovery", "take_aborted"]
+           "recovering", "in_recovery", "take_aborted", "CollectiveWatch"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,3 +167,38 @@ def abort_all(groups: Sequence[dist.ProcessGroup]) -> int:
         for pg in targets:
             abort_group(pg)
     return len(targets)
+
+
+class CollectiveWatch:
+    """Aborts this rank's communicators on the events of ``channel``'s board that concern the job
+    over ``ranks`` as of round ``first_round``; ``groups()`` lists the communicators this rank holds."""
+
+    def __init__(self, channel: JobChannel, *, ranks: Sequence[int], first_round: int,
+                 groups: Callable[[], Sequence[dist.ProcessGroup]]) -> None:
+        self.channel = channel
+        self.ranks = frozenset(ranks)
+        self.first_round = first_round
+        self._groups = groups
+        self.active = True
+        # The groups aborted already, held so that their ids are not reused by new groups.
+        self._done: dict[int, dist.ProcessGroup] = {}
+
+    def concerns(self, event: BoardEvent) -> bool:
+        """Whether ``event`` means this rank's collectives may be blocked on a peer that will not come."""
+        if event.kind is EventKind.LOST:
+            return event.rank in self.ranks
+        if event.kind is EventKind.ROUND:
+            return event.number >= self.first_round and event.reason == "recover"
+        return False
+
+    def __call__(self, event: BoardEvent) -> None:
+        if not self.active or in_recovery() or not self.concerns(event):
+            return
+        targets = [pg for pg in self._groups() if id(pg) not in self._done]
+        self._done.update((id(pg), pg) for pg in targets)
+        count = abort_all(targets)
+        if count:
+            what = (f"rank {event.rank} was lost ({event.reason})" if event.kind is EventKind.LOST
+                    else f"recovery round {event.number} of the job opened")
+            logger.warning("rank %d: %s: aborted %d communicators to leave any collective in flight",
+                           dist.get_rank() if dist.is_initialized() else -1, what, count)

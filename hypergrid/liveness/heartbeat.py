@@ -1,16 +1,16 @@
 """This rank's side of the control plane: its monitor process, and the thread that talks to it.
 
-:func:`start_heartbeat` starts the rank's monitor (:mod:`hypergrid.control.monitor`), a process
+:func:`start_heartbeat` starts the rank's monitor (:mod:`hypergrid.liveness.monitor`), a process
 that beats for the rank in the job's store, watches one other rank and publishes losses; it
 returns once the monitor has reached the store, or raises naming why it could not. A thread of
 the rank's own (it needs the GIL, which is the point) sends the monitor a tick every interval:
 a rank whose interpreter is paused for longer than the progress timeout is published as hung,
 and no sooner. The same thread hears the events of the job's board that the monitor forwards
-and hands them to the listeners (the collective watch, :mod:`hypergrid.control.watch`).
+and hands them to the listeners (the collective watch, :class:`~hypergrid.recovery.abort.CollectiveWatch`).
 
 A job attaches itself (:meth:`Heartbeat.attach`): its board, its ranks and the ranks per node,
 which place the monitor in the job's ring. When the interpreter exits (hypergrid stops its
-threads first, :mod:`hypergrid.runtime.shutdown`), the monitor is told how: ``bye`` (the rank
+threads first, :mod:`hypergrid.store.shutdown`), the monitor is told how: ``bye`` (the rank
 leaves cleanly: its job was released, or its default group destroyed, or it served none), or
 ``gone`` (the process ends while a job still counts on it: the job learns at once). A process
 that ends without its interpreter's exit (SIGKILL, ``os._exit``) is seen by the monitor itself.
@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
@@ -45,11 +46,11 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from ..runtime.poll import readable
-from ..runtime.shutdown import register
-from ..runtime.wire import BoardEvent, decode
+from ..store.records import BoardEvent, decode
+from ..store.shutdown import register
 from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
 from .plane import ControlPlane, control_plane
+from .poll import readable
 
 __all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
 
@@ -58,10 +59,12 @@ logger = logging.getLogger(__name__)
 #: The directory that holds the hypergrid package this process runs: the monitor runs the same.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 #: The monitor's command: no site packages (it needs none), this hypergrid first on its path.
-_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.control.monitor import main; "
+_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.liveness.monitor import main; "
          "sys.exit(main())")
 #: How long a new monitor may take to reach the store and say it is ready.
 START_TIMEOUT_S = 60.0
+#: How many of the board's latest events a heartbeat keeps for a listener that comes late.
+RECENT_EVENTS = 256
 
 
 class Heartbeat:
@@ -85,6 +88,7 @@ class Heartbeat:
         #: Whether the attached job still counts on this rank (False once it released its spares).
         self.job_running = False
         self._listeners: dict[str, Callable[[BoardEvent], None]] = {}
+        self._recent: deque[BoardEvent] = deque(maxlen=RECENT_EVENTS)
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
@@ -141,11 +145,15 @@ class Heartbeat:
         self.job_running = False
         self._send("detach")
 
-    def listen(self, name: str, callback: Callable[[BoardEvent], None]) -> None:
+    def listen(self, name: str, callback: Callable[[BoardEvent], None], replay: bool = False) -> None:
         """Call ``callback`` (on the heartbeat's thread) with every event of the attached job's board,
-        in place of the listener ``name`` had."""
+        in place of the listener ``name`` had; ``replay``: with the latest :data:`RECENT_EVENTS`
+        events first (on this thread, before any later one), so that an outcome decided just before
+        the call is heard too."""
         with self._lock:
             self._listeners = {**self._listeners, name: callback}
+            for event in self._recent if replay else ():
+                callback(event)
 
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
@@ -178,7 +186,10 @@ class Heartbeat:
         word, _, rest = line.partition(" ")
         if word == "event":
             event = decode(BoardEvent, rest)
-            for listener in self._listeners.values():
+            with self._lock:
+                self._recent.append(event)
+                listeners = list(self._listeners.values())
+            for listener in listeners:
                 try:
                     listener(event)
                 except Exception:  # a listener's failure must not stop the heartbeat

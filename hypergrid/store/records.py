@@ -3,7 +3,7 @@
 Every value that crosses processes is one of the records below: what a member asks for
 (:class:`Agreement`: typed facts of its grid and request, and where the request stands in its
 grid's sequence), its entry in a round (:class:`Entry`), its latest state (:class:`LastState`),
-a round's verdict (:class:`Verdict`) and a world step's (:class:`CheckpointVerdict`). They are
+a round's verdict (:class:`Verdict`) and a world step's (:class:`StepOutcome`). They are
 written by :func:`encode` and read back by :func:`decode`, which rebuilds nested records, enums
 and tuples from the records' own type hints; nothing is built or read by string keys elsewhere.
 
@@ -17,7 +17,7 @@ Example::
     ['grid.dim_names', 'grid.placement', 'grid.rank_offset']
     >>> decode(Agreement, encode(agreement).encode()) == agreement
     True
-    >>> RoundId.of([1, 3, 5, 7], epoch=2).name
+    >>> CheckId.of([1, 3, 5, 7], epoch=2).name
     '[1, 3, 5, 7]#2'
 """
 
@@ -33,6 +33,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from ..layout.describe import describe_ranks
+from .keys import members_digest
 
 __all__ = [
     "Position",
@@ -40,25 +41,24 @@ __all__ = [
     "GridFacts",
     "RequestFacts",
     "Agreement",
-    "RoundId",
-    "RoundOutcome",
+    "CheckId",
+    "CheckOutcome",
     "State",
     "Asked",
     "Entry",
     "LastState",
     "Verdict",
-    "CheckpointVerdict",
+    "StepOutcome",
     "Arrival",
     "FailureVerdict",
     "JobRecord",
-    "RoundEnd",
+    "JobState",
     "EventKind",
     "BoardEvent",
     "encode",
     "decode",
     "encode_events",
     "decode_events",
-    "members_digest",
 ]
 
 R = TypeVar("R")
@@ -162,13 +162,13 @@ class Agreement:
 
 
 @dataclass(frozen=True)
-class RoundId:
+class CheckId:
     """One round of a member set: the members (a digest, and their list for messages) and the
     epoch the store counts for them. Alike on every member of the round, unlike any other round.
 
     Example::
 
-        >>> RoundId.of(range(100), epoch=0).name
+        >>> CheckId.of(range(100), epoch=0).name
         '100 ranks [0, 1, 2, 3, 4, 5, 6, 7, ..., 99]#0'
     """
 
@@ -177,7 +177,7 @@ class RoundId:
     epoch: int
 
     @classmethod
-    def of(cls, members: Sequence[int], epoch: int) -> RoundId:
+    def of(cls, members: Sequence[int], epoch: int) -> CheckId:
         return cls(members_digest(members), describe_ranks(sorted(members)), epoch)
 
     @property
@@ -190,25 +190,7 @@ class RoundId:
         return f"{self.members}#{self.epoch}"
 
 
-def members_digest(members: Sequence[int]) -> str:
-    """A member set's name in the store, alike on every member whatever the order given.
-
-    Example::
-
-        >>> members_digest([3, 1]) == members_digest([1, 3])
-        True
-    """
-    return _sorted_members_digest(tuple(sorted(members)))
-
-
-@functools.lru_cache(maxsize=32)
-def _sorted_members_digest(members: tuple[int, ...]) -> str:
-    # A job names the same few member sets over and over (its world, its groups, a recovery's
-    # survivors); spelling 16,384 ranks out takes 4 ms, looking the tuple up 0.1 ms.
-    return hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:20]
-
-
-class RoundOutcome(str, enum.Enum):
+class CheckOutcome(str, enum.Enum):
     """What a round ended in."""
 
     OK = "ok"
@@ -279,12 +261,12 @@ class LastState:
 class Verdict:
     """How a round ended, posted once and acted on by every member."""
 
-    outcome: RoundOutcome
+    outcome: CheckOutcome
     message: str
 
 
 @dataclass(frozen=True)
-class CheckpointVerdict:
+class StepOutcome:
     """How a world step's start or end came out: ``failed`` the rank that failed it (None: none
     did), with its error; ``lost`` the participants heard lost while the others waited (they stop
     waiting for them); ``timed_out`` the participant whose timeout passed first while it waited
@@ -292,8 +274,8 @@ class CheckpointVerdict:
 
     Example::
 
-        >>> decode(CheckpointVerdict, encode(CheckpointVerdict(None, timed_out=2)))
-        CheckpointVerdict(failed=None, error='', lost=(), timed_out=2)
+        >>> decode(StepOutcome, encode(StepOutcome(None, timed_out=2)))
+        StepOutcome(failed=None, error='', lost=(), timed_out=2)
     """
 
     failed: Optional[int]
@@ -306,19 +288,21 @@ class CheckpointVerdict:
 class Arrival:
     """What a rank brings to a recovery round: the training step it can resume from (None: not
     said), why it came (``"recover"`` after a failure, ``"grow"`` to grow the job, ``"wait"`` a
-    spare or a rank offering itself), and the member lists of the communicators it aborted to get
-    out of a collective (they are broken for every member).
+    spare or a rank offering itself), the member lists of the communicators it aborted to get out
+    of a collective (they are broken for every member), and the digest of its job's recovery
+    settings (ranks that disagree on them would plan apart: the leader refuses the round).
 
     Example::
 
         >>> decode(Arrival, encode(Arrival(4, step=7, aborted=((4, 5),))))
-        Arrival(rank=4, step=7, reason='recover', aborted=((4, 5),))
+        Arrival(rank=4, step=7, reason='recover', aborted=((4, 5),), settings='')
     """
 
     rank: int
     step: Optional[int] = None
     reason: str = "recover"
     aborted: tuple[tuple[int, ...], ...] = ()
+    settings: str = ""
 
 
 @dataclass(frozen=True)
@@ -329,10 +313,11 @@ class FailureVerdict:
     some participant came to grow the job (``grow``) or after a failure (``recovering``), and the
     ranks that aborted their communicators to come (``aborted_by``, as ``(first, count)`` runs:
     every abortable group one of them is in is broken). ``abandoned`` non-empty: a participant gave
-    up (its deadline passed), and the recovery ends in an error on every participant.
-    ``board_read``: how many entries of the job's board the leader had read when it decided (every
-    rank of the job lost in them is failed; a loss it did not read is in a later entry). Its size
-    grows with the failures and offers, not with the job: every participant reads it.
+    up (its deadline passed, or the participants disagree on the job's settings), and the recovery
+    ends in an error on every participant. ``board_read``: how many entries of the job's board the
+    leader had read when it decided (every rank of the job lost in them is failed; a loss it did
+    not read is in a later entry). ``decided_by``: the leader that decided it. Its size grows with
+    the failures and offers, not with the job: every participant reads it.
 
     Example::
 
@@ -342,7 +327,7 @@ class FailureVerdict:
     """
 
     failed: tuple[int, ...]
-    epoch: int
+    round: int
     reasons: tuple[str, ...] = ()
     offered: tuple[int, ...] = ()
     step: Optional[int] = None
@@ -351,14 +336,14 @@ class FailureVerdict:
     aborted_by: tuple[tuple[int, int], ...] = ()
     abandoned: str = ""
     board_read: int = 0
+    decided_by: int = -1
 
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A job's state as its latest committed round left it: the grid's shape and placement (rank
-    map runs), its spares and the step to resume from. The store holds it, so a rank that missed
-    a round's end reads where the job is instead of trusting its own view. ``gone``: why each rank
-    the job lost was counted out (one line each, every round so far), for a rank that learns late.
+    """A job's placement as its latest committed round left it: the grid's shape and placement
+    (rank map runs), its spares and the step to resume from. ``gone``: why each rank the job lost
+    was counted out (one line each, every round so far), for a rank that learns late.
     ``board_from``: the entry of the job's board the next recovery reads from, the committing
     round's ``FailureVerdict.board_read``: no rank this record counts on is lost in the entries
     before it (the round counted out every rank they say is lost, and a rank that offers itself to
@@ -383,37 +368,50 @@ class JobRecord:
 
 
 @dataclass(frozen=True)
-class RoundEnd:
-    """How a recovery round's attempt ended: ``committed`` with the job it left (``job``), or not,
-    with why (``refused``: no placement fits, which a retry cannot change).
+class JobState:
+    """A resilient job's one record in the store: the recovery ``round`` now open (or next), the
+    placement its latest committed round left (None: none committed), and the ranks that offer
+    themselves to it, each with the generation of the record it offers itself to. Opening a round
+    reads it (one request); the round that commits writes it once, advancing the round with it.
 
     Example::
 
-        >>> decode(RoundEnd, encode(RoundEnd(False, "rank 4 died while the groups were made")))
-        RoundEnd(committed=False, message='rank 4 died while the groups were made', refused=False, job=None)
+        >>> state = JobState(3, None, offers=((9, 1),))
+        >>> decode(JobState, encode(state)) == state, state.offered(1), state.offered(2)
+        (True, (9,), ())
     """
 
-    committed: bool
-    message: str = ""
-    refused: bool = False
-    job: Optional[JobRecord] = None
+    round: int = 0
+    committed: Optional[JobRecord] = None
+    offers: tuple[tuple[int, int], ...] = ()
+
+    @property
+    def generation(self) -> int:
+        return self.committed.generation if self.committed is not None else 0
+
+    def offered(self, generation: int) -> tuple[int, ...]:
+        """The ranks that offer themselves to the record of ``generation``, ascending."""
+        return tuple(sorted({rank for rank, offered_to in self.offers if offered_to == generation}))
 
 
 class EventKind(str, enum.Enum):
-    """What a job's board says: a rank was lost, a rank counted out offers itself again, or a
-    recovery round was opened (by a survivor after a failure, or to grow the job)."""
+    """What a job's board says: a rank was lost, a rank counted out offers itself again, a
+    recovery round was opened (by a survivor after a failure, or to grow the job), or a meeting
+    of the job's ranks was decided (its outcome, which they hear instead of reading the store)."""
 
     LOST = "lost"
     BACK = "back"
     ROUND = "round"
+    DECIDED = "decided"
 
 
 @dataclass(frozen=True)
 class BoardEvent:
     """One event of a job's board, which every rank's monitor waits on (an entry of the board holds
-    one, or several published together, :func:`encode_events`): ``rank`` lost
-    (with ``reason``), back, or round ``number`` opened (``reason``: why its first arrival came).
-    ``by``: the rank that published it (a lost rank's own monitor, or the one watching it).
+    one, or several published together, :func:`encode_events`): ``rank`` lost (with ``reason``),
+    back, round ``number`` opened (``reason``: why its first arrival came), or the outcome at store
+    key ``key`` decided as ``value`` (``rank``: who decided it). ``by``: the rank that published it
+    (a lost rank's own monitor, or the one watching it).
 
     Example::
 
@@ -427,6 +425,8 @@ class BoardEvent:
     reason: str = ""
     number: int = -1
     by: int = -1
+    key: str = ""
+    value: str = ""
 
 
 # ---------------------------------------------------------------------- the one serializer
@@ -439,7 +439,7 @@ def encode(record: Any) -> str:
 
     Example::
 
-        >>> encode(Verdict(RoundOutcome.OK, ""))
+        >>> encode(Verdict(CheckOutcome.OK, ""))
         '{"message": "", "outcome": "ok"}'
     """
     return _json(asdict(record))
@@ -451,7 +451,7 @@ def decode(cls: type[R], raw: Union[bytes, str]) -> R:
     Example::
 
         >>> decode(Verdict, b'{"message": "", "outcome": "ok"}')
-        Verdict(outcome=<RoundOutcome.OK: 'ok'>, message='')
+        Verdict(outcome=<CheckOutcome.OK: 'ok'>, message='')
     """
     text = raw.decode() if isinstance(raw, bytes) else raw
     record: R = _build(cls, json.loads(text))

@@ -1,0 +1,272 @@
+"""One wait on the job's board per node: a node's monitors elect a delegate that waits and relays.
+
+Every entry of a job's board (a loss, a round opened, a meeting's outcome) must reach every
+rank's monitor. Were each monitor to wait on the board itself, each entry would cost the store a
+wake and two requests per rank: at 16,384 ranks eight entries are some 260,000 requests, seconds
+of one store's time. Instead the monitors of one node (the same node index,
+``rank // gpus_per_node``, on the same host) elect one of them, the node's *delegate*, which
+keeps the node's one wait on the board and hands each entry it reads to the others over a local
+socket: the store's work per entry is the same for a node of 8 as for a rank. (The delegate also
+watches for its node, :mod:`hypergrid.liveness.monitor`; what it saw goes to the others with its
+position.) This is the only election among a node's processes.
+
+The election is a name (:func:`elect`): the first monitor to bind the node's abstract Unix
+socket (Linux's abstract namespace, one per host: nothing on disk to clean up, released when its
+holder ends) is the delegate; the others connect to it (a process of another user is neither
+followed nor accepted: the name has no permissions). A follower whose delegate goes (its rank
+ended, it left the job) reads end-of-file, and elects again. Every relayed entry carries its
+board index, and a new follower is told the delegate's position first: a follower that missed
+entries (it joined after the delegate read them, or between two delegates) reads those from the
+store itself, so no entry is lost or seen twice. The delegate tells its position every interval
+too; a follower that heard nothing from it for the staleness bound (a delegate alive but stuck)
+stops counting on it and waits on the board itself, as it does where abstract sockets do not
+exist (not Linux). A follower too far behind to take what the delegate sends (its socket full)
+is dropped, elects again, and catches up the same way.
+
+Example, two monitors of one node in this process::
+
+    >>> import uuid
+    >>> address = socket_name("relay", f"doc-{uuid.uuid4()}", 0)
+    >>> first, second = NodeRelay.join(address), NodeRelay.join(address)
+    >>> first.delegates, second.delegates
+    (True, False)
+    >>> first.accept(position=3)                                   # the delegate will read entry 3 next
+    >>> first.send(3, '{"kind": "lost"}'); first.keep_alive(4, "what it watches")
+    >>> second.receive()                                           # doctest: +NORMALIZE_WHITESPACE
+    [Relayed(index=3, payload=None, state=''), Relayed(index=3, payload='{"kind": "lost"}', state=''),
+     Relayed(index=4, payload=None, state='what it watches')]
+    >>> first.close(); second.receive() is None                   # the delegate left: elect again
+    True
+    >>> second.close(); third = NodeRelay.join(address); third.delegates
+    True
+    >>> third.close()
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import struct
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+from ..store.keys import socket_name
+
+__all__ = ["NodeRelay", "Relayed", "elect", "socket_name"]
+
+#: How long a monitor keeps trying to bind or follow a name whose holder refuses it (it closes the
+#: name, or has bound it and not listened yet) before it waits on the board on its own.
+_ELECT_S = 0.5
+#: How long a connection to a name's holder may take (one that hangs is not a delegate to follow).
+_CONNECT_TIMEOUT_S = 1.0
+
+
+def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], Optional[socket.socket]]:
+    """Hold the abstract socket name ``address`` if nobody does, else connect to whoever does.
+
+    Returns ``(listener, None)`` for the holder (listening, non-blocking), ``(None, connection)``
+    for a follower (non-blocking), and ``(None, None)`` where this process is on its own: no
+    abstract namespace here, a holder that does not take the connection, or another user's.
+
+    Example::
+
+        >>> import uuid
+        >>> name = b"\\0hypergrid-doc-" + uuid.uuid4().hex.encode()
+        >>> (held, _), (_, joined) = elect(name), elect(name)
+        >>> held is not None, joined is not None
+        (True, True)
+        >>> joined.close(); held.close()
+    """
+    # A holder between its bind and its listen refuses a connection: try again for a moment
+    # (a busy host may hold it there a while), backing off, rather than give up at once.
+    give_up, pause = time.monotonic() + _ELECT_S, 0.001
+    while True:
+        try:
+            held = _bind(address, backlog)
+        except OSError:  # no abstract namespace here (or no descriptor left): on its own
+            return None, None
+        if held is not None:
+            return held, None
+        try:
+            return None, _connect(address)
+        except ConnectionRefusedError:  # the holder closed its name, or does not listen yet
+            if time.monotonic() >= give_up:
+                return None, None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.01)
+        except OSError:  # a holder that does not take the connection, or is another user's
+            return None, None
+
+
+def _same_user(conn: socket.socket) -> bool:
+    """Whether the process at the other end of ``conn`` runs as this one's user (an abstract
+    socket's name has no permissions: another user's process could hold it, or connect)."""
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return bool(struct.unpack("3i", creds)[1] == os.getuid())
+
+
+def _bind(address: bytes, backlog: int) -> Optional[socket.socket]:
+    """A listener holding ``address``; None where another holds it (raises where no name can be held)."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        listener.bind(address)
+        listener.listen(backlog)
+        listener.setblocking(False)
+    except OSError as exc:
+        listener.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
+    return listener
+
+
+def _connect(address: bytes) -> socket.socket:
+    """A connection to the holder of ``address``, of this user (raises OSError otherwise)."""
+    upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        upstream.settimeout(_CONNECT_TIMEOUT_S)
+        upstream.connect(address)
+        if not _same_user(upstream):
+            raise PermissionError(f"the name {address!r} is held by another user's process")
+        upstream.setblocking(False)
+    except OSError:
+        upstream.close()
+        raise
+    return upstream
+
+
+@dataclass(frozen=True)
+class Relayed:
+    """What a follower hears: an entry of the board at ``index`` (``payload`` its encoding), or,
+    with no payload, the delegate's position: the index of the next entry the delegate will read,
+    and the delegate's own ``state`` (one line, opaque to the relay; empty where it sent none)."""
+
+    index: int
+    payload: Optional[str]
+    state: str = ""
+
+
+class NodeRelay:
+    """One monitor's end of its node's relay: the delegate's listening socket and its followers'
+    connections, or a follower's connection to the delegate (see the module)."""
+
+    def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket]) -> None:
+        self.listener = listener
+        self.upstream = upstream
+        self.followers: dict[int, socket.socket] = {}
+        self._inbox = b""
+
+    @classmethod
+    def join(cls, address: bytes) -> NodeRelay:
+        """Be the node's delegate at ``address`` if nobody is, else follow whoever is.
+
+        Returns a relay that delegates with no listener where this system has no abstract sockets
+        (the monitor then waits on the board itself, for itself alone).
+        """
+        listener, upstream = elect(address)
+        return cls(listener, upstream)
+
+    @property
+    def delegates(self) -> bool:
+        return self.upstream is None
+
+    def readers(self) -> list[int]:
+        """The descriptors to watch for reading: the listener and the followers (to see them go),
+        or the connection to the delegate."""
+        if self.upstream is not None:
+            return [self.upstream.fileno()]
+        return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
+
+    # ------------------------------------------------------------------ the delegate's side
+    def accept(self, position: int) -> None:
+        """Take a new follower (the listener is readable) and tell it ``position``."""
+        if self.listener is None:
+            return
+        try:
+            conn, _ = self.listener.accept()
+        except (BlockingIOError, InterruptedError):
+            return
+        try:
+            if not _same_user(conn):
+                raise PermissionError("another user's process")
+            conn.setblocking(False)  # a follower that does not take a line at once is dropped
+        except OSError:
+            conn.close()
+            return
+        self.followers[conn.fileno()] = conn
+        self._send_to(conn, f"at {position}\n".encode())
+
+    def send(self, index: int, payload: str) -> None:
+        """Hand entry ``index`` to every follower."""
+        line = f"ev {index} {payload}\n".encode()
+        for conn in list(self.followers.values()):
+            self._send_to(conn, line)
+
+    def keep_alive(self, position: int, state: str = "") -> None:
+        """Tell every follower the delegate's position and ``state`` (one line; every interval: a
+        follower that hears nothing for the staleness bound stops counting on this delegate)."""
+        if "\n" in state:
+            raise ValueError(f"a relayed state is one line, got {state!r}")
+        line = (f"at {position} {state}\n" if state else f"at {position}\n").encode()
+        for conn in list(self.followers.values()):
+            self._send_to(conn, line)
+
+    def follower_ready(self, fd: int) -> None:
+        """A follower's connection is readable: followers send nothing, so it went."""
+        conn = self.followers.get(fd)
+        if conn is None:
+            return
+        try:
+            data = conn.recv(1, socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self._drop(conn)
+
+    def _send_to(self, conn: socket.socket, line: bytes) -> None:
+        try:
+            conn.sendall(line)
+        except OSError:  # gone, or so far behind that its socket is full: it elects again and catches up
+            self._drop(conn)
+
+    def _drop(self, conn: socket.socket) -> None:
+        self.followers.pop(conn.fileno(), None)
+        conn.close()
+
+    # ------------------------------------------------------------------ a follower's side
+    def receive(self) -> Optional[list[Relayed]]:
+        """What the delegate sent (the connection is readable); None when the delegate is gone."""
+        if self.upstream is None:
+            return []
+        try:
+            chunk = self.upstream.recv(65536)
+        except BlockingIOError:
+            return []
+        except OSError:
+            chunk = b""
+        if not chunk:
+            return None
+        lines, _, self._inbox = (self._inbox + chunk).rpartition(b"\n")
+        heard = []
+        for line in lines.decode().split("\n") if lines else []:
+            word, _, rest = line.partition(" ")
+            if word == "at":
+                position, _, state = rest.partition(" ")
+                heard.append(Relayed(int(position), None, state))
+            elif word == "ev":
+                index, _, payload = rest.partition(" ")
+                heard.append(Relayed(int(index), payload))
+        return heard
+
+    def close(self) -> None:
+        for conn in list(self.followers.values()):
+            conn.close()
+        self.followers.clear()
+        for sock in (self.listener, self.upstream):
+            if sock is not None:
+                sock.close()
+        self.listener = self.upstream = None

@@ -1,0 +1,145 @@
+"""Whether communicators that outlived a failure still work, decided alike by all their members.
+
+A rank's death breaks more than the groups it was in: a survivor that waited in a collective for
+a peer who had already left for the recovery times out, and gloo then closes that group's
+connections; an operation one member issued and the other never matched leaves the group out
+of step. Such a group has living members only, and would be kept by a recovery that looks at
+members alone. :func:`broken_groups` probes each candidate group with one small collective (in
+the same order on every member, as the groups were made) and the participants pool what they
+found through the store, so that every member of a group reads the same answer: broken if any
+member found it so.
+
+Example, in a one-rank gloo world whose store is a ``HashStore``: a group of this rank alone works::
+
+    >>> import torch.distributed as dist
+    >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    >>> alone = dist.new_group([0])
+    >>> broken_groups([alone], participants=[0], timeout=timedelta(seconds=5))
+    set()
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..errors import RecoveryError, StoreUnresponsiveError
+from ..layout.describe import describe_ranks
+from ..runtime.environment import agreement_possible, job_store
+from ..runtime.scope import RecoveryScope, current_scope, lost_among
+from ..store import meeting
+from ..store.client import StoreClient
+from ..store.keys import Meeting, health_attempt, health_epoch, health_meeting
+
+__all__ = ["probe", "broken_groups"]
+
+logger = logging.getLogger(__name__)
+
+
+def probe(pg: dist.ProcessGroup, timeout: timedelta) -> bool:
+    """Whether one all-reduce over ``pg`` completes, with the right sum, within ``timeout``.
+
+    Example::
+
+        >>> probe.__name__
+        'probe'
+    """
+    value = torch.ones(1)
+    try:
+        work = dist.all_reduce(value, group=pg, async_op=True)
+        if not work.wait(timeout):
+            return False
+    except Exception as exc:  # a closed connection, a timeout: the group is what is being judged
+        logger.info("probe of the group of ranks %s failed: %s", dist.get_process_group_ranks(pg), exc)
+        return False
+    return int(value.item()) == dist.get_world_size(pg)
+
+
+def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence[int], timeout: timedelta,
+                  attempt: Optional[str] = None, known: Iterable[tuple[int, ...]] = (),
+                  probe_s: float = 10.0) -> set[tuple[int, ...]]:
+    """The member lists of the groups, among ``groups``, that some member found broken.
+
+    Every rank of ``participants`` calls it, each with the groups it holds among those the
+    recovery could keep, in the order they were made; it returns when all have reported. Cost:
+    one small collective per group (each ``probe_s`` at most), and a meeting
+    (:mod:`hypergrid.store.meeting`): one request per rank (two where it found one broken), and
+    the pooled reports as its outcome, heard from the job's board inside a recovery that hears it.
+    ``known``: member lists already known broken (a member aborted them): not probed, reported.
+    ``attempt``: names this check in the store (a recovery round's keys), so that each round of
+    a recovery checks afresh; by default an epoch the store counts per set of participants.
+
+    Raises:
+        RecoveryError: a participant did not report within ``timeout`` (it died or hangs).
+    """
+    if not agreement_possible():
+        return set()  # one simulated rank (the fake backend): its groups carry nothing that can break
+    known = {tuple(k) for k in known}
+    bad = []
+    for pg in groups:
+        members = tuple(dist.get_process_group_ranks(pg))
+        if members in known or not probe(pg, min(timeout, timedelta(seconds=probe_s))):
+            bad.append(members)
+    ranks = sorted(set(participants))
+    store = job_store(time.monotonic() + timeout.total_seconds())
+    scope = current_scope()
+    hearing = scope if scope is not None and scope.hearing and attempt is not None else None
+    try:
+        epoch_key, epoch = "", 0
+        if attempt is None:
+            epoch_key = health_epoch(ranks)
+            epoch = int(store.add(epoch_key, 0))
+        pool = health_meeting(attempt if attempt is not None else health_attempt(ranks, epoch))
+        if meeting.arrive(store, pool, len(ranks), json.dumps(bad) if bad else None).completes:
+            if epoch_key:
+                store.compare_set(epoch_key, str(epoch), str(epoch + 1))  # everyone has read it
+            found = sorted({tuple(m) for line in meeting.lines(store, pool) for m in json.loads(line)})
+            _decide(store, pool, json.dumps({"broken": found}), hearing)
+        outcome = _wait(store, pool, ranks, hearing, scope)
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        raise RecoveryError(f"hypergrid: the job's store did not answer while checking groups: {exc}") from exc
+    if outcome is None or "lost" in outcome:
+        lost = outcome["lost"] if outcome is not None else []
+        raise RecoveryError(
+            f"hypergrid: ranks {describe_ranks(ranks)} did not all report which groups still work within "
+            f"{timeout.total_seconds():g} s" + (f": ranks {describe_ranks(lost)} were lost" if lost else ""))
+    broken = {tuple(members) for members in outcome["broken"]}
+    if broken:
+        logger.info("groups found broken after the failure, rebuilt: %s", sorted(broken))
+    return broken
+
+
+def _decide(store: StoreClient, pool: Meeting, proposal: str, hearing: Optional[RecoveryScope]) -> None:
+    standing = meeting.decide(store, pool, proposal)
+    if hearing is not None and standing == proposal.encode():
+        hearing.publish(pool.outcome, standing)
+
+
+def _wait(store: StoreClient, pool: Meeting, ranks: list[int], hearing: Optional[RecoveryScope],
+          scope: Optional[RecoveryScope]) -> Optional[dict[str, Any]]:
+    """The pool's outcome: heard (a loss heard decides it at once), or read a slice at a time with
+    a look at the board between slices inside a recovery; None at the deadline."""
+    with contextlib.ExitStack() as alarm:
+        if hearing is not None:
+            def lost(ranks_lost: list[int]) -> None:
+                _decide(job_store(time.monotonic() + 5.0), pool, json.dumps({"lost": ranks_lost}), hearing)
+            alarm.enter_context(hearing.on_loss(ranks, lost))
+        while store.remaining() > 0:
+            slice_s = store.remaining() if scope is None or hearing is not None else min(1.0, store.remaining())
+            raw = meeting.wait_outcome(store, pool, slice_s, hearing, hearing.fallback_s if hearing else 0.0)
+            if raw is not None:
+                value: dict[str, Any] = json.loads(raw)
+                return value
+            gone = lost_among(ranks) if hearing is None and store.remaining() > 0 else []
+            if gone:
+                return {"lost": gone}
+    return None

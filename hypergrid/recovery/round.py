@@ -1,0 +1,513 @@
+"""A job's recovery rounds: each decided once by its leader, heard by every participant.
+
+A resilient job (its grid's ranks and its spares) has a *channel* in the control plane
+(:class:`~hypergrid.store.keys.JobChannel`), named by what every rank of it shares: the job's
+first ranks (a digest) and the job's *instance*, which all of them read together when the job is
+made (:func:`open_channel`), so a second job on the same ranks has a channel of its own. Its one
+record in the store, :class:`~hypergrid.store.records.JobState`, says which round is open, the
+placement the latest committed round left, and the ranks that offer themselves. Round ``n`` is
+open until it ends, whatever it ended in, so the next recovery, a retry after an error and a
+spare's next wait always meet in a new round.
+
+What a participant does, and what it costs the store (per participant, with the rank's heartbeat
+running):
+
+1. **open** (:meth:`RecoveryRound.open`): it reads the job's record, one request;
+2. **arrive** (:meth:`RecoveryRound.agree`): its :class:`~hypergrid.store.records.Arrival`
+   appended to the round's arrivals and counted (a meeting,
+   :mod:`hypergrid.store.meeting`), two requests. The first three arrivals also wake the
+   spares and contend for the lead, and the first publishes the round on the job's board;
+3. **the verdict**: the leader, looking at the arrivals and the board every ``leader_look_s``,
+   decides who failed (:func:`hypergrid.recovery.quorum.decide`, a pure rule), proposes it once
+   and publishes it on the board; the others *hear* it (their heartbeat forwards the board's
+   entries, read once per node), no request. A participant that hears its leader lost takes over at
+   once; one whose leader's beat stood still for ``leader_quiet_s`` (alive, but stuck) too;
+4. **the end**: the new placement's ranks rebuild in a world step named by the round
+   (:mod:`hypergrid.runtime.world_step`; one request each, its outcome heard the same way), whose
+   last participant commits the job's new record and closes the round in one compare-and-set
+   (:meth:`RecoveryRound.commit`): the end, the record and the close are written once.
+
+Four requests per participant in all, at any size. Without a heartbeat (a store another process
+cannot reach), a participant blocks on the verdict's key instead, a slice at a time, and looks at
+the leader's beat between slices. An attempt that does not commit is closed by each participant
+(idempotent). A participant ahead of the store (it committed a round whose closer ended before
+writing the record) writes its record when it next opens a round (:meth:`RecoveryRound.open`),
+so no round is used twice.
+
+Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
+and its process ended (its monitor published it)::
+
+    >>> import time
+    >>> import torch.distributed as dist
+    >>> from hypergrid.liveness.plane import control_plane
+    >>> from hypergrid.store.records import Arrival, BoardEvent, EventKind
+    >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    >>> dist.init_process_group("gloo", store=server, rank=0, world_size=1)
+    >>> plane = control_plane(); channel = JobChannel.of([0, 1], 0, plane.namespace)
+    >>> board = board_view(channel, plane)
+    >>> board.publish_event(BoardEvent(EventKind.LOST, 1, "its process ended", by=1))
+    >>> rnd = RecoveryRound.open(channel, plane, time.monotonic() + 5)
+    >>> verdict = rnd.agree([0, 1], Arrival(0, step=3), bound_s=30, board=board, settings=RecoverySettings())
+    >>> verdict.failed, verdict.step, verdict.reasons[0]
+    ((1,), 3, 'rank 1: its process ended before it arrived')
+    >>> rnd.close(); RecoveryRound.open(channel, plane, time.monotonic() + 5).number
+    1
+    >>> dist.destroy_process_group()
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Optional
+
+import torch.distributed as dist
+
+from ..errors import ExcludedByRecovery, RecoveryError, StoreUnresponsiveError
+from ..layout.describe import describe_ranks, one_line
+from ..liveness.board import BoardView
+from ..liveness.plane import ControlPlane, control_plane
+from ..runtime.world_step import world_checkpoint, world_start
+from ..store import meeting
+from ..store.client import StoreClient
+from ..store.keys import JobChannel, RoundKeys
+from ..store.records import Arrival, BoardEvent, EventKind, FailureVerdict, JobRecord, JobState, decode, encode
+from .quorum import ABANDON_MARGIN_S, RoundView, decide
+from .settings import RecoverySettings
+
+__all__ = ["RecoveryRound", "open_channel", "board_view", "read_state", "wait_for_round", "release_spares", "offer"]
+
+logger = logging.getLogger(__name__)
+
+#: The first arrivals each wake the spares and contend for the lead (one that died on its way in
+#: is covered by the next at once); the others learn who leads from the verdict.
+_CONTENDERS = 3
+_UNKNOWN = -1
+#: How many times a change of the job's record is tried against writers meanwhile (offers, closes).
+_STATE_TRIES = 64
+
+
+def open_channel(origin: Sequence[int], *, timeout: timedelta) -> JobChannel:
+    """The channel of a job whose ranks (grid and spares) are ``origin``: every one of them calls
+    it when the job is made, and all read the same instance (a world step over them: a rank that
+    never comes fails it on the others, naming it, within ``timeout``).
+
+    Example::
+
+        >>> open_channel([0, 1], timeout=timedelta(seconds=5))      # no process group: instance 0
+        JobChannel(namespace='hypergrid/control', origin='fa5836450376bf4bf592', instance=0)
+    """
+    ranks = sorted(set(origin))
+    plane = control_plane()
+    if plane is None:
+        return JobChannel.of(ranks, 0)
+    step = world_start("a resilient job's start", timeout=timeout, ranks=ranks)
+    world_checkpoint(step, None, timeout=timeout)
+    return JobChannel.of(ranks, step.epoch if step is not None else 0, plane.namespace)
+
+
+def board_view(channel: JobChannel, plane: ControlPlane, first: int = 0) -> BoardView:
+    """``channel``'s board as this rank reads it, from entry ``first``, each look bounded by 5 s."""
+    return BoardView(channel, lambda: plane.client(time.monotonic() + 5.0), first)
+
+
+def read_state(channel: JobChannel, store: StoreClient) -> tuple[JobState, bytes]:
+    """The job's record in the store and its bytes as stored (what a change compares with), one
+    request (absent: a job none of whose rounds has ended yet)."""
+    raw = store.get_if_set(channel.state)
+    return (decode(JobState, raw), raw) if raw is not None else (JobState(), b"")
+
+
+def _change_state(channel: JobChannel, store: StoreClient, raw: bytes,
+                  change: Callable[[JobState], Optional[JobState]]) -> JobState:
+    """Apply ``change`` to the job's record (None: leave it) by compare-and-set from ``raw``, the
+    bytes last read, reading it again where another writer came between; the record after."""
+    current = False  # whether ``raw`` is known to be what the store holds
+    for _ in range(_STATE_TRIES):
+        state = decode(JobState, raw) if raw else JobState()
+        changed = change(state)
+        if changed is None:
+            if current:
+                return state
+            _, raw = read_state(channel, store)  # nothing to do, as last read: as the store has it?
+            current = True
+            continue
+        desired = encode(changed).encode()
+        standing = bytes(store.compare_set(channel.state, raw, desired))
+        if standing == desired:
+            return changed
+        raw, current = standing, True
+    raise RecoveryError(f"hypergrid: the job's record in the store kept changing under {_STATE_TRIES} tries to change it")
+
+
+@dataclass
+class _Waiting:
+    """One participant's state while it waits for a round's verdict (the job's ranks are sorted
+    only by a participant that leads: a follower of a round of 16,384 holds no set of its own)."""
+
+    rank: int
+    members: Sequence[int]
+    offered: Sequence[int]
+    since: float
+    leader: int = _UNKNOWN
+    arrivals: dict[int, Arrival] = field(default_factory=dict)
+    read_at: int = -1
+    leader_beat: int = -1
+    leader_since: float = 0.0
+    woke_spares: bool = False
+    #: Whether it was among the first arrivals, which watch the leader's beat closely.
+    contends: bool = False
+    #: Whether, leading, it has read the board once (after which it hears it, where it can).
+    looked: bool = False
+
+    def __post_init__(self) -> None:
+        self.leader_since = self.since
+
+
+@dataclass
+class RecoveryRound:
+    """One participant's view of round ``number`` of a job, its store calls bounded by a deadline."""
+
+    channel: JobChannel
+    plane: ControlPlane
+    number: int
+    store: StoreClient
+    #: The job's record as read when the round was opened, and its bytes (what a change compares with).
+    state: JobState
+    raw_state: bytes = b""
+
+    @classmethod
+    def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float, store: Optional[StoreClient] = None,
+             ahead: Optional[JobRecord] = None) -> RecoveryRound:
+        """This rank's view of the job's open round (nothing is written yet): one request.
+        ``ahead``: the record this rank's job holds; where the store's is older (the closer of the
+        round that committed it ended before writing it), it is written now and the round that
+        committed is closed, so that nobody meets in it again."""
+        store = store or plane.client(deadline)
+        try:
+            state, raw = read_state(channel, store)
+            if ahead is not None and ahead.generation > state.generation:
+                logger.warning("hypergrid: the job's record in the store is behind this rank's (generation %d, not "
+                               "%d): the round that committed it is closed now", state.generation, ahead.generation)
+                state = _change_state(channel, store, raw, lambda s: _committed(s, s.round, ahead))
+                state, raw = read_state(channel, store)
+            return cls(channel, plane, state.round, store, state, raw)
+        except (dist.DistError, StoreUnresponsiveError) as exc:
+            raise _store_failed("open a recovery round", exc) from exc
+
+    @property
+    def keys(self) -> RoundKeys:
+        return self.channel.round(self.number)
+
+    @property
+    def record(self) -> Optional[JobRecord]:
+        """The job as the latest committed round left it (None: none has committed)."""
+        return self.state.committed
+
+    @property
+    def offers(self) -> tuple[int, ...]:
+        """The ranks that offer themselves to the job as it stands (see :func:`offer`)."""
+        return self.state.offered(self.state.generation)
+
+    @property
+    def name(self) -> str:
+        return f"round {self.number} of the job"
+
+    # ------------------------------------------------------------------ the verdict
+    def agree(self, domain: Sequence[int], arrival: Arrival, *, bound_s: float, board: BoardView,
+              settings: RecoverySettings, offers: Sequence[int] = ()) -> FailureVerdict:
+        """Arrive with ``arrival`` and return the round's verdict, as every participant reads it.
+
+        ``domain``: every rank the job counts on (those that do not come are found failed);
+        ``offers``: ranks outside it that offered themselves, waited for alike and taken as spares
+        if they come. ``bound_s``: how long a rank that is alive but absent is waited for; the
+        store's deadline bounds the whole wait: past it, this rank abandons the round.
+
+        Raises:
+            ExcludedByRecovery: this rank is in the verdict's failed set (it came too late).
+            RecoveryError: the round was abandoned, or the store stopped answering.
+        """
+        store, rank = self.store, arrival.rank
+        waiting = _Waiting(rank, domain, offers, time.monotonic())
+        try:
+            place = meeting.arrive(store, self.keys.arrivals, len(domain) + len(offers), encode(arrival), awaited=True)
+            if place.number <= _CONTENDERS:
+                store.set(self.keys.wake, "")
+                waiting.woke_spares, waiting.contends = True, True
+                waiting.leader = int(store.compare_set(self.keys.leader, "", str(rank)))
+            if place.number == 1:  # the round is open: communicators are aborted, and who leads is known
+                board.publish_event(BoardEvent(EventKind.ROUND, rank, arrival.reason, number=self.number, by=rank,
+                                               value=str(waiting.leader)), store)
+            while True:
+                if waiting.leader == rank:
+                    verdict = self._lead(waiting, board, bound_s, settings)
+                else:
+                    verdict = self._follow(waiting, board, settings)
+                if verdict is not None:
+                    break
+        except StoreUnresponsiveError as exc:
+            if store.remaining() <= 0:
+                self.abandon(f"rank {rank} reached its deadline before the participants agreed on who failed", board)
+                return self._standing_or_raise(rank)
+            raise _store_failed("agree on who failed", exc) from exc
+        except dist.DistError as exc:
+            raise _store_failed("agree on who failed", exc) from exc
+        return _checked(verdict, rank, self.name)
+
+    def _standing(self) -> Optional[FailureVerdict]:
+        key = self.keys.verdict  # followers without a heartbeat wait on it: a peek would wake them
+        return decode(FailureVerdict, self.store.get(key)) if self.store.check([key]) else None
+
+    def _lead(self, waiting: _Waiting, board: BoardView, bound_s: float,
+              settings: RecoverySettings) -> Optional[FailureVerdict]:
+        """One look of the leader: the verdict once it can be decided (None: look again).
+
+        Where the board is heard, a look blocks on the arrivals' completion (one request, answered
+        as the last participant arrives) and the losses are those heard: the count is read only
+        once some rank is lost or the wait is long, and the board once, before proposing. Else a
+        look reads the count and the board, and sleeps ``leader_look_s``."""
+        store, hearing = self.store, board.hearing
+        standing = _heard(board, self.keys.verdict) if hearing else self._standing()
+        if standing is not None:  # a participant that gave up at its deadline decided already
+            return standing
+        if not waiting.woke_spares:  # it took over from a first arrival that may have died before
+            store.set(self.keys.wake, "")
+            waiting.woke_spares = True
+        store.add(self.keys.leader_beat, 1)
+        domain = sorted(set(waiting.members))
+        offers = sorted(set(waiting.offered) - set(domain))
+        size = len(domain) + len(offers)
+        closing = store.remaining() <= ABANDON_MARGIN_S + settings.leader_look_s
+        # Heard where the board is heard, once read first: a loss published before this rank
+        # began to hear (the one that started the recovery) is on the board only.
+        lost = board.lost if hearing and waiting.looked else board.refresh(store)
+        waiting.looked = True
+        missing = sum(1 for r in lost if _among(domain, r) or _among(offers, r))
+        waited = time.monotonic() - waiting.since
+        if hearing and not missing and waited < bound_s and not closing:
+            complete = store.wait([self.keys.arrivals.complete], min(max(settings.leader_look_s, 1.0),
+                                                                      max(0.0, bound_s - waited)))
+            count = size if complete else -1
+        else:
+            count = int(store.add(self.keys.arrivals.count, 0))
+        if count != waiting.read_at and (count >= size - missing or waited >= bound_s or closing):
+            # The whole list only when it may do: it grows with the round.
+            arrivals = (decode(Arrival, line) for line in meeting.lines(store, self.keys.arrivals))
+            waiting.arrivals, waiting.read_at = {a.rank: a for a in arrivals}, count
+            if hearing:
+                lost = board.refresh(store)  # how far it read: the next recovery reads on from there
+        proposal = decide(RoundView(self.number, domain, waiting.arrivals, lost, waited, offers,
+                                    board_read=board.seen), bound_s=bound_s, remaining_s=store.remaining())
+        if proposal is None:
+            if not hearing or missing:
+                time.sleep(settings.leader_look_s)
+            return None
+        return self._propose(dataclasses.replace(proposal, decided_by=waiting.rank), board)
+
+    def _propose(self, proposal: FailureVerdict, board: BoardView) -> FailureVerdict:
+        """Make ``proposal`` the verdict unless one stands; the standing one, told through the board
+        by the rank whose proposal it is."""
+        encoded = encode(proposal).encode()
+        standing = bytes(self.store.compare_set(self.keys.verdict, "", encoded))
+        if standing == encoded:
+            board.publish(self.keys.verdict, standing, proposal.decided_by)
+        return decode(FailureVerdict, standing)
+
+    def _follow(self, waiting: _Waiting, board: BoardView, settings: RecoverySettings) -> Optional[FailureVerdict]:
+        """One wait of a participant that does not lead: the verdict, or None after taking over
+        from a leader heard lost, or from one whose beat stood still (alive, but stuck) for
+        ``leader_quiet_s`` (the first arrivals look at it so often; the others every
+        ``outcome_fallback_s``, as one of the first is there to take over)."""
+        store = self.store
+        quiet = settings.leader_quiet_s if waiting.contends else max(settings.leader_quiet_s, settings.outcome_fallback_s)
+        slice_s = min(quiet, store.remaining())
+        if board.hearing:
+            if waiting.leader == _UNKNOWN:
+                waiting.leader = board.round_leader(self.number) or _UNKNOWN
+            watched = [waiting.leader] if waiting.leader != _UNKNOWN else []
+            raw, lost = board.wait_heard(self.keys.verdict, slice_s, watched)
+            if raw is not None:
+                return decode(FailureVerdict, raw)
+            if lost:
+                self._take_over(waiting, f"the leader of {self.name} (rank {waiting.leader}) was lost")
+                return None
+        else:
+            raw = store.get_within(self.keys.verdict, slice_s)
+            if raw is not None:
+                return decode(FailureVerdict, raw)
+        if store.remaining() <= 0:
+            raise StoreUnresponsiveError("the recovery's deadline passed before a verdict")
+        if waiting.leader == _UNKNOWN:  # the round's opening was not heard: who leads, if anyone
+            waiting.leader = int(store.get_if_set(self.keys.leader) or _UNKNOWN)
+        if waiting.leader != _UNKNOWN and waiting.leader in board.known_lost():
+            self._take_over(waiting, f"the leader of {self.name} (rank {waiting.leader}) was lost")
+            return None
+        standing = self._standing() if board.hearing else None  # decided, and its telling lost
+        if standing is not None:
+            return standing
+        beat, now = int(store.add(self.keys.leader_beat, 0)), time.monotonic()
+        if beat != waiting.leader_beat:
+            waiting.leader_beat, waiting.leader_since = beat, now
+            return None
+        if now - waiting.leader_since >= quiet:
+            self._take_over(waiting, f"nobody decides {self.name}" if waiting.leader == _UNKNOWN else
+                            f"the leader of {self.name} (rank {waiting.leader}) stopped deciding")
+        return None
+
+    def _take_over(self, waiting: _Waiting, why: str) -> None:
+        """Try to lead in place of the leader (none: the first arrivals died before saying so)."""
+        expected = "" if waiting.leader == _UNKNOWN else str(waiting.leader)
+        taken = int(self.store.compare_set(self.keys.leader, expected, str(waiting.rank)))
+        if taken == waiting.rank:
+            logger.warning("rank %d: %s; rank %d decides now", waiting.rank, why, waiting.rank)
+        waiting.leader, waiting.leader_since = taken, time.monotonic()
+
+    def abandon(self, message: str, board: Optional[BoardView] = None) -> None:
+        """End this round's wait for every participant with an error (this rank gives up)."""
+        with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
+            self.store.extend(2.0)
+            proposal = FailureVerdict((), self.number, abandoned=message, decided_by=dist.get_rank())
+            if board is not None:
+                self._propose(proposal, board)
+            else:
+                self.store.compare_set(self.keys.verdict, "", encode(proposal))
+
+    def _standing_or_raise(self, rank: int) -> FailureVerdict:
+        try:
+            return _checked(decode(FailureVerdict, self.store.get(self.keys.verdict)), rank, self.name)
+        except (dist.DistError, StoreUnresponsiveError) as exc:
+            raise _store_failed("read the round's verdict", exc) from exc
+
+    # ------------------------------------------------------------------ the end
+    def commit(self, record: JobRecord) -> None:
+        """Record the job this round left and close the round, in one compare-and-set (written once,
+        by the rebuild's last participant, or by the leader of a round with nothing to rebuild)."""
+        try:
+            self.store.extend(2.0)
+            self.state = _change_state(self.channel, self.store, self.raw_state,
+                                       lambda s: _committed(s, self.number, record))
+        except (dist.DistError, StoreUnresponsiveError) as exc:
+            raise _store_failed("record the recovered job", exc) from exc
+
+    def committed(self, record: JobRecord) -> bool:
+        """Whether the store says this round committed ``record`` (read where its rebuild's outcome
+        did not say so: its closer may have ended between the commit and the outcome)."""
+        try:
+            self.store.extend(2.0)
+            state, _ = read_state(self.channel, self.store)
+        except (dist.DistError, StoreUnresponsiveError) as exc:
+            raise _store_failed("read the job's record", exc) from exc
+        return state.committed == record
+
+    def close(self) -> None:
+        """Advance the job's round past this one (idempotent: whoever comes first)."""
+        with contextlib.suppress(dist.DistError, StoreUnresponsiveError, RecoveryError):
+            self.store.extend(2.0)
+            _change_state(self.channel, self.store, self.raw_state,
+                          lambda s: dataclasses.replace(s, round=self.number + 1) if s.round == self.number else None)
+
+
+def _heard(board: BoardView, key: str) -> Optional[FailureVerdict]:
+    raw = board.heard(key, 0.0)
+    return decode(FailureVerdict, raw) if raw is not None else None
+
+
+def _among(ranks: Sequence[int], rank: int) -> bool:
+    """Whether ``rank`` is in ``ranks`` (ascending): O(log N)."""
+    at = bisect_left(ranks, rank)
+    return at < len(ranks) and ranks[at] == rank
+
+
+def _committed(state: JobState, number: int, record: JobRecord) -> Optional[JobState]:
+    """``state`` with round ``number`` committing ``record`` and closed (None: it is past that)."""
+    if state.round > number or state.generation >= record.generation:
+        return None
+    return JobState(number + 1, record, tuple(o for o in state.offers if o[1] >= record.generation))
+
+
+def _checked(verdict: FailureVerdict, rank: int, name: str) -> FailureVerdict:
+    if verdict.abandoned:
+        raise RecoveryError(f"hypergrid: the recovery ended in {name} without a placement: {verdict.abandoned}")
+    if rank in verdict.failed:
+        why = next((r for r in verdict.reasons if r.startswith(f"rank {rank}:")), f"rank {rank}")
+        raise ExcludedByRecovery(
+            f"hypergrid: rank {rank} was counted out by the other ranks in {name} ({why}); ranks "
+            f"{describe_ranks(verdict.failed)} failed, itself among them: it is out of the grid"
+        )
+    logger.info("rank %d: in %s the participants agree that ranks %s failed", rank, name, list(verdict.failed))
+    return verdict
+
+
+def _store_failed(what: str, exc: BaseException) -> RecoveryError:
+    return RecoveryError(f"hypergrid: could not {what}: the job's store did not answer "
+                         f"({type(exc).__name__}: {one_line(str(exc), 200)})")
+
+
+def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
+    """Offer ``rank`` (outside the job: counted out earlier, now fit again) to the job as it stands:
+    the next round that commits waits for it and takes it as a spare, and the job's board says it
+    is back (it was lost). An offer holds for the job as its latest committed round left it;
+    returns that round's generation (0: none committed).
+
+    Example: see ``ResilientJob.offer``.
+    """
+    store = plane.client(time.monotonic() + 30.0)
+    try:
+        board_view(channel, plane).publish_event(BoardEvent(EventKind.BACK, rank, "it offers itself again", by=rank),
+                                                 store)
+        _, raw = read_state(channel, store)
+        state = _change_state(channel, store, raw, lambda s: dataclasses.replace(
+            s, offers=s.offers + ((rank, s.generation),)))
+        return state.generation
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        raise _store_failed("offer this rank", exc) from exc
+
+
+def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedelta, slice_s: float = 30.0,
+                   first: int = 0) -> bool:
+    """Block (a spare, outside the grid) until a recovery round of the job numbered ``first`` or
+    later opens (True), or the job releases its spares (:func:`release_spares`) or ``timeout``
+    passes (False). One blocking store wait at a time (``slice_s`` each): a waiting spare costs the
+    store a call every ``slice_s``, and no CPU. ``first``: the round after the last one this rank
+    took part in (the job's record may not say that one is over yet).
+
+    Example: see ``ResilientJob.wait_as_spare``.
+    """
+    end = time.monotonic() + timeout.total_seconds()
+    store = plane.client(end + 5.0)
+    try:
+        while True:
+            state, _ = read_state(channel, store)
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            store.extend(min(slice_s, left) + 5.0)
+            woken = store.wait([channel.round(max(state.round, first)).wake], min(slice_s, left))
+            if store.check([channel.released]):
+                return False
+            if woken:
+                return True
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        raise _store_failed("wait for a recovery", exc) from exc
+
+
+def release_spares(channel: JobChannel, plane: ControlPlane) -> None:
+    """Tell the spares of the job that wait in :func:`wait_for_round` that the job is over: they
+    return (False) at once. Any rank may call it, any number of times; a later job on the same
+    ranks has a channel of its own, which this does not touch.
+
+    Example: see ``ResilientJob.release_spares``.
+    """
+    store = plane.client(time.monotonic() + 30.0)
+    try:
+        store.set(channel.released, "1")
+        state, _ = read_state(channel, store)
+        store.set(channel.round(state.round).wake, "")
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        raise _store_failed("release the spares", exc) from exc

@@ -1,0 +1,108 @@
+"""A resilient job's settings, set once: node size, the replica dim and the recovery's timings.
+
+Every rank of a job must plan a recovery alike, so what the plan and the waits depend on is one
+frozen value on the job (:attr:`~hypergrid.recovery.ResilientJob.settings`), given when the job is
+made, carried in every arrival (:meth:`RecoverySettings.describe`) and checked by the round's
+leader: ranks whose settings differ end the round with an error naming both values, rather than
+plan apart. (The heartbeat, a process per rank, has its own: :func:`~hypergrid.start_heartbeat`.)
+
+Example::
+
+    >>> settings = RecoverySettings(gpus_per_node=4)
+    >>> settings.gpus_per_node, settings.replica_dim, settings.leader_quiet_s
+    (4, 'dp', 4.0)
+    >>> RecoverySettings(gpus_per_node=0)
+    Traceback (most recent call last):
+        ...
+    ValueError: gpus_per_node must be a positive number of ranks, got 0
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..layout.checks import as_int
+
+__all__ = ["RecoverySettings", "DEFAULT_GPUS_PER_NODE"]
+
+#: Ranks per node where neither the job nor the launcher (torchrun's LOCAL_WORLD_SIZE) says.
+DEFAULT_GPUS_PER_NODE = 8
+
+
+def _launcher_node_size() -> int:
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    return int(local) if local.isdigit() and int(local) > 0 else DEFAULT_GPUS_PER_NODE
+
+
+@dataclass(frozen=True)
+class RecoverySettings:
+    """How a resilient job recovers; the same on every rank of it.
+
+    - ``gpus_per_node``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``, else 8): a lost
+      node's ranks go to a spare node local rank for local rank, and each rank is watched from
+      another node;
+    - ``replica_dim``: the dim whose replicas are dropped when spares run out, and grown back;
+    - the round's timings: how often its leader looks (``leader_look_s``), how long its beat may
+      stand still before another participant decides in its place (``leader_quiet_s``), how long
+      beyond the longest collective timeout a live rank may take to arrive (``arrival_margin_s``),
+      how long a wait that hears the board goes without a look at the store
+      (``outcome_fallback_s``), how long a waiting spare blocks at a time (``spare_slice_s``), and
+      how long one probe of a surviving group may take (``probe_s``).
+    """
+
+    gpus_per_node: int = field(default_factory=_launcher_node_size)
+    replica_dim: str = "dp"
+    leader_look_s: float = 0.1
+    leader_quiet_s: float = 4.0
+    arrival_margin_s: float = 5.0
+    outcome_fallback_s: float = 30.0
+    spare_slice_s: float = 30.0
+    probe_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        number = as_int(self.gpus_per_node, "gpus_per_node")
+        if number < 1:
+            raise ValueError(f"gpus_per_node must be a positive number of ranks, got {number}")
+        object.__setattr__(self, "gpus_per_node", number)
+        if not isinstance(self.replica_dim, str) or not self.replica_dim:
+            raise TypeError(f"replica_dim must be a dim's name (a non-empty str), got {self.replica_dim!r}")
+        for item in dataclasses.fields(self):
+            value = getattr(self, item.name)
+            if item.name.endswith("_s") and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                             or not math.isfinite(value) or value <= 0):
+                raise ValueError(f"{item.name} must be a positive number of seconds, got {value!r}")
+
+    def describe(self) -> str:
+        """The settings in one line, alike on ranks whose settings are alike (what an arrival carries).
+
+        Example::
+
+            >>> RecoverySettings(gpus_per_node=2, replica_dim="pp").describe()[:40]
+            'gpus_per_node=2 replica_dim=pp leader_lo'
+        """
+        return " ".join(f"{f.name}={getattr(self, f.name):g}" if isinstance(getattr(self, f.name), float)
+                        else f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+
+    def with_call(self, call: str, **given: Any) -> RecoverySettings:
+        """These settings, where ``given`` (a call's own arguments, None where not given) agrees
+        with them: a call cannot plan apart from the job.
+
+        Example::
+
+            >>> RecoverySettings(gpus_per_node=4).with_call("recover", gpus_per_node=None, replica_dim="dp").gpus_per_node
+            4
+            >>> RecoverySettings(gpus_per_node=4).with_call("recover", gpus_per_node=8)
+            Traceback (most recent call last):
+                ...
+            ValueError: recover(gpus_per_node=8) differs from the job's settings (gpus_per_node=4): set it once, on the job (ResilientJob.of_grid / of_megatron, settings=RecoverySettings(...))
+        """
+        for name, value in given.items():
+            if value is not None and value != getattr(self, name):
+                raise ValueError(
+                    f"{call}({name}={value!r}) differs from the job's settings ({name}={getattr(self, name)!r}): set it "
+                    f"once, on the job (ResilientJob.of_grid / of_megatron, settings=RecoverySettings(...))")
+        return self
