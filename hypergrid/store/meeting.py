@@ -1,20 +1,10 @@
 """The one meeting: participants count themselves in, one outcome is decided, and read by all.
 
-Every rendezvous hypergrid holds in the store is this shape (its keys:
-:class:`~hypergrid.store.keys.Meeting`): a group's agreement check, the start and end of a world
-step, the pooled health probe of a recovery, a recovery round's arrivals and its rebuild.
-
-- :func:`arrive`: a participant appends its line (if it brings one) and adds itself to the
-  count; the arrival that completes the count learns that it did (:attr:`Place.completes`), and
-  sets ``complete`` where a participant blocks on everyone's arrival.
-- :func:`decide`: an outcome is proposed by compare-and-set; the first proposal stands and every
-  participant acts on the standing one.
-- :func:`wait_outcome`: a participant waits for the outcome: one blocking get on the store, or,
-  where it hears the outcomes its job's board carries (:class:`Hearing`), no request at all
-  (a look at the store once every ``fallback_s``, in case the decider ended between its decision
-  and its publication).
-- :func:`roll_call`: where a participant's deadline ended the meeting, those present name
-  themselves, so that every one of them can name the missing.
+Every rendezvous in the store has this shape (keys: :class:`~hypergrid.store.keys.Meeting`): an
+agreement check, a world step's start and end, a recovery's health probe, a round's arrivals.
+Participants :func:`arrive`; the first outcome proposed (:func:`decide`) stands; each waits for it
+(:func:`wait_outcome`), in one blocking get or, where it hears its job's board, in none; where a
+deadline ended the meeting, those present name the missing (:func:`roll_call`).
 
 Example, two participants over a ``HashStore``::
 
@@ -72,8 +62,7 @@ class MeetingStore(Protocol):
 
 
 class Hearing(Protocol):
-    """The outcomes of a job's meetings as its board carries them to this rank (its heartbeat
-    forwards every entry): :class:`~hypergrid.liveness.board.BoardView`."""
+    """The outcomes of a job's meetings as its board carries them: :class:`~hypergrid.liveness.board.BoardView`."""
 
     def heard(self, key: str, seconds: float) -> Optional[bytes]:
         """The outcome decided at ``key``, once heard, waiting at most ``seconds`` (None: not yet)."""
@@ -82,7 +71,7 @@ class Hearing(Protocol):
 @dataclass(frozen=True)
 class Place:
     """Where an arrival landed: its ``number`` (the count just after it), and whether it
-    ``completes`` the meeting (the count reached the number of participants)."""
+    ``completes`` the meeting."""
 
     number: int
     completes: bool
@@ -90,9 +79,9 @@ class Place:
 
 def arrive(store: MeetingStore, meeting: Meeting, size: int, line: Optional[str] = None, *,
            awaited: bool = False) -> Place:
-    """Count this participant in among ``size``, ``line`` appended first (so the lines never lag
-    the count): one request, two with a line. ``awaited``: a participant blocks on everyone's
-    arrival (an agreement check's decider): the arrival that completes the count sets ``complete``."""
+    """Count this participant in among ``size``, ``line`` appended first (the lines never lag the
+    count): one request, two with a line. ``awaited``: someone blocks on everyone's arrival, so the
+    arrival that completes the count sets ``complete``."""
     if line is not None:
         store.append(meeting.lines, line + "\n")
     number = int(store.add(meeting.count, 1))
@@ -109,9 +98,10 @@ def decide(store: MeetingStore, meeting: Meeting, proposal: Union[str, bytes]) -
 
 def wait_outcome(store: MeetingStore, meeting: Meeting, seconds: float, hearing: Optional[Hearing] = None,
                  fallback_s: float = 10.0) -> Optional[bytes]:
-    """The meeting's outcome once decided, waiting at most ``seconds`` (and never past the store's
-    deadline); None if none was by then. Without ``hearing``, one blocking get; with it, what the
-    board carries, and a look at the store once every ``fallback_s`` of silence."""
+    """The meeting's outcome once decided, waiting at most ``seconds`` and never past the store's
+    deadline (None: not by then). Without ``hearing``, one blocking get; with it, what the board
+    carries, and a look at the store every ``fallback_s`` of silence (in case the decider ended
+    before telling)."""
     end = time.monotonic() + max(0.0, min(seconds, store.remaining()))
     if hearing is None:
         return store.get_within(meeting.outcome, max(0.0, end - time.monotonic()))
@@ -134,11 +124,9 @@ def lines(store: MeetingStore, meeting: Meeting) -> list[str]:
 
 
 def roll_call(store: MeetingStore, meeting: Meeting, rank: int, participants: Sequence[int]) -> list[int]:
-    """The participants missing from ``meeting``, which a deadline ended: each one present puts its
-    name on the roll, and reads it until it holds as many names as the meeting counted (those that
-    came after the deadline too), or for :data:`ROLL_CALL_S` at most. Only a meeting that failed so
-    costs more than its count and its outcome: a list of every participant's name, written by every
-    one, is kept off the way of one that succeeds."""
+    """The participants missing from ``meeting``, which a deadline ended: each one present names
+    itself on the roll and reads it until it holds as many names as were counted, for
+    :data:`ROLL_CALL_S` at most. Only a failed meeting pays for a list of names."""
     store.extend(ROLL_CALL_S)
     store.append(meeting.roll, f"{rank},")
     counted = int(store.add(meeting.count, 0))
