@@ -10,8 +10,6 @@ Example, two participants over a ``HashStore``::
 
     >>> import time
     >>> import torch.distributed as dist
-    >>> from hypergrid.store.client import StoreClient
-    >>> from hypergrid.store.keys import Meeting
     >>> store, meeting = StoreClient(time.monotonic() + 5, base=dist.HashStore()), Meeting("m")
     >>> arrive(store, meeting, 2, "rank 0"), arrive(store, meeting, 2, "rank 1")
     (Place(number=1, completes=False), Place(number=2, completes=True))
@@ -28,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union
 
+from .client import StoreClient
 from .keys import Meeting
 
 __all__ = ["Place", "Hearing", "arrive", "decide", "wait_outcome", "lines", "roll_call", "forget"]
@@ -35,30 +34,6 @@ __all__ = ["Place", "Hearing", "arrive", "decide", "wait_outcome", "lines", "rol
 #: How long past its deadline a participant waits for the others present to answer the roll call.
 ROLL_CALL_S = 2.0
 _ROLL_POLL_S = 0.05
-
-
-class MeetingStore(Protocol):
-    """What a meeting needs of a store: a :class:`~hypergrid.store.client.StoreClient`."""
-
-    def append(self, key: str, value: str) -> None: ...
-
-    def add(self, key: str, amount: int) -> int: ...
-
-    def set(self, key: str, value: Union[str, bytes]) -> None: ...
-
-    def compare_set(self, key: str, expected: Union[str, bytes], desired: Union[str, bytes]) -> bytes: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def check(self, keys: list[str]) -> bool: ...
-
-    def get_within(self, key: str, seconds: float) -> Optional[bytes]: ...
-
-    def delete_key(self, key: str) -> None: ...
-
-    def remaining(self) -> float: ...
-
-    def extend(self, seconds: float) -> None: ...
 
 
 class Hearing(Protocol):
@@ -77,7 +52,7 @@ class Place:
     completes: bool
 
 
-def arrive(store: MeetingStore, meeting: Meeting, size: int, line: Optional[str] = None, *,
+def arrive(store: StoreClient, meeting: Meeting, size: int, line: Optional[str] = None, *,
            awaited: bool = False) -> Place:
     """Count this participant in among ``size``, ``line`` appended first (the lines never lag the
     count): one request, two with a line. ``awaited``: someone blocks on everyone's arrival, so the
@@ -91,12 +66,12 @@ def arrive(store: MeetingStore, meeting: Meeting, size: int, line: Optional[str]
     return Place(number, completes)
 
 
-def decide(store: MeetingStore, meeting: Meeting, proposal: Union[str, bytes]) -> bytes:
+def decide(store: StoreClient, meeting: Meeting, proposal: Union[str, bytes]) -> bytes:
     """Propose ``proposal`` as the meeting's outcome; the outcome that stands (the first proposed)."""
     return bytes(store.compare_set(meeting.outcome, "", proposal))
 
 
-def wait_outcome(store: MeetingStore, meeting: Meeting, seconds: float, hearing: Optional[Hearing] = None,
+def wait_outcome(store: StoreClient, meeting: Meeting, seconds: float, hearing: Optional[Hearing] = None,
                  fallback_s: float = 10.0) -> Optional[bytes]:
     """The meeting's outcome once decided, waiting at most ``seconds`` and never past the store's
     deadline (None: not by then). Without ``hearing``, one blocking get; with it, what the board
@@ -116,14 +91,14 @@ def wait_outcome(store: MeetingStore, meeting: Meeting, seconds: float, hearing:
             return store.get(meeting.outcome)
 
 
-def lines(store: MeetingStore, meeting: Meeting) -> list[str]:
+def lines(store: StoreClient, meeting: Meeting) -> list[str]:
     """The lines the participants that arrived brought, in the order they arrived."""
     if not store.check([meeting.lines]):
         return []
     return [line for line in store.get(meeting.lines).decode().split("\n") if line]
 
 
-def roll_call(store: MeetingStore, meeting: Meeting, rank: int, participants: Sequence[int]) -> list[int]:
+def roll_call(store: StoreClient, meeting: Meeting, rank: int, participants: Sequence[int]) -> list[int]:
     """The participants missing from ``meeting``, which a deadline ended: each one present names
     itself on the roll and reads it until it holds as many names as were counted, for
     :data:`ROLL_CALL_S` at most. Only a failed meeting pays for a list of names."""
@@ -137,7 +112,7 @@ def roll_call(store: MeetingStore, meeting: Meeting, rank: int, participants: Se
         time.sleep(_ROLL_POLL_S)
 
 
-def forget(store: MeetingStore, meeting: Meeting, keep_outcome: bool = False) -> None:
+def forget(store: StoreClient, meeting: Meeting, keep_outcome: bool = False) -> None:
     """Delete the meeting's keys (every participant is past it), its outcome too unless ``keep_outcome``."""
     for key in meeting.names:
         if not (keep_outcome and key == meeting.outcome):
