@@ -357,16 +357,6 @@ class RecoveryRound:
         except (dist.DistError, StoreUnresponsiveError) as exc:
             raise _store_failed("record the recovered job", exc) from exc
 
-    def committed(self, record: JobRecord) -> bool:
-        """Whether the store says this round committed ``record`` (its closer may have ended
-        between the commit and the rebuild's outcome)."""
-        try:
-            self.store.extend(2.0)
-            state, _ = read_state(self.channel, self.store)
-        except (dist.DistError, StoreUnresponsiveError) as exc:
-            raise _store_failed("read the job's record", exc) from exc
-        return state.committed == record
-
     def close(self) -> None:
         """Advance the job's round past this one (idempotent: whoever comes first)."""
         with contextlib.suppress(dist.DistError, StoreUnresponsiveError, RecoveryError):

@@ -15,8 +15,8 @@ Example::
     >>> lost_among([1, 3])
     []
     >>> with watching(Board()):
-    ...     watching_now(), lost_among([1, 3]), hearing_scope() is None
-    (True, [3], True)
+    ...     watching_now(), lost_among([1, 3])
+    (True, [3])
 """
 
 from __future__ import annotations
@@ -29,8 +29,7 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Optional, Protocol
 
-__all__ = ["RecoveryScope", "watching", "watching_now", "lost_among", "hearing_scope", "creation_timeout",
-           "WATCH_SLICE_S"]
+__all__ = ["RecoveryScope", "watching", "watching_now", "lost_among", "creation_timeout", "WATCH_SLICE_S"]
 
 #: How long a wait inside :func:`watching` that does not hear losses blocks on the store before it
 #: looks for one, in seconds.
@@ -106,12 +105,6 @@ def creation_timeout(timeout: timedelta) -> timedelta:
 def watching_now() -> bool:
     """Whether this thread is inside :func:`watching` (with a scope)."""
     return current_scope() is not None
-
-
-def hearing_scope() -> Optional[RecoveryScope]:
-    """The scope where it hears the board's events, else None."""
-    scope = current_scope()
-    return scope if scope is not None and scope.hearing else None
 
 
 def lost_among(ranks: Collection[int]) -> list[int]:
