@@ -1,14 +1,9 @@
 """Ending a rank's collectives in flight, where the backend can abort a communicator.
 
-When a rank dies, NCCL's collectives with it wait for NCCL's own timeout (ten minutes by default),
-too long for a recovery. On backends whose ``ProcessGroup.abort()`` ends the operations in flight
-(NCCL, torch 2.15's ``nccl2`` and ``nccl-lazy``, and any registered with
-:func:`register_abortable_backend`), a :class:`CollectiveWatch` aborts this rank's communicators
-as soon as the job's board says a rank was lost or a recovery opened, unless this rank is in the
-recovery already (:func:`recovering`): the blocked collective raises, the training loop calls the
-recovery, and the aborted communicators are made anew (:func:`take_aborted`). gloo cannot do this
-(its ``abort()`` returns, and a blocked all-reduce waits out its timeout): there the recovery waits
-for a live rank up to the job's longest collective timeout.
+A collective with a dead rank waits for its own timeout (NCCL's is ten minutes). Where
+``ProcessGroup.abort()`` ends it (NCCL, and backends given to :func:`register_abortable_backend`;
+not gloo), a :class:`CollectiveWatch` aborts this rank's communicators once the board says a rank
+was lost or a recovery opened, so the blocked collective raises and the training loop recovers.
 
 Example::
 

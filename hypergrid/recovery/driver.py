@@ -1,15 +1,9 @@
 """A recovery as rounds: each participant arrives, agrees, attempts the plan, until a round commits.
 
-Every participant of a job's recovery (the grid's survivors, its spares, ranks offering
-themselves) runs :func:`run_rounds`: in each round (:mod:`hypergrid.recovery.round`) it hears the
-one verdict, computes the same plan from it (:func:`plan_for`), and the ranks of the new placement
-rebuild (:mod:`hypergrid.recovery.rebuild`) in a world step whose outcome is the round's end.
-Committed, every participant goes on with the job after it (:func:`after`); not, the next round
-starts from the state from before, until the deadline.
-
-A rank that is alive may be blocked in a collective with a peer that left, so it is waited for up
-to the job's longest collective timeout, ``arrival_margin_s`` and the staleness bound before it is
-counted out as hung; that wait comes on top of the recovery's timeout, in the first round only.
+In each round (:mod:`hypergrid.recovery.round`) every participant hears the verdict, computes the
+same plan (:func:`plan_for`), and the new placement's ranks rebuild (:mod:`hypergrid.recovery.rebuild`)
+in a world step whose outcome is the round's end; a round that does not commit leaves the state
+from before, and the next one starts, until the deadline.
 
 Example, with no process group (the failed set given, as one simulated rank knows it)::
 

@@ -1,25 +1,8 @@
 """A job that survives the loss of ranks in-process: re-placed, with only the changed groups rebuilt.
 
-A :class:`ResilientJob` holds what every rank of a job (its grid's ranks and its spares) knows
-alike: the grid's placement, the spares, how to build the groups and the job's channel in the
-store. After a failure every survivor calls :meth:`ResilientJob.recover` (spares wait in
+After a failure every survivor calls :meth:`ResilientJob.recover` (spares wait in
 :meth:`ResilientJob.wait_as_spare`), and the recovery runs in rounds
 (:mod:`hypergrid.recovery.driver`) until one commits a new placement.
-
-Example, as rank 0 of a 10-rank job on torch's fake backend (one simulated rank, so the failed
-set is given instead of agreed): tp 2 x dp 2 x pp 2 on ranks 0-7, spares 8 and 9, rank 5 lost::
-
-    >>> import torch.distributed as dist
-    >>> from torch.testing._internal.distributed.fake_pg import FakeStore
-    >>> from hypergrid import HyperCommGrid
-    >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=10)
-    >>> grid = HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"])
-    >>> tp, dp = grid.create_pg("tp"), grid.create_pg("dp")
-    >>> job = ResilientJob.of_grid(grid, spares=[8, 9], settings=RecoverySettings(gpus_per_node=2))
-    >>> after = job.recover(failed=[5])
-    >>> after.last.describe(), after.state.get_pg("tp") is tp, after.state.ranks("dp")
-    ('replace: rank 5 -> 8; 1 spares left', True, [0, 2])
-    >>> after.state.destroy(); dist.destroy_process_group()
 """
 
 from __future__ import annotations
@@ -59,14 +42,10 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ResilientJob:
-    """What every rank of a job knows alike: where the grid's positions are (``layout``), which
-    ranks wait as ``spares``, how to build the groups (``recipe``), this rank's built ``state``
-    (a grid or :class:`~hypergrid.megatron.MegatronGrids`; None outside the grid), the recoveries
-    so far, and the job's ``channel`` in the store.
-
-    ``step``: the training step every rank resumes from after the latest recovery. ``timeout``:
-    :meth:`recover`'s default. ``collective_timeout``: the longest timeout of the job's
-    collectives, which bounds how long a recovery waits for a live rank.
+    """What every rank of a job (the grid's and the spares) knows alike: the grid's ``layout``,
+    the ``spares``, how to build the groups (``recipe``), this rank's ``state`` (a grid or
+    :class:`~hypergrid.megatron.MegatronGrids`; None outside the grid), the recoveries so far, and
+    the ``step`` every rank resumes from after the latest one.
 
     Example::
 
@@ -81,7 +60,6 @@ class ResilientJob:
     recipe: Recipe
     state: Any
     recoveries: tuple[RecoveryPlan, ...] = ()
-    #: The job's ranks when it was made: what names it in the store.
     origin: tuple[int, ...] = ()
     channel: Optional[JobChannel] = None
     #: The job as its latest committed recovery left it (None: none has).
@@ -89,12 +67,13 @@ class ResilientJob:
     #: The first recovery round this rank has not taken part in.
     next_round: int = 0
     step: Optional[int] = None
+    #: :meth:`recover`'s default.
     timeout: timedelta = DEFAULT_TIMEOUT
+    #: The longest timeout of the job's collectives: how long a recovery waits for a live rank.
     collective_timeout: Optional[timedelta] = None
     #: The replicas along each dim when the job was made (what :meth:`grow` returns to).
     made_shape: tuple[int, ...] = ()
     settings: RecoverySettings = dataclasses.field(default_factory=RecoverySettings)
-    #: The grid whose one group is :attr:`world`, made when first asked for.
     _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -108,10 +87,9 @@ class ResilientJob:
     @classmethod
     def of_grid(cls, grid: HyperCommGrid, *, spares: Sequence[int] = (),
                 timeout: timedelta = DEFAULT_TIMEOUT, settings: Optional[RecoverySettings] = None) -> ResilientJob:
-        """A job whose groups are ``grid``'s ``create_pg`` calls made so far (a recovery repeats
-        them, in order). Call it on every rank of the job, spares included, with the same grid and
-        calls; the ranks meet in the store once, to name the job, and each starts its heartbeat if
-        none runs. ``timeout``: :meth:`recover`'s default.
+        """A job whose groups are ``grid``'s ``create_pg`` calls so far, repeated in order by a
+        recovery. Every rank of the job calls it, spares too: they meet once in the store, and each
+        starts its heartbeat if none runs.
 
         Example::
 
@@ -136,13 +114,10 @@ class ResilientJob:
                     timeout: timedelta = DEFAULT_TIMEOUT, share_groups: bool = True, strategy: Optional[str] = None,
                     check_agreement: bool = True, settings: Optional[RecoverySettings] = None,
                     **megatron_kwargs: Any) -> ResilientJob:
-        """Initialize Megatron-Core's ``parallel_state`` on every rank but ``spares``, as
-        :func:`hypergrid.megatron.initialize_model_parallel` would on a world of those ranks, and
-        return the job. Call it on every rank; a spare builds nothing and goes on to
-        :meth:`wait_as_spare`. ``ranks`` places the grid's positions on those ranks, in order (an
-        earlier recovery's placement); by default every rank but the spares, ascending.
-        ``timeout`` is also the groups' collective timeout unless ``distributed_timeout_minutes``
-        is given (Megatron-Core's 30 minutes would be waited out on gloo).
+        """The job, with Megatron-Core's ``parallel_state`` initialized on every rank but ``spares``
+        (:func:`hypergrid.megatron.initialize_model_parallel` on a world of those). Every rank calls
+        it. ``ranks``: the grid's positions' ranks, in order (default: all but the spares).
+        ``timeout`` is the groups' collective timeout too unless ``distributed_timeout_minutes`` is given.
 
         Example, as rank 3 of a 10-rank job on torch's fake backend (ranks 8 and 9 are spares)::
 
@@ -183,7 +158,7 @@ class ResilientJob:
     @classmethod
     def _started(cls, layout: GridLayout, spares: tuple[int, ...], recipe: Recipe, state: Any, timeout: timedelta,
                  settings: Optional[RecoverySettings]) -> ResilientJob:
-        """The job, with its heartbeat running, its channel opened and its collective watch on."""
+        """The job, its heartbeat running, its channel open and its collective watch on."""
         job = cls(layout, spares, recipe, state, timeout=timeout,
                   collective_timeout=longest_collective(recipe.longest_timeout()),
                   settings=RecoverySettings() if settings is None else settings)
@@ -212,9 +187,9 @@ class ResilientJob:
 
     @property
     def world(self) -> Optional[dist.ProcessGroup]:
-        """A process group over the grid's ranks, in the grid's order, for what would use the
-        default group (which counts the spares and, after a recovery, the lost ranks). Made when
-        first asked for, on every rank of the grid; None on a rank outside it.
+        """A group over the grid's ranks in the grid's order, where code would use the default
+        group (which counts spares and lost ranks): made when first asked for on every rank of the
+        grid; None outside it.
 
         Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
@@ -260,9 +235,9 @@ class ResilientJob:
         return self.recoveries[-1] if self.recoveries else None
 
     def state_source(self, rank: Optional[int] = None) -> Optional[int]:
-        """Where ``rank`` (default: this rank) copies its state from after the latest recovery: the
-        first rank of its replica-dim group that did not just arrive; None where ``rank`` did not
-        just arrive, or no peer survived (then it loads a checkpoint).
+        """Where ``rank`` (default: this rank), placed by the latest recovery, copies its state
+        from: the first peer along the replica dim that was there before (None: ``rank`` was there,
+        or no peer was: load a checkpoint).
 
         Example, as rank 8 (a spare) of a 10-rank job on torch's fake backend: it takes rank 5's
         place, and copies its shard from rank 7, its data-parallel peer::
@@ -286,8 +261,7 @@ class ResilientJob:
         return next((r for r in group if r not in arrived), None)
 
     def arrived(self) -> frozenset[int]:
-        """The ranks that took a position in the latest recovery (spares, or a replica grown
-        back): they hold no model state yet.
+        """The ranks placed by the latest recovery: they hold no model state yet.
 
         Example::
 
@@ -302,16 +276,13 @@ class ResilientJob:
     def recover(self, *, failed: Optional[Sequence[int]] = None, timeout: Optional[timedelta] = None,
                 step: Optional[int] = None, gpus_per_node: Optional[int] = None,
                 replica_dim: Optional[str] = None) -> ResilientJob:
-        """The job after the failure that just happened, on every surviving rank (spares too).
+        """The job after the failure that just happened, on every surviving rank (spares too), its
+        state built on the ranks of the new placement and None elsewhere.
 
-        ``failed``: the failed ranks where every rank knows them alike (a test, a simulated
-        world); by default the survivors agree on them through the store. ``step``: the training
-        step this rank resumes from; the job returned carries the least any participant gave.
-        ``timeout``: by default the job's; the first round may also wait up to the job's longest
-        collective timeout for ranks blocked in a collective.
-
-        Returns the new job: its state is built on the ranks of the new placement
-        (``parallel_state`` filled for a Megatron job), None elsewhere.
+        ``failed``: where every rank knows them alike (a simulated world); by default the survivors
+        agree on them through the store. ``step``: the training step this rank resumes from; the
+        job carries the least given. ``timeout``: by default the job's, plus, in the first round,
+        up to the longest collective timeout for ranks blocked in a collective.
 
         Raises:
             RecoveryRefused: no placement fits (too few spares, no replica to drop); on every survivor.
@@ -336,9 +307,8 @@ class ResilientJob:
     def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
              gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
         """Add replicas of waiting spares back along the replica dim, up to the size the job was
-        made with: one call on every rank of the grid, at the same point; the spares take part from
-        :meth:`wait_as_spare`. A rank that joined copies its state from ``job.state_source()``.
-        Where no whole replica can be added, the job comes back unchanged.
+        made with (unchanged where no whole replica fits): on every rank of the grid, at the same
+        point, while the spares wait in :meth:`wait_as_spare`.
 
         Example, with no process group (nobody to grow with)::
 
@@ -353,9 +323,8 @@ class ResilientJob:
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
                       gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-        """On a spare: take part in each recovery (or growth) until this rank holds a position, and
-        return the job then; unchanged, still outside, after ``timeout`` or once the job releases
-        its spares. A failed recovery is waited on after. The wait blocks on the store: no CPU.
+        """On a spare: take part in recoveries until this rank holds a position, and return the job;
+        still outside after ``timeout`` or once the job releases its spares. No CPU while it waits.
 
         Example, with no process group (nobody to recover with)::
 
@@ -377,15 +346,13 @@ class ResilientJob:
             try:
                 job = run_rounds(job, recovery_timeout, None, "wait")
             except (RecoveryError, RecoveryRefused) as exc:
-                # The survivors failed this recovery too, and retry or release the spares.
-                logger.info("rank %d: a recovery this spare took part in failed; waiting on: %s", dist.get_rank(), exc)
+                    logger.info("rank %d: a recovery this spare took part in failed; waiting on: %s", dist.get_rank(), exc)
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
               gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-        """On a rank the job counted out (:class:`~hypergrid.errors.ExcludedByRecovery`) that is fit
-        again: offer it as a spare and wait like one; the next round takes it in. Returns the job
-        once this rank holds a position, or still outside after ``timeout``.
+        """On a rank the job counted out (:class:`~hypergrid.errors.ExcludedByRecovery`), fit again:
+        offer it as a spare and wait like one (:meth:`wait_as_spare`).
 
         Example, with no process group (nobody to offer to)::
 
@@ -417,9 +384,7 @@ class ResilientJob:
         return job.as_stored()
 
     def as_stored(self) -> ResilientJob:
-        """This job as the store's latest committed record has it, for a rank coming back from
-        outside the grid (what it held may be from before it was counted out); without a store,
-        the job as it is.
+        """This job as the store's latest committed record has it (without a store, as it is).
 
         Example, with no process group::
 

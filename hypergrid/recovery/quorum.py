@@ -1,16 +1,9 @@
 """Who failed, decided from what a recovery round's leader sees: a pure function, no store.
 
-The rule of :func:`decide`:
-
-- a rank lost on the board (its process ended, its node stopped beating, it made no progress) is
-  failed, with the board's reason, whether it arrived or not;
-- a rank that has not arrived and is not lost is alive, maybe in a collective with a peer that
-  left: it is waited for up to ``bound_s``, then counted out as hung; a round whose deadline
-  comes first is abandoned, naming those it waited for;
-- participants whose recovery settings differ abandon the round, naming each value.
-
-The verdict grows with what failed, not with the job, and says how far the board was read
-(``board_read``), where the next recovery reads on from.
+The rule of :func:`decide`: a rank lost on the board is failed, with the board's reason; a rank
+absent but not lost may be blocked in a collective, so it is waited for up to ``bound_s``, then
+counted out as hung (a deadline that comes first abandons the round); participants whose settings
+differ abandon the round. The verdict grows with what failed, not with the job.
 
 Example: of the job ``[0, 1, 2, 3]``, ranks 0 and 1 arrived and rank 2's process ended::
 

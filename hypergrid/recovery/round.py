@@ -1,18 +1,11 @@
 """A job's recovery rounds: each decided once by its leader, heard by every participant.
 
-A resilient job has a channel in the store (:class:`~hypergrid.store.keys.JobChannel`), named by
-its first ranks and an instance they read together (:func:`open_channel`), and one record there
-(:class:`~hypergrid.store.records.JobState`): the open round, the placement the latest committed
-round left, and the ranks that offer themselves. A round stays open until it ends, whatever it
-ends in, so a retry or a spare's next wait always meets in a new one.
-
-With its heartbeat running a participant costs the store four requests, at any size: it opens the
-round (reads the record), arrives (a meeting, two requests; the first arrivals wake the spares and
-contend for the lead), hears the leader's verdict from the board, and ends the rebuild's world
-step, whose last participant commits the new record and closes the round in one compare-and-set
-(:meth:`RecoveryRound.commit`). Without a heartbeat it blocks on the verdict's key a slice at a
-time. A participant whose leader is lost, or whose beat stands still for ``leader_quiet_s``,
-takes the lead.
+A job's one record in the store (:class:`~hypergrid.store.records.JobState`) says which round is
+open, the placement the latest committed round left, and who offers itself. With its heartbeat
+running a participant costs the store four requests at any size: it opens the round, arrives (a
+meeting; the first arrivals contend for the lead), hears the leader's verdict from the board, and
+ends the rebuild, whose last participant commits and closes the round in one compare-and-set. A
+participant whose leader is lost, or quiet for ``leader_quiet_s``, takes the lead.
 
 Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
 and its process ended (its monitor published it)::

@@ -1,13 +1,9 @@
 """World steps: what every rank of the world (or of a recovery's new placement) does together,
 and where a failure on one rank reaches the rest.
 
-Megatron's ``initialize_model_parallel`` is one: the ranks start it together (:func:`world_start`,
-a meeting), make their groups, and end it at a checkpoint (:func:`world_checkpoint`, another
-meeting) where a rank that failed decides the outcome with its error, so the others learn of it
-instead of using half-made state; an agreement check waiting for a member that failed the step
-ends with that failure (:func:`within_step`). A recovery's rebuild is a step named by its round
-(``attempt``): it has no start, its outcome is the round's end, and inside the recovery's scope
-(:mod:`hypergrid.runtime.scope`) a lost participant decides it at once.
+Megatron's ``initialize_model_parallel`` is one: the ranks start it together (:func:`world_start`)
+and end it at a checkpoint (:func:`world_checkpoint`) where a rank that failed tells the others,
+who would otherwise use half-made state. A recovery's rebuild is a step named by its round.
 
 Example, with no process group (nothing to meet through)::
 

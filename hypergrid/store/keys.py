@@ -1,14 +1,8 @@
 """Every key hypergrid writes to a job's store, and every local socket name, built in one place.
 
-Two trees: ``hypergrid/agree/...``, in the default group's store (the world's alone), holds what
-group creation meets on: per member set its epoch, entries and meetings, per rank its last state,
-the world steps and a recovery's health probes. ``hypergrid/control/<token>/...``, in the root
-store (which a monitor process reaches by address), holds one world's control plane: every
-rank's heartbeat counter, and per resilient job its board and recovery rounds.
-
-A :class:`Meeting` is the one shape of every rendezvous: participants append a ``lines`` entry and
-add themselves to ``count``; the last sets ``complete``; the first ``outcome`` proposed stands; a
-participant whose deadline passed names itself on the ``roll``.
+``hypergrid/agree/...``, in the default group's store, holds what group creation, world steps and
+health probes meet on; ``hypergrid/control/<token>/...``, in the root store that monitor processes
+reach by address, holds one world's heartbeats and each resilient job's board and rounds.
 
 Example::
 
@@ -89,7 +83,7 @@ class _Key:
 
 @dataclass(frozen=True)
 class Meeting:
-    """The keys of one meeting below ``base`` (see the module).
+    """The keys of one meeting below ``base`` (:mod:`hypergrid.store.meeting`).
 
     Example::
 
