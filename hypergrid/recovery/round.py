@@ -295,8 +295,9 @@ class RecoveryRound:
         slice_s = min(quiet, store.remaining())
         heard_lost: list[int] = []
         if board.hearing:
-            if waiting.leader == _UNKNOWN:
-                waiting.leader = board.round_leader(self.number) or _UNKNOWN
+            heard_leader = board.round_leader(self.number) if waiting.leader == _UNKNOWN else None
+            if heard_leader is not None:  # rank 0 may lead: not a truth test
+                waiting.leader = heard_leader
             watched = [waiting.leader] if waiting.leader != _UNKNOWN else []
             raw, heard_lost = board.wait_heard(self.keys.verdict, slice_s, watched)
         else:
