@@ -33,8 +33,8 @@ import torch
 import torch.distributed as dist
 
 import hypergrid
-from hypergrid import HyperCommGrid, ResilientJob
 import hypergrid.recovery.round as rounds
+from hypergrid import HyperCommGrid, ResilientJob
 from hypergrid.recovery.settings import RecoverySettings
 
 DIMS = ("tp", "dp")
