@@ -43,6 +43,10 @@ _LAZY = {
     "recover": "recovery",
     "grow": "recovery",
     "start_heartbeat": "recovery",
+    "train": "training",
+    "TrainingState": "training",
+    "TrainingRun": "training",
+    "RecoveryRecord": "training",
 }
 
 
@@ -65,6 +69,10 @@ __all__ = [
     "recover",
     "grow",
     "start_heartbeat",
+    "train",
+    "TrainingState",
+    "TrainingRun",
+    "RecoveryRecord",
     "GroupRegistry",
     "REGISTRY",
     "HypergridError",

@@ -40,11 +40,13 @@ LAYERS = {
     "megatron": 5,
     # recovery in-process: rounds, re-placing a job's grid and rebuilding its adapters' state
     "recovery": 6,
+    # training through failures: a rank's state, its snapshots, the one-call loop
+    "training": 7,
     # the applications: command line, demo, local launcher
-    "app": 7,
+    "app": 8,
     # the package's public names, and python -m hypergrid
-    "": 8,
-    "__main__": 9,
+    "": 9,
+    "__main__": 10,
 }
 
 #: Folders and modules that must not import torch at all: planning works without a process group,

@@ -47,7 +47,7 @@ from .rebuild import REBUILD_LABEL, build, let_go, reset_megatron_if, restore
 from .recipes import GridRecipe, longest_collective
 from .round import RecoveryRound, board_view
 
-__all__ = ["run_rounds", "recover_known", "plan_for", "after", "synced", "attach", "detach"]
+__all__ = ["RecoveryTimes", "run_rounds", "recover_known", "plan_for", "after", "synced", "attach", "detach"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
     # The staleness bound and the board's delivery: by then a lost rank is on the board.
     bound = (longest_collective(job.collective_timeout).total_seconds() + settings.arrival_margin_s
              + ((beat.stale_beats + 1) * beat.interval_s if beat is not None else timeout.total_seconds()))
-    deadline = time.monotonic() + timeout.total_seconds() + bound
+    entered = time.monotonic()
+    deadline = entered + timeout.total_seconds() + bound
     first = True
     board: Optional[BoardView] = None
     with recovering():
@@ -101,6 +102,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
             arrival = Arrival(rank, step, reason, tuple(take_aborted()), settings.describe())
             try:
                 verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered, settings=settings)
+                agreed = time.monotonic()
                 if first:
                     deadline, first = time.monotonic() + timeout.total_seconds(), False
                 # A round agreed late (after ranks left a failed attempt) gets what the first one got.
@@ -113,7 +115,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
                 rnd.close()  # so that a retry, or a spare's next wait, meets in a round of its own
                 raise
             if committed:
-                return state
+                return dataclasses.replace(state, times=RecoveryTimes(agreed - entered, time.monotonic() - agreed))
             rnd.close()
             logger.warning("rank %d: %s did not commit: %s", rank, rnd.name, message)
             if time.monotonic() >= deadline:
@@ -126,6 +128,16 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
                     f"hypergrid: the recovery did not commit a placement within its timeout "
                     f"({timeout.total_seconds():g} s after the survivors first agreed); the last attempt "
                     f"failed: {message}")
+
+
+@dataclass(frozen=True)
+class RecoveryTimes:
+    """How long this rank's part of a recovery took: from its arrival to the verdict of the round
+    that committed (``agreed_s``, earlier rounds included), and from that verdict to the commit
+    (``rebuilt_s``: the new placement's groups made and checked)."""
+
+    agreed_s: float
+    rebuilt_s: float
 
 
 @dataclass
@@ -268,11 +280,12 @@ def record(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, before: Option
 def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any, committed: JobRecord) -> Any:
     """``job`` after ``plan`` committed as ``committed``, with this rank's new ``state``."""
     recoveries = job.recoveries if plan.kind is RecoveryKind.REPAIR else job.recoveries + (plan,)
-    if job._world is not None and plan.new != job.layout:
-        job._world.destroy()  # the old placement's: the new one is made when asked for
-    world = job._world if plan.new == job.layout else None
+    moved = plan.new != job.layout
+    if moved:
+        job.let_go_job_groups()  # the old placement's: the new one's are made when asked for
     job = dataclasses.replace(job, layout=plan.new, spares=committed.spares, state=state, recoveries=recoveries,
-                              record=committed, step=verdict.step, next_round=verdict.round + 1, _world=world)
+                              record=committed, step=verdict.step, next_round=verdict.round + 1,
+                              _world=None if moved else job._world, _replicas=None if moved else job._replicas)
     if job.channel is not None:
         attach(job, first_round=verdict.round + 1)
     return job
@@ -288,10 +301,9 @@ def synced(job: Any, committed: Optional[JobRecord], next_round: int = 0) -> Any
     layout = GridLayout(committed.shape, committed.dim_names, rank_map=RankMap(committed.runs))
     logger.warning("rank %d: the job moved on without this rank's knowledge: now on %s", dist.get_rank(),
                    describe_ranks(list(layout.ranks)))
-    if job._world is not None:
-        job._world.destroy()
+    job.let_go_job_groups()
     return dataclasses.replace(job, layout=layout, spares=committed.spares, record=committed, step=committed.step,
-                               _world=None)
+                               _world=None, _replicas=None)
 
 
 _collective_watch: Optional[CollectiveWatch] = None

@@ -29,8 +29,8 @@ from ..runtime.environment import agreement_possible
 from ..runtime.modes import job_setup
 from ..store.keys import JobChannel
 from ..store.records import JobRecord
-from .driver import attach, detach, recover_known, run_rounds, synced
-from .rebuild import world_grid
+from .driver import RecoveryTimes, attach, detach, recover_known, run_rounds, synced
+from .rebuild import job_grid, world_grid
 from .recipes import DEFAULT_TIMEOUT, GridRecipe, MegatronRecipe, Recipe, longest_collective, rebuild_strategy
 from .round import offer, open_channel, read_state, release_spares, wait_for_round
 from .settings import RecoverySettings
@@ -74,7 +74,11 @@ class ResilientJob:
     #: The replicas along each dim when the job was made (what :meth:`grow` returns to).
     made_shape: tuple[int, ...] = ()
     settings: RecoverySettings = dataclasses.field(default_factory=RecoverySettings)
+    #: How long this rank's part of the latest recovery took (None: none yet, or a recovery of
+    #: failed ranks given by the caller).
+    times: Optional[RecoveryTimes] = dataclasses.field(default=None, compare=False)
     _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
+    _replicas: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, RecoverySettings):
@@ -218,6 +222,47 @@ class ResilientJob:
             return world.get_pg("world")
         except KeyError:
             return world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
+
+    @property
+    def replica_group(self) -> Optional[dist.ProcessGroup]:
+        """This rank's group along the settings' ``replica_dim``, over the grid's ranks: the peers
+        that hold the same state (where a rank that took a position copies it from). Made when
+        first asked for, on every rank of the grid alike; None outside it.
+
+        Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
+
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
+            >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]), spares=[4, 5],
+            ...                            settings=RecoverySettings(gpus_per_node=2))
+            >>> dist.get_process_group_ranks(job.replica_group)
+            [1, 3]
+            >>> job.destroy(); dist.destroy_process_group()
+
+        Raises:
+            ValueError: the settings' ``replica_dim`` is not a dim of the grid.
+        """
+        if not dist.is_initialized() or not self.in_grid:
+            return None
+        dim = self.settings.replica_dim
+        if dim not in self.layout.dim_names:
+            raise ValueError(f"the job's replica_dim {dim!r} is not a dim of its grid {list(self.layout.dim_names)}; "
+                             f"set RecoverySettings(replica_dim=...) to the dim along which state is replicated")
+        grid = self._replicas
+        if grid is None:
+            grid = job_grid(self.layout)
+            object.__setattr__(self, "_replicas", grid)
+        try:
+            return grid.get_pg(dim)
+        except KeyError:
+            return grid.create_pg(dim, group_desc="HYPERGRID_JOB_REPLICAS")
+
+    def let_go_job_groups(self) -> None:
+        """Destroy the groups :attr:`world` and :attr:`replica_group` made (the placement moved)."""
+        for grid in (self._world, self._replicas):
+            if grid is not None:
+                grid.destroy()
 
     @property
     def generation(self) -> int:
@@ -418,8 +463,7 @@ class ResilientJob:
             >>> job.destroy(); job.destroy()
             >>> dist.destroy_process_group()
         """
-        if self._world is not None:
-            self._world.destroy()
+        self.let_go_job_groups()
         if self.channel is not None:
             detach()
         if isinstance(self.state, HyperCommGrid):

@@ -40,7 +40,7 @@ from .recipes import GridRecipe, MegatronRecipe, Recipe
 REBUILD_LABEL = "recover"
 
 __all__ = ["REBUILD_LABEL", "build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left",
-           "recovery_strategy", "world_grid"]
+           "recovery_strategy", "world_grid", "job_grid"]
 
 
 def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, *, attempt: Optional[str],
@@ -112,6 +112,20 @@ def world_grid(layout: GridLayout) -> HyperCommGrid:
     world = dist.get_world_size() if dist.is_initialized() else layout.rank_offset + layout.size
     return HyperCommGrid([layout.size], ["world"], rank_offset=layout.rank_offset, rank_map=layout.rank_map,
                          world_size=world, strategy="fresh")
+
+
+def job_grid(layout: GridLayout) -> HyperCommGrid:
+    """A grid over ``layout``'s ranks and dims whose groups are made among their members only:
+    the job's own groups beside the user's (:attr:`ResilientJob.replica_group`).
+
+    Example::
+
+        >>> job_grid(GridLayout((2, 2), ("tp", "dp"))).ranks("dp", rank=1)
+        [1, 3]
+    """
+    world = dist.get_world_size() if dist.is_initialized() else layout.rank_offset + layout.size
+    return HyperCommGrid(list(layout.shape), list(layout.dim_names), rank_offset=layout.rank_offset,
+                         rank_map=layout.rank_map, world_size=world, strategy="fresh")
 
 
 def restore(job: Any) -> None:

@@ -1,0 +1,338 @@
+"""Training that survives the loss of ranks, in one call: :func:`train`.
+
+The user gives the job, a ``setup`` that builds a rank's :class:`TrainingState` (model,
+optimizers, scheduler, data sampler) on the job's groups, and a ``step`` that trains one step;
+:func:`train` runs the steps on every rank, spares included, and owns everything a failure
+asks for:
+
+- **Snapshots and a commit gate.** After every ``snapshot_every`` steps each rank copies its
+  state to host memory, then the ranks of the grid meet (one all-reduce of one number over
+  :attr:`ResilientJob.world`). A rank takes its next snapshot only after every rank took this
+  one, so no rank is ever a snapshot ahead of another, and each holds the two that a recovery
+  may roll back to: its last committed one and the one it took since.
+- **A failure.** A step (or a gate) that raises because a peer is gone makes every survivor call
+  :func:`~hypergrid.recovery.recover` with the step of its latest snapshot; the job carries the
+  least, and every rank rolls back to it: from its own snapshot, or, on a rank that just took a
+  position, from a surviving peer of its replica group (:mod:`hypergrid.training.transfer`).
+- **Outside the grid.** A spare waits until a recovery gives it a position, a rank whose replica
+  was dropped waits as a spare, and a rank counted out (it hung) offers itself again; each
+  calls ``setup`` when it takes a position, and gets its state from a peer.
+- **Growing back.** Every ``grow_every`` steps the grid takes back dropped replicas from the
+  ranks waiting (:func:`~hypergrid.recovery.grow`).
+- **Records.** Each recovery is timed in parts on every rank (:class:`RecoveryRecord`), logged
+  in one line, kept on the run and handed to ``on_recovery``.
+
+A failure is an exception of torch's (a ``RuntimeError``: gloo's and NCCL's errors are); one
+that comes back at the same step ``retries`` times with nobody lost is the user's and is raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
+from ..recovery import ResilientJob, grow, recover
+from .records import RecoveryRecord
+from .state import Snapshot, TrainingState
+from .transfer import collective_device, share_snapshot
+
+__all__ = ["train", "TrainingRun", "Setup", "Step"]
+
+logger = logging.getLogger(__name__)
+
+#: Builds this rank's state on the job's groups, when it takes a position (at the start, or later).
+Setup = Callable[[ResilientJob], TrainingState]
+#: Trains one step: ``step(job, state, step_number)``; what it returns is kept as the step's loss.
+Step = Callable[[ResilientJob, TrainingState, int], Any]
+
+
+@dataclass
+class TrainingRun:
+    """What :func:`train` leaves on a rank: the job (``job.in_grid`` False on a rank that ended
+    outside the grid), its state (None there), the steps done, each step's loss as ``step``
+    returned it (the last attempt's, on the ranks that ran it) and the recoveries' records."""
+
+    job: ResilientJob
+    state: Optional[TrainingState]
+    step: int
+    losses: dict[int, Any] = field(default_factory=dict)
+    records: list[RecoveryRecord] = field(default_factory=list)
+
+
+def train(job: ResilientJob, setup: Setup, step: Step, *, steps: int, first_step: int = 0, snapshot_every: int = 1,
+          grow_every: Optional[int] = None, wait_timeout: timedelta = timedelta(hours=24),
+          on_recovery: Optional[Callable[[RecoveryRecord], None]] = None, retries: int = 3) -> TrainingRun:
+    """Train from ``first_step`` (where ``setup`` loaded a checkpoint, say) up to ``steps`` on
+    every rank of ``job`` (spares too), through failures.
+
+    Example, as the one rank of a job with nobody to lose (a rank of a real job calls the same)::
+
+        >>> import torch, torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> import hypergrid
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=1)
+        >>> job = hypergrid.ResilientJob.of_grid(hypergrid.HyperCommGrid([1], ["dp"]))
+        >>> def setup(job):
+        ...     model = torch.nn.Linear(2, 1)
+        ...     return TrainingState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        >>> def one_step(job, state, step):
+        ...     (model,), (optimizer,) = state.models, state.optimizers
+        ...     loss = model(torch.ones(1, 2)).pow(2).sum()
+        ...     loss.backward(); optimizer.step(); optimizer.zero_grad()
+        ...     return loss.item()
+        >>> run = train(job, setup, one_step, steps=3)
+        >>> run.step, len(run.losses), run.records
+        (3, 3, [])
+        >>> job.destroy(); dist.destroy_process_group()
+
+    Raises:
+        TypeError: a job that is not a :class:`ResilientJob`, a ``setup`` or ``step`` that is not
+            callable, a count that is not an int, a ``setup`` that returns no TrainingState.
+        ValueError: a count out of range, a ``grow_every`` that is not a multiple of
+            ``snapshot_every``, a model whose parameters are on ranks outside the job's grid.
+        RecoveryRefused, RecoveryError: from the recovery (no placement fits; none committed).
+    """
+    if not isinstance(job, ResilientJob):
+        raise TypeError(f"job must be a hypergrid ResilientJob, got {type(job).__name__}")
+    for name, value in (("setup", setup), ("step", step)):
+        if not callable(value):
+            raise TypeError(f"{name} must be callable, got {type(value).__name__} {value!r}")
+    for name, count, least in (("steps", steps, 0), ("first_step", first_step, 0), ("snapshot_every", snapshot_every, 1),
+                               ("retries", retries, 0), ("grow_every", grow_every, 1)):
+        if count is None and name == "grow_every":
+            continue
+        if isinstance(count, bool) or not isinstance(count, int):
+            raise TypeError(f"{name} must be an int, got {type(count).__name__} {count!r}")
+        if count < least:
+            raise ValueError(f"{name} must be at least {least}, got {count}")
+    if grow_every is not None and grow_every % snapshot_every:
+        raise ValueError(f"grow_every ({grow_every}) must be a multiple of snapshot_every ({snapshot_every}): "
+                         f"the grid grows at a step every rank holds a snapshot of")
+    if not isinstance(wait_timeout, timedelta):
+        raise TypeError(f"wait_timeout must be a datetime.timedelta, got {type(wait_timeout).__name__}")
+    trainer = _Trainer(job, setup, step, steps, snapshot_every, grow_every, wait_timeout, on_recovery, retries)
+    trainer.step = first_step
+    return trainer.run()
+
+
+@dataclass
+class _Restoring:
+    """A recovery between the job it left and the first step after it."""
+
+    kind: str
+    plan: str
+    target: int
+    failed_step: Optional[int]
+    seen_at: float
+    seen: float  # time.monotonic() then
+    agreed_s: Optional[float]
+    rebuilt_s: Optional[float]
+    rollback: bool = True  # False: a growth at a committed step, where the survivors' state is current
+    restored_s: Optional[float] = None
+
+
+class _Trainer:
+    def __init__(self, job: ResilientJob, setup: Setup, step_fn: Step, steps: int, every: int,
+                 grow_every: Optional[int], wait_timeout: timedelta,
+                 on_recovery: Optional[Callable[[RecoveryRecord], None]], retries: int) -> None:
+        self.job, self.setup, self.step_fn = job, setup, step_fn
+        self.steps, self.every, self.grow_every = steps, every, grow_every
+        self.wait_timeout, self.on_recovery, self.retries = wait_timeout, on_recovery, retries
+        self.state: Optional[TrainingState] = None
+        self.step = 0
+        self.run_ = TrainingRun(job, None, 0)
+        self.committed: Optional[Snapshot] = None  # the latest snapshot every rank took
+        self.pending: Optional[Snapshot] = None  # taken since, its gate not passed
+        self.restoring: Optional[_Restoring] = None
+        self.recorded: Optional[_Restoring] = None  # restored, its first step not done
+        self.fruitless = 0  # recoveries in a row that found nobody lost
+        self._restored_at = 0.0
+
+    # ------------------------------------------------------------------ the loop
+    def run(self) -> TrainingRun:
+        if self.job.in_grid:
+            self._take_position(self.job)
+            assert self.state is not None
+            self.committed = self.state.capture(self.step)
+        else:
+            self._wait_outside(self.job.wait_as_spare, failed_step=None)
+        while self.job.in_grid and self.step < self.steps:
+            try:
+                if self.restoring is not None:
+                    self._restore()
+                elif self._growth_due():
+                    self._grow()
+                assert self.state is not None
+                self.run_.losses[self.step] = self.step_fn(self.job, self.state, self.step)
+                self.step += 1
+                if self.step % self.every == 0 or self.step == self.steps:
+                    self._checkpoint()
+                self.fruitless = 0
+                self._close_record()
+            except (ExcludedByRecovery, RecoveryError):
+                raise
+            except RuntimeError as failure:
+                self._recover(failure)
+        self._close_record()
+        if self.job.in_grid:
+            world = self.job.world
+            if world is not None:
+                dist.barrier(group=world)  # every rank of the grid is done before the spares go
+            self.job.release_spares()
+        self.run_.job, self.run_.state, self.run_.step = self.job, self.state, self.step
+        return self.run_
+
+    def _take_position(self, job: ResilientJob) -> None:
+        """Build this rank's state on ``job``'s groups (at the start, or taking a position)."""
+        state = self.setup(job)
+        if not isinstance(state, TrainingState):
+            raise TypeError(f"setup must return a hypergrid TrainingState, got {type(state).__name__}")
+        _check_on_job(state, job)
+        self.state = state
+
+    def _checkpoint(self) -> None:
+        """Snapshot this step, then the gate: every rank of the grid has snapshotted it."""
+        assert self.state is not None
+        self.pending = self.state.capture(self.step)
+        world = self.job.world
+        if world is not None:
+            dist.all_reduce(torch.zeros(1, device=collective_device(world)), group=world)
+        if self.committed is not None:
+            self.state.recycle(self.committed)
+        self.committed, self.pending = self.pending, None
+
+    def _latest(self) -> int:
+        """The step of this rank's latest snapshot: the least over the survivors is one they all hold."""
+        held = self.pending or self.committed
+        return held.step if held is not None else 0
+
+    def _growth_due(self) -> bool:
+        return (self.grow_every is not None and self.step % self.grow_every == 0 and self.step > 0
+                and self.committed is not None and self.committed.step == self.step and self.recorded is None)
+
+    # ------------------------------------------------------------------ failures
+    def _recover(self, failure: RuntimeError) -> None:
+        seen_at, seen, failed_step = time.time(), time.monotonic(), self.step
+        logger.warning("rank %d: step %d failed (%s); recovering", dist.get_rank(), failed_step,
+                       str(failure).splitlines()[0][:200] if str(failure) else type(failure).__name__)
+        before = self.job
+        try:
+            job = recover(before, step=self._latest())
+        except ExcludedByRecovery as excluded:
+            logger.warning("rank %d: %s", dist.get_rank(), excluded)
+            self._wait_outside(before.offer, failed_step=failed_step)
+            return
+        if job.recoveries == before.recoveries and job.layout == before.layout:
+            self.fruitless += 1
+            if self.fruitless > self.retries:
+                raise failure  # nobody was lost: the step itself fails
+        self.job = job
+        if not job.in_grid:  # its replica was dropped: a spare from now on
+            self.state = None
+            self._wait_outside(job.wait_as_spare, failed_step=failed_step)
+            return
+        times = job.times
+        last = job.last
+        self.restoring = _Restoring(
+            kind=last.kind.value if last is not None else "repair",
+            plan=last.describe() if last is not None and job.recoveries != before.recoveries else "nobody lost",
+            target=job.step if job.step is not None else self._latest(), failed_step=failed_step,
+            seen_at=seen_at, seen=seen, agreed_s=times.agreed_s if times else None,
+            rebuilt_s=times.rebuilt_s if times else None)
+
+    def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
+        """Wait outside the grid (as a spare, or offering this rank again) until given a position."""
+        self.state, self.committed, self.pending = None, None, None
+        job = wait(timeout=self.wait_timeout)
+        self.job = job
+        if not job.in_grid:
+            return
+        seen_at, seen = time.time(), time.monotonic()
+        self._take_position(job)
+        last = job.last
+        self.restoring = _Restoring(
+            kind="joined", plan=last.describe() if last is not None else "joined",
+            target=job.step if job.step is not None else 0, failed_step=failed_step, seen_at=seen_at, seen=seen,
+            agreed_s=None, rebuilt_s=job.times.rebuilt_s if job.times else None)
+
+    def _grow(self) -> None:
+        seen_at, seen = time.time(), time.monotonic()
+        grown = grow(self.job, step=self.step)
+        if grown.layout == self.job.layout:
+            self.job = grown
+            return
+        self.job = grown
+        last = grown.last
+        self.restoring = _Restoring(
+            kind="grow", plan=last.describe() if last is not None else "grow", target=self.step, failed_step=None,
+            seen_at=seen_at, seen=seen, agreed_s=grown.times.agreed_s if grown.times else None,
+            rebuilt_s=grown.times.rebuilt_s if grown.times else None, rollback=False)
+        self._restore()
+
+    def _restore(self) -> None:
+        """Every rank of the grid at the recovery's step: from its own snapshot, or, on a rank
+        that just took a position, from the first peer of its replica group that did not."""
+        restoring, job, state = self.restoring, self.job, self.state
+        assert restoring is not None and state is not None
+        rank, target = dist.get_rank(), restoring.target
+        own = next((s for s in (self.pending, self.committed) if s is not None and s.step == target), None)
+        arrived = job.arrived()
+        group = job.replica_group
+        assert group is not None
+        members = dist.get_process_group_ranks(group)
+        if any(m in arrived for m in members):
+            holders = [m for m in members if m not in arrived]
+            if not holders:
+                raise RecoveryRefused(f"hypergrid: no rank of the replica group {members} holds the state of step "
+                                      f"{target}: all of them just took their positions; load a checkpoint")
+            got = share_snapshot(own if rank == holders[0] else None, source=holders[0], group=group)
+            if rank in arrived:
+                own = got
+        if own is None or own.step != target:
+            held = [s.step for s in (self.committed, self.pending) if s is not None]
+            raise RecoveryError(f"hypergrid: rank {rank} holds no snapshot of step {target}, where the job resumes "
+                                f"(it holds steps {held})")
+        if restoring.rollback or rank in arrived:
+            state.restore(own)
+        self.committed, self.pending, self.step = own, None, target
+        restoring.restored_s = time.monotonic() - restoring.seen - (restoring.agreed_s or 0) - (restoring.rebuilt_s or 0)
+        self.recorded, self.restoring = restoring, None
+        self._restored_at = time.monotonic()
+
+    def _close_record(self) -> None:
+        """The recovery restored before this step is recorded, with its first step's time."""
+        done = self.recorded
+        if done is None:
+            return
+        self.recorded = None
+        first_step = time.monotonic() - self._restored_at if self.step > done.target else None
+        record = RecoveryRecord(kind=done.kind, plan=done.plan, rank=dist.get_rank(), failed_step=done.failed_step,
+                                resumed_step=done.target, seen_at=done.seen_at, agreed_s=done.agreed_s,
+                                rebuilt_s=done.rebuilt_s, restored_s=max(0.0, done.restored_s or 0.0),
+                                first_step_s=first_step)
+        self.run_.records.append(record)
+        logger.info("%s", record.describe())
+        if self.on_recovery is not None:
+            self.on_recovery(record)
+
+
+def _check_on_job(state: TrainingState, job: ResilientJob) -> None:
+    """A model's DTensor parameters live on meshes over the job's grid."""
+    ranks = set(job.layout.ranks)
+    for index, model in enumerate(state.models):
+        for name, param in model.named_parameters():
+            if isinstance(param, DTensor):
+                outside = sorted(set(param.device_mesh.mesh.flatten().tolist()) - ranks)
+                if outside:
+                    raise ValueError(f"model {index}'s parameter {name!r} lives on a DeviceMesh over ranks {outside} "
+                                     f"outside the job's grid {sorted(ranks)}: build the model on the job's groups "
+                                     f"(hypergrid.device_mesh(job.state, ...))")

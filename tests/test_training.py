@@ -1,0 +1,212 @@
+"""hypergrid.train on gloo ranks: a node lost mid-step, and the whole training state back.
+
+A tensor-parallel MLP (a column- then a row-parallel linear, tp 2) trained with data parallel 2,
+Adam, a StepLR scheduler, dropout drawn from torch's generator (seeded per tp rank, alike along
+dp, as Megatron-Core seeds it) and a data sampler whose position advances each step. Ranks 0-3
+hold the grid; node 1 (ranks 2 and 3, data-parallel replica 1) kills itself (SIGKILL) after its
+forward in step ``KILL_STEP``.
+
+- With a spare node (ranks 4 and 5), the spares take the lost positions and get model,
+  optimizer, RNG, scheduler and sampler from their data-parallel peers: every step's loss, on
+  every rank of the grid, is bit-equal to the same job run with no failure.
+- With no spare, replica 1 is dropped and the job goes on at dp 1 from the step every rank
+  holds: its losses are bit-equal to those of a job started from the same state (taken by a run
+  with no failure) on the shrunk placement at that step.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.harness import run_gloo
+
+pytestmark = [pytest.mark.gloo, pytest.mark.slow]
+
+TP, DIM, HIDDEN, BATCH = 2, 4, 8, 3
+STEPS, KILL_STEP = 6, 3
+COLLECTIVE_S = 6.0
+
+
+class _Sum(torch.autograd.Function):
+    """Partial sums added over the tp group forward (row-parallel output), identity backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None
+
+
+class _Copy(torch.autograd.Function):
+    """Column-parallel input: identity forward, gradients summed over the tp group backward."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ParallelMLP(torch.nn.Module):
+    def __init__(self, tp_rank: int) -> None:
+        super().__init__()
+        gen = torch.Generator().manual_seed(7)
+        w1 = torch.randn(DIM, HIDDEN, generator=gen) / DIM ** 0.5
+        w2 = torch.randn(HIDDEN, DIM, generator=gen) / HIDDEN ** 0.5
+        cols = HIDDEN // TP
+        self.w1 = torch.nn.Parameter(w1[:, tp_rank * cols:(tp_rank + 1) * cols].clone())
+        self.w2 = torch.nn.Parameter(w2[tp_rank * cols:(tp_rank + 1) * cols].clone())
+
+    def forward(self, x: torch.Tensor, tp: Any) -> torch.Tensor:
+        hidden = torch.relu(_Copy.apply(x, tp) @ self.w1)
+        hidden = torch.nn.functional.dropout(hidden, p=0.25, training=True)  # torch's generator
+        return _Sum.apply(hidden @ self.w2, tp)
+
+
+class Sampler:
+    """A data position: batch ``position`` of data-parallel rank ``dp_rank``, seeded by both."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def batch(self, dp_rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1000 * self.position + dp_rank)
+        self.position += 1
+        return torch.randn(BATCH, DIM, generator=gen), torch.randn(BATCH, DIM, generator=gen)
+
+    def state_dict(self) -> dict:
+        return {"position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position = state["position"]
+
+
+def _setup(job: Any) -> Any:
+    import hypergrid
+
+    grid = job.state
+    tp_rank = grid.ranks("tp").index(dist.get_rank())
+    torch.manual_seed(2024 + tp_rank)  # dropout alike along dp, as Megatron-Core seeds it
+    model = ParallelMLP(tp_rank)
+    optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    return hypergrid.TrainingState(model, optimizer, scheduler=scheduler, sampler=Sampler())
+
+
+def _one_step(job: Any, state: Any, step: int, *, kill: Optional[tuple[list[int], int]] = None) -> float:
+    grid = job.state
+    tp, dp = grid.get_pg("tp"), grid.get_pg("dp")
+    (model,), (optimizer,) = state.models, state.optimizers
+    x, y = state.objects["sampler"].batch(grid.ranks("dp").index(dist.get_rank()))
+    loss = torch.nn.functional.mse_loss(model(x, tp), y)
+    if kill is not None and dist.get_rank() in kill[0] and step == kill[1]:
+        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward, before the gradients' reduce
+    loss.backward()
+    for p in model.parameters():
+        assert p.grad is not None
+        dist.all_reduce(p.grad, group=dp)
+        p.grad /= dist.get_world_size(dp)
+    optimizer.step()
+    optimizer.zero_grad()
+    state.objects["scheduler"].step()
+    return loss.item()
+
+
+def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Optional[tuple[list[int], int]],
+           start: Optional[int], save_at: Optional[int], folder: str) -> dict:
+    import hypergrid
+
+    hypergrid.start_heartbeat(interval_s=0.5)
+    grid = hypergrid.HyperCommGrid([TP, len(ranks) // TP], ["tp", "dp"])
+    grid.create_pg("tp")
+    grid.create_pg("dp")
+    job = hypergrid.ResilientJob.of_grid(grid, spares=spares, timeout=timedelta(seconds=30),
+                                         settings=hypergrid.RecoverySettings(gpus_per_node=2, replica_dim="dp"))
+    setup = _setup
+    if start is not None:  # a job started on this placement from a saved state
+        def setup(job: Any) -> Any:
+            state = _setup(job)
+            position = list(job.layout.ranks).index(dist.get_rank())
+            state.restore(torch.load(Path(folder) / f"{position}.pt", weights_only=False))
+            return state
+
+    saved: list[int] = []
+
+    def one_step(job: Any, state: Any, step: int) -> float:
+        if save_at is not None and step == save_at:
+            position = list(job.layout.ranks).index(dist.get_rank())
+            torch.save(state.capture(step), Path(folder) / f"{position}.pt")
+            saved.append(step)
+        return _one_step(job, state, step, kill=kill)
+
+    records: list[Any] = []
+    run = hypergrid.train(job, setup, one_step, steps=STEPS, first_step=start or 0, on_recovery=records.append)
+    if not run.job.in_grid:
+        return {"in_grid": False}
+    return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses,
+            "position": list(run.job.layout.ranks).index(rank),
+            "records": [(r.kind, r.plan, r.failed_step, r.resumed_step, r.describe()) for r in records],
+            "saved": saved}
+
+
+def _by_position(results: list) -> dict[int, dict]:
+    """A run with no failure (each rank's value, not a status and a value), by grid position."""
+    return {v["position"]: v for v in results if v["in_grid"]}
+
+
+def test_a_node_lost_mid_step_with_a_spare_node_trains_on_bit_equal(tmp_path):
+    reference = run_gloo(_train, 6, [0, 1, 2, 3], [4, 5], None, None, None, str(tmp_path), timeout=240,
+                         pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+    results = run_gloo(_train, 6, [0, 1, 2, 3], [4, 5], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
+                       pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results[2:4]
+    expected = _by_position(reference)
+    members = {rank: v for rank, (status, v) in enumerate(results) if status == "ok" and v["in_grid"]}
+    assert sorted(members) == [0, 1, 4, 5], results
+    for rank, value in members.items():
+        assert value["ranks"] == [0, 1, 4, 5], (rank, value)
+        ((kind, plan, failed_step, resumed, line),) = value["records"]
+        assert resumed == KILL_STEP, (rank, line)
+        assert failed_step == (None if rank >= 4 else KILL_STEP), (rank, line)
+        assert plan == "replace: rank 2 -> 4, rank 3 -> 5; 0 spares left", (rank, plan)
+        assert kind == ("joined" if rank >= 4 else "replace"), (rank, kind)
+        losses = value["losses"]
+        want = expected[value["position"]]["losses"]
+        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
+        assert {s: losses[s] for s in steps} == {s: want[s] for s in steps}, (rank, losses, want)
+
+
+def test_a_node_lost_with_no_spare_shrinks_and_trains_as_a_job_started_there(tmp_path):
+    # The state every position holds at the step the job resumes from, taken by a run with no failure.
+    run_gloo(_train, 4, [0, 1, 2, 3], [], None, None, KILL_STEP, str(tmp_path), timeout=240,
+             pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+    results = run_gloo(_train, 4, [0, 1, 2, 3], [], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
+                       pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results[2:4]
+    fresh = run_gloo(_train, 2, [0, 1], [], None, KILL_STEP, None, str(tmp_path), timeout=240,
+                     pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+    for rank in (0, 1):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 1], results[rank]
+        ((kind, plan, failed_step, resumed, line),) = value["records"]
+        assert kind == "shrink" and resumed == KILL_STEP and failed_step == KILL_STEP, line
+        assert plan.startswith("shrink: replicas holding ranks [2, 3] dropped"), plan
+        after = {s: loss for s, loss in value["losses"].items() if s >= KILL_STEP}
+        assert after == {s: fresh[rank]["losses"][s] for s in range(KILL_STEP, STEPS)}, (rank, after, fresh[rank])
