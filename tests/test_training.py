@@ -12,12 +12,22 @@ forward in step ``KILL_STEP``.
 - With no spare, replica 1 is dropped and the job goes on at dp 1 from the step every rank
   holds: its losses are bit-equal to those of a job started from the same state (taken by a run
   with no failure) on the shrunk placement at that step.
+- A second loss while the first is recovered: the spare that took a lost position dies as it
+  takes it, before it has its state; the survivors recover again onto the next spare node, and
+  the losses are still bit-equal to a run with no failure.
+- A rank frozen (SIGSTOP) past its progress timeout is counted out; its replica is dropped, its
+  peer waits as a spare, it offers itself once it runs again, and the grid grows back: from
+  the growth on, the losses are bit-equal to those of a job started there from the state every
+  position had.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
@@ -26,7 +36,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests.harness import run_gloo
+from tests.harness import job_store, run_gloo
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
@@ -130,26 +140,42 @@ def _one_step(job: Any, state: Any, step: int, *, kill: Optional[tuple[list[int]
 
 
 def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Optional[tuple[list[int], int]],
-           start: Optional[int], save_at: Optional[int], folder: str) -> dict:
+           start: Optional[int], save_at: Optional[int], folder: str, *, kill_on_joining: Optional[int] = None,
+           freeze: Optional[tuple[int, int, float]] = None, grow_every: Optional[int] = None) -> dict:
+    """``kill``: (ranks, step) SIGKILLed mid-step; ``kill_on_joining``: a spare SIGKILLed as it takes a
+    position; ``freeze``: (rank, step, seconds) SIGSTOPped mid-step, then let run again."""
     import hypergrid
 
-    hypergrid.start_heartbeat(interval_s=0.5)
+    hypergrid.start_heartbeat(interval_s=0.5, progress_timeout_s=4.0)  # frozen past it: hung
+    store = job_store()
+    store.set(f"pid/{rank}", str(os.getpid()))
+    if freeze is not None and rank == 0:
+        threading.Thread(target=_freezer, args=(store, freeze), daemon=True).start()
     grid = hypergrid.HyperCommGrid([TP, len(ranks) // TP], ["tp", "dp"])
     grid.create_pg("tp")
     grid.create_pg("dp")
     job = hypergrid.ResilientJob.of_grid(grid, spares=spares, timeout=timedelta(seconds=30),
                                          settings=hypergrid.RecoverySettings(gpus_per_node=2, replica_dim="dp"))
-    setup = _setup
-    if start is not None:  # a job started on this placement from a saved state
-        def setup(job: Any) -> Any:
-            state = _setup(job)
+    def setup(job: Any) -> Any:
+        if dist.get_rank() == kill_on_joining:
+            os.kill(os.getpid(), signal.SIGKILL)
+        state = _setup(job)
+        if start is not None:  # a job started on this placement from a saved state
             position = list(job.layout.ranks).index(dist.get_rank())
             state.restore(torch.load(Path(folder) / f"{position}.pt", weights_only=False))
-            return state
+        return state
 
     saved: list[int] = []
 
     def one_step(job: Any, state: Any, step: int) -> float:
+        if freeze is not None and (rank, step) == freeze[:2]:
+            store.set("freeze", "")
+            time.sleep(1.0)  # frozen in here, in a step the others cannot finish
+        if freeze is not None and grow_every is not None and step == grow_every - 1 and rank != freeze[0]:
+            # Before the growth: the frozen rank has run again, learnt it is out and offered itself.
+            store.wait(["frozen_at"], timedelta(seconds=60))
+            while time.time() < float(store.get("frozen_at").decode()) + freeze[2] + 3 * COLLECTIVE_S:
+                time.sleep(0.2)
         if save_at is not None and step == save_at:
             position = list(job.layout.ranks).index(dist.get_rank())
             torch.save(state.capture(step), Path(folder) / f"{position}.pt")
@@ -157,13 +183,23 @@ def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Opt
         return _one_step(job, state, step, kill=kill)
 
     records: list[Any] = []
-    run = hypergrid.train(job, setup, one_step, steps=STEPS, first_step=start or 0, on_recovery=records.append)
+    run = hypergrid.train(job, setup, one_step, steps=STEPS, first_step=start or 0, on_recovery=records.append,
+                          grow_every=grow_every)
     if not run.job.in_grid:
         return {"in_grid": False}
     return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses,
             "position": list(run.job.layout.ranks).index(rank),
             "records": [(r.kind, r.plan, r.failed_step, r.resumed_step, r.describe()) for r in records],
             "saved": saved}
+
+
+def _freezer(store: Any, freeze: tuple[int, int, float]) -> None:
+    store.wait(["freeze"], timedelta(seconds=120))
+    pid = int(store.get(f"pid/{freeze[0]}").decode())
+    store.set("frozen_at", repr(time.time()))
+    os.kill(pid, signal.SIGSTOP)
+    time.sleep(freeze[2])
+    os.kill(pid, signal.SIGCONT)
 
 
 def _by_position(results: list) -> dict[int, dict]:
@@ -210,3 +246,40 @@ def test_a_node_lost_with_no_spare_shrinks_and_trains_as_a_job_started_there(tmp
         assert plan.startswith("shrink: replicas holding ranks [2, 3] dropped"), plan
         after = {s: loss for s, loss in value["losses"].items() if s >= KILL_STEP}
         assert after == {s: fresh[rank]["losses"][s] for s in range(KILL_STEP, STEPS)}, (rank, after, fresh[rank])
+
+
+def test_a_second_loss_while_the_first_is_recovered_goes_to_the_next_spare_node(tmp_path):
+    reference = run_gloo(_train, 4, [0, 1, 2, 3], [], None, None, None, str(tmp_path), timeout=240,
+                         pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+    results = run_gloo(functools.partial(_train, kill_on_joining=4), 8, [0, 1, 2, 3], [4, 5, 6, 7],
+                       ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S,
+                       expect_failure=True, leave_at_once=True)
+    assert [results[r][0] for r in (2, 3, 4)] == ["dead"] * 3, results
+    expected = _by_position(reference)
+    members = {rank: v for rank, (status, v) in enumerate(results) if status == "ok" and v["in_grid"]}
+    assert sorted(members) == [0, 1, 5, 6], results
+    for rank, value in members.items():
+        assert value["ranks"] == [0, 1, 6, 5], (rank, value)
+        assert value["records"][-1][3] == KILL_STEP, (rank, value["records"])
+        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
+        want = expected[value["position"]]["losses"]
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+
+
+def test_a_rank_frozen_is_counted_out_offers_itself_and_is_grown_back(tmp_path):
+    grow_at = 4
+    results = run_gloo(functools.partial(_train, freeze=(3, 2, 10.0), grow_every=grow_at), 4, [0, 1, 2, 3], [],
+                       None, None, grow_at, str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
+                       leave_at_once=True)
+    members = {rank: v for rank, (status, v) in enumerate(results) if status == "ok" and v["in_grid"]}
+    assert sorted(members) == [0, 1, 2, 3], results
+    kinds = {rank: [r[0] for r in v["records"]] for rank, v in members.items()}
+    assert kinds[0] == ["shrink", "grow"] and kinds[1] == ["shrink", "grow"], kinds
+    assert kinds[2] == ["joined"] and kinds[3] == ["joined"], kinds
+    assert all(v["saved"] == [grow_at] for v in members.values()), members
+    fresh = _by_position(run_gloo(_train, 4, [0, 1, 2, 3], [], None, grow_at, None, str(tmp_path), timeout=240,
+                                  pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
+    for rank, value in members.items():
+        after = {s: loss for s, loss in value["losses"].items() if s >= grow_at}
+        want = {s: fresh[value["position"]]["losses"][s] for s in range(grow_at, STEPS)}
+        assert after == want, (rank, after, want)
