@@ -1,18 +1,11 @@
-"""The training loop of docs/recovery.md, as written there, through a failure and a growth.
+"""The training loop of docs/recovery.md, as written there, through a node's loss.
 
-The code block of docs/recovery.md that defines ``train`` is read from the docs and run in each
-gloo rank, with the small Megatron-style model of tests/test_recovery_training.py (tensor
-parallel 2, pipeline 2, data parallel 2) as ``model_step``:
-
-- a rank is SIGKILLed in the middle of a step, a spare takes its place, learns from the job
-  which step to resume from, copies its shard, and training goes on;
-- with no spare, a rank is frozen (SIGSTOP) past its progress timeout, so the others count it
-  out as hung: its replica is dropped and training goes on on the other; the replica's
-  survivors wait as spares, the frozen rank, once it runs again, learns it is out and offers
-  itself; a growth then puts the replica back, and training goes on at data parallel 2.
-
-Each time, on every rank, the losses after the recovery (or the growth) are bit-equal to those of
-a fresh job started on the new placement from the parameters every position had at that step.
+The code block of docs/recovery.md that defines ``setup``, ``step`` and ``main`` is read from the
+docs and run in each gloo rank, with the tensor-parallel MLP, the sampler and the seeding of
+tests/test_training.py as the user's ``build_model``, ``DataPosition`` and ``forward_backward``.
+Ranks 0-3 hold tp 2 x dp 2, ranks 4 and 5 are a spare node; node 1 (ranks 2 and 3) is SIGKILLed
+after its forward in step 3. On every rank of the grid, every step's loss is bit-equal to that of
+the same job run with no failure.
 """
 
 from __future__ import annotations
@@ -20,138 +13,77 @@ from __future__ import annotations
 import os
 import re
 import signal
-import threading
-import time
-from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from tests import test_recovery_training as model
-from tests.harness import job_store, run_gloo
+from tests import test_training as model
+from tests.harness import run_gloo
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "recovery.md"
-STEPS = 7
-COLLECTIVE_MIN = 0.1  # Megatron's distributed_timeout_minutes: 6 s, and the default group's timeout too
-COLLECTIVE_S = COLLECTIVE_MIN * 60
-SIZES = dict(tensor_model_parallel_size=model.TP, pipeline_model_parallel_size=model.PP,
-             create_gloo_process_groups=False, distributed_timeout_minutes=COLLECTIVE_MIN,
-             timeout=timedelta(seconds=20))
+STEPS, KILL_STEP = 6, 3
 
 
-def docs_loop() -> dict:
-    """The namespace the docs' code block that defines ``train`` leaves (read from the docs)."""
+def docs_loop(kill: bool) -> dict:
+    """The namespace the docs' code block that defines ``main`` leaves, read from the docs, with
+    the user's pieces it names."""
     blocks = re.findall(r"```python\n(.*?)```", DOCS.read_text(), re.S)
-    code = next(b for b in blocks if "def train(" in b)
-    namespace: dict = {}
+    code = next(b for b in blocks if "def main(" in b and "def setup(" in b)
+
+    def build_model(grid: Any) -> torch.nn.Module:
+        tp_rank = grid.ranks("tp").index(dist.get_rank())
+        torch.manual_seed(2024 + tp_rank)  # dropout alike along dp
+        return model.ParallelMLP(tp_rank)
+
+    def forward_backward(mlp: torch.nn.Module, data: model.Sampler, grid: Any) -> float:
+        tp, dp = grid.get_pg("tp"), grid.get_pg("dp")
+        x, y = data.batch(grid.ranks("dp").index(dist.get_rank()))
+        loss = torch.nn.functional.mse_loss(mlp(x, tp), y)
+        if kill and dist.get_rank() in (2, 3) and data.position == KILL_STEP + 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        for p in mlp.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad, group=dp)
+            p.grad /= dist.get_world_size(dp)
+        return loss.item()
+
+    namespace: dict = {"build_model": build_model, "forward_backward": forward_backward,
+                       "DataPosition": model.Sampler}
     exec(compile(code, str(DOCS), "exec"), namespace)
     return namespace
 
 
 def test_the_docs_hold_the_loop():
-    assert {"train", "take_shards", "wait_to_be_needed"} <= set(docs_loop())
+    assert {"setup", "step", "main"} <= set(docs_loop(kill=False))
 
 
-def _run_docs_loop(rank: int, world: int, spares: list[int], kill: Optional[tuple], freeze: Optional[tuple],
-                   grow_every: int) -> dict:
-    """``kill``: (rank, step) SIGKILLed after its forward; ``freeze``: (rank, step, seconds) SIGSTOPped
-    by rank 0 once it reaches that step."""
+def _run_docs_loop(rank: int, world: int, kill: bool) -> dict:
     import hypergrid
 
-    hypergrid.start_heartbeat(interval_s=0.5, progress_timeout_s=4.0)  # frozen past it: hung
-    store = job_store()
-    store.set(f"pid/{rank}", str(os.getpid()))
-    if freeze is not None and rank == 0:
-        def freezer() -> None:
-            store.wait(["freeze"], timedelta(seconds=120))
-            pid = int(store.get(f"pid/{freeze[0]}").decode())
-            store.set("frozen_at", repr(time.time()))
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(freeze[2])
-            os.kill(pid, signal.SIGCONT)
-
-        threading.Thread(target=freezer, daemon=True).start()
-    at: dict[int, list] = {}       # the parameters at the start of each step (the last attempt's)
-    losses: dict[int, float] = {}
-
-    def model_step(params: list[torch.Tensor], step: int) -> None:
-        at[step] = [p.tolist() for p in params]
-        on_forward = None
-        if kill is not None and (rank, step) == kill:
-            on_forward = lambda: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-        if freeze is not None and (rank, step) == freeze[:2]:
-            store.set("freeze", "")
-            time.sleep(1.0)  # frozen in here, a step that the others cannot finish
-        if freeze is not None and step == grow_every - 1 and rank != freeze[0]:
-            # Before the growth: the frozen rank has run again, learnt it is out and offered itself.
-            store.wait(["frozen_at"], timedelta(seconds=60))
-            while time.time() < float(store.get("frozen_at").decode()) + freeze[2] + 3 * COLLECTIVE_S:
-                time.sleep(0.2)
-        loss = model._step(params, step, on_forward=on_forward)
-        if loss is not None:
-            losses[step] = loss
-
-    train = docs_loop()["train"]
-    # The first parameters of the rank's shard: ranks 0-7 hold tp 2 x dp 2 x pp 2 (tp fastest, pp
-    # slowest, Megatron-Core's order); a spare holds nothing until it copies a peer's shard.
-    grid = 8
-    params = (model._initial_shard(rank // (grid // model.PP), rank % model.TP) if rank < grid and rank not in spares
-              else [torch.zeros(model.DIM, model.HIDDEN // model.TP), torch.zeros(model.HIDDEN // model.TP, model.DIM)])
-    job = train(model_step, params, STEPS, spares=spares, grow_every=grow_every, **SIZES)
-    if not job.in_grid:
-        return {"role": "outside"}
-    return {"role": "member", "ranks": list(job.layout.ranks), "plans": [p.describe() for p in job.recoveries],
-            "at": at, "losses": losses, "position": list(job.layout.ranks).index(rank)}
+    hypergrid.start_heartbeat(interval_s=0.5)
+    run = docs_loop(kill)["main"](spares=[4, 5], steps=STEPS)
+    if not run.job.in_grid:
+        return {"in_grid": False}
+    return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses,
+            "position": list(run.job.layout.ranks).index(rank), "records": [r.describe() for r in run.records]}
 
 
-def _fresh(rank: int, world: int, ranks: list[int], start: int, states: dict) -> dict:
-    import hypergrid
-
-    job = hypergrid.ResilientJob.of_megatron(ranks=ranks, **SIZES)
-    if not job.in_grid:
-        return {}
-    params = [torch.tensor(values) for values in states[list(job.layout.ranks).index(rank)]]
-    losses = {}
-    for step in range(start, STEPS):
-        loss = model._step(params, step)
-        if loss is not None:
-            losses[step] = loss
-    return {"losses": losses}
-
-
-def _compare_with_a_fresh_run(results: list, world: int, start: int) -> dict:
-    members = {r: v for r, (status, v) in enumerate(results) if status == "ok" and v["role"] == "member"}
-    ranks = next(iter(members.values()))["ranks"]
-    assert sorted(members) == sorted(ranks) and all(v["ranks"] == ranks for v in members.values()), results
-    states = {v["position"]: v["at"][start] for v in members.values()}
-    fresh = run_gloo(_fresh, world, ranks, start, states, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
-    for rank, value in members.items():
-        after = {s: loss for s, loss in value["losses"].items() if s >= start}
-        assert after == fresh[rank]["losses"], (rank, after, fresh[rank]["losses"])
-    assert any(v["losses"] for v in members.values())
-    return members
-
-
-def test_the_docs_loop_through_a_kill_with_a_spare():
-    world = 10
-    results = run_gloo(_run_docs_loop, world, [8, 9], (5, 3), None, 100, timeout=300, pg_timeout_s=COLLECTIVE_S,
-                       expect_failure=True, leave_at_once=True)
-    assert results[5][0] == "dead", results[5]
-    members = _compare_with_a_fresh_run(results, world, start=3)
-    assert next(iter(members.values()))["ranks"] == [0, 1, 2, 3, 4, 8, 6, 7]
-    assert results[9] == ("ok", {"role": "outside"}), results[9]
-
-
-def test_the_docs_loop_shrinks_without_a_spare_and_grows_back():
-    world = 8
-    results = run_gloo(_run_docs_loop, world, [], None, (5, 2, 10.0), 4, timeout=300, pg_timeout_s=COLLECTIVE_S,
-                       expect_failure=True, leave_at_once=True)
-    members = _compare_with_a_fresh_run(results, world, start=4)
-    assert sorted(members) == list(range(8)), results
-    plans = members[2]["plans"]
-    assert plans[0].startswith("shrink: replicas holding ranks [5] dropped") and plans[-1].startswith("grow"), plans
-    assert members[2]["ranks"] == [2, 3, 0, 1, 6, 7, 4, 5], members[2]["ranks"]
+def test_the_docs_loop_through_a_node_lost_with_a_spare_node():
+    reference = run_gloo(_run_docs_loop, 6, False, timeout=240, pg_timeout_s=model.COLLECTIVE_S, leave_at_once=True)
+    results = run_gloo(_run_docs_loop, 6, True, timeout=300, pg_timeout_s=model.COLLECTIVE_S, expect_failure=True,
+                       leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results
+    expected = {v["position"]: v["losses"] for v in reference if v["in_grid"]}
+    for rank in (0, 1, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
+        assert len(value["records"]) == 1 and "resumed at step 3" in value["records"][0], value["records"]
+        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
+        want = expected[value["position"]]
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
