@@ -25,7 +25,9 @@ opted-in ``reduce_scatter_process_group``. Its communication objects may hold a 
 (``ProcessGroupAlloc*``'s ``_group``), found by :func:`fsdp_group_holders`. Its parameters'
 DTensors, ``_sharding_spec`` and sliced ``_shard_mesh`` hold the mesh objects themselves, which
 are refreshed in place. An FSDP module whose iteration failed half-way is reset with torch's own
-``FSDPModule.reset_iter_state``.
+``FSDPModule.reset_iter_state``, and the failed backward's gradients are dropped from the
+unsharded parameters where torch 2.13's reset leaves them (``_unsharded_param.grad``,
+``unsharded_accumulated_grad``; 2.15 drops them itself).
 
 Example::
 
@@ -215,4 +217,16 @@ def reset_iteration(module: torch.nn.Module, state: Any) -> bool:
     if not callable(reset) or vars(state).get("_is_root") is not True:
         return False
     reset()
+    # torch 2.13's reset leaves the failed backward's gradients on the unsharded parameters (and
+    # its accumulated copy), which the next backward would add to; 2.15's clears them. Cleared
+    # here wherever they are, so that the step run again computes what it computed the first time.
+    for _, sub_state in fsdp_states(module):
+        for group in _param_groups(sub_state):
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                fields = vars(fsdp_param)
+                if fields.get("unsharded_accumulated_grad") is not None:
+                    fields["unsharded_accumulated_grad"] = None
+                for leaf in (fields.get("_unsharded_param"), fields.get("sharded_param")):
+                    if leaf is not None:
+                        leaf.grad = None
     return True
