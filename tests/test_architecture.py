@@ -55,8 +55,9 @@ PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "a
         "app.argtypes", "store", "liveness.ring", "liveness.relay", "liveness.monitor", "liveness.board",
         "liveness.poll", "recovery.quorum")
 
-#: The only modules that may touch torch's private names: c10d's, and DeviceMesh's.
-COMPAT = {"runtime.torch_compat", "runtime.mesh_compat"}
+#: The only modules that may touch torch's private names: c10d's, DeviceMesh's, and the state a
+#: recovery rewrites in place (a DeviceMesh's ranks and groups, FSDP2's cached groups).
+COMPAT = {"runtime.torch_compat", "runtime.mesh_compat", "runtime.refresh_compat"}
 
 #: torch.distributed's calls that make groups, and the one that destroys a given group: only the
 #: runtime makes them (an application may still end its own world, destroy_process_group()).

@@ -70,12 +70,17 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
+#: A root mesh as its grid holds it: this rank's dim groups (mesh order), the mesh, and the grid
+#: dims of each flattened dim registered on it, by name.
+MeshEntry = tuple[tuple, Any, dict[str, tuple[str, ...]]]
+
 #: What ``flatten=`` accepts: dims lists (named as torch's ``_flatten`` would) or name -> dims.
 Flatten = Union[Sequence[Dims], Mapping[str, Dims], None]
 
 # One root mesh per (grid, view, device type), so that every call hands out meshes that share a
-# root and therefore its flattened dims; dropped with the grid.
-_roots: weakref.WeakKeyDictionary[Any, dict[tuple, tuple[tuple, Any]]] = weakref.WeakKeyDictionary()
+# root and therefore its flattened dims, with the grid dims of each flattened dim hypergrid gave
+# it (what a recovery refreshes them from); dropped with the grid.
+_roots: weakref.WeakKeyDictionary[Any, dict[tuple, MeshEntry]] = weakref.WeakKeyDictionary()
 _roots_lock = threading.Lock()
 
 
@@ -267,8 +272,10 @@ def device_mesh(
         grid.get_or_create_pg(flat_dims, view=view)
     root = _root_for(grid, layout, view, device, names, groups)
     member = all(pg is not None for pg in groups)
+    flats = _roots[grid][(view, device)][2]
     for name, flat_dims in requests:
-        _register(root, grid, view, name, flat_dims, member, explicit=True)
+        if _register(root, grid, view, name, flat_dims, member, explicit=True):
+            flats[name] = tuple(flat_dims)
     # Under torch's default name too, so that mesh[dims]._flatten() finds the grid's group
     # instead of creating one.
     for flat_dims in _existing_multi_dim_groups(grid, layout, view):
@@ -276,7 +283,8 @@ def device_mesh(
         if name in names:
             logger.debug("not registering %s as a flattened dim: the mesh has a dim named %r", flat_dims, name)
             continue
-        _register(root, grid, view, name, flat_dims, member, explicit=False)
+        if _register(root, grid, view, name, flat_dims, member, explicit=False):
+            flats[name] = tuple(flat_dims)
     return root if selected == names else root[selected]
 
 
@@ -294,7 +302,7 @@ def _root_for(
         # The same group objects: the same mesh. A grid can only lose groups by destroy(), and
         # then get_or_create_pg above has already refused.
         if cached is not None and len(cached[0]) == len(groups) and all(a is b for a, b in zip(cached[0], groups)):
-            return cached[1]
+            return cast("DeviceMesh", cached[1])
         member = all(pg is not None for pg in groups)
         if not member and any(pg is not None for pg in groups):
             raise HypergridError(
@@ -306,7 +314,8 @@ def _root_for(
                                        first_rank=layout.rank_offset,
                                        ranks=None if layout.rank_map is None else list(layout.ranks))
         register_mesh_root(root, grid)
-        _roots[grid][key] = (tuple(groups), root)
+        compat.track_mesh_family(root)  # a recovery refreshes the root and all derived from it
+        _roots[grid][key] = (tuple(groups), root, {})
         logger.debug("built DeviceMesh %s over the groups of %r (view %r)", root, grid, view)
         return root
 
@@ -320,7 +329,8 @@ def _register(
     member: bool,
     *,
     explicit: bool,
-) -> None:
+) -> bool:
+    """Make the grid's group over ``dims`` the root's flattened dim ``name``; whether it is."""
     pg = grid.get_pg(dims, view=view) if member else None
     try:
         flat = compat.flatten_onto(root, name, tuple(dims), pg)
@@ -328,7 +338,7 @@ def _register(
         if explicit:
             raise
         logger.warning("group %s is not a flattened dim of the mesh: %s", dims, exc)
-        return
+        return False
     if pg is not None and flat.get_group() is not pg:
         # torch made this flattened dim before the grid had the group (an earlier _flatten());
         # keep torch's, which callers may already hold, and say so.
@@ -339,6 +349,21 @@ def _register(
         if explicit:
             raise HypergridError(message)
         logger.warning(message)
+        return False
+    return True
+
+
+def meshes_of(grid: HyperCommGrid) -> dict[tuple, MeshEntry]:
+    """The root meshes :func:`device_mesh` built over ``grid``, by (view, device type) (a copy)."""
+    with _roots_lock:
+        return dict(_roots.get(grid, {}))
+
+
+def hand_over(grid: HyperCommGrid, key: tuple, entry: MeshEntry) -> None:
+    """Make ``entry``'s root the mesh :func:`device_mesh` returns for ``grid`` under ``key``
+    (a recovery's new grid takes the meshes of the old one)."""
+    with _roots_lock:
+        _roots.setdefault(grid, {})[key] = entry
 
 
 # ---------------------------------------------------------------------------- adoption

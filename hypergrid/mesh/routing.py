@@ -47,7 +47,13 @@ import torch
 import torch.distributed as dist
 
 from ..layout import Partition
-from ..runtime.mesh_compat import MeshDimRequest, consecutive_first_rank, install_mesh_router, rank_map_of
+from ..runtime.mesh_compat import (
+    MeshDimRequest,
+    consecutive_first_rank,
+    forget_rank_map,
+    install_mesh_router,
+    rank_map_of,
+)
 from ..runtime.modes import resolve_strategy
 from ..runtime.options import GroupOptions, same_as_world
 from ..runtime.torch_compat import default_group
@@ -55,7 +61,7 @@ from ..runtime.torch_compat import default_group
 if TYPE_CHECKING:
     from ..grid import HyperCommGrid
 
-__all__ = ["MeshRouting", "route_device_meshes", "register_mesh_root", "grid_of"]
+__all__ = ["MeshRouting", "route_device_meshes", "register_mesh_root", "rebind_mesh_root", "grid_of"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +94,8 @@ _routing: Optional[MeshRouting] = None
 
 
 def _forget(key: int) -> None:
+    if _lock is None:  # the interpreter is tearing this module down; nothing to forget
+        return
     with _lock:
         _roots.pop(key, None)
 
@@ -130,6 +138,32 @@ def register_mesh_root(mesh: Any, grid: HyperCommGrid) -> None:
             if known.grid is not grid:
                 raise ValueError(f"{mesh} already belongs to {known.grid!r}, not {grid!r}")
             return
+        _roots[key] = _Root(grid, weakref.ref(rank_map, _forgetting(key)))
+
+
+def rebind_mesh_root(mesh: Any, grid: HyperCommGrid) -> None:
+    """Serve ``mesh``'s root (already served by another grid) through ``grid`` from now on: a
+    recovery's new grid takes over the meshes refreshed in place. Its rank map is looked at
+    again, as the recovery may have written other ranks into it.
+
+    Example, as rank 0 of a 4-rank job on torch's fake backend::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> from hypergrid import HyperCommGrid, device_mesh
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        >>> old, new = HyperCommGrid([2, 2], ["tp", "dp"]), HyperCommGrid([2, 2], ["tp", "dp"])
+        >>> mesh = device_mesh(old, device_type="cpu")
+        >>> rebind_mesh_root(mesh, new)
+        >>> grid_of(mesh) is new
+        True
+        >>> old.destroy(); new.destroy(); dist.destroy_process_group()
+    """
+    rank_map = rank_map_of(mesh)
+    forget_rank_map(rank_map)
+    consecutive_first_rank(rank_map)
+    key = id(rank_map)
+    with _lock:
         _roots[key] = _Root(grid, weakref.ref(rank_map, _forgetting(key)))
 
 

@@ -71,6 +71,9 @@ __all__ = [
     "root_mesh",
     "rank_map_of",
     "install_mesh_router",
+    "track_mesh_family",
+    "mesh_family",
+    "forget_rank_map",
 ]
 
 logger = logging.getLogger(__name__)
@@ -654,7 +657,8 @@ def _install_fast_init() -> None:
         @functools.wraps(original)
         def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
             # torch passes _root_mesh only when it derives a mesh; a subclass keeps torch's path.
-            if kwargs.get("_root_mesh") is not None and type(self) is DeviceMesh and not _compiling():
+            root = kwargs.get("_root_mesh")
+            if root is not None and type(self) is DeviceMesh and not _compiling():
                 try:
                     call = signature.bind(self, *args, **kwargs)
                 except TypeError:  # torch raises its own error
@@ -662,8 +666,91 @@ def _install_fast_init() -> None:
                 if call is not None:
                     call.apply_defaults()
                     if _derive(self, call.arguments):
+                        _join_family(self, root)
                         return
             original(self, *args, **kwargs)
+            if root is not None:
+                _join_family(self, root)
 
         DeviceMesh.__init__ = __init__  # type: ignore[method-assign]
         _torch_init = original
+
+
+# ---------------------------------------------------------------------------- a root's family
+# Every mesh derived from a tracked root, by the id of the rank map they share: (the rank map,
+# its meshes by id). A recovery refreshes them all in place (hypergrid.mesh.refresh), including
+# the slices torch builds anew on every mesh["dim"] and that only their callers hold. By id, not
+# in a WeakSet: two slices of the same dims are equal meshes, and both must be found.
+_Family = dict[int, weakref.ReferenceType[Any]]
+_families: dict[int, tuple[weakref.ReferenceType[torch.Tensor], _Family]] = {}
+
+
+def track_mesh_family(root: Any) -> None:
+    """Remember ``root`` and every mesh torch derives from it from now on (slices, flattened,
+    unflattened and concatenated meshes), for :func:`mesh_family`. Idempotent.
+
+    Example, as rank 0 of a 4-rank job on torch's fake backend::
+
+        >>> import torch.distributed as dist
+        >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+        >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+        >>> groups = [dist.new_group(r, use_local_synchronization=True) for r in ([0, 2], [0, 1])]
+        >>> root = mesh_from_groups("cpu", (2, 2), ("dp", "tp"), groups)
+        >>> track_mesh_family(root)
+        >>> tp = root["tp"]
+        >>> mesh_family(root)[0] is root, any(m is tp for m in mesh_family(root))
+        (True, True)
+        >>> dist.destroy_process_group()
+    """
+    require_mesh_support()
+    _install_fast_init()
+    rank_map = root_mesh(root)._rank_map
+    key = id(rank_map)
+    with _install_lock:
+        known = _families.get(key)
+        if known is None or known[0]() is not rank_map:
+            def forget(_: object) -> None:
+                _families.pop(key, None)
+
+            known = (weakref.ref(rank_map, forget), {})
+            _families[key] = known
+    _add(known[1], root)
+
+
+def _add(family: _Family, mesh: Any) -> None:
+    key = id(mesh)
+
+    def forget(_: object) -> None:
+        family.pop(key, None)
+
+    family[key] = weakref.ref(mesh, forget)
+
+
+def _join_family(mesh: Any, root: Any) -> None:
+    rank_map = vars(mesh).get("_rank_map")
+    known = _families.get(id(rank_map))
+    if known is not None and known[0]() is rank_map:
+        _add(known[1], mesh)
+
+
+def mesh_family(mesh: Any) -> list[Any]:
+    """``mesh``'s root first, then every live mesh derived from it since
+    :func:`track_mesh_family` (just the root where it is not tracked). See track_mesh_family."""
+    require_mesh_support()
+    root = root_mesh(mesh)
+    known = _families.get(id(root._rank_map))
+    if known is None or known[0]() is not root._rank_map:
+        return [root]
+    alive = [ref() for ref in list(known[1].values())]
+    return [root] + [m for m in alive if m is not None and m is not root]
+
+
+def forget_rank_map(rank_map: torch.Tensor) -> None:
+    """Stop treating ``rank_map`` as consecutive ranks (a recovery has just written other ranks
+    into it); :func:`consecutive_first_rank` looks again when next asked.
+
+    Example::
+
+        >>> forget_rank_map(torch.arange(4))      # one never seen: nothing to forget
+    """
+    _forget_span(id(rank_map))
