@@ -283,3 +283,55 @@ def test_a_rank_frozen_is_counted_out_offers_itself_and_is_grown_back(tmp_path):
         after = {s: loss for s, loss in value["losses"].items() if s >= grow_at}
         want = {s: fresh[value["position"]]["losses"][s] for s in range(grow_at, STEPS)}
         assert after == want, (rank, after, want)
+
+
+def _hsdp(rank: int, world: int, kill: bool) -> dict:
+    """FSDP2 as HSDP over hypergrid's dp_replicate x dp_shard mesh (tests/test_mesh_refresh_gloo.py's
+    model): node 1 holds replica 1 whole; its ranks SIGKILL themselves after step 2's forward."""
+    import warnings
+
+    import hypergrid
+    from tests import test_mesh_refresh_gloo as hsdp
+
+    warnings.filterwarnings("ignore")
+    hypergrid.start_heartbeat(interval_s=0.5)
+    grid = hypergrid.HyperCommGrid([2, 2], ["dp_shard", "dp_replicate"])
+    hypergrid.device_mesh(grid, device_type="cpu")  # before the job: its groups are the job's recipe
+    job = hypergrid.ResilientJob.of_grid(grid, spares=[4, 5], timeout=timedelta(seconds=30),
+                                         settings=hypergrid.RecoverySettings(gpus_per_node=2,
+                                                                             replica_dim="dp_replicate"))
+    wrapped: list[int] = []
+
+    def setup(job: Any) -> Any:
+        model, optimizer = hsdp._model(hypergrid.device_mesh(job.state, device_type="cpu"))
+        wrapped.append(id(model))
+        return hypergrid.TrainingState(model, optimizer)
+
+    def step(job: Any, state: Any, step: int) -> float:
+        position = list(job.layout.ranks).index(dist.get_rank())
+        die = kill and dist.get_rank() in (2, 3) and step == hsdp.KILL_STEP
+        return hsdp._step(state.models[0], state.optimizers[0], step, position,
+                          on_forward=(lambda: os.kill(os.getpid(), signal.SIGKILL)) if die else None)
+
+    run = hypergrid.train(job, setup, step, steps=hsdp.STEPS)
+    if not run.job.in_grid:
+        return {"in_grid": False}
+    return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses, "wrapped": len(wrapped),
+            "position": list(run.job.layout.ranks).index(rank), "records": [r.kind for r in run.records]}
+
+
+def test_hsdp_through_a_node_loss_with_a_spare_node_wraps_nothing_again():
+    from tests import test_mesh_refresh_gloo as hsdp
+
+    reference = _by_position(run_gloo(_hsdp, 6, False, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
+    results = run_gloo(_hsdp, 6, True, timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
+                       leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results
+    for rank in (0, 1, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
+        assert value["wrapped"] == 1, (rank, value)  # the survivors' modules run on, refreshed in place
+        assert value["records"] == (["joined"] if rank >= 4 else ["replace"]), (rank, value)
+        steps = range(hsdp.KILL_STEP, hsdp.STEPS) if rank >= 4 else range(hsdp.STEPS)
+        want = reference[value["position"]]["losses"]
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)

@@ -40,6 +40,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
+from ..grid import HyperCommGrid
+from ..mesh import MeshShapeChangedError, refresh_fully_shard, refresh_meshes
 from ..recovery import ResilientJob, grow, recover
 from .records import RecoveryRecord
 from .state import Snapshot, TrainingState
@@ -240,6 +242,7 @@ class _Trainer:
             self.state = None
             self._wait_outside(job.wait_as_spare, failed_step=failed_step)
             return
+        self._carry_over(before, job)
         times = job.times
         last = job.last
         self.restoring = _Restoring(
@@ -248,6 +251,24 @@ class _Trainer:
             target=job.step if job.step is not None else self._latest(), failed_step=failed_step,
             seen_at=seen_at, seen=seen, agreed_s=times.agreed_s if times else None,
             rebuilt_s=times.rebuilt_s if times else None)
+
+    def _carry_over(self, before: ResilientJob, job: ResilientJob) -> None:
+        """This rank's state onto ``job``'s groups: its DeviceMeshes and FSDP2 modules refreshed in
+        place where the grid kept its shape; where it did not (a replica dropped or grown back),
+        built again by ``setup`` (the snapshot is restored into it next)."""
+        old, new = before.state, job.state
+        if not isinstance(old, HyperCommGrid) or not isinstance(new, HyperCommGrid) or old is new:
+            return  # a Megatron job: parallel_state is filled anew, and is read each step
+        try:
+            refreshed = refresh_meshes(old, new)
+        except MeshShapeChangedError as changed:
+            logger.info("rank %d: building the state again on the new grid: %s", dist.get_rank(), changed)
+            self._take_position(job)
+            return
+        if refreshed:
+            assert self.state is not None
+            for model in self.state.models:
+                refresh_fully_shard(model)
 
     def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
         """Wait outside the grid (as a spare, or offering this rank again) until given a position."""
@@ -270,7 +291,8 @@ class _Trainer:
         if grown.layout == self.job.layout:
             self.job = grown
             return
-        self.job = grown
+        before, self.job = self.job, grown
+        self._carry_over(before, grown)
         last = grown.last
         self.restoring = _Restoring(
             kind="grow", plan=last.describe() if last is not None else "grow", target=self.step, failed_step=None,
