@@ -237,8 +237,9 @@ def _check(job: dict[str, Any], out: Path, victim: int, lost_node: int, placemen
         assert value is not None, (rank, logs)
         assert value["role"] == "member", (rank, value, logs)
         assert value["ranks"] == placement and value["plan"] == plan, (rank, value)
-        assert value["step"] == STEPS and value["added"] == {str(s): a for s, a in ADDED.items()
-                                                               if value["joined_at"] is None or s >= value["joined_at"]}, (rank, value)
+        # Every step's addition on every rank, the spares' included: the record of the steps before
+        # they joined came from their data-parallel peer with the weight.
+        assert value["step"] == STEPS and value["added"] == {str(s): a for s, a in ADDED.items()}, (rank, value)
         assert value["weight"] == sum(ADDED.values()), (rank, value)
         for dims, (ranks, ones, total) in value["sums"].items():
             assert rank in ranks and ones == len(ranks) and total == sum(ranks), (rank, dims, value["sums"])

@@ -6,8 +6,9 @@ It connects its default group to the job's store, which a process outside the no
 (``python -m hypergrid store``), not to torchrun's ``MASTER_ADDR:MASTER_PORT`` (a store inside
 node 0's agent). The grid is tp 2 x dp 2 on ranks 0-3 (nodes 0 and 1), ranks 4 and 5 (node 2)
 are spares. Each step adds to a weight what two all-reduces give, on tp then on dp; the loop is
-the docs' (``except RuntimeError: recover``, roll back to the step's start, a rank that just
-arrived takes the weight from a surviving data-parallel peer). ``--victim`` SIGKILLs itself at
+``hypergrid.train``'s: the weight is the model, what each step added a user object, both
+rolled back to the step every rank holds, and a rank that just arrived takes them from a
+surviving data-parallel peer. ``--victim`` SIGKILLs itself at
 the start of step ``--kill-step``; its agent then ends its node's other worker.
 
 Files written in ``--out``, each whole (written aside, then renamed): ``started-R.json`` once
@@ -72,14 +73,25 @@ def _sums(grid: HyperCommGrid, rank: int) -> dict:
     return out
 
 
-def _resync(job: ResilientJob, weight: torch.Tensor) -> int:
-    """After a recovery, on every rank of the new placement: the weight from the first rank of
-    this rank's dp group that did not just arrive; the step the job resumes from."""
-    dp = job.state.get_pg("dp")
-    arrived = job.arrived()
-    source = next(r for r in dist.get_process_group_ranks(dp) if r not in arrived)
-    dist.broadcast(weight, src=source, group=dp)
-    return int(job.step or 0)
+class Weight(torch.nn.Module):
+    """The job's one weight: what every step adds to it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, dtype=torch.float64), requires_grad=False)
+
+
+class Added:
+    """What each step added, by step: a user object hypergrid.train rolls back with the rest."""
+
+    def __init__(self) -> None:
+        self.values: dict[int, float] = {}
+
+    def state_dict(self) -> dict:
+        return {"values": dict(self.values)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.values = dict(state["values"])
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -125,44 +137,43 @@ def main(argv: Optional[list[str]] = None) -> int:
         return verdict
 
     rounds.RecoveryRound.agree = noted  # type: ignore[method-assign]
-    weight = torch.zeros(1, dtype=torch.float64)
-    added: dict[int, float] = {}  # step -> what it added, as last computed
-    failures = []
-    if job.in_grid:
-        step = 0
-    else:
-        job = job.wait_as_spare(timeout=timedelta(seconds=a.spare_wait))
-        if not job.in_grid:
-            _write(a.out / f"rank-{rank}.json", {"rank": rank, "role": "unused spare"})
-            return 0
-        step = _resync(job, weight)
-    joined_at = None if rank not in job.arrived() else step
-    while step < a.steps:
-        saved = weight.clone()
-        try:
-            if rank == a.victim and step == a.kill_step:
-                _write(a.out / "killed.json", {"rank": rank, "step": step, "time": time.time()})
-                os.kill(os.getpid(), signal.SIGKILL)
-            added[step] = _step(job.state, step)
-            weight += added[step]
-            step += 1
-        except RuntimeError as exc:  # a peer is gone: the docs' loop
-            failures.append({"step": step, "error": str(exc).splitlines()[0][:300], "time": time.time()})
-            logger.info("step %d failed (%s); recovering", step, failures[-1]["error"])
-            job = hypergrid.recover(job, step=step)
-            failures[-1]["recovered"] = time.time()
-            if not job.in_grid:
-                _write(a.out / f"rank-{rank}.json", {"rank": rank, "role": "left", "ranks": list(job.layout.ranks)})
-                return 0
-            weight.copy_(saved)
-            step = _resync(job, weight)
+    def setup(job: ResilientJob) -> hypergrid.TrainingState:
+        return hypergrid.TrainingState(Weight(), added=Added())
+
+    def one_step(job: ResilientJob, state: hypergrid.TrainingState, step: int) -> float:
+        if rank == a.victim and step == a.kill_step:
+            _write(a.out / "killed.json", {"rank": rank, "step": step, "time": time.time()})
+            os.kill(os.getpid(), signal.SIGKILL)
+        value = _step(job.state, step)
+        (model,) = state.models
+        with torch.no_grad():
+            model.weight += value
+        state.objects["added"].values[step] = value
+        return value
+
+    run = hypergrid.train(job, setup, one_step, steps=a.steps, wait_timeout=timedelta(seconds=a.spare_wait))
+    job = run.job
+    if not job.in_grid:
+        role = "unused spare" if not run.records else "left"
+        _write(a.out / f"rank-{rank}.json", {"rank": rank, "role": role, "ranks": list(job.layout.ranks)})
+        return 0
+    assert run.state is not None
+    (model,) = run.state.models
+    added = run.state.objects["added"].values
+    weight = model.weight
+    joined = [r for r in run.records if r.kind == "joined"]
+    joined_at = joined[0].resumed_step if joined else None
+    failures = [{"step": r.failed_step, "time": r.seen_at, "resumed": r.resumed_step,
+                 "recovered": r.seen_at + (r.agreed_s or 0.0) + (r.rebuilt_s or 0.0), "record": r.describe()}
+                for r in run.records if r.failed_step is not None]
+    step = run.step
     outcome = {
         "rank": rank, "role": "member", "ranks": list(job.layout.ranks), "spares": list(job.spares),
         "plan": job.last.describe() if job.last else None, "weight": float(weight.item()),
+        "records": [r.describe() for r in run.records],
         "added": {str(k): v for k, v in sorted(added.items())}, "joined_at": joined_at, "failures": failures,
         "sums": _sums(job.state, rank), "step": step, "deciders": deciders,
     }
-    job.release_spares()
     _write(a.out / f"rank-{rank}.json", outcome)
     dist.destroy_process_group()
     _write(a.out / f"exited-{rank}.json", {"rank": rank, "time": time.time()})
