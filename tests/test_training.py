@@ -335,3 +335,31 @@ def test_hsdp_through_a_node_loss_with_a_spare_node_wraps_nothing_again():
         steps = range(hsdp.KILL_STEP, hsdp.STEPS) if rank >= 4 else range(hsdp.STEPS)
         want = reference[value["position"]]["losses"]
         assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+
+
+def _failing(rank: int, world: int) -> dict:
+    import hypergrid
+
+    hypergrid.start_heartbeat(interval_s=0.5)
+    grid = hypergrid.HyperCommGrid([2], ["dp"])
+    grid.create_pg("dp")
+    job = hypergrid.ResilientJob.of_grid(grid, timeout=timedelta(seconds=30))
+    calls: list[int] = []
+
+    def step(job: Any, state: Any, step: int) -> float:
+        calls.append(step)
+        if step == 1:
+            raise RuntimeError("the user's own bug, on every rank")
+        return 0.0
+
+    try:
+        hypergrid.train(job, lambda job: hypergrid.TrainingState(torch.nn.Linear(1, 1)), step, steps=3, retries=1)
+    except RuntimeError as exc:
+        return {"raised": str(exc), "calls": calls}
+    return {"raised": None, "calls": calls}
+
+
+def test_a_step_that_fails_with_nobody_lost_is_raised_after_its_retries():
+    results = run_gloo(_failing, 2, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+    for value in results:
+        assert value == {"raised": "the user's own bug, on every rank", "calls": [0, 1, 1]}, results  # one retry
