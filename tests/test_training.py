@@ -363,3 +363,64 @@ def test_a_step_that_fails_with_nobody_lost_is_raised_after_its_retries():
     results = run_gloo(_failing, 2, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
     for value in results:
         assert value == {"raised": "the user's own bug, on every rank", "calls": [0, 1, 1]}, results  # one retry
+
+
+def _megatron(rank: int, world: int, kill: bool) -> dict:
+    """The same model and kill on Megatron-Core's parallel_state (ResilientJob.of_megatron)."""
+    import warnings
+
+    from megatron.core import parallel_state as ps
+
+    import hypergrid
+
+    warnings.filterwarnings("ignore")
+    hypergrid.start_heartbeat(interval_s=0.5)
+    job = hypergrid.ResilientJob.of_megatron(spares=[4, 5], tensor_model_parallel_size=TP,
+                                             create_gloo_process_groups=False, distributed_timeout_minutes=0.1,
+                                             timeout=timedelta(seconds=30),
+                                             settings=hypergrid.RecoverySettings(gpus_per_node=2))
+
+    def setup(job: Any) -> Any:
+        torch.manual_seed(2024 + ps.get_tensor_model_parallel_rank())
+        model = ParallelMLP(ps.get_tensor_model_parallel_rank())
+        optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+        return hypergrid.TrainingState(model, optimizer, scheduler=scheduler, sampler=Sampler())
+
+    def step(job: Any, state: Any, step: int) -> float:  # parallel_state's groups, read each step
+        (model,), (optimizer,) = state.models, state.optimizers
+        dp = ps.get_data_parallel_group()
+        x, y = state.objects["sampler"].batch(ps.get_data_parallel_rank())
+        loss = torch.nn.functional.mse_loss(model(x, ps.get_tensor_model_parallel_group()), y)
+        if kill and dist.get_rank() in (2, 3) and step == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)
+        loss.backward()
+        for p in model.parameters():
+            assert p.grad is not None
+            dist.all_reduce(p.grad, group=dp)
+            p.grad /= dist.get_world_size(dp)
+        optimizer.step()
+        optimizer.zero_grad()
+        state.objects["scheduler"].step()
+        return loss.item()
+
+    run = hypergrid.train(job, setup, step, steps=STEPS)
+    if not run.job.in_grid:
+        return {"in_grid": False}
+    return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses,
+            "position": list(run.job.layout.ranks).index(rank), "records": [r.kind for r in run.records]}
+
+
+def test_megatron_parallel_state_through_a_node_loss_with_a_spare_node():
+    reference = _by_position(run_gloo(_megatron, 6, False, timeout=240, pg_timeout_s=COLLECTIVE_S,
+                                      leave_at_once=True))
+    results = run_gloo(_megatron, 6, True, timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
+                       leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results
+    for rank in (0, 1, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
+        assert value["records"] == (["joined"] if rank >= 4 else ["replace"]), (rank, value)
+        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
+        want = reference[value["position"]]["losses"]
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
