@@ -1,6 +1,7 @@
 """What hypergrid.train's snapshots cost, beside a torch.distributed.checkpoint save to local disk.
 
-For an MLP of about 10M and about 100M parameters with Adam on CPU, one process:
+For an MLP of about 10M and about 100M parameters with Adam, one process, on CPU (or a GPU with
+``--device cuda``):
 
 * ``step``: one training step (forward, backward, Adam's step), the median of ``--repeats``;
 * ``snapshot``: :meth:`hypergrid.TrainingState.capture` of the same state (parameters, Adam's
@@ -18,6 +19,7 @@ Run::
 
     python benchmarks/bench_snapshot.py                   # 10M and 100M parameters
     python benchmarks/bench_snapshot.py --params 10 --repeats 5
+    python benchmarks/bench_snapshot.py --device cuda --params 100 1000
 """
 
 from __future__ import annotations
@@ -57,20 +59,22 @@ def median_s(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure(millions: int, repeats: int) -> dict[str, float]:
+def measure(millions: int, repeats: int, device: torch.device) -> dict[str, float]:
     torch.manual_seed(0)
-    model = model_of(millions)
+    model = model_of(millions).to(device)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1000)
     state = hypergrid.TrainingState(model, optimizer, scheduler=scheduler)
     width = model[0].in_features
-    x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
+    x, y = torch.randn(BATCH, width, device=device), torch.randn(BATCH, width, device=device)
 
     def step() -> None:
         torch.nn.functional.mse_loss(model(x), y).backward()
         optimizer.step()
         optimizer.zero_grad()
         scheduler.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
 
     step()  # Adam's moments exist from the first step on
     step_s = median_s(step, repeats)
@@ -101,12 +105,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--params", type=int, nargs="+", default=[10, 100], help="millions of parameters")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--device", default="cpu", help="where the model trains: cpu, or cuda (snapshots go to "
+                        "pinned host memory)")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, batch {BATCH}, Adam, on CPU")
+    device = torch.device(args.device)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    print(f"torch {torch.__version__}, {where}, batch {BATCH}, Adam")
     print(f"{'params':>8} {'step':>9} {'snapshot':>9} {'dcp save':>9} {'snap/step':>9} {'save/snap':>9} "
           f"{'held (two)':>11}")
     for millions in args.params:
-        got = measure(millions, args.repeats)
+        got = measure(millions, args.repeats, device)
         print(f"{got['params'] / 1e6:>7.1f}M {got['step_s']:>8.3f}s {got['snapshot_s']:>8.3f}s "
               f"{got['save_s']:>8.3f}s {got['snapshot_s'] / got['step_s']:>9.2f} "
               f"{got['save_s'] / got['snapshot_s']:>9.1f} {got['held_bytes'] / 2**20:>8.0f} MiB")
