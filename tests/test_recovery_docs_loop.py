@@ -47,10 +47,7 @@ def docs_loop(kill: bool) -> dict:
         if kill and dist.get_rank() in (2, 3) and data.position == KILL_STEP + 1:
             os.kill(os.getpid(), signal.SIGKILL)
         loss.backward()
-        for p in mlp.parameters():
-            assert p.grad is not None
-            dist.all_reduce(p.grad, group=dp)
-            p.grad /= dist.get_world_size(dp)
+        model.average_gradients(mlp, dp)
         return loss.item()
 
     namespace: dict = {"build_model": build_model, "forward_backward": forward_backward,

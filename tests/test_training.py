@@ -37,41 +37,13 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import job_store, run_gloo
+from tests.test_recovery_training import _FromTensorParallel, _ToTensorParallel
 
 pytestmark = [pytest.mark.gloo, pytest.mark.slow]
 
 TP, DIM, HIDDEN, BATCH = 2, 4, 8, 3
 STEPS, KILL_STEP = 6, 3
 COLLECTIVE_S = 6.0
-
-
-class _Sum(torch.autograd.Function):
-    """Partial sums added over the tp group forward (row-parallel output), identity backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None
-
-
-class _Copy(torch.autograd.Function):
-    """Column-parallel input: identity forward, gradients summed over the tp group backward."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
 
 
 class ParallelMLP(torch.nn.Module):
@@ -85,9 +57,9 @@ class ParallelMLP(torch.nn.Module):
         self.w2 = torch.nn.Parameter(w2[tp_rank * cols:(tp_rank + 1) * cols].clone())
 
     def forward(self, x: torch.Tensor, tp: Any) -> torch.Tensor:
-        hidden = torch.relu(_Copy.apply(x, tp) @ self.w1)
+        hidden = torch.relu(_ToTensorParallel.apply(x, tp) @ self.w1)
         hidden = torch.nn.functional.dropout(hidden, p=0.25, training=True)  # torch's generator
-        return _Sum.apply(hidden @ self.w2, tp)
+        return _FromTensorParallel.apply(hidden @ self.w2, tp)
 
 
 class Sampler:
@@ -120,23 +92,34 @@ def _setup(job: Any) -> Any:
     return hypergrid.TrainingState(model, optimizer, scheduler=scheduler, sampler=Sampler())
 
 
-def _one_step(job: Any, state: Any, step: int, *, kill: Optional[tuple[list[int], int]] = None) -> float:
-    grid = job.state
-    tp, dp = grid.get_pg("tp"), grid.get_pg("dp")
-    (model,), (optimizer,) = state.models, state.optimizers
-    x, y = state.objects["sampler"].batch(grid.ranks("dp").index(dist.get_rank()))
-    loss = torch.nn.functional.mse_loss(model(x, tp), y)
-    if kill is not None and dist.get_rank() in kill[0] and step == kill[1]:
-        os.kill(os.getpid(), signal.SIGKILL)  # mid-step: after the forward, before the gradients' reduce
-    loss.backward()
+def average_gradients(model: torch.nn.Module, dp: Any) -> None:
+    """Data parallel: each gradient averaged over the dp group."""
     for p in model.parameters():
         assert p.grad is not None
         dist.all_reduce(p.grad, group=dp)
         p.grad /= dist.get_world_size(dp)
+
+
+def train_step(state: Any, tp: Any, dp: Any, dp_rank: int, *, die: bool = False) -> float:
+    """One step of the MLP on the given groups; ``die``: SIGKILL this rank mid-step (after the
+    forward, before the gradients' reduce)."""
+    (model,), (optimizer,) = state.models, state.optimizers
+    x, y = state.objects["sampler"].batch(dp_rank)
+    loss = torch.nn.functional.mse_loss(model(x, tp), y)
+    if die:
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss.backward()
+    average_gradients(model, dp)
     optimizer.step()
     optimizer.zero_grad()
     state.objects["scheduler"].step()
     return loss.item()
+
+
+def _one_step(job: Any, state: Any, step: int, *, kill: Optional[tuple[list[int], int]] = None) -> float:
+    grid = job.state
+    die = kill is not None and dist.get_rank() in kill[0] and step == kill[1]
+    return train_step(state, grid.get_pg("tp"), grid.get_pg("dp"), grid.ranks("dp").index(dist.get_rank()), die=die)
 
 
 def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Optional[tuple[list[int], int]],
@@ -320,21 +303,29 @@ def _hsdp(rank: int, world: int, kill: bool) -> dict:
             "position": list(run.job.layout.ranks).index(rank), "records": [r.kind for r in run.records]}
 
 
-def test_hsdp_through_a_node_loss_with_a_spare_node_wraps_nothing_again():
-    from tests import test_mesh_refresh_gloo as hsdp
-
-    reference = _by_position(run_gloo(_hsdp, 6, False, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
-    results = run_gloo(_hsdp, 6, True, timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
-                       leave_at_once=True)
+def _node_1_lost_with_a_spare_node(job: Any, kill_step: int, steps: int) -> dict[int, dict]:
+    """``job(rank, world, kill)`` on 6 ranks (4 in the grid, node 2 the spares) with no failure, then
+    with node 1 SIGKILLed mid-step ``kill_step``: on every rank of the grid after, the spares in
+    node 1's place, one record each, and every step's loss bit-equal to the run with no failure.
+    Returns the values of the ranks of the grid."""
+    reference = _by_position(run_gloo(job, 6, False, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
+    results = run_gloo(job, 6, True, timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
     assert results[2][0] == "dead" and results[3][0] == "dead", results
     for rank in (0, 1, 4, 5):
         status, value = results[rank]
         assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
-        assert value["wrapped"] == 1, (rank, value)  # the survivors' modules run on, refreshed in place
         assert value["records"] == (["joined"] if rank >= 4 else ["replace"]), (rank, value)
-        steps = range(hsdp.KILL_STEP, hsdp.STEPS) if rank >= 4 else range(hsdp.STEPS)
+        done = range(kill_step, steps) if rank >= 4 else range(steps)
         want = reference[value["position"]]["losses"]
-        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+        assert {s: value["losses"][s] for s in done} == {s: want[s] for s in done}, (rank, value["losses"], want)
+    return {rank: results[rank][1] for rank in (0, 1, 4, 5)}
+
+
+def test_hsdp_through_a_node_loss_with_a_spare_node_wraps_nothing_again():
+    from tests import test_mesh_refresh_gloo as hsdp
+
+    members = _node_1_lost_with_a_spare_node(_hsdp, hsdp.KILL_STEP, hsdp.STEPS)
+    assert all(value["wrapped"] == 1 for value in members.values()), members  # refreshed in place
 
 
 def _failing(rank: int, world: int) -> dict:
@@ -388,21 +379,8 @@ def _megatron(rank: int, world: int, kill: bool) -> dict:
         return hypergrid.TrainingState(model, optimizer, scheduler=scheduler, sampler=Sampler())
 
     def step(job: Any, state: Any, step: int) -> float:  # parallel_state's groups, read each step
-        (model,), (optimizer,) = state.models, state.optimizers
-        dp = ps.get_data_parallel_group()
-        x, y = state.objects["sampler"].batch(ps.get_data_parallel_rank())
-        loss = torch.nn.functional.mse_loss(model(x, ps.get_tensor_model_parallel_group()), y)
-        if kill and dist.get_rank() in (2, 3) and step == KILL_STEP:
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss.backward()
-        for p in model.parameters():
-            assert p.grad is not None
-            dist.all_reduce(p.grad, group=dp)
-            p.grad /= dist.get_world_size(dp)
-        optimizer.step()
-        optimizer.zero_grad()
-        state.objects["scheduler"].step()
-        return loss.item()
+        return train_step(state, ps.get_tensor_model_parallel_group(), ps.get_data_parallel_group(),
+                          ps.get_data_parallel_rank(), die=kill and dist.get_rank() in (2, 3) and step == KILL_STEP)
 
     run = hypergrid.train(job, setup, step, steps=STEPS)
     if not run.job.in_grid:
@@ -412,15 +390,4 @@ def _megatron(rank: int, world: int, kill: bool) -> dict:
 
 
 def test_megatron_parallel_state_through_a_node_loss_with_a_spare_node():
-    reference = _by_position(run_gloo(_megatron, 6, False, timeout=240, pg_timeout_s=COLLECTIVE_S,
-                                      leave_at_once=True))
-    results = run_gloo(_megatron, 6, True, timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
-                       leave_at_once=True)
-    assert results[2][0] == "dead" and results[3][0] == "dead", results
-    for rank in (0, 1, 4, 5):
-        status, value = results[rank]
-        assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
-        assert value["records"] == (["joined"] if rank >= 4 else ["replace"]), (rank, value)
-        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
-        want = reference[value["position"]]["losses"]
-        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+    _node_1_lost_with_a_spare_node(_megatron, KILL_STEP, STEPS)
