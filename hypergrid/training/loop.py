@@ -151,7 +151,7 @@ class _Trainer:
         self.wait_timeout, self.on_recovery, self.retries = wait_timeout, on_recovery, retries
         self.state: Optional[TrainingState] = None
         self.step = 0
-        self.run_ = TrainingRun(job, None, 0)
+        self.result = TrainingRun(job, None, 0)
         self.committed: Optional[Snapshot] = None  # the latest snapshot every rank took
         self.pending: Optional[Snapshot] = None  # taken since, its gate not passed
         self.restoring: Optional[_Restoring] = None
@@ -174,7 +174,7 @@ class _Trainer:
                 elif self._growth_due():
                     self._grow()
                 assert self.state is not None
-                self.run_.losses[self.step] = self.step_fn(self.job, self.state, self.step)
+                self.result.losses[self.step] = self.step_fn(self.job, self.state, self.step)
                 self.step += 1
                 if self.step % self.every == 0 or self.step == self.steps:
                     self._checkpoint()
@@ -190,8 +190,8 @@ class _Trainer:
             if world is not None:
                 dist.barrier(group=world)  # every rank of the grid is done before the spares go
             self.job.release_spares()
-        self.run_.job, self.run_.state, self.run_.step = self.job, self.state, self.step
-        return self.run_
+        self.result.job, self.result.state, self.result.step = self.job, self.state, self.step
+        return self.result
 
     def _take_position(self, job: ResilientJob) -> None:
         """Build this rank's state on ``job``'s groups (at the start, or taking a position)."""
@@ -341,7 +341,7 @@ class _Trainer:
                                 resumed_step=done.target, seen_at=done.seen_at, agreed_s=done.agreed_s,
                                 rebuilt_s=done.rebuilt_s, restored_s=max(0.0, done.restored_s or 0.0),
                                 first_step_s=first_step)
-        self.run_.records.append(record)
+        self.result.records.append(record)
         logger.info("%s", record.describe())
         if self.on_recovery is not None:
             self.on_recovery(record)
