@@ -32,6 +32,7 @@ __all__ = [
     "RecoveryRankError",
     "RecoveryError",
     "ExcludedByRecovery",
+    "SnapshotCorrupted",
     "ParallelConfigError",
     "ParallelStateError",
     "UnknownOrderNameError",
@@ -118,6 +119,30 @@ class RecoveryRankError(ValueError, TypeError):
 class RecoveryError(HypergridError):
     """An in-process recovery did not complete (another rank failed during it, the survivors did
     not all arrive in time, or a refused plan): the same error on every survivor that took part."""
+
+
+class SnapshotCorrupted(RecoveryError):
+    """A snapshot (a rank's own, or a copy a partner held) whose bytes no longer match the digest
+    taken with it: refused before anything is restored from it. ``rank``: whose state it is;
+    ``step``: its step; ``key``: the first state-dict path that differs.
+
+    Example::
+
+        >>> error = SnapshotCorrupted("the copy of rank 2's step 3 differs at model/w", rank=2, step=3, key="model/w")
+        >>> isinstance(error, RecoveryError), error.rank, error.step, error.key
+        (True, 2, 3, 'model/w')
+    """
+
+    def __init__(self, message: str, *, rank: Optional[int], step: int, key: str) -> None:
+        super().__init__(message)
+        self.rank, self.step, self.key = rank, step, key
+
+    def __reduce__(self) -> tuple[object, ...]:  # keeps its fields when pickled to another process
+        return _rebuild_corrupted, (str(self), self.rank, self.step, self.key)
+
+
+def _rebuild_corrupted(message: str, rank: Optional[int], step: int, key: str) -> SnapshotCorrupted:
+    return SnapshotCorrupted(message, rank=rank, step=step, key=key)
 
 
 class ExcludedByRecovery(HypergridError):

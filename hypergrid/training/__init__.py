@@ -13,10 +13,11 @@ Example::
 
 from __future__ import annotations
 
-from .loop import Setup, Step, TrainingRun, train
+from .loop import Loader, Setup, Step, TrainingRun, train
+from .partner import PartnerCopies, partner_map
 from .records import RecoveryRecord
 from .state import RngState, Snapshot, TrainingState
 from .transfer import share_snapshot
 
 __all__ = ["train", "TrainingRun", "TrainingState", "Snapshot", "RngState", "RecoveryRecord", "Setup", "Step",
-           "share_snapshot"]
+           "share_snapshot", "Loader", "PartnerCopies", "partner_map"]

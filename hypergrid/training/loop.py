@@ -21,6 +21,15 @@ asks for:
   ranks waiting (:func:`~hypergrid.recovery.grow`).
 - **Records.** Each recovery is timed in parts on every rank (:class:`RecoveryRecord`), logged
   in one line, kept on the run and handed to ``on_recovery``.
+- **Partner copies** (``partner_copies=True``, for state no replica peer holds: FSDP2 or ZeRO
+  shards). Each snapshot is taken with a digest of every tensor and sent, before the gate, to the
+  rank's partner on another node (:mod:`hypergrid.training.partner`); after a recovery every rank
+  reports what it holds, all derive the same sources, and a rank that took a position gets its
+  snapshot from a replica peer or from the partner that held a copy of it, checked against its
+  digests on every rank before anything is restored. Where no copy survived (a rank lost with
+  its partner), ``loader(job, state)`` is called on every rank of the grid and the job resumes
+  from the step it returns; without one, :class:`~hypergrid.errors.RecoveryRefused` names the
+  positions lost, on every rank.
 
 A failure is an exception of torch's (a ``RuntimeError``: gloo's and NCCL's errors are); one
 that comes back at the same step ``retries`` times with nobody lost is the user's and is raised.
@@ -39,15 +48,16 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
+from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, SnapshotCorrupted
 from ..grid import HyperCommGrid
 from ..mesh import MeshShapeChangedError, refresh_fully_shard, refresh_meshes
 from ..recovery import ResilientJob, grow, recover
+from .partner import PartnerCopies, ancestors, describe_lost, partner_map, plan_restore, send_snapshots
 from .records import RecoveryRecord
 from .state import Snapshot, TrainingState
 from .transfer import collective_device, share_snapshot
 
-__all__ = ["train", "TrainingRun", "Setup", "Step"]
+__all__ = ["train", "TrainingRun", "Setup", "Step", "Loader"]
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +65,9 @@ logger = logging.getLogger(__name__)
 Setup = Callable[[ResilientJob], TrainingState]
 #: Trains one step: ``step(job, state, step_number)``; what it returns is kept as the step's loss.
 Step = Callable[[ResilientJob, TrainingState, int], Any]
+#: Loads a checkpoint into this rank's state where no copy survived: ``loader(job, state)``, on
+#: every rank of the grid; returns the step the checkpoint is of (alike on every rank).
+Loader = Callable[[ResilientJob, TrainingState], int]
 
 
 @dataclass
@@ -72,9 +85,17 @@ class TrainingRun:
 
 def train(job: ResilientJob, setup: Setup, step: Step, *, steps: int, first_step: int = 0, snapshot_every: int = 1,
           grow_every: Optional[int] = None, wait_timeout: timedelta = timedelta(hours=24),
-          on_recovery: Optional[Callable[[RecoveryRecord], None]] = None, retries: int = 3) -> TrainingRun:
+          on_recovery: Optional[Callable[[RecoveryRecord], None]] = None, retries: int = 3,
+          partner_copies: bool = False, loader: Optional[Loader] = None) -> TrainingRun:
     """Train from ``first_step`` (where ``setup`` loaded a checkpoint, say) up to ``steps`` on
     every rank of ``job`` (spares too), through failures.
+
+    ``partner_copies``: each snapshot, with its digests, also held by the rank's partner on the
+    next node (for state that no replica peer holds, such as FSDP2's or ZeRO's shards; set
+    ``RecoverySettings.replica_dim`` to the dim along which state is replicated, or to a name
+    the grid does not have where none is). ``loader(job, state) -> step``: called on every rank
+    of the grid where a position's state survived nowhere (it and its copy lost together, or a
+    copy that failed its digest); the job resumes from the step it returns.
 
     Example, as the one rank of a job with nobody to lose (a rank of a real job calls the same)::
 
@@ -100,8 +121,12 @@ def train(job: ResilientJob, setup: Setup, step: Step, *, steps: int, first_step
         TypeError: a job that is not a :class:`ResilientJob`, a ``setup`` or ``step`` that is not
             callable, a count that is not an int, a ``setup`` that returns no TrainingState.
         ValueError: a count out of range, a ``grow_every`` that is not a multiple of
-            ``snapshot_every``, a model whose parameters are on ranks outside the job's grid.
-        RecoveryRefused, RecoveryError: from the recovery (no placement fits; none committed).
+            ``snapshot_every``, a model whose parameters are on ranks outside the job's grid,
+            ``partner_copies`` on a grid of one node.
+        RecoveryRefused, RecoveryError: from the recovery (no placement fits; none committed;
+            a position's state survived nowhere and no ``loader`` was given).
+        SnapshotCorrupted: a snapshot or copy to restore failed its digest and no ``loader`` was
+            given (on every rank, naming the rank, step and key).
     """
     if not isinstance(job, ResilientJob):
         raise TypeError(f"job must be a hypergrid ResilientJob, got {type(job).__name__}")
@@ -121,7 +146,15 @@ def train(job: ResilientJob, setup: Setup, step: Step, *, steps: int, first_step
                          f"the grid grows at a step every rank holds a snapshot of")
     if not isinstance(wait_timeout, timedelta):
         raise TypeError(f"wait_timeout must be a datetime.timedelta, got {type(wait_timeout).__name__}")
+    if not isinstance(partner_copies, bool):
+        raise TypeError(f"partner_copies must be a bool, got {type(partner_copies).__name__} {partner_copies!r}")
+    if loader is not None and not callable(loader):
+        raise TypeError(f"loader must be callable (job, state) -> step, got {type(loader).__name__} {loader!r}")
+    if partner_copies:
+        partner_map(job.layout.ranks, job.settings.gpus_per_node)  # a grid of one node is refused here
     trainer = _Trainer(job, setup, step, steps, snapshot_every, grow_every, wait_timeout, on_recovery, retries)
+    trainer.partners = PartnerCopies(job.settings.gpus_per_node) if partner_copies else None
+    trainer.loader = loader
     trainer.step = first_step
     return trainer.run()
 
@@ -158,13 +191,17 @@ class _Trainer:
         self.recorded: Optional[_Restoring] = None  # restored, its first step not done
         self.fruitless = 0  # recoveries in a row that found nobody lost
         self._restored_at = 0.0
+        self.partners: Optional[PartnerCopies] = None
+        self.loader: Optional[Loader] = None
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainingRun:
         if self.job.in_grid:
             self._take_position(self.job)
             assert self.state is not None
-            self.committed = self.state.capture(self.step)
+            self.committed = self.state.capture(self.step, digests=self.partners is not None)
+            if self.partners is not None:  # a node lost before the first gate still leaves copies
+                self.partners.exchange(self.committed, self.job.layout.ranks, self.job.world)
         else:
             self._wait_outside(self.job.wait_as_spare, failed_step=None)
         while self.job.in_grid and self.step < self.steps:
@@ -204,10 +241,15 @@ class _Trainer:
     def _checkpoint(self) -> None:
         """Snapshot this step, then the gate: every rank of the grid has snapshotted it."""
         assert self.state is not None
-        self.pending = self.state.capture(self.step)
+        partners = self.partners
+        self.pending = self.state.capture(self.step, digests=partners is not None)
         world = self.job.world
+        if partners is not None:  # before the gate: once it passes, every rank holds its copies
+            partners.exchange(self.pending, self.job.layout.ranks, world)
         if world is not None:
             dist.all_reduce(torch.zeros(1, device=collective_device(world)), group=world)
+        if partners is not None:
+            partners.settle(self.step)
         if self.committed is not None:
             self.state.recycle(self.committed)
         self.committed, self.pending = self.pending, None
@@ -273,6 +315,8 @@ class _Trainer:
     def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
         """Wait outside the grid (as a spare, or offering this rank again) until given a position."""
         self.state, self.committed, self.pending = None, None, None
+        if self.partners is not None:
+            self.partners.clear()  # copies of a placement this rank has left
         job = wait(timeout=self.wait_timeout)
         self.job = job
         if not job.in_grid:
@@ -303,19 +347,24 @@ class _Trainer:
     def _restore(self) -> None:
         """Every rank of the grid at the recovery's step: from its own snapshot, or, on a rank
         that just took a position, from the first peer of its replica group that did not."""
+        if self.partners is not None:
+            self._restore_shared()
+            return
         restoring, job, state = self.restoring, self.job, self.state
         assert restoring is not None and state is not None
         rank, target = dist.get_rank(), restoring.target
         own = next((s for s in (self.pending, self.committed) if s is not None and s.step == target), None)
         arrived = job.arrived()
+        orphans = _orphans(job, arrived)  # from the plan, which every rank shares: all decide alike
+        if orphans:
+            self._load_or_refuse(f"no rank holds the state of step {target} for ranks {orphans}: every rank of their "
+                                 f"replica groups just took its position")
+            return
         group = job.replica_group
         assert group is not None
         members = dist.get_process_group_ranks(group)
         if any(m in arrived for m in members):
             holders = [m for m in members if m not in arrived]
-            if not holders:
-                raise RecoveryRefused(f"hypergrid: no rank of the replica group {members} holds the state of step "
-                                      f"{target}: all of them just took their positions; load a checkpoint")
             got = share_snapshot(own if rank == holders[0] else None, source=holders[0], group=group)
             if rank in arrived:
                 own = got
@@ -326,9 +375,97 @@ class _Trainer:
         if restoring.rollback or rank in arrived:
             state.restore(own)
         self.committed, self.pending, self.step = own, None, target
+        self._restored()
+
+    def _restored(self) -> None:
+        restoring = self.restoring
+        assert restoring is not None
         restoring.restored_s = time.monotonic() - restoring.seen - (restoring.agreed_s or 0) - (restoring.rebuilt_s or 0)
         self.recorded, self.restoring = restoring, None
         self._restored_at = time.monotonic()
+
+    def _restore_shared(self) -> None:
+        """With partner copies: every rank reports the snapshots and copies it holds, all derive
+        the same plan (:func:`~hypergrid.training.partner.plan_restore`), the arriving ranks'
+        snapshots travel point to point, and every rank checks its digests before any restores."""
+        restoring, job, state, partners = self.restoring, self.job, self.state, self.partners
+        assert restoring is not None and state is not None and partners is not None
+        rank, world, arrived, layout = dist.get_rank(), job.world, job.arrived(), job.layout
+        assert world is not None
+        owns = {s.step: s for s in (self.committed, self.pending) if s is not None}
+        reports: list[Any] = [None] * dist.get_world_size(world)
+        dist.all_gather_object(reports, (rank, sorted(owns), partners.report()), group=world)
+        dim = job.settings.replica_dim
+        chains = {r: ancestors(r, [plan.replaced for plan in job.recoveries]) for r in arrived}
+        plan = plan_restore(list(layout.ranks), arrived, lambda r: layout.group_ranks([dim], r)
+                            if dim in layout.dim_names else [r], chains, {r: (o, h) for r, o, h in reports},
+                            restoring.target)
+        if plan.lost:
+            self._load_or_refuse(f"no copy of the state of step {plan.step} survived for "
+                                 f"{describe_lost(plan, self._old_partners(job))}: each was lost with its partner")
+            return
+        sends = [(to, partners.take(src.shard, plan.step) if src.copy else owns[plan.step])
+                 for to, src in plan.sources.items() if src.holder == rank]
+        source = plan.sources.get(rank)
+        got = send_snapshots(sends, [source.holder] if source else [], world)
+        own = got[source.holder] if source else owns.get(plan.step)
+        problem: Optional[RecoveryError] = None
+        if own is None:
+            problem = RecoveryError(f"hypergrid: rank {rank} holds no snapshot of step {plan.step}, where the job "
+                                    f"resumes (it holds steps {sorted(owns)})")
+        else:
+            what = (f"rank {rank}'s own snapshot" if source is None else f"the copy of rank {source.shard}'s snapshot "
+                    f"held by rank {source.holder}" if source.copy else f"rank {source.holder}'s snapshot")
+            try:
+                own.verify(what=what)
+            except SnapshotCorrupted as corrupted:
+                problem = corrupted
+        problems: list[Any] = [None] * dist.get_world_size(world)
+        dist.all_gather_object(problems, problem, group=world)  # every rank learns of any, and acts alike
+        found = [p for p in problems if p is not None]
+        if found:
+            if self.loader is None or not isinstance(found[0], SnapshotCorrupted):
+                raise found[0]
+            logger.error("rank %d: %s", rank, found[0])
+            self._load_or_refuse(str(found[0]))
+            return
+        assert own is not None
+        if restoring.rollback or rank in arrived or own.step != self.step:
+            state.restore(own, verify=False)
+        self.committed, self.pending, self.step = own, None, plan.step
+        restoring.target = plan.step
+        self._restored()
+
+    def _old_partners(self, job: ResilientJob) -> dict[int, int]:
+        """Who held each rank's copy on the placement before the latest recovery (for messages)."""
+        last = job.last
+        try:
+            return partner_map(last.old.ranks, job.settings.gpus_per_node) if last is not None else {}
+        except ValueError:
+            return {}
+
+    def _load_or_refuse(self, reason: str) -> None:
+        """On every rank of the grid alike: the user's loader, or RecoveryRefused naming what was lost."""
+        job, state, restoring = self.job, self.state, self.restoring
+        assert state is not None and restoring is not None
+        if self.loader is None:
+            job.release_spares()  # the job ends here: no spare should wait for it
+            raise RecoveryRefused(f"hypergrid: {reason}; give train(loader=...) to resume from a checkpoint")
+        logger.warning("rank %d: %s; resuming from the loader's checkpoint", dist.get_rank(), reason)
+        step = self.loader(job, state)
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise TypeError(f"loader must return the step its checkpoint is of (an int >= 0), got {step!r}")
+        world = job.world
+        steps: list[Any] = [None] * (dist.get_world_size(world) if world is not None else 1)
+        if world is not None:
+            dist.all_gather_object(steps, step, group=world)
+        if len(set(steps) - {None}) > 1:
+            raise RecoveryError(f"hypergrid: the loader returned different steps on the grid's ranks: {steps}")
+        if self.partners is not None:
+            self.partners.clear()
+        self.committed = state.capture(step, digests=self.partners is not None)
+        self.pending, self.step, restoring.target = None, step, step
+        self._restored()
 
     def _close_record(self) -> None:
         """The recovery restored before this step is recorded, with its first step's time."""
@@ -345,6 +482,14 @@ class _Trainer:
         logger.info("%s", record.describe())
         if self.on_recovery is not None:
             self.on_recovery(record)
+
+
+def _orphans(job: ResilientJob, arrived: frozenset[int]) -> list[int]:
+    """The ranks that took a position and have no replica peer that did not (nowhere to copy from)."""
+    dim, layout = job.settings.replica_dim, job.layout
+    if dim not in layout.dim_names:
+        return sorted(arrived)
+    return sorted(a for a in arrived if all(m in arrived for m in layout.group_ranks([dim], a)))
 
 
 def _check_on_job(state: TrainingState, job: ResilientJob) -> None:

@@ -5,9 +5,11 @@ and optimizer(s), read and written through torch's own
 :mod:`torch.distributed.checkpoint.state_dict` (plain modules, DDP, FSDP2, tensor parallel), the
 random number generators, and any object with ``state_dict``/``load_state_dict`` (an LR
 scheduler, a data sampler). :meth:`TrainingState.capture` copies it into a :class:`Snapshot`
-held in host memory (pinned where the tensors live on a device, its buffers reused from one
-snapshot to the next); :meth:`TrainingState.restore` puts a snapshot back, on this rank or on a
-rank that received it from a peer (:mod:`hypergrid.training.transfer`).
+held in host memory (one buffer, pinned where the tensors live on a device, reused from one
+snapshot to the next), with a CRC-32 digest of every tensor where asked; :meth:`TrainingState.restore`
+checks those digests and puts a snapshot back, on this rank or on a rank that received it from a
+peer (:mod:`hypergrid.training.transfer`) or from the partner that held a copy of it
+(:mod:`hypergrid.training.partner`).
 
 Example::
 
@@ -27,18 +29,26 @@ from __future__ import annotations
 import copy
 import random
 import sys
+import zlib
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
+
+from ..errors import SnapshotCorrupted
 
 __all__ = ["TrainingState", "Snapshot", "RngState"]
 
 #: A leaf's place in a state dict: the keys and list indices that lead to it.
 Path = tuple[Any, ...]
+
+#: Where each tensor starts in a snapshot's buffer: a multiple of this many bytes, so that a
+#: byte offset is a whole number of elements of any dtype (complex128's 16 bytes included).
+ALIGN = 64
 
 
 @dataclass(frozen=True)
@@ -74,18 +84,80 @@ class Snapshot:
     """A rank's training state at the start of ``step``, in host memory: ``tensors`` (every
     tensor of the model's and the optimizers' state dicts, this rank's shard of a DTensor, by
     path), ``values`` (their other leaves: an optimizer's hyperparameters, a step count kept as
-    a number), ``rng`` and ``objects`` (each user object's ``state_dict()``, copied)."""
+    a number), ``rng`` and ``objects`` (each user object's ``state_dict()``, copied).
+
+    ``digests``: each tensor's CRC-32 when it was taken (empty where none was asked for);
+    ``rank``: the rank whose state it is (None outside a process group); ``buffer``: the one
+    host buffer (uint8) the tensors are views of, where :meth:`TrainingState.capture` made them so
+    (sent to a partner as it is, with no packing)."""
 
     step: int
     tensors: dict[Path, torch.Tensor] = field(default_factory=dict)
     values: dict[Path, Any] = field(default_factory=dict)
     rng: Optional[RngState] = None
     objects: dict[str, Any] = field(default_factory=dict)
+    digests: dict[Path, int] = field(default_factory=dict)
+    rank: Optional[int] = None
+    buffer: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (``torch.save``) with a tensor of its own for each, as torch saves no storage
+        viewed as more than one dtype; the one buffer is for host memory only."""
+        state = dict(self.__dict__)
+        state["tensors"] = {path: tensor.clone() for path, tensor in self.tensors.items()}
+        state["buffer"] = None
+        return state
 
     @property
     def nbytes(self) -> int:
         """The host memory its tensors hold."""
         return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def verify(self, *, what: str = "the snapshot") -> None:
+        """Check every tensor against its digest (nothing to check where none was taken).
+
+        Example::
+
+            >>> import torch
+            >>> snapshot = TrainingState(torch.nn.Linear(2, 1)).capture(step=5, digests=True)
+            >>> snapshot.verify()
+            >>> snapshot.tensors[("model", "bias")].view(torch.uint8)[0] ^= 1   # one bit flipped
+            >>> snapshot.verify(what="the copy held by rank 0")
+            Traceback (most recent call last):
+            ...
+            hypergrid.errors.SnapshotCorrupted: hypergrid: the copy held by rank 0 (the state of rank None at step 5) does not match its digest at model/bias: ...
+
+        Raises:
+            SnapshotCorrupted: a tensor's bytes differ from its digest, or a tensor digested is
+                missing; naming the rank, the step and the key.
+        """
+        for path, expected in self.digests.items():
+            tensor = self.tensors.get(path)
+            found = None if tensor is None else digest(tensor)
+            if found != expected:
+                key = "/".join(map(str, path))
+                detail = "the tensor is missing" if found is None else f"CRC-32 {found:08x} where {expected:08x} was taken"
+                raise SnapshotCorrupted(f"hypergrid: {what} (the state of rank {self.rank} at step {self.step}) does "
+                                        f"not match its digest at {key}: {detail}; refused, nothing restored from it",
+                                        rank=self.rank, step=self.step, key=key)
+
+
+def digest(tensor: torch.Tensor) -> int:
+    """The CRC-32 of a host tensor's bytes: any flipped byte (any error burst of up to 32 bits)
+    changes it, at about the speed of a copy (zlib releases the GIL while it runs).
+
+    Example::
+
+        >>> import torch
+        >>> digest(torch.zeros(4)) == digest(torch.zeros(4)), digest(torch.zeros(4)) == digest(torch.ones(4))
+        (True, False)
+    """
+    flat = tensor.detach().reshape(-1)
+    if flat.device.type != "cpu":
+        flat = flat.cpu()
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    return zlib.crc32(flat.view(torch.uint8).numpy().data)
 
 
 class TrainingState:
@@ -151,28 +223,38 @@ class TrainingState:
             return get_state_dict(self._module, list(self.optimizers))
         return get_state_dict(self._module, [])[0], {}
 
-    def capture(self, step: int) -> Snapshot:
-        """This rank's state at the start of ``step``, copied to host memory. The buffers of the
-        snapshot handed back by :meth:`recycle` are written over rather than allocated again.
+    def capture(self, step: int, *, digests: bool = False) -> Snapshot:
+        """This rank's state at the start of ``step``, copied to host memory, into one buffer. The
+        buffer of the snapshot handed back by :meth:`recycle` is written over rather than
+        allocated again. ``digests``: take each tensor's CRC-32 too (:meth:`Snapshot.verify`).
 
         Example::
 
             >>> import torch
             >>> TrainingState(torch.nn.Linear(3, 1)).capture(step=4).nbytes
             16
+            >>> len(TrainingState(torch.nn.Linear(3, 1)).capture(step=4, digests=True).digests)
+            2
         """
         if isinstance(step, bool) or not isinstance(step, int):
             raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
         reuse, self._spare = self._spare, None
-        snapshot = Snapshot(step)
+        snapshot = Snapshot(step, rank=dist.get_rank() if dist.is_initialized() else None)
         model_sd, optim_sd = self._live()
+        live: list[tuple[Path, torch.Tensor]] = []
         for root, tree in (("model", model_sd), ("optimizer", optim_sd)):
             for path, leaf in _leaves(tree, (root,)):
                 if isinstance(leaf, torch.Tensor):
                     local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-                    snapshot.tensors[path] = _host_copy(local.detach(), reuse.tensors.get(path) if reuse else None)
+                    live.append((path, local.detach()))
                 else:
                     snapshot.values[path] = copy.deepcopy(leaf)
+        snapshot.buffer, views = buffer_for(live, reuse)
+        for (path, local), view in zip(live, views):
+            view.copy_(local)
+            snapshot.tensors[path] = view
+        if digests:
+            snapshot.digests = {path: digest(view) for path, view in snapshot.tensors.items()}
         snapshot.rng = RngState.capture()
         snapshot.objects = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.objects.items()}
         return snapshot
@@ -181,7 +263,7 @@ class TrainingState:
         """``snapshot`` is no longer needed: the next :meth:`capture` writes into its buffers."""
         self._spare = snapshot
 
-    def restore(self, snapshot: Snapshot) -> None:
+    def restore(self, snapshot: Snapshot, *, verify: bool = True) -> None:
         """Put ``snapshot`` back: the model's and optimizers' tensors copied into theirs (a
         DTensor's shard into its local tensor), their other values, the RNG states and every
         object's ``load_state_dict``; the model's gradients are dropped. An optimizer with no state yet gets its state made first
@@ -190,7 +272,11 @@ class TrainingState:
         Raises:
             ValueError: the snapshot does not fit this state (another model, or other shapes),
                 naming the first path that differs.
+            SnapshotCorrupted: a tensor no longer matches the digest taken with it (checked
+                before anything is written; ``verify=False``: where the caller just checked it).
         """
+        if verify:
+            snapshot.verify()
         model_sd, optim_sd = self._live()
         for root, tree in (("model", model_sd), ("optimizer", optim_sd)):
             for path, leaf in _leaves(tree, (root,)):
@@ -246,11 +332,26 @@ def _assign(tree: Any, path: Path, value: Any) -> None:
     tree[path[-1]] = value
 
 
-def _host_copy(tensor: torch.Tensor, into: Optional[torch.Tensor]) -> torch.Tensor:
-    """``tensor`` copied to host memory, into ``into`` where it fits (pinned where ``tensor``
-    lives on a device, so that the copy does not go through a staging buffer)."""
-    if into is None or into.shape != tensor.shape or into.dtype != tensor.dtype:
-        pinned = tensor.device.type == "cuda"
-        into = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=pinned)
-    into.copy_(tensor)
-    return into
+def buffer_for(live: list[tuple[Path, torch.Tensor]], reuse: Optional[Snapshot]
+                ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One host buffer for ``live``'s tensors and a view of it for each (``reuse``'s where its
+    layout is the same): pinned where a tensor lives on a device, so that the copy does not go
+    through a staging buffer; one buffer, so that a partner is sent it with no packing."""
+    if reuse is not None and reuse.buffer is not None and [
+            (p, t.shape, t.dtype) for p, t in reuse.tensors.items()] == [(p, t.shape, t.dtype) for p, t in live]:
+        return reuse.buffer, list(reuse.tensors.values())
+    offsets, end = [], 0
+    for _, tensor in live:
+        offsets.append(end)
+        end += -(-tensor.numel() * tensor.element_size() // ALIGN) * ALIGN
+    pinned = any(t.device.type == "cuda" for _, t in live)
+    buffer = torch.empty(end, dtype=torch.uint8, device="cpu", pin_memory=pinned)
+    return buffer, [view_of(buffer, offset, tensor.shape, tensor.dtype) for offset, (_, tensor) in zip(offsets, live)]
+
+
+def view_of(buffer: torch.Tensor, offset: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` at byte ``offset`` of a uint8 ``buffer``."""
+    count = 1
+    for size in shape:
+        count *= size
+    return buffer[offset:offset + count * dtype.itemsize].view(dtype).view(tuple(shape))

@@ -1,0 +1,136 @@
+"""What partner copies cost per step: the digests and the exchange, beside the step itself.
+
+``--ranks`` gloo processes on this machine (default 2), each its own node (``gpus_per_node=1``),
+so each sends its snapshot to the next and holds the one before it, as
+``hypergrid.train(..., partner_copies=True)`` does after every ``snapshot_every`` steps. Each
+rank's unique state is an MLP of ``--params`` million parameters with Adam (what an FSDP2 or ZeRO
+rank's shard of a model ``--ranks`` times larger holds). Per rank, the median of ``--repeats``:
+
+* ``step``: one training step (forward, backward, Adam's step) on this rank alone;
+* ``snapshot``: :meth:`hypergrid.TrainingState.capture` into the buffer of an earlier snapshot;
+* ``+digests``: the same with a CRC-32 of every tensor (what partner copies add to the snapshot);
+* ``exchange``: :meth:`~hypergrid.training.partner.PartnerCopies.exchange`, every rank at once:
+  its snapshot sent to its partner, its partner's received into a reused buffer;
+* ``held``: the host memory of the copy a rank holds once the gate passed (its partner's latest).
+
+Printed: the slowest rank's times and (digests + exchange) / step, the cost per step at
+``snapshot_every=1`` (divided by K at ``snapshot_every=K``).
+
+Run::
+
+    python benchmarks/bench_partner.py                        # 2 ranks, 10M parameters each
+    python benchmarks/bench_partner.py --ranks 4 --params 10 --repeats 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import hypergrid
+from hypergrid.training.partner import PartnerCopies
+
+BATCH = 32
+
+
+def model_of(millions: int) -> torch.nn.Module:
+    """Four square linear layers of about ``millions`` million parameters in all."""
+    width = int((millions * 1_000_000 / 4) ** 0.5)
+    layers: list[torch.nn.Module] = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers[:-1])
+
+
+def median_s(call: Callable[[], object], repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        dist.barrier()  # every rank starts together: the exchange waits for the slowest
+        start = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def rank_main(rank: int, world: int, port: int, millions: int, repeats: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.manual_seed(rank)
+    model = model_of(millions)
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+    state = hypergrid.TrainingState(model, optimizer)
+    width = model[0].in_features
+    x, y = torch.randn(BATCH, width), torch.randn(BATCH, width)
+
+    def step() -> None:
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    step()
+    step_s = median_s(step, repeats)
+    held = [state.capture(0), state.capture(0)]
+
+    def snapshot(digests: bool) -> None:
+        state.recycle(held.pop(0))
+        held.append(state.capture(0, digests=digests))
+
+    snapshot_s = median_s(lambda: snapshot(False), repeats)
+    digests_s = median_s(lambda: snapshot(True), repeats)
+    copies = PartnerCopies(gpus_per_node=1)
+    steps = iter(range(1, 10 * repeats))
+
+    def exchange() -> None:
+        held[-1].step = next(steps)
+        copies.exchange(held[-1], list(range(world)), dist.group.WORLD)
+        copies.settle(held[-1].step)  # the gate passed: the older copy's buffer is reused by the next
+
+    exchange_s = median_s(exchange, repeats)
+    out.put((rank, {"params": sum(p.numel() for p in model.parameters()), "step_s": step_s,
+                    "snapshot_s": snapshot_s, "digests_s": digests_s - snapshot_s, "exchange_s": exchange_s,
+                    "held_bytes": copies.nbytes, "snapshot_bytes": held[-1].nbytes}))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--params", type=int, nargs="+", default=[10], help="millions of parameters per rank")
+    parser.add_argument("--repeats", type=int, default=7)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, {args.ranks} gloo ranks on {os.cpu_count()} CPUs, batch {BATCH}, Adam")
+    print(f"{'params':>8} {'step':>8} {'snapshot':>9} {'+digests':>9} {'exchange':>9} {'(d+x)/step':>10} "
+          f"{'snapshot':>9} {'held':>9}")
+    ctx = mp.get_context("spawn")
+    for millions in args.params:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        out = ctx.Queue()
+        procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, millions, args.repeats, out))
+                 for r in range(args.ranks)]
+        for proc in procs:
+            proc.start()
+        got = dict(out.get(timeout=1800) for _ in procs)
+        for proc in procs:
+            proc.join(timeout=60)
+        worst = {key: max(v[key] for v in got.values()) for key in got[0]}
+        print(f"{got[0]['params'] / 1e6:>7.1f}M {worst['step_s']:>7.3f}s {worst['snapshot_s']:>8.3f}s "
+              f"{worst['digests_s']:>8.3f}s {worst['exchange_s']:>8.3f}s "
+              f"{(worst['digests_s'] + worst['exchange_s']) / worst['step_s']:>10.2f} "
+              f"{worst['snapshot_bytes'] / 2**20:>5.0f} MiB {worst['held_bytes'] / 2**20:>5.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""Partner copies: every rank's unique state also held by a rank on another node, checked on restore.
+
+Fast tests: who partners whom, the restore plan every rank derives alike, and digests that catch
+a flipped byte. On gloo: FSDP2 over the grid's dp dim (dp 4 on ranks 0-3, nodes of 2, a spare
+node 4-5, no replica peer: ``replica_dim`` names a dim the grid does not have) with Adam, through
+``hypergrid.train(..., partner_copies=True)``:
+
+- node 1 (ranks 2 and 3) SIGKILLed mid-step: the spares take their positions and their shards
+  from the copies ranks 0 and 1 held; every step's loss on every rank bit-equal to the same job
+  with no failure;
+- ranks 1 and 3 (each the other's partner) SIGKILLed together: with a loader, every rank resumes
+  from the loader's step (losses bit-equal to the run with no failure from there); without one,
+  RecoveryRefused on every rank, naming the positions lost and who held their copies;
+- node 1 lost while rank 0's copy of rank 2 has a byte flipped: SnapshotCorrupted on every rank,
+  naming rank 2, the step and the key, and no step trained after it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import warnings
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hypergrid.errors import SnapshotCorrupted
+from hypergrid.training import TrainingState
+from hypergrid.training.partner import PartnerCopies, Source, ancestors, partner_map, plan_restore
+from hypergrid.training.state import Snapshot, digest
+from tests.harness import run_gloo
+
+STEPS, KILL_STEP, SAVE_STEP = 6, 3, 2
+DIM, HIDDEN, BATCH = 4, 8, 3
+COLLECTIVE_S = 6.0
+
+
+# ---------------------------------------------------------------------- fast: partners and plans
+@pytest.mark.parametrize("nodes,per_node", [(2, 2), (3, 2), (4, 8), (2, 1)])
+def test_each_rank_holds_one_copy_from_another_node_and_any_node_lost_leaves_every_copy(nodes, per_node):
+    ranks = list(range(nodes * per_node))
+    partners = partner_map(ranks, per_node)
+    assert sorted(partners.values()) == ranks  # a permutation: each rank holds exactly one copy
+    assert all(r // per_node != p // per_node for r, p in partners.items())
+    for lost in range(nodes):
+        gone = {r for r in ranks if r // per_node == lost}
+        assert all(partners[r] not in gone for r in gone)  # each lost rank's copy is elsewhere
+
+
+def test_partners_follow_the_grid_order_after_a_replacement_and_one_node_is_refused():
+    assert partner_map([0, 1, 4, 5], 2) == {0: 4, 1: 5, 4: 0, 5: 1}
+    with pytest.raises(ValueError, match=r"the grid's 2 ranks \[6, 7\] are all on node 3 \(gpus_per_node=2\)"):
+        partner_map([6, 7], 2)
+
+
+def test_the_restore_plan_prefers_a_replica_peer_then_a_copy_then_names_what_is_lost():
+    reports = {0: ([3], [(2, 3)]), 1: ([3], [(3, 3)]), 4: ([], []), 5: ([], [])}
+    chains = {4: [2], 5: [3]}
+    plan = plan_restore([0, 1, 4, 5], frozenset({4, 5}), lambda r: [r], chains, reports, 3)
+    assert plan.sources == {4: Source(0, 2, True), 5: Source(1, 3, True)} and not plan.lost
+    replicas = {4: [0, 4], 5: [1, 5]}
+    plan = plan_restore([0, 1, 4, 5], frozenset({4, 5}), lambda r: replicas.get(r, [r]), chains, reports, 3)
+    assert plan.sources == {4: Source(0, 0, False), 5: Source(1, 1, False)}
+    # The copies of step 3 never arrived (a node lost in the exchange): back to step 2, which all hold.
+    older = {0: ([2, 3], [(2, 2)]), 1: ([2, 3], [(3, 2)]), 4: ([], []), 5: ([], [])}
+    assert plan_restore([0, 1, 4, 5], frozenset({4, 5}), lambda r: [r], chains, older, 3).step == 2
+    lost = plan_restore([0, 4, 2, 5], frozenset({4, 5}), lambda r: [r], {4: [1], 5: [3]},
+                        {0: ([3], []), 2: ([3], [(0, 3)]), 4: ([], []), 5: ([], [])}, 3)
+    assert lost.lost == ((1, 4, 1), (3, 5, 3)) and lost.step == 3
+
+
+def test_ancestors_follow_every_replacement_back():
+    assert ancestors(6, [[(2, 4)], [(4, 6)]]) == [4, 2]
+    assert ancestors(0, [[(2, 4)]]) == []
+
+
+# ---------------------------------------------------------------------- fast: digests
+def test_a_digest_catches_any_flipped_byte_and_names_rank_step_and_key():
+    state = TrainingState(torch.nn.Linear(3, 2))
+    snapshot = state.capture(step=7, digests=True)
+    weight = snapshot.tensors[("model", "weight")]
+    raw = weight.view(torch.uint8).reshape(-1)
+    for index in range(raw.numel()):
+        for bit in (1, 128):
+            raw[index] ^= bit
+            with pytest.raises(SnapshotCorrupted) as caught:
+                snapshot.verify(what="the copy held by rank 5")
+            raw[index] ^= bit
+            assert (caught.value.step, caught.value.key) == (7, "model/weight")
+    snapshot.verify()
+    assert "the copy held by rank 5 (the state of rank None at step 7)" in str(caught.value)
+    raw[3] ^= 4
+    before = state.capture(step=8)
+    with pytest.raises(SnapshotCorrupted):
+        state.restore(snapshot)  # refused before anything is written
+    assert all(torch.equal(a, b) for a, b in zip(state.capture(step=8).tensors.values(), before.tensors.values()))
+
+
+def test_digests_of_every_dtype_and_a_snapshot_in_one_buffer():
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.complex64):
+        tensor = torch.zeros(5, dtype=dtype)
+        assert digest(tensor) == digest(tensor.clone())
+    state = TrainingState(torch.nn.Linear(3, 2))
+    snapshot = state.capture(step=0)
+    assert snapshot.buffer is not None and snapshot.buffer.numel() == 2 * 64  # each tensor 64-byte aligned
+    base = snapshot.buffer.data_ptr()
+    assert sorted(t.data_ptr() - base for t in snapshot.tensors.values()) == [0, 64]
+
+
+def test_a_snapshot_in_one_buffer_is_saved_and_loaded_by_torch(tmp_path):
+    snapshot = TrainingState(torch.nn.Linear(3, 2)).capture(step=2, digests=True)
+    torch.save(snapshot, tmp_path / "s.pt")  # torch saves no storage viewed as two dtypes: cloned per tensor
+    loaded = torch.load(tmp_path / "s.pt", weights_only=False)
+    loaded.verify()
+    assert loaded.step == 2 and loaded.buffer is None and snapshot.buffer is not None
+
+
+def test_partner_copies_keep_two_steps_and_settle_to_the_gate():
+    copies = PartnerCopies(gpus_per_node=2)
+    for step in (1, 2, 3):
+        copies.keep(2, Snapshot(step, {("w",): torch.ones(1)}, rank=2))
+    assert copies.report() == [(2, 2), (2, 3)]
+    copies.settle(3)
+    assert copies.report() == [(2, 3)] and copies.take(2, 3).step == 3
+    with pytest.raises(KeyError, match="holds no copy of rank 2's snapshot of step 2"):
+        copies.take(2, 2)
+
+
+# ---------------------------------------------------------------------- gloo: FSDP2 over dp 4
+def _model(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, DIM))
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+
+
+def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loader: bool = False,
+          corrupt: Optional[tuple[int, int, int]] = None) -> dict:
+    """dp 4 of FSDP2 on ranks 0-3, spares 4-5 (nodes of 2). ``kill``: ranks SIGKILLed after
+    step ``KILL_STEP``'s forward; ``corrupt``: (holder, source, step): the holder flips one byte
+    of its copy of the source's snapshot of that step as it receives it."""
+    import hypergrid
+    from hypergrid.training import partner
+
+    warnings.filterwarnings("ignore")
+    if corrupt is not None and rank == corrupt[0]:
+        keep = partner.PartnerCopies.keep
+
+        def flipping(self: Any, source: int, copy: Any) -> None:
+            if (source, copy.step) == corrupt[1:]:
+                copy.buffer[0] ^= 1  # as a bit flipped in host memory would
+            keep(self, source, copy)
+
+        partner.PartnerCopies.keep = flipping  # type: ignore[method-assign]
+    hypergrid.start_heartbeat(interval_s=0.5)
+    grid = hypergrid.HyperCommGrid([4], ["dp"])
+    hypergrid.device_mesh(grid, device_type="cpu")  # before the job: its groups are the job's recipe
+    job = hypergrid.ResilientJob.of_grid(grid, spares=[4, 5], timeout=timedelta(seconds=30),
+                                         settings=hypergrid.RecoverySettings(gpus_per_node=2,
+                                                                             replica_dim="dp_replicate"))
+    ran: list[int] = []
+
+    def setup(job: Any) -> Any:
+        model, optimizer = _model(hypergrid.device_mesh(job.state, device_type="cpu"))
+        return hypergrid.TrainingState(model, optimizer)
+
+    def step(job: Any, state: Any, step: int) -> float:
+        position = list(job.layout.ranks).index(dist.get_rank())
+        if step == SAVE_STEP:  # the user's own checkpoint, of this position, for the loader
+            torch.save(state.capture(step), Path(folder) / f"{position}.pt")
+        ran.append(step)
+        (model,), (optimizer,) = state.models, state.optimizers
+        generator = torch.Generator().manual_seed(1000 * step + position)
+        x, y = torch.randn(BATCH, DIM, generator=generator), torch.randn(BATCH, DIM, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        if rank in kill and step == KILL_STEP:
+            os.kill(os.getpid(), signal.SIGKILL)  # mid-step: before the backward's reduce-scatter
+        loss.backward()
+        optimizer.step()
+        return loss.item()
+
+    loaded: list[int] = []
+
+    def loader(job: Any, state: Any) -> int:
+        position = list(job.layout.ranks).index(dist.get_rank())
+        saved = torch.load(Path(folder) / f"{position}.pt", weights_only=False)
+        state.restore(saved)
+        loaded.append(saved.step)
+        return saved.step
+
+    try:
+        run = hypergrid.train(job, setup, step, steps=STEPS, partner_copies=True,
+                              loader=loader if with_loader else None)
+    except (hypergrid.errors.RecoveryRefused, SnapshotCorrupted) as refused:
+        return {"refused": type(refused).__name__, "message": str(refused), "ran": ran,
+                "fields": (getattr(refused, "rank", None), getattr(refused, "step", None),
+                           getattr(refused, "key", None))}
+    if not run.job.in_grid:
+        return {"in_grid": False}
+    return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses, "loaded": loaded,
+            "position": list(run.job.layout.ranks).index(rank), "records": [r.describe() for r in run.records],
+            "kinds": [r.kind for r in run.records]}
+
+
+def _reference(folder: str) -> dict[int, dict]:
+    results = run_gloo(_fsdp, 6, (), folder, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+    return {v["position"]: v for v in results if v.get("in_grid")}
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_fsdp2_through_a_node_loss_restores_the_shards_from_partner_copies_bit_equal(tmp_path):
+    expected = _reference(str(tmp_path))
+    results = run_gloo(_fsdp, 6, (2, 3), str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
+                       leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results
+    for rank in (0, 1, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
+        assert value["kinds"] == (["joined"] if rank >= 4 else ["replace"]), (rank, value["records"])
+        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
+        want = expected[value["position"]]["losses"]
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+    print("recoveries:", *(results[r][1]["records"][0] for r in (0, 1, 4, 5)), sep="\n  ")
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_a_rank_lost_with_its_partner_resumes_from_the_loader_or_is_refused_on_every_rank(tmp_path):
+    expected = _reference(str(tmp_path))
+    results = run_gloo(functools.partial(_fsdp, with_loader=True), 6, (1, 3), str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S,
+                       expect_failure=True, leave_at_once=True)
+    assert results[1][0] == "dead" and results[3][0] == "dead", results
+    for rank in (0, 2, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 4, 2, 5] and value["loaded"] == [SAVE_STEP], (rank, value)
+        want = expected[value["position"]]["losses"]
+        steps = range(SAVE_STEP, STEPS)
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+    refused = run_gloo(_fsdp, 6, (1, 3), str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
+                       leave_at_once=True)
+    for rank in (0, 2, 4, 5):
+        status, value = refused[rank]
+        assert status == "ok" and value["refused"] == "RecoveryRefused", (rank, refused[rank])
+        assert (f"no copy of the state of step {KILL_STEP} survived for position 1 (rank 1, its copy held by "
+                f"rank 3), position 3 (rank 3, its copy held by rank 1)") in value["message"], value["message"]
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_a_corrupted_partner_copy_is_refused_by_name_and_not_trained_on(tmp_path):
+    results = run_gloo(functools.partial(_fsdp, corrupt=(0, 2, KILL_STEP)), 6, (2, 3), str(tmp_path), timeout=300,
+                       pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
+    for rank in (0, 1, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["refused"] == "SnapshotCorrupted", (rank, results[rank])
+        assert value["fields"][:2] == (2, KILL_STEP), (rank, value)
+        assert f"the copy of rank 2's snapshot held by rank 0 (the state of rank 2 at step {KILL_STEP})" \
+            in value["message"], value["message"]
+        assert max(value["ran"], default=-1) <= KILL_STEP and (rank < 4 or value["ran"] == []), (rank, value["ran"])
