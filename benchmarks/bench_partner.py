@@ -35,20 +35,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from bench_snapshot import model_of  # benchmarks/ is on the path when run as a script
 
 import hypergrid
 from hypergrid.training.partner import PartnerCopies
 
 BATCH = 32
-
-
-def model_of(millions: int) -> torch.nn.Module:
-    """Four square linear layers of about ``millions`` million parameters in all."""
-    width = int((millions * 1_000_000 / 4) ** 0.5)
-    layers: list[torch.nn.Module] = []
-    for _ in range(4):
-        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
-    return torch.nn.Sequential(*layers[:-1])
 
 
 def median_s(call: Callable[[], object], repeats: int) -> float:

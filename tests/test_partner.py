@@ -21,7 +21,6 @@ import functools
 import os
 import signal
 import warnings
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Optional
 
@@ -34,6 +33,8 @@ from hypergrid.training import TrainingState
 from hypergrid.training.partner import PartnerCopies, Source, ancestors, partner_map, plan_restore
 from hypergrid.training.state import Snapshot, digest
 from tests.harness import run_gloo
+from tests.test_mesh_refresh_gloo import _model
+from tests.test_training import mesh_job
 
 STEPS, KILL_STEP, SAVE_STEP = 6, 3, 2
 DIM, HIDDEN, BATCH = 4, 8, 3
@@ -132,16 +133,6 @@ def test_partner_copies_keep_two_steps_and_settle_to_the_gate():
 
 
 # ---------------------------------------------------------------------- gloo: FSDP2 over dp 4
-def _model(mesh: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    from torch.distributed.fsdp import fully_shard
-
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, DIM))
-    fully_shard(model[0], mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model, torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
-
-
 def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loader: bool = False,
           corrupt: Optional[tuple[int, int, int]] = None) -> dict:
     """dp 4 of FSDP2 on ranks 0-3, spares 4-5 (nodes of 2). ``kill``: ranks SIGKILLed after
@@ -161,11 +152,7 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
 
         partner.PartnerCopies.keep = flipping  # type: ignore[method-assign]
     hypergrid.start_heartbeat(interval_s=0.5)
-    grid = hypergrid.HyperCommGrid([4], ["dp"])
-    hypergrid.device_mesh(grid, device_type="cpu")  # before the job: its groups are the job's recipe
-    job = hypergrid.ResilientJob.of_grid(grid, spares=[4, 5], timeout=timedelta(seconds=30),
-                                         settings=hypergrid.RecoverySettings(gpus_per_node=2,
-                                                                             replica_dim="dp_replicate"))
+    job = mesh_job([4], ["dp"])  # no dp_replicate dim: each shard is held by one rank
     ran: list[int] = []
 
     def setup(job: Any) -> Any:

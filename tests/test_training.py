@@ -268,6 +268,18 @@ def test_a_rank_frozen_is_counted_out_offers_itself_and_is_grown_back(tmp_path):
         assert after == want, (rank, after, want)
 
 
+def mesh_job(shape: list[int], dims: list[str]) -> Any:
+    """A job on ranks 0-3 whose grid's DeviceMesh is made before the job (so that its groups are
+    the job's to rebuild), ranks 4 and 5 spares, nodes of 2, replicas along ``dp_replicate``."""
+    import hypergrid
+
+    grid = hypergrid.HyperCommGrid(shape, dims)
+    hypergrid.device_mesh(grid, device_type="cpu")
+    return hypergrid.ResilientJob.of_grid(grid, spares=[4, 5], timeout=timedelta(seconds=30),
+                                          settings=hypergrid.RecoverySettings(gpus_per_node=2,
+                                                                              replica_dim="dp_replicate"))
+
+
 def _hsdp(rank: int, world: int, kill: bool) -> dict:
     """FSDP2 as HSDP over hypergrid's dp_replicate x dp_shard mesh (tests/test_mesh_refresh_gloo.py's
     model): node 1 holds replica 1 whole; its ranks SIGKILL themselves after step 2's forward."""
@@ -278,11 +290,7 @@ def _hsdp(rank: int, world: int, kill: bool) -> dict:
 
     warnings.filterwarnings("ignore")
     hypergrid.start_heartbeat(interval_s=0.5)
-    grid = hypergrid.HyperCommGrid([2, 2], ["dp_shard", "dp_replicate"])
-    hypergrid.device_mesh(grid, device_type="cpu")  # before the job: its groups are the job's recipe
-    job = hypergrid.ResilientJob.of_grid(grid, spares=[4, 5], timeout=timedelta(seconds=30),
-                                         settings=hypergrid.RecoverySettings(gpus_per_node=2,
-                                                                             replica_dim="dp_replicate"))
+    job = mesh_job([2, 2], ["dp_shard", "dp_replicate"])
     wrapped: list[int] = []
 
     def setup(job: Any) -> Any:
