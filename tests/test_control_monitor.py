@@ -126,7 +126,7 @@ def test_bad_heartbeat_settings_are_refused_naming_the_value(kwargs, message):
 def test_settings_other_than_those_of_the_running_heartbeat_are_refused_naming_both(monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers "fake")
 
-    from hypergrid.liveness import heartbeat as module
+    from hypergrid.liveness import plane as module  # start_heartbeat takes control_plane from there when called
     from hypergrid.liveness.heartbeat import running_heartbeat
 
     # Rank 0 of two, its monitor a real one on a real store; the fake backend has no control plane

@@ -18,6 +18,10 @@ that ends without its interpreter's exit (SIGKILL, ``os._exit``) is seen by the 
 On the fake backend there is no store to beat in, and nothing starts; in a world of one rank,
 nobody could learn of its loss, and nothing starts either.
 
+Importing this module imports no torch (:func:`start_heartbeat` and :meth:`Heartbeat.stop` do,
+when called): a :class:`Heartbeat` over a plane given by address runs in a process without it
+(the control plane's tests start dozens of such stand-in ranks).
+
 Example, with no process group::
 
     >>> start_heartbeat() is None, running_heartbeat() is None
@@ -42,15 +46,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..store.records import BoardEvent, decode
 from ..store.shutdown import register
 from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
-from .plane import ControlPlane, control_plane
 from .poll import readable
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
 
 __all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
 
@@ -217,6 +221,8 @@ class Heartbeat:
         if self._stopping.is_set():
             return
         if clean is None:
+            import torch.distributed as dist
+
             clean = not (self.job_running and dist.is_initialized())
         self._stopping.set()
         os.write(self._wake_w, b"x")
@@ -297,6 +303,10 @@ def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFA
             ...
         ValueError: progress_timeout_s must be a positive number of seconds, got -1
     """
+    import torch.distributed as dist
+
+    from .plane import control_plane
+
     global _current
     interval = _positive("interval_s", interval_s)
     progress = _positive("progress_timeout_s", progress_timeout_s)
