@@ -140,6 +140,12 @@ def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_messa
     wire.close()
 
 
+def test_a_connection_s_calls_wait_their_own_timeout_not_the_time_it_had_to_open(server):
+    quick = WireStore.connect("127.0.0.1", server.port, timeout_s=0.5, call_timeout_s=5.0)
+    assert quick.timeout_s == 5.0 and not quick.wait(["n/never"], 0.1) and quick.add("n/c", 1) == 1
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=3.0).timeout_s == 3.0  # the same, unless told
+
+
 def test_something_that_is_not_a_tcpstore_is_refused_naming_its_address():
     import socket
 
