@@ -89,6 +89,9 @@ class Heartbeat:
         self.config = MonitorConfig(plane.address[0], plane.address[1], plane.namespace, rank, interval_s,
                                     stale_beats, progress_timeout_s, parent_pid=os.getpid())
         self.job: Optional[JobSpec] = None
+        #: The attached job's board position this rank has had every entry before (its monitor
+        #: says so after each): where a monitor started again starts reading (None: not told yet).
+        self.position: Optional[int] = None
         #: Whether the attached job still counts on this rank (False once it released its spares).
         self.job_running = False
         self._listeners: dict[str, Callable[[BoardEvent], None]] = {}
@@ -141,6 +144,8 @@ class Heartbeat:
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec) -> None:
         """Serve ``spec``'s job: watch in its ring, publish on its board, forward its events."""
+        if self.job is None or self.job.channel != spec.channel:
+            self.position = None
         self.job, self.job_running = spec, True
         self._send("job " + spec.to_json())
 
@@ -198,6 +203,11 @@ class Heartbeat:
                     listener(event)
                 except Exception:  # a listener's failure must not stop the heartbeat
                     logger.exception("rank %d: a listener of the job's events failed on %s", self.rank, event)
+        elif word == "at":  # the board's position, after the events before it (of the job attached now only)
+            board, _, position = rest.rpartition(" ")
+            job = self.job
+            if job is not None and board == job.channel.board_count():
+                self.position = int(position)
         elif word == "error":
             logger.error("rank %d: heartbeat monitor: %s", self.rank, rest)
 
@@ -211,8 +221,11 @@ class Heartbeat:
         except RuntimeError as exc:
             logger.error("%s; retrying", exc)
             return
-        if self.job is not None and self.job_running:
-            self._send("job " + self.job.to_json())
+        job, position = self.job, self.position
+        if job is not None and self.job_running:
+            # From where the last one had reached: the entries it read and this rank did not hear
+            # are read again, none is passed over.
+            self._send("job " + job.to_json() if position is None else f"resume {position} {job.to_json()}")
 
     # ------------------------------------------------------------------ the end
     def stop(self, clean: Optional[bool] = None) -> None:
