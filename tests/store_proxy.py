@@ -54,6 +54,8 @@ class StoreProxy:
     def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = (host, target_port)
         self.hold_s = 0.0
+        #: Bytes the clients sent, and the store answered, through the proxy so far.
+        self.sent = self.answered = 0
         self._listener = socket.create_server((host, 0))
         self._listener.setblocking(False)
         self.port: int = self._listener.getsockname()[1]
@@ -115,10 +117,12 @@ class StoreProxy:
             self._close(pipe)
             return
         if side is pipe.client:
+            self.sent += len(data)
             due = max(time.monotonic() + self.hold_s, pipe.last_due)
             pipe.last_due = due
             heapq.heappush(self._held, (due, next(self._order), pipe, data))
         else:
+            self.answered += len(data)
             pipe.to_client += data
             self._flush(pipe, pipe.client)
 
