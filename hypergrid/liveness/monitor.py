@@ -169,8 +169,8 @@ class RankMonitor:
 
     ``forward`` receives every event of the board (in the monitor process: sent to the rank), and
     ``reached`` the board's position after each entry handed over (and where the job's reading
-    starts). ``beats_apart``: the beats are made by :meth:`start_beats`'s thread, on a connection
-    of their own, not by :meth:`tick`.
+    starts). ``beats_apart``: the beats are made by a thread (``link.start_beats()``), on a
+    connection of their own, not by :meth:`tick`.
     """
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
@@ -181,11 +181,10 @@ class RankMonitor:
         self._reached = reached
         # Where its connections come from (a timeout in, a connection out): the store's address by
         # default; a caller that hosts many monitors (or a proxy in front of the store) gives its own.
-        self._connect: Callable[[float], WireStore] = connect or (
-            lambda timeout_s: WireStore.connect(self.config.host, self.config.port, timeout_s=timeout_s))
         # Reads and publications (and the beats, unless apart): one round trip each, tried again
         # on a new connection where the store does not answer in a try's time.
-        self.link = StoreLink(self._connect, give_up_s=config.connect_timeout_s, try_s=config.call_timeout_s,
+        self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
+                              give_up_s=config.connect_timeout_s, try_s=config.call_timeout_s,
                               beat_key=beat_key(config.namespace, config.rank), interval_s=config.interval_s,
                               beats_apart=beats_apart)
         self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats)
@@ -210,10 +209,6 @@ class RankMonitor:
         read = self.link.call(lambda store: store.add_many(keys, 0))
         assert read is not None
         return read
-
-    def start_beats(self) -> None:
-        """Beat from a thread of this process's own (``beats_apart``), no longer at each tick."""
-        self.link.start_beats()
 
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec, first: Optional[int] = None) -> None:
@@ -567,7 +562,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inbox = b""
     next_tick = time.monotonic()
     out.send("ready")
-    monitor.start_beats()
+    monitor.link.start_beats()  # from now on its beats go out apart from its reads
     try:
         while True:
             now = time.monotonic()
