@@ -475,7 +475,7 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)
 
     def monitor(rank, port):
-        config = MonitorConfig("127.0.0.1", port, channel.namespace, rank, 0.2)  # a try: 0.5 s
+        config = MonitorConfig("127.0.0.1", port, channel.namespace, rank, 1.0, connect_timeout_s=0.5)
         made = RankMonitor(config, forward=lambda event: None, now=0.0,
                            connect=_first_then_new(WireStore.connect("127.0.0.1", server.port, timeout_s=30),
                                                    lambda: made.config.port))
@@ -486,7 +486,7 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     assert delegate.board is not None and follower.board is None
     follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
     delegate.detach()
-    follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect within a try
+    follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect within 0.5 s
     assert follower.relay.delegates and follower.board is None
     follower.tick(now=1.0)
     follower.tick(now=2.0)  # it tries again at each tick, and beats meanwhile

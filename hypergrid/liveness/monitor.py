@@ -6,9 +6,9 @@ the rank's interpreter does (a C call holding the GIL for seconds, a SIGSTOP, a 
 the rank's process group) stops it. Every ``interval_s`` a node's monitors make two store
 requests per rank (one ``add`` each), whatever the job's size:
 
-- each adds 1 to its rank's heartbeat counter, on a connection of its own, from a thread of its
-  own: however late the store answers its reads and publications, its beats go out on time (a
-  late store cannot make a watcher look silent);
+- each adds 1 to its rank's heartbeat counter, from a thread of its own, apart from its reads and
+  publications (:mod:`hypergrid.liveness.link`): however late the store answers those, its beats
+  go out on time (a late store cannot make a watcher look silent);
 - the node's relay delegate (:mod:`hypergrid.liveness.relay`) reads, for each rank of its node, the
   counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.liveness.ring`,
   on another node, and where nodes are short of ranks those after it on that node:
@@ -39,11 +39,11 @@ there), waits on the next key, hands the entry to the node's other monitors (the
 also elects it) and forwards its events to its rank (which aborts its communicators,
 :class:`~hypergrid.recovery.abort.CollectiveWatch`): two requests per entry and node.
 
-A store that answers late is waited for: each call waits up to ``call_timeout_s`` and is tried
-again on a new connection until ``connect_timeout_s`` (30 s) have passed; only then does the
-monitor give the store up (and its rank's heartbeat starts another). No entry is passed over:
-the monitor tells its rank the board's position it has reached, and a monitor started again
-starts there (``resume``), not at the board's count.
+A store that answers late is waited for: each call waits for its answer up to
+``connect_timeout_s`` (30 s), a failed connection is made again within that time, and only a
+store that did not answer for that long is given up (the rank's heartbeat then starts another
+monitor). No entry is passed over: the monitor tells its rank the board's position it has
+reached, and a monitor started again starts there (``resume``), not at the board's count.
 
 :class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
 the monitor process, or the control-plane benchmark's, which runs thousands of them against one
@@ -104,8 +104,7 @@ STALE_BEATS = 5
 class MonitorConfig:
     """What a monitor needs: the store's address, the world's control namespace, its rank, the
     heartbeat interval, the staleness bound in intervals, the progress timeout, and how long the
-    store may take to take a connection or to answer a call (tried again meanwhile) before the
-    monitor gives it up."""
+    store may take to take a connection or to answer a call before the monitor gives it up."""
 
     host: str
     port: int
@@ -120,13 +119,6 @@ class MonitorConfig:
     @property
     def stale_after_s(self) -> float:
         return self.stale_beats * self.interval_s
-
-    @property
-    def call_timeout_s(self) -> float:
-        """How long one try of a call (or of a connection made while the job runs) waits for the
-        store: half the staleness bound, an interval at least (a late store is waited for; one
-        that does not answer is tried again on a new connection)."""
-        return max(self.interval_s, self.stale_after_s / 2)
 
 
 @dataclass(frozen=True)
@@ -169,24 +161,22 @@ class RankMonitor:
 
     ``forward`` receives every event of the board (in the monitor process: sent to the rank), and
     ``reached`` the board's position after each entry handed over (and where the job's reading
-    starts). ``beats_apart``: the beats are made by a thread (``link.start_beats()``), on a
-    connection of their own, not by :meth:`tick`.
+    starts). Its beats are made by :meth:`tick`, unless a thread of their own makes them
+    (``link.start_beats()``, :class:`~hypergrid.liveness.link.StoreLink`).
     """
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
                  connect: Optional[Callable[[float], WireStore]] = None,
-                 reached: Optional[Callable[[JobChannel, int], None]] = None, beats_apart: bool = False) -> None:
+                 reached: Optional[Callable[[JobChannel, int], None]] = None) -> None:
         self.config = config
         self._forward = forward
         self._reached = reached
         # Where its connections come from (a timeout in, a connection out): the store's address by
         # default; a caller that hosts many monitors (or a proxy in front of the store) gives its own.
-        # Reads and publications (and the beats, unless apart): one round trip each, tried again
-        # on a new connection where the store does not answer in a try's time.
+        # Beats, reads and publications: one round trip each, waited for however late.
         self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
-                              give_up_s=config.connect_timeout_s, try_s=config.call_timeout_s,
-                              beat_key=beat_key(config.namespace, config.rank), interval_s=config.interval_s,
-                              beats_apart=beats_apart)
+                              give_up_s=config.connect_timeout_s, beat_key=beat_key(config.namespace, config.rank),
+                              interval_s=config.interval_s)
         self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
@@ -243,21 +233,20 @@ class RankMonitor:
         self._delegate_quiet = 0
         self._delegate_spec = None
         if self.relay.delegates:
-            self._open_board(within_s=None if first else self.config.call_timeout_s)
+            self._open_board(fatal=first)
 
-    def _open_board(self, within_s: Optional[float]) -> None:
-        """Connect to the board and wait on its next event. ``within_s``: a delegate elected while the
-        job runs tries for that long (a try's time: a store late to take a connection is waited
-        for), and again at its next tick."""
+    def _open_board(self, fatal: bool = False) -> None:
+        """Connect to the board (however late the store takes the connection) and wait on its next
+        event. Unless ``fatal`` (as the job is attached), a delegate that could not connect tries
+        again at its next tick."""
         job = self.job
         assert job is not None
-        if within_s is None:
+        try:
             board = self.link.connection(self.config.connect_timeout_s)
-        else:
-            try:
-                board = self.link.connection(within_s)
-            except (OSError, StoreProtocolError):
-                return
+        except (OSError, StoreProtocolError):
+            if fatal:
+                raise
+            return
         self.board = board
         try:
             board.start_wait([job.spec.channel.board_slot(job.next_event)])
@@ -275,7 +264,7 @@ class RankMonitor:
         assert self.relay is not None
         self.relay.close()
         self.relay = NodeRelay(None, None)
-        self._open_board(within_s=self.config.call_timeout_s)
+        self._open_board()
 
     def _leave_board(self) -> None:
         if self.relay is not None:
@@ -327,6 +316,8 @@ class RankMonitor:
         joined the relay after its delegate read them, or changed delegate, or started again
         behind it): rare, a get each. Every entry before a delegate's position was read by it, so
         it is written: a read the store answers late is waited for, none is passed over."""
+        if job.next_event < position:
+            self.link.reading()
         while job.next_event < position:
             payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(job.next_event)))
             assert payload is not None
@@ -344,7 +335,7 @@ class RankMonitor:
         relay = self.relay
         if relay is not None and relay.delegates:
             if self.board is None:  # elected, and its connection to the board not made yet
-                self._open_board(within_s=self.config.call_timeout_s)
+                self._open_board()
             self._keep_alive(job)  # before its reads too: however late the store answers them
         elif relay is not None:
             self._delegate_quiet += 1
@@ -420,6 +411,7 @@ class RankMonitor:
             return
         told, self._delegate_watched = self._delegate_watched, None
         Watch.take_over(job.watched, told, job.ring)
+        self.link.reading()
         found = self._watch_rule.look(self._read, job.ring, starts, job.lost, job.watched, now)
         for event in found:
             job.lost[event.rank] = event.reason
@@ -458,7 +450,7 @@ class RankMonitor:
             board.start_wait([channel.board_slot(index + 1)])
         except STORE_ERRORS:
             self._drop_board()
-            self._open_board(within_s=self.config.call_timeout_s)
+            self._open_board()
             return
         job.next_event += 1
         if self.relay is not None:
@@ -552,7 +544,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = _ParentPipe(sys.stdout.fileno())
     try:
         monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic(),
-                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}"), beats_apart=True)
+                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}"))
     except (OSError, StoreProtocolError) as exc:
         out.send(f"error the monitor could not reach the job's store at {config.host}:{config.port}: "
                  f"{type(exc).__name__}: {exc}")
