@@ -12,11 +12,12 @@ same time; a store that did not answer for ``give_up_s`` is given up.
 The monitor's beats go out from a thread of their own (in the monitor process,
 :meth:`StoreLink.start_beats`), on the first connection, so that neither a read nor a publication
 the store answers late holds a beat back: a late store cannot make a monitor look silent to its
-watcher. A monitor that reads (a node's delegate, every interval; a follower catching up on the
-board) makes its calls on a connection of its own, opened at its first read and kept; until
-then (a follower: its rank's end, or hang, once) its calls take turns with the beats on theirs.
-So a follower holds one connection to the store and a node's delegate three (beats, calls, its
-wait on the board). Where one process hosts many monitors (the control-plane benchmark, the
+watcher. A monitor that watches (a node's delegate, which reads every interval) makes its calls
+on a connection of its own, opened at its first look and kept; a follower's few calls (reading
+the entries it missed when its delegate changed, publishing its rank's end or hang) take turns
+with its beats on theirs, one call at a time, so that a beat waits one answer at most. A
+follower holds one connection to the store, a node's delegate three (beats, calls, its wait on
+the board), and no connection is opened because an answer is late. Where one process hosts many monitors (the control-plane benchmark, the
 tests' simulation), each beats at its tick instead, before its reads, on one connection.
 
 Example, against a store of torch's::
@@ -50,7 +51,7 @@ _T = TypeVar("_T")
 
 class StoreLink:
     """A monitor's connections (see the module): ``beats`` (made at once), and ``own`` for the
-    calls of a monitor that reads (made by :meth:`reading`), each made by ``connect`` (a timeout
+    calls of a monitor that watches (made by :meth:`watching`), each made by ``connect`` (a timeout
     in, a connection out), their calls waited for up to ``give_up_s``."""
 
     def __init__(self, connect: Callable[[float], WireStore], *, give_up_s: float, beat_key: str,
@@ -71,8 +72,8 @@ class StoreLink:
         made.timeout_s = self.give_up_s
         return made
 
-    def reading(self) -> None:
-        """This monitor reads from now on (it watches, or catches up): its calls go on a connection
+    def watching(self) -> None:
+        """This monitor reads every interval from now on (it watches): its calls go on a connection
         of their own, apart from the beats' (where they have a thread of their own)."""
         if self.own is None and self._beating is not None:
             self.own = self.connection(self.give_up_s)

@@ -6,9 +6,10 @@ the rank's interpreter does (a C call holding the GIL for seconds, a SIGSTOP, a 
 the rank's process group) stops it. Every ``interval_s`` a node's monitors make two store
 requests per rank (one ``add`` each), whatever the job's size:
 
-- each adds 1 to its rank's heartbeat counter, from a thread of its own, apart from its reads and
-  publications (:mod:`hypergrid.liveness.link`): however late the store answers those, its beats
-  go out on time (a late store cannot make a watcher look silent);
+- each adds 1 to its rank's heartbeat counter, from a thread of its own (:mod:`hypergrid.liveness.link`:
+  a delegate's reads and publications go on a connection apart, a follower's few calls take turns
+  with the beats), so that however late the store answers, its beats go out on time (a late
+  store cannot make a watcher look silent);
 - the node's relay delegate (:mod:`hypergrid.liveness.relay`) reads, for each rank of its node, the
   counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.liveness.ring`,
   on another node, and where nodes are short of ranks those after it on that node:
@@ -316,8 +317,6 @@ class RankMonitor:
         joined the relay after its delegate read them, or changed delegate, or started again
         behind it): rare, a get each. Every entry before a delegate's position was read by it, so
         it is written: a read the store answers late is waited for, none is passed over."""
-        if job.next_event < position:
-            self.link.reading()
         while job.next_event < position:
             payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(job.next_event)))
             assert payload is not None
@@ -411,7 +410,7 @@ class RankMonitor:
             return
         told, self._delegate_watched = self._delegate_watched, None
         Watch.take_over(job.watched, told, job.ring)
-        self.link.reading()
+        self.link.watching()
         found = self._watch_rule.look(self._read, job.ring, starts, job.lost, job.watched, now)
         for event in found:
             job.lost[event.rank] = event.reason
