@@ -252,8 +252,9 @@ def _check(job: dict[str, Any], out: Path, victim: int, lost_node: int, placemen
             assert [f["step"] for f in job["outcomes"][rank]["failures"]] == [KILL_STEP], job["outcomes"][rank]
     print(f"node {lost_agent}'s agent exited {job['ended'][lost_agent] - job['killed']['time']:.1f} s after the kill;",
           f"survivors finished {job['seconds']:.1f} s after the launch; recovered in",
-          {r: round(job["outcomes"][r]["failures"][0]["recovered"] - job["killed"]["time"], 1)
-           for r in survivors if job["outcomes"][r]["failures"]}, "s after the kill")
+          {r: round(job["outcomes"][r]["failures"][0]["recovered"] - job["killed"]["time"], 2)
+           for r in survivors if job["outcomes"][r]["failures"]}, "s after the kill; the rounds' deciders",
+          {r: job["outcomes"][r]["deciders"] for r in survivors})
 
 
 def test_node_1_lost_through_its_agent_training_goes_on_on_the_spare_node(tmp_path):

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 import hypergrid
+import hypergrid.recovery.round as rounds
 from hypergrid import HyperCommGrid, ResilientJob
 from hypergrid.recovery.settings import RecoverySettings
 
@@ -113,6 +114,17 @@ def main(argv: Optional[list[str]] = None) -> int:
         "agent": os.getppid(), "pid": os.getpid(), "restart": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)),
     })
 
+    # Which rank decided each round this rank took part in (the lost node's other worker may have
+    # arrived first and led it, before its agent ended it).
+    deciders: list[int] = []
+    agree = rounds.RecoveryRound.agree
+
+    def noted(self: Any, *args: Any, **kwargs: Any) -> Any:
+        verdict = agree(self, *args, **kwargs)
+        deciders.append(verdict.decided_by)
+        return verdict
+
+    rounds.RecoveryRound.agree = noted  # type: ignore[method-assign]
     weight = torch.zeros(1, dtype=torch.float64)
     added: dict[int, float] = {}  # step -> what it added, as last computed
     failures = []
@@ -148,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "rank": rank, "role": "member", "ranks": list(job.layout.ranks), "spares": list(job.spares),
         "plan": job.last.describe() if job.last else None, "weight": float(weight.item()),
         "added": {str(k): v for k, v in sorted(added.items())}, "joined_at": joined_at, "failures": failures,
-        "sums": _sums(job.state, rank), "step": step,
+        "sums": _sums(job.state, rank), "step": step, "deciders": deciders,
     }
     job.release_spares()
     _write(a.out / f"rank-{rank}.json", outcome)

@@ -1,12 +1,9 @@
 """Where a world's control plane lives: the root store, its address and the world's namespace.
 
-torch hands each process group a ``PrefixStore`` over the job's store (torchrun adds its own
-layer), and a monitor process, which imports no torch, can only reach the store underneath, by
-address. So the control plane's keys live in that root store, below a namespace that the world's
-ranks agree on the first time one of them needs it: the first rank to ask writes a fresh token
-under the default group's own prefix (which is the world's alone: a restarted world under
-torchrun has another), and every rank reads the same one back (``compare_set``). Two worlds on
-one store, or one world after a restart, never share keys.
+A monitor process imports no torch and reaches only the store under torch's ``PrefixStore``
+layers, by address. So the control plane's keys live in that root store, below a namespace the
+world's ranks agree on when one first needs it: the first writes a fresh token under the default
+group's prefix (the world's alone) and all read it back, so two worlds never share keys.
 
 Example, in a one-rank gloo world over a ``TCPStore``::
 
@@ -44,7 +41,7 @@ __all__ = ["ControlPlane", "control_plane", "root_store"]
 @dataclass(frozen=True)
 class ControlPlane:
     """A world's control plane: its ``namespace`` in the root ``store``, and the store's address
-    (None: it cannot be reached by address, a ``HashStore`` or a ``FileStore``, so no monitor can)."""
+    (None: not reachable by address, so no monitor can reach it)."""
 
     namespace: str
     store: Any

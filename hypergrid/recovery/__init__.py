@@ -1,12 +1,10 @@
 """Recovery in-process: after ranks are lost, re-place the grid on survivors or spares and rebuild
 only the groups that changed, without restarting the job.
 
-Every rank starts a heartbeat (:func:`start_heartbeat`) and builds the job as a
-:class:`ResilientJob` (:meth:`ResilientJob.of_megatron` for Megatron-Core's ``parallel_state``,
-:meth:`ResilientJob.of_grid` for a grid's own groups); spares wait in
-:meth:`ResilientJob.wait_as_spare`. When a collective fails, every survivor calls
-:func:`recover` (the same as :meth:`ResilientJob.recover`) and goes on with the job it returns.
-See docs/recovery.md for a training loop that does this.
+Every rank builds the job as a :class:`ResilientJob` (:meth:`ResilientJob.of_megatron` or
+:meth:`ResilientJob.of_grid`); spares wait in :meth:`ResilientJob.wait_as_spare`. When a
+collective fails, every survivor calls :func:`recover` and goes on with the job it returns (see
+docs/recovery.md for a training loop).
 
 Example, with no process group: nothing to recover with, so a spare's wait returns at once::
 
@@ -44,20 +42,13 @@ __all__ = [
 ]
 
 
-def recover(
-    job: ResilientJob,
-    *,
-    failed: Optional[Sequence[int]] = None,
-    timeout: Optional[timedelta] = None,
-    step: Optional[int] = None,
-    gpus_per_node: Optional[int] = None,
-    replica_dim: Optional[str] = None,
-) -> ResilientJob:
+def recover(job: ResilientJob, *, failed: Optional[Sequence[int]] = None, timeout: Optional[timedelta] = None,
+            step: Optional[int] = None, gpus_per_node: Optional[int] = None,
+            replica_dim: Optional[str] = None) -> ResilientJob:
     """The job after a failure, on every surviving rank: :meth:`ResilientJob.recover`.
 
-    Example, as rank 0 of a 6-rank job on torch's fake backend (the failed rank given, as a
-    simulated world has nobody to agree with): ranks 0-3 hold tp 2 x dp 2, rank 3 is lost and
-    no spare is left, so the replica holding it is dropped::
+    Example, as rank 0 of a 4-rank job on torch's fake backend (the failed rank given): tp 2 x
+    dp 2, rank 3 is lost and there is no spare, so the replica holding it is dropped::
 
         >>> import torch.distributed as dist
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -70,16 +61,14 @@ def recover(
         ('shrink', [0, 1], True)
         >>> after.state.destroy(); dist.destroy_process_group()
     """
-    if not isinstance(job, ResilientJob):
-        raise TypeError(f"job must be a ResilientJob (ResilientJob.of_grid or of_megatron), got {type(job).__name__}")
-    return job.recover(failed=failed, timeout=timeout, step=step, gpus_per_node=gpus_per_node,
-                       replica_dim=replica_dim)
+    return _job(job).recover(failed=failed, timeout=timeout, step=step, gpus_per_node=gpus_per_node,
+                             replica_dim=replica_dim)
 
 
 def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
          gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-    """The job grown back towards the size it was made with, on every rank of its grid
-    (:meth:`ResilientJob.grow`); spares take part from :meth:`ResilientJob.wait_as_spare`.
+    """The job grown back towards the size it was made with, on every rank of its grid:
+    :meth:`ResilientJob.grow`.
 
     Example, with no process group (nobody to grow with)::
 
@@ -88,6 +77,10 @@ def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Option
         >>> grow(job) is job
         True
     """
+    return _job(job).grow(timeout=timeout, step=step, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+
+
+def _job(job: object) -> ResilientJob:
     if not isinstance(job, ResilientJob):
         raise TypeError(f"job must be a ResilientJob (ResilientJob.of_grid or of_megatron), got {type(job).__name__}")
-    return job.grow(timeout=timeout, step=step, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+    return job

@@ -1,19 +1,9 @@
 """Ending a rank's collectives in flight, where the backend can abort a communicator.
 
-When a rank dies, its peers' collectives with it do not fail at once on every backend: NCCL
-waits until its own timeout (ten minutes by default), and a survivor that left for the recovery
-leaves the ranks still in a collective with it waiting just as long. A recovery cannot wait that
-long. On backends whose ``ProcessGroup.abort()`` ends the operations in flight (NCCL, torch
-2.15's ``nccl2`` and ``nccl-lazy``, and any backend registered with
-:func:`register_abortable_backend`), this rank's communicators are aborted as soon as its job's
-board says a rank was lost or a recovery opened (:class:`CollectiveWatch`), while this
-rank's own code is not in the recovery (:func:`recovering`): the blocked collective raises, the
-rank's training loop calls the recovery, and the aborted communicators, broken now for every
-member, are made anew (each rank says which it aborted when it arrives, :func:`take_aborted`).
-
-gloo cannot do this (measured on torch 2.13 and 2.15: ``abort()`` returns at once, and a blocked
-all-reduce waits until its own timeout): there the recovery waits for a rank that is alive up to
-the job's longest collective timeout (:mod:`hypergrid.recovery.quorum`).
+A collective with a dead rank waits for its own timeout (NCCL's is ten minutes). Where
+``ProcessGroup.abort()`` ends it (NCCL, and backends given to :func:`register_abortable_backend`;
+not gloo), a :class:`CollectiveWatch` aborts this rank's communicators once the board says a rank
+was lost or a recovery opened, so the blocked collective raises and the training loop recovers.
 
 Example::
 
@@ -45,21 +35,15 @@ _ABORTING = {"nccl", "nccl2", "nccl-lazy", "nccl-legacy"}
 _registered: set[str] = set()
 _lock = threading.Lock()
 _aborted: list[tuple[int, ...]] = []
-#: Held through a whole pass of aborts (:func:`abort_all`), and by :func:`take_aborted`: a rank that
-#: a first abort released into the recovery names every group of the pass, not those aborted by then.
+#: Held through a pass of aborts (:func:`abort_all`) and by :func:`take_aborted`, so that a rank
+#: that the pass's first abort released into the recovery names every group of the pass.
 _pass = threading.Lock()
 _recovering = threading.Event()
 
 
 def register_abortable_backend(name: str) -> None:
-    """Declare that ``name``'s ``ProcessGroup.abort()`` ends the collectives in flight (a backend of
-    your own, or a test backend), so that a recovery aborts its communicators to get a blocked
-    rank out (see the module's docstring).
-
-    Example::
-
-        >>> register_abortable_backend("ucc_abortable")
-    """
+    """Declare that ``name``'s ``ProcessGroup.abort()`` ends the collectives in flight, so that a
+    recovery aborts its communicators to get a blocked rank out."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a backend's name (a non-empty str), got {name!r}")
     with _lock:
@@ -97,14 +81,8 @@ def can_abort(pg: dist.ProcessGroup) -> bool:
 
 
 def abort_group(pg: dist.ProcessGroup) -> Optional[tuple[int, ...]]:
-    """Abort ``pg`` (its operations in flight end with an error); its member list, or None where
-    it cannot be aborted. Recorded for :func:`take_aborted`.
-
-    Example::
-
-        >>> abort_group.__name__
-        'abort_group'
-    """
+    """Abort ``pg`` (its operations in flight end with an error), recorded for :func:`take_aborted`;
+    its member list, or None where it cannot be aborted."""
     if not can_abort(pg):
         return None
     members = tuple(dist.get_process_group_ranks(pg))
@@ -118,7 +96,7 @@ def abort_group(pg: dist.ProcessGroup) -> Optional[tuple[int, ...]]:
 
 
 def take_aborted() -> list[tuple[int, ...]]:
-    """The member lists of the groups this process aborted since the last call (and forget them).
+    """The member lists of the groups this process aborted since the last call, forgotten now.
 
     Example::
 
@@ -154,8 +132,7 @@ def in_recovery() -> bool:
 
 
 def abort_all(groups: Sequence[dist.ProcessGroup]) -> int:
-    """Abort every one of ``groups`` that can be aborted, in one pass that :func:`take_aborted`
-    waits for; how many were aborted.
+    """Abort those of ``groups`` that can be, in one pass :func:`take_aborted` waits for; how many.
 
     Example::
 
@@ -170,8 +147,8 @@ def abort_all(groups: Sequence[dist.ProcessGroup]) -> int:
 
 
 class CollectiveWatch:
-    """Aborts this rank's communicators on the events of ``channel``'s board that concern the job
-    over ``ranks`` as of round ``first_round``; ``groups()`` lists the communicators this rank holds."""
+    """Aborts this rank's communicators (``groups()``) on the events of ``channel``'s board that
+    concern the job over ``ranks`` as of round ``first_round``."""
 
     def __init__(self, channel: JobChannel, *, ranks: Sequence[int], first_round: int,
                  groups: Callable[[], Sequence[dist.ProcessGroup]]) -> None:
@@ -180,7 +157,7 @@ class CollectiveWatch:
         self.first_round = first_round
         self._groups = groups
         self.active = True
-        # The groups aborted already, held so that their ids are not reused by new groups.
+        # The groups aborted already, held so that their ids are not reused.
         self._done: dict[int, dist.ProcessGroup] = {}
 
     def concerns(self, event: BoardEvent) -> bool:

@@ -1,21 +1,9 @@
 """A recovery as rounds: each participant arrives, agrees, attempts the plan, until a round commits.
 
-Every participant of a job's recovery (the survivors of its grid, its spares, ranks offering
-themselves) runs :func:`run_rounds`. Round after round (:mod:`hypergrid.recovery.round`) it
-arrives, hears the round's one verdict, computes the same plan from it (:func:`plan_for`: spares
-replace the failed ranks or the replicas holding them are dropped, nobody lost is a repair, and a
-round a grid member started with :meth:`~hypergrid.recovery.ResilientJob.grow` adds replicas),
-and the ranks of the new placement build it (:mod:`hypergrid.recovery.rebuild`) in a world step
-named by the round, whose outcome is the round's end: committed, every participant goes on with
-the job after it (:func:`after`); not, the next round starts from the state from before, with the
-failed set as it is then, until the deadline. A rank that missed an end reads the job from the
-store's record (:func:`synced`).
-
-How long a round waits: a rank that is alive (not lost on the job's board) may be blocked in a
-collective with a peer that left, until that collective's timeout; so it is waited for up to
-the job's longest collective timeout, the settings' ``arrival_margin_s`` and the staleness bound,
-before it is counted out as hung. That wait comes on top of the recovery's timeout, in the first
-round only.
+In each round (:mod:`hypergrid.recovery.round`) every participant hears the verdict, computes the
+same plan (:func:`plan_for`), and the new placement's ranks rebuild (:mod:`hypergrid.recovery.rebuild`)
+in a world step whose outcome is the round's end; a round that does not commit leaves the state
+from before, and the next one starts, until the deadline.
 
 Example, with no process group (the failed set given, as one simulated rank knows it)::
 
@@ -35,6 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Optional
 
@@ -57,7 +46,6 @@ from .abort import CollectiveWatch, recovering, take_aborted
 from .rebuild import REBUILD_LABEL, build, let_go, reset_megatron_if, restore
 from .recipes import GridRecipe, longest_collective
 from .round import RecoveryRound, board_view
-from .settings import RecoverySettings
 
 __all__ = ["run_rounds", "recover_known", "plan_for", "after", "synced", "attach", "detach"]
 
@@ -66,7 +54,7 @@ logger = logging.getLogger(__name__)
 
 def recover_known(job: Any, lost: tuple[int, ...], timeout: timedelta) -> Any:
     """A recovery from a failed set every rank knows alike: no round, one attempt."""
-    verdict = FailureVerdict(lost, -1)  # nobody offers itself in a recovery every rank knows of
+    verdict = FailureVerdict(lost, -1)
     plan = plan_for(job, verdict)
     if plan.kind is RecoveryKind.REPAIR and not plan.failed:
         return dataclasses.replace(job, spares=plan.spares_left)
@@ -77,7 +65,7 @@ def recover_known(job: Any, lost: tuple[int, ...], timeout: timedelta) -> Any:
 
 
 def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -> Any:
-    """``job`` after rounds of its recovery until one commits, on this participant (see the module).
+    """``job`` after rounds of its recovery until one commits, on this participant.
 
     ``reason``: why this rank comes (``"recover"``, ``"grow"`` or ``"wait"``, a spare).
     """
@@ -89,8 +77,6 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
     # The staleness bound and the board's delivery: by then a lost rank is on the board.
     bound = (longest_collective(job.collective_timeout).total_seconds() + settings.arrival_margin_s
              + ((beat.stale_beats + 1) * beat.interval_s if beat is not None else timeout.total_seconds()))
-    # A round may wait for ranks blocked in a collective (or still leaving a failed attempt) up to
-    # the bound: on top of the recovery's timeout, which counts from the first agreement.
     deadline = time.monotonic() + timeout.total_seconds() + bound
     first = True
     board: Optional[BoardView] = None
@@ -98,11 +84,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
         while True:
             rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound), ahead=job.record)
             if board is None:
-                # From the entry the latest committed round recorded: before it no rank the job
-                # counts on is lost (that round counted out every rank lost there, and a rank that
-                # offers itself says so later), so its first look costs the same whatever the
-                # board's history. Heard before this rank arrives, so before the leader's look:
-                # every loss is in the verdict, or heard by the waits of the rebuild.
+                # From the entry the latest committed round recorded (no rank the job counts on is
+                # lost before it), and heard before this rank arrives, so before the leader looks.
                 board = board_view(job.channel, plane, rnd.record.board_from if rnd.record else 0)
                 if beat is not None:
                     board.hear_from(beat)
@@ -120,28 +103,21 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
                 verdict = rnd.agree(job.domain, arrival, bound_s=bound, board=board, offers=offered, settings=settings)
                 if first:
                     deadline, first = time.monotonic() + timeout.total_seconds(), False
-                # Each attempt has the recovery's timeout at least to what is left of it; a round
-                # agreed late (after ranks left a failed attempt) gets what the first one got.
+                # A round agreed late (after ranks left a failed attempt) gets what the first one got.
                 attempt_deadline = max(deadline, time.monotonic() + min(timeout.total_seconds(), bound))
                 rnd.store.deadline = attempt_deadline
                 committed, state, message = attempt(job, rnd, verdict, attempt_deadline, board)
             except ExcludedByRecovery:
                 raise  # the others go on in this round, and close it
-            except RecoveryRefused:
-                rnd.close()
-                raise
             except BaseException:
-                # Abandoned, or an error on the way: the round is over for everyone, so that the
-                # next call (a retry, a spare's next wait) meets in a round of its own.
-                rnd.close()
+                rnd.close()  # so that a retry, or a spare's next wait, meets in a round of its own
                 raise
             if committed:
                 return state
             rnd.close()
             logger.warning("rank %d: %s did not commit: %s", rank, rnd.name, message)
             if time.monotonic() >= deadline:
-                # The participants that went on into the next round wait there for this rank: they
-                # raise too, and a retry after this error meets in a round of its own.
+                # Those that went on into the next round wait there for this rank: they raise too.
                 following = RecoveryRound(job.channel, plane, rnd.number + 1, plane.client(time.monotonic() + 5.0),
                                           rnd.state, rnd.raw_state)
                 following.abandon(f"rank {rank} reached its deadline", board)
@@ -152,22 +128,20 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
                     f"failed: {message}")
 
 
+@dataclass
 class _RebuildScope:
-    """The scope of one round's rebuild (:class:`~hypergrid.runtime.scope.RecoveryScope`): the job's
-    board as this rank hears it, and the round's commit, which the rebuild's last participant
-    makes once its decision that the rebuild succeeded stands."""
+    """The scope of one round's rebuild (:class:`~hypergrid.runtime.scope.RecoveryScope`): the
+    job's board, and the round's commit, made once the rebuild's success stands."""
 
-    def __init__(self, board: BoardView, rnd: RecoveryRound, new_record: JobRecord, settings: RecoverySettings) -> None:
-        self.board, self.rnd, self.new_record, self.rnd_settings = board, rnd, new_record, settings
-        self.rank = dist.get_rank()
+    board: BoardView
+    rnd: RecoveryRound
+    new_record: JobRecord
+    fallback_s: float
+    rank: int = field(default_factory=dist.get_rank)
 
     @property
     def hearing(self) -> bool:
         return self.board.hearing
-
-    @property
-    def fallback_s(self) -> float:
-        return float(self.rnd_settings.outcome_fallback_s)
 
     def lost_among(self, ranks: Collection[int]) -> list[int]:
         return self.board.lost_among(ranks)
@@ -193,27 +167,25 @@ def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, deadline: flo
     plan = plan_for(job, verdict)  # RecoveryRefused: alike on every participant
     logger.info("rank %d: %s: %s", rank, rnd.name, plan.describe())
     new_record = record(job, plan, verdict, rnd.record)
-    # A growth that found no replica to add, where nobody failed or came after a failure: nothing
-    # is broken and nothing moves, so nothing is rebuilt; its leader records it.
+    # A growth with no replica to add, nobody failed or aborted: nothing moves; its leader records it.
     if (plan.kind is RecoveryKind.REPAIR and verdict.grow and not verdict.recovering and not verdict.failed
             and not verdict.aborted_by):
         if rank == verdict.decided_by:
             rnd.commit(new_record)
         return True, after(job, plan, verdict, job.state, new_record), ""
-    members = set(plan.new.ranks)
     new_state: Any = None
-    if rank in members:
+    if rank in set(plan.new.ranks):
         try:
             new_state = build(job, plan, verdict, deadline, attempt=rnd.keys.base,
-                              scope=_RebuildScope(board, rnd, new_record, job.settings))
+                              scope=_RebuildScope(board, rnd, new_record, float(job.settings.outcome_fallback_s)))
         except RecoveryRefused:
             restore(job)
             raise
-        except Exception as exc:  # the rebuild's outcome is not a success: nothing committed
+        except Exception as exc:
             restore(job)
             why = f"{type(exc).__name__}: {one_line(str(exc), 400)}"
-            # Where it failed before the rebuild's world step could say so (the probe of the groups,
-            # say), the round's end says so now, for the participants outside the new placement.
+            # Where it failed before the rebuild's world step could say so (the probe, say), the
+            # round's end says so now, for the participants outside the new placement.
             _end_rebuild(rnd, board, StepOutcome(rank, why))
             return False, None, f"rank {rank}: {why}"
     else:
@@ -238,8 +210,8 @@ def _end_rebuild(rnd: RecoveryRound, board: BoardView, outcome: StepOutcome) -> 
 
 
 def _rebuild_outcome(rnd: RecoveryRound, board: BoardView, fallback_s: float) -> StepOutcome:
-    """How the round's rebuild ended, for a participant outside the new placement: heard, or read
-    (until the deadline: then this rank ends it, unless an outcome stands by then)."""
+    """How the round's rebuild ended, for a participant outside the new placement: heard or read
+    until the deadline, when this rank ends it unless an outcome stands."""
     rebuild = rnd.keys.rebuild(REBUILD_LABEL)
     raw = meeting.wait_outcome(rnd.store, rebuild, rnd.store.remaining(), board if board.hearing else None, fallback_s)
     if raw is None:
@@ -257,7 +229,9 @@ def _why_not(ended: StepOutcome) -> str:
 
 
 def plan_for(job: Any, verdict: FailureVerdict) -> RecoveryPlan:
-    """The placement after ``verdict``, alike on every participant (they share the job's settings)."""
+    """The placement after ``verdict``, alike on every participant: spares replace the failed
+    ranks or their replicas are dropped, nobody failed is a repair, and a round started by
+    :meth:`~hypergrid.recovery.ResilientJob.grow` adds replicas."""
     gpus_per_node, replica_dim = job.settings.gpus_per_node, job.settings.replica_dim
     failed = set(verdict.failed)
     lost = [r for r in verdict.failed if job.layout.contains(r)]
@@ -282,8 +256,8 @@ def plan_for(job: Any, verdict: FailureVerdict) -> RecoveryPlan:
 
 
 def record(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, before: Optional[JobRecord]) -> JobRecord:
-    """The store's record of ``job`` after ``plan`` (``before``: the record it follows), with where
-    the next recovery reads the board from: as far as the leader had read it for ``verdict``."""
+    """The store's record of ``job`` after ``plan`` (``before``: the record it follows); the next
+    recovery reads the board from where the leader had read it for ``verdict``."""
     spares = tuple(sorted(set(plan.spares_left) | set(plan.dropped)))
     runs = (plan.new.rank_map or RankMap.contiguous(plan.new.rank_offset, plan.new.size)).runs
     gone = (before.gone if before is not None else ()) + verdict.reasons
@@ -293,12 +267,11 @@ def record(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, before: Option
 
 def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any, committed: JobRecord) -> Any:
     """``job`` after ``plan`` committed as ``committed``, with this rank's new ``state``."""
-    spares = committed.spares
     recoveries = job.recoveries if plan.kind is RecoveryKind.REPAIR else job.recoveries + (plan,)
     if job._world is not None and plan.new != job.layout:
-        job._world.destroy()  # the old placement's world group: the new one is made when asked for
+        job._world.destroy()  # the old placement's: the new one is made when asked for
     world = job._world if plan.new == job.layout else None
-    job = dataclasses.replace(job, layout=plan.new, spares=spares, state=state, recoveries=recoveries,
+    job = dataclasses.replace(job, layout=plan.new, spares=committed.spares, state=state, recoveries=recoveries,
                               record=committed, step=verdict.step, next_round=verdict.round + 1, _world=world)
     if job.channel is not None:
         attach(job, first_round=verdict.round + 1)
@@ -306,7 +279,7 @@ def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any, com
 
 
 def synced(job: Any, committed: Optional[JobRecord], next_round: int = 0) -> Any:
-    """This job as the store's latest committed record says it is (where this rank missed an end),
+    """This job as the store's latest committed record says (where this rank missed an end),
     taking part in rounds from ``next_round`` on."""
     if next_round > job.next_round:
         job = dataclasses.replace(job, next_round=next_round)
@@ -326,8 +299,8 @@ _collective_watch: Optional[CollectiveWatch] = None
 
 def attach(job: Any, first_round: int) -> None:
     """Serve ``job`` on this rank's control plane: its monitor watches in the job's ring and
-    forwards its board's events, and the collective watch aborts on those that concern it (from
-    recovery round ``first_round`` on: the rounds before it are over)."""
+    forwards the board's events, and the collective watch aborts on those that concern rounds
+    from ``first_round`` on."""
     global _collective_watch
     if _collective_watch is not None:
         _collective_watch.active = False

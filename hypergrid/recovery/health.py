@@ -1,13 +1,9 @@
 """Whether communicators that outlived a failure still work, decided alike by all their members.
 
-A rank's death breaks more than the groups it was in: a survivor that waited in a collective for
-a peer who had already left for the recovery times out, and gloo then closes that group's
-connections; an operation one member issued and the other never matched leaves the group out
-of step. Such a group has living members only, and would be kept by a recovery that looks at
-members alone. :func:`broken_groups` probes each candidate group with one small collective (in
-the same order on every member, as the groups were made) and the participants pool what they
-found through the store, so that every member of a group reads the same answer: broken if any
-member found it so.
+A failure breaks more than the groups of the rank that died: a survivor that timed out waiting for
+a peer already in the recovery leaves gloo's connections closed, or the group out of step, with
+only living members. :func:`broken_groups` probes each group with one small collective, and the
+participants pool what they found through the store: a group is broken if any member found it so.
 
 Example, in a one-rank gloo world whose store is a ``HashStore``: a group of this rank alone works::
 
@@ -37,7 +33,7 @@ from ..layout.describe import describe_ranks
 from ..runtime.environment import agreement_possible, job_store
 from ..runtime.scope import RecoveryScope, current_scope, lost_among
 from ..store import meeting
-from ..store.client import StoreClient
+from ..store.client import StoreClient, advance_epoch
 from ..store.keys import Meeting, health_attempt, health_epoch, health_meeting
 
 __all__ = ["probe", "broken_groups"]
@@ -46,13 +42,7 @@ logger = logging.getLogger(__name__)
 
 
 def probe(pg: dist.ProcessGroup, timeout: timedelta) -> bool:
-    """Whether one all-reduce over ``pg`` completes, with the right sum, within ``timeout``.
-
-    Example::
-
-        >>> probe.__name__
-        'probe'
-    """
+    """Whether one all-reduce over ``pg`` completes, with the right sum, within ``timeout``."""
     value = torch.ones(1)
     try:
         work = dist.all_reduce(value, group=pg, async_op=True)
@@ -69,14 +59,12 @@ def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence
                   probe_s: float = 10.0) -> set[tuple[int, ...]]:
     """The member lists of the groups, among ``groups``, that some member found broken.
 
-    Every rank of ``participants`` calls it, each with the groups it holds among those the
-    recovery could keep, in the order they were made; it returns when all have reported. Cost:
-    one small collective per group (each ``probe_s`` at most), and a meeting
-    (:mod:`hypergrid.store.meeting`): one request per rank (two where it found one broken), and
-    the pooled reports as its outcome, heard from the job's board inside a recovery that hears it.
-    ``known``: member lists already known broken (a member aborted them): not probed, reported.
-    ``attempt``: names this check in the store (a recovery round's keys), so that each round of
-    a recovery checks afresh; by default an epoch the store counts per set of participants.
+    Every rank of ``participants`` calls it with the groups it holds that the recovery could keep,
+    in the order they were made, and it returns once all have reported. Cost: one collective per
+    group (``probe_s`` at most) and a meeting, one request per rank (two where it found one broken),
+    whose outcome is heard from the board inside a recovery that hears it. ``known``: member lists
+    known broken (aborted): reported, not probed. ``attempt``: the round's keys, which name the
+    meeting; by default an epoch the store counts per set of participants.
 
     Raises:
         RecoveryError: a participant did not report within ``timeout`` (it died or hangs).
@@ -101,7 +89,7 @@ def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence
         pool = health_meeting(attempt if attempt is not None else health_attempt(ranks, epoch))
         if meeting.arrive(store, pool, len(ranks), json.dumps(bad) if bad else None).completes:
             if epoch_key:
-                store.compare_set(epoch_key, str(epoch), str(epoch + 1))  # everyone has read it
+                advance_epoch(store, epoch_key, epoch)  # everyone has read it
             found = sorted({tuple(m) for line in meeting.lines(store, pool) for m in json.loads(line)})
             _decide(store, pool, json.dumps({"broken": found}), hearing)
         outcome = _wait(store, pool, ranks, hearing, scope)
@@ -126,8 +114,8 @@ def _decide(store: StoreClient, pool: Meeting, proposal: str, hearing: Optional[
 
 def _wait(store: StoreClient, pool: Meeting, ranks: list[int], hearing: Optional[RecoveryScope],
           scope: Optional[RecoveryScope]) -> Optional[dict[str, Any]]:
-    """The pool's outcome: heard (a loss heard decides it at once), or read a slice at a time with
-    a look at the board between slices inside a recovery; None at the deadline."""
+    """The pool's outcome: heard (a loss heard decides it), or read a slice at a time with a look
+    at the board between slices inside a recovery; None at the deadline."""
     with contextlib.ExitStack() as alarm:
         if hearing is not None:
             def lost(ranks_lost: list[int]) -> None:

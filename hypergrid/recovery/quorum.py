@@ -1,21 +1,9 @@
 """Who failed, decided from what a recovery round's leader sees: a pure function, no store.
 
-A round's leader (:mod:`hypergrid.recovery.round`) gathers the arrivals, the job's board of
-losses and how long it has waited, and asks :func:`decide`; the store only carries those inputs
-and the one verdict. The rule:
-
-- a rank of the job that has not arrived and is lost on the board (its process ended, its node
-  stopped beating, it made no progress for the progress timeout) is failed, with the board's
-  reason; so is one that arrived and was lost afterwards;
-- a rank that has not arrived and is not lost is alive: it may sit in a collective with a peer
-  that left for the recovery until that collective times out. It is waited for up to ``bound_s``
-  (the job's longest collective timeout, a margin and the staleness bound), then counted out as
-  hung. A round whose deadline comes first is abandoned, naming those it waited for;
-- participants whose recovery settings differ abandon the round, naming both values (they
-  would plan apart);
-- the verdict's size grows with what failed and who offered itself, not with the job. It says
-  how far the board was read (``board_read``): a round that commits records it, and the next
-  recovery reads the board from there, not from its first entry.
+The rule of :func:`decide`: a rank lost on the board is failed, with the board's reason; a rank
+absent but not lost may be blocked in a collective, so it is waited for up to ``bound_s``, then
+counted out as hung (a deadline that comes first abandons the round); participants whose settings
+differ abandon the round. The verdict grows with what failed, not with the job.
 
 Example: of the job ``[0, 1, 2, 3]``, ranks 0 and 1 arrived and rank 2's process ended::
 
@@ -47,10 +35,9 @@ ABANDON_MARGIN_S = 0.2
 
 @dataclass(frozen=True)
 class RoundView:
-    """What a round's leader sees: the round's ``number``, every rank the job counts on
-    (``domain``), the arrivals by rank, the ranks lost on the board with why, how long it has
-    waited, the ranks outside the job that offered themselves (waited for like the job's), and
-    how many entries of the board ``lost`` was read from (``board_read``, handed on in the verdict)."""
+    """What a round's leader sees: every rank the job counts on (``domain``), the arrivals, the
+    ranks lost on the board with why, how long it has waited, the ranks outside the job that
+    offered themselves, and how many entries of the board ``lost`` was read from."""
 
     number: int
     domain: Sequence[int]
@@ -62,8 +49,8 @@ class RoundView:
 
 
 def _settings_disagree(arrivals: Mapping[int, Arrival]) -> str:
-    """Why the arrivals cannot plan alike (their job's settings differ), naming the ranks and each
-    value; empty where they agree.
+    """Why the arrivals would plan apart (their settings differ), naming the ranks and each value;
+    empty where they agree.
 
     Example::
 

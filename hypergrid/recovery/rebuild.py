@@ -1,11 +1,9 @@
 """A recovery attempt's state: what one rank builds over the new placement, and what it lets go.
 
-The ranks of the new placement probe the communicators that outlived the failure and stop
-sharing the broken ones (:func:`evict_broken`), then build the placement's groups through the
-registry, where an unchanged group that still works is the existing communicator: a grid's
-``create_pg`` calls repeated in order (:func:`rebuild_grid`), or Megatron-Core's state
-(:func:`hypergrid.megatron.recovery.rebuild_megatron`). The state from before stays held until
-the round commits (:func:`let_go`), or is made current again if it does not (:func:`restore`).
+The ranks of the new placement stop sharing the communicators the failure broke
+(:func:`evict_broken`), then build the placement's groups through the registry, where an
+unchanged group that still works is the existing communicator. The state from before is held
+until the round commits (:func:`let_go`), or made current again if it does not (:func:`restore`).
 
 Example::
 
@@ -41,26 +39,20 @@ from .recipes import GridRecipe, MegatronRecipe, Recipe
 #: The label of a recovery's rebuild, a world step named by its round: its outcome is the round's end.
 REBUILD_LABEL = "recover"
 
-__all__ = ["REBUILD_LABEL", "build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left", "recovery_strategy",
-           "world_grid"]
+__all__ = ["REBUILD_LABEL", "build", "restore", "let_go", "evict_broken", "rebuild_grid", "reset_megatron_if", "left",
+           "recovery_strategy", "world_grid"]
 
 
 def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, *, attempt: Optional[str],
           scope: Optional[RecoveryScope]) -> Any:
-    """This rank's state over ``plan.new``, built with the other ranks of the new placement, for
-    ``job``; the state from before is still held (and, for a Megatron job, no longer current).
-    ``attempt`` names the rebuild (a recovery round's keys: its probe of the surviving groups and
-    its world step, :data:`REBUILD_LABEL`, whose outcome is the round's end; None: a recovery every
-    rank knows of, with nobody to agree with); ``scope``: the job's board as the rebuild's waits
-    use it, whose losses end every wait for a lost rank at once (None: waits run their course).
-
-    On a world whose communicator new groups are split from (NCCL bound to a device, torch 2.15's
-    ``nccl2``), the changed groups are made as communicators of their own among their members
-    (strategy ``fresh``): a split would need every rank of the world, the lost ones too.
+    """This rank's state over ``plan.new``, built with the other ranks of the new placement; the
+    state from before is still held. ``attempt``: the round's keys, which name the probe and the
+    world step (None: a recovery every rank knows of); ``scope``: the board whose losses end the
+    rebuild's waits (None: they run their course).
 
     Raises:
-        RecoveryRefused: this torch can make no group among its members only on such a world, or
-            Megatron-Core's sizes do not fit the new placement.
+        RecoveryRefused: no group can be made among its members only here (:func:`recovery_strategy`),
+            or Megatron-Core's sizes do not fit the new placement.
     """
     strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
@@ -80,12 +72,11 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
 
 
 def recovery_strategy(strategy: str) -> str:
-    """The strategy a recovery makes groups with: ``fresh`` where the world's communicator is split
-    from (a split would need the lost ranks), else the job's own.
+    """The strategy a recovery makes groups with: ``fresh`` where new groups are split from the
+    world's communicator (a split would need the lost ranks), else the job's own.
 
     Raises:
-        RecoveryRefused: the world splits and this torch offers no way to make a group among its
-            members only (TorchComms' world-wide new_group, or no lazy_init and no unbinding).
+        RecoveryRefused: the world splits and this torch cannot make a group among its members only.
 
     Example::
 
@@ -109,12 +100,9 @@ def recovery_strategy(strategy: str) -> str:
     return "fresh"
 
 
-
-
 def world_grid(layout: GridLayout) -> HyperCommGrid:
     """A grid of one dim, ``world``, over ``layout``'s ranks in its positions' order, whose one group
-    stands in for the default group (:attr:`ResilientJob.world`). Its group is made among its
-    members only (strategy ``fresh``): the spares, and after a loss the lost ranks, take no part.
+    (made among its members only) stands in for the default group (:attr:`ResilientJob.world`).
 
     Example::
 
@@ -146,8 +134,8 @@ def let_go(state: Any, *, keep: Any) -> None:
 
 def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: timedelta, attempt: Optional[str],
                  probe_s: float = 10.0) -> None:
-    """Stop sharing the groups of living members that the failure broke (or that a member
-    aborted: a rank that aborted, aborted every abortable group it held), so that they are made anew."""
+    """Stop sharing the groups of living members that the failure broke, or that a member aborted,
+    so that they are made anew."""
     alive = set(members)
     candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
     aborted = [tuple(dist.get_process_group_ranks(pg)) for pg in candidates
@@ -163,8 +151,8 @@ def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: time
 
 def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta,
                  attempt: Optional[str] = None) -> Any:
-    """This rank's grid of ``recipe`` on ``plan.new``, made by ``members`` together in one world
-    step (named by ``attempt``, the recovery round's keys, where given: it then has no start)."""
+    """This rank's grid of ``recipe`` on ``plan.new``, made by ``members`` in one world step
+    (named by ``attempt`` where given)."""
     assert isinstance(recipe, GridRecipe)
     if plan.kind is RecoveryKind.SHRINK and recipe.views:
         raise RecoveryRefused(
@@ -179,7 +167,6 @@ def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: i
     step = world_start(REBUILD_LABEL, timeout=timeout, ranks=members, attempt=attempt) if rank in members else None
     try:
         for made in recipe.made:
-            # The same calls in the same order: an unchanged group is the registry's existing one.
             new.create_pg(list(made.dims), view=made.view, private=made.private, backend=made.options.backend,
                           timeout=made.options.timeout, pg_options=made.options.pg_options,
                           group_desc=made.options.group_desc)

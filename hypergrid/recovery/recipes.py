@@ -1,9 +1,8 @@
 """How a resilient job's groups are built again after a recovery: a grid's calls or Megatron's config.
 
 A :class:`GridRecipe` repeats a grid's ``create_pg`` calls in order over the new placement; a
-:class:`MegatronRecipe` runs Megatron-Core's initialization (hypergrid's) over it. Both know the
-longest collective timeout of the groups they make, which bounds how long a recovery waits for a
-rank that may be blocked in one.
+:class:`MegatronRecipe` runs Megatron-Core's initialization over it. Both know the longest
+collective timeout of their groups, which bounds how long a recovery waits for a live rank.
 
 Example::
 
@@ -74,9 +73,8 @@ Recipe = Union[GridRecipe, MegatronRecipe]
 
 
 def rebuild_strategy(strategy: str) -> str:
-    """The creation strategy a recovery rebuilds with: Megatron-Core's pattern of every rank making
-    every group (``enumerate``) cannot be kept once ranks are lost, so such groups are made among
-    their members instead.
+    """The creation strategy a recovery rebuilds with: ``enumerate`` (every rank makes every group)
+    cannot be kept once ranks are lost, so such groups are made among their members instead.
 
     Example::
 
@@ -87,8 +85,8 @@ def rebuild_strategy(strategy: str) -> str:
 
 
 def longest_collective(timeout: Optional[timedelta]) -> timedelta:
-    """``timeout`` or the default group's, whichever is longer: the longest a collective of the job
-    may wait (the default recovery timeout where neither is known).
+    """``timeout`` or the default group's, whichever is longer (the default recovery timeout where
+    neither is known): the longest a collective of the job may wait.
 
     Example::
 

@@ -1,38 +1,11 @@
 """A job's recovery rounds: each decided once by its leader, heard by every participant.
 
-A resilient job (its grid's ranks and its spares) has a *channel* in the control plane
-(:class:`~hypergrid.store.keys.JobChannel`), named by what every rank of it shares: the job's
-first ranks (a digest) and the job's *instance*, which all of them read together when the job is
-made (:func:`open_channel`), so a second job on the same ranks has a channel of its own. Its one
-record in the store, :class:`~hypergrid.store.records.JobState`, says which round is open, the
-placement the latest committed round left, and the ranks that offer themselves. Round ``n`` is
-open until it ends, whatever it ended in, so the next recovery, a retry after an error and a
-spare's next wait always meet in a new round.
-
-What a participant does, and what it costs the store (per participant, with the rank's heartbeat
-running):
-
-1. **open** (:meth:`RecoveryRound.open`): it reads the job's record, one request;
-2. **arrive** (:meth:`RecoveryRound.agree`): its :class:`~hypergrid.store.records.Arrival`
-   appended to the round's arrivals and counted (a meeting,
-   :mod:`hypergrid.store.meeting`), two requests. The first three arrivals also wake the
-   spares and contend for the lead, and the first publishes the round on the job's board;
-3. **the verdict**: the leader, looking at the arrivals and the board every ``leader_look_s``,
-   decides who failed (:func:`hypergrid.recovery.quorum.decide`, a pure rule), proposes it once
-   and publishes it on the board; the others *hear* it (their heartbeat forwards the board's
-   entries, read once per node), no request. A participant that hears its leader lost takes over at
-   once; one whose leader's beat stood still for ``leader_quiet_s`` (alive, but stuck) too;
-4. **the end**: the new placement's ranks rebuild in a world step named by the round
-   (:mod:`hypergrid.runtime.world_step`; one request each, its outcome heard the same way), whose
-   last participant commits the job's new record and closes the round in one compare-and-set
-   (:meth:`RecoveryRound.commit`): the end, the record and the close are written once.
-
-Four requests per participant in all, at any size. Without a heartbeat (a store another process
-cannot reach), a participant blocks on the verdict's key instead, a slice at a time, and looks at
-the leader's beat between slices. An attempt that does not commit is closed by each participant
-(idempotent). A participant ahead of the store (it committed a round whose closer ended before
-writing the record) writes its record when it next opens a round (:meth:`RecoveryRound.open`),
-so no round is used twice.
+A job's one record in the store (:class:`~hypergrid.store.records.JobState`) says which round is
+open, the placement the latest committed round left, and who offers itself. With its heartbeat
+running a participant costs the store four requests at any size: it opens the round, arrives (a
+meeting; the first arrivals contend for the lead), hears the leader's verdict from the board, and
+ends the rebuild, whose last participant commits and closes the round in one compare-and-set. A
+participant whose leader is lost, or quiet for ``leader_quiet_s``, takes the lead.
 
 Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
 and its process ended (its monitor published it)::
@@ -89,14 +62,14 @@ logger = logging.getLogger(__name__)
 #: is covered by the next at once); the others learn who leads from the verdict.
 _CONTENDERS = 3
 _UNKNOWN = -1
-#: How many times a change of the job's record is tried against writers meanwhile (offers, closes).
+#: How many times a change of the job's record is tried against other writers (offers, closes).
 _STATE_TRIES = 64
 
 
 def open_channel(origin: Sequence[int], *, timeout: timedelta) -> JobChannel:
-    """The channel of a job whose ranks (grid and spares) are ``origin``: every one of them calls
-    it when the job is made, and all read the same instance (a world step over them: a rank that
-    never comes fails it on the others, naming it, within ``timeout``).
+    """The channel of a job whose ranks are ``origin``: all of them call it when the job is made
+    and read the same instance in a world step (a rank that never comes fails it, named, within
+    ``timeout``).
 
     Example::
 
@@ -118,16 +91,15 @@ def board_view(channel: JobChannel, plane: ControlPlane, first: int = 0) -> Boar
 
 
 def read_state(channel: JobChannel, store: StoreClient) -> tuple[JobState, bytes]:
-    """The job's record in the store and its bytes as stored (what a change compares with), one
-    request (absent: a job none of whose rounds has ended yet)."""
+    """The job's record and its bytes as stored (what a change compares with), one request."""
     raw = store.get_if_set(channel.state)
     return (decode(JobState, raw), raw) if raw is not None else (JobState(), b"")
 
 
 def _change_state(channel: JobChannel, store: StoreClient, raw: bytes,
                   change: Callable[[JobState], Optional[JobState]]) -> JobState:
-    """Apply ``change`` to the job's record (None: leave it) by compare-and-set from ``raw``, the
-    bytes last read, reading it again where another writer came between; the record after."""
+    """The record after ``change`` (None: leave it), by compare-and-set from ``raw``, the bytes last
+    read, read again where another writer came between."""
     current = False  # whether ``raw`` is known to be what the store holds
     for _ in range(_STATE_TRIES):
         state = decode(JobState, raw) if raw else JobState()
@@ -135,7 +107,7 @@ def _change_state(channel: JobChannel, store: StoreClient, raw: bytes,
         if changed is None:
             if current:
                 return state
-            _, raw = read_state(channel, store)  # nothing to do, as last read: as the store has it?
+            _, raw = read_state(channel, store)
             current = True
             continue
         desired = encode(changed).encode()
@@ -148,47 +120,40 @@ def _change_state(channel: JobChannel, store: StoreClient, raw: bytes,
 
 @dataclass
 class _Waiting:
-    """One participant's state while it waits for a round's verdict (the job's ranks are sorted
-    only by a participant that leads: a follower of a round of 16,384 holds no set of its own)."""
+    """One participant's state while it waits for a round's verdict."""
 
     rank: int
     members: Sequence[int]
     offered: Sequence[int]
     since: float
+    leader_since: float
     leader: int = _UNKNOWN
     arrivals: dict[int, Arrival] = field(default_factory=dict)
     read_at: int = -1
     leader_beat: int = -1
-    leader_since: float = 0.0
     woke_spares: bool = False
-    #: Whether it was among the first arrivals, which watch the leader's beat closely.
-    contends: bool = False
-    #: Whether, leading, it has read the board once (after which it hears it, where it can).
-    looked: bool = False
-
-    def __post_init__(self) -> None:
-        self.leader_since = self.since
+    contends: bool = False  # among the first arrivals, which watch the leader's beat closely
+    looked: bool = False  # leading, it has read the board once (then it hears it, where it can)
 
 
 @dataclass
 class RecoveryRound:
-    """One participant's view of round ``number`` of a job, its store calls bounded by a deadline."""
+    """One participant's view of round ``number`` of a job, its store calls bounded by a deadline;
+    ``state`` and ``raw_state``: the job's record as read at the opening, and its bytes."""
 
     channel: JobChannel
     plane: ControlPlane
     number: int
     store: StoreClient
-    #: The job's record as read when the round was opened, and its bytes (what a change compares with).
     state: JobState
     raw_state: bytes = b""
 
     @classmethod
     def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float, store: Optional[StoreClient] = None,
              ahead: Optional[JobRecord] = None) -> RecoveryRound:
-        """This rank's view of the job's open round (nothing is written yet): one request.
-        ``ahead``: the record this rank's job holds; where the store's is older (the closer of the
-        round that committed it ended before writing it), it is written now and the round that
-        committed is closed, so that nobody meets in it again."""
+        """This rank's view of the job's open round: one request. ``ahead``: this rank's record;
+        where the store's is older (the closer of the round that committed it ended first), it is
+        written now and that round closed."""
         store = store or plane.client(deadline)
         try:
             state, raw = read_state(channel, store)
@@ -219,22 +184,20 @@ class RecoveryRound:
     def name(self) -> str:
         return f"round {self.number} of the job"
 
-    # ------------------------------------------------------------------ the verdict
     def agree(self, domain: Sequence[int], arrival: Arrival, *, bound_s: float, board: BoardView,
               settings: RecoverySettings, offers: Sequence[int] = ()) -> FailureVerdict:
         """Arrive with ``arrival`` and return the round's verdict, as every participant reads it.
 
-        ``domain``: every rank the job counts on (those that do not come are found failed);
-        ``offers``: ranks outside it that offered themselves, waited for alike and taken as spares
-        if they come. ``bound_s``: how long a rank that is alive but absent is waited for; the
-        store's deadline bounds the whole wait: past it, this rank abandons the round.
+        ``domain``: every rank the job counts on; ``offers``: ranks outside it that offered
+        themselves, waited for alike. ``bound_s``: how long a live but absent rank is waited for;
+        at the store's deadline this rank abandons the round.
 
         Raises:
             ExcludedByRecovery: this rank is in the verdict's failed set (it came too late).
             RecoveryError: the round was abandoned, or the store stopped answering.
         """
-        store, rank = self.store, arrival.rank
-        waiting = _Waiting(rank, domain, offers, time.monotonic())
+        store, rank, now = self.store, arrival.rank, time.monotonic()
+        waiting = _Waiting(rank, domain, offers, now, now)
         try:
             place = meeting.arrive(store, self.keys.arrivals, len(domain) + len(offers), encode(arrival), awaited=True)
             if place.number <= _CONTENDERS:
@@ -245,35 +208,40 @@ class RecoveryRound:
                 board.publish_event(BoardEvent(EventKind.ROUND, rank, arrival.reason, number=self.number, by=rank,
                                                value=str(waiting.leader)), store)
             while True:
-                if waiting.leader == rank:
-                    verdict = self._lead(waiting, board, bound_s, settings)
-                else:
-                    verdict = self._follow(waiting, board, settings)
+                verdict = (self._lead(waiting, board, bound_s, settings) if waiting.leader == rank
+                           else self._follow(waiting, board, settings))
                 if verdict is not None:
                     break
         except StoreUnresponsiveError as exc:
-            if store.remaining() <= 0:
-                self.abandon(f"rank {rank} reached its deadline before the participants agreed on who failed", board)
-                return self._standing_or_raise(rank)
-            raise _store_failed("agree on who failed", exc) from exc
+            if store.remaining() > 0:
+                raise _store_failed("agree on who failed", exc) from exc
+            self.abandon(f"rank {rank} reached its deadline before the participants agreed on who failed", board)
+            try:
+                verdict = decode(FailureVerdict, self.store.get(self.keys.verdict))
+            except (dist.DistError, StoreUnresponsiveError) as read_exc:
+                raise _store_failed("read the round's verdict", read_exc) from read_exc
         except dist.DistError as exc:
             raise _store_failed("agree on who failed", exc) from exc
         return _checked(verdict, rank, self.name)
 
-    def _standing(self) -> Optional[FailureVerdict]:
-        key = self.keys.verdict  # followers without a heartbeat wait on it: a peek would wake them
-        return decode(FailureVerdict, self.store.get(key)) if self.store.check([key]) else None
+    def _standing(self, board: Optional[BoardView] = None) -> Optional[FailureVerdict]:
+        """The verdict if one stands: heard from ``board`` where given, else read (with a check
+        first: followers without a heartbeat block on the key, and a peek would wake them)."""
+        key = self.keys.verdict
+        if board is not None:
+            raw = board.heard(key, 0.0)
+        else:
+            raw = self.store.get(key) if self.store.check([key]) else None
+        return decode(FailureVerdict, raw) if raw is not None else None
 
     def _lead(self, waiting: _Waiting, board: BoardView, bound_s: float,
               settings: RecoverySettings) -> Optional[FailureVerdict]:
         """One look of the leader: the verdict once it can be decided (None: look again).
 
-        Where the board is heard, a look blocks on the arrivals' completion (one request, answered
-        as the last participant arrives) and the losses are those heard: the count is read only
-        once some rank is lost or the wait is long, and the board once, before proposing. Else a
-        look reads the count and the board, and sleeps ``leader_look_s``."""
+        Where the board is heard, a look blocks on the arrivals' completion (one request) and the
+        losses are those heard; else it reads the count and the board and sleeps ``leader_look_s``."""
         store, hearing = self.store, board.hearing
-        standing = _heard(board, self.keys.verdict) if hearing else self._standing()
+        standing = self._standing(board if hearing else None)
         if standing is not None:  # a participant that gave up at its deadline decided already
             return standing
         if not waiting.woke_spares:  # it took over from a first arrival that may have died before
@@ -284,8 +252,8 @@ class RecoveryRound:
         offers = sorted(set(waiting.offered) - set(domain))
         size = len(domain) + len(offers)
         closing = store.remaining() <= ABANDON_MARGIN_S + settings.leader_look_s
-        # Heard where the board is heard, once read first: a loss published before this rank
-        # began to hear (the one that started the recovery) is on the board only.
+        # Read first: a loss published before this rank began to hear (the one that started the
+        # recovery) is on the board only.
         lost = board.lost if hearing and waiting.looked else board.refresh(store)
         waiting.looked = True
         missing = sum(1 for r in lost if _among(domain, r) or _among(offers, r))
@@ -297,7 +265,7 @@ class RecoveryRound:
         else:
             count = int(store.add(self.keys.arrivals.count, 0))
         if count != waiting.read_at and (count >= size - missing or waited >= bound_s or closing):
-            # The whole list only when it may do: it grows with the round.
+            # The whole list only when it may decide: it grows with the round.
             arrivals = (decode(Arrival, line) for line in meeting.lines(store, self.keys.arrivals))
             waiting.arrivals, waiting.read_at = {a.rank: a for a in arrivals}, count
             if hearing:
@@ -311,8 +279,7 @@ class RecoveryRound:
         return self._propose(dataclasses.replace(proposal, decided_by=waiting.rank), board)
 
     def _propose(self, proposal: FailureVerdict, board: BoardView) -> FailureVerdict:
-        """Make ``proposal`` the verdict unless one stands; the standing one, told through the board
-        by the rank whose proposal it is."""
+        """The standing verdict, ``proposal`` unless one stood; its proposer tells the board."""
         encoded = encode(proposal).encode()
         standing = bytes(self.store.compare_set(self.keys.verdict, "", encoded))
         if standing == encoded:
@@ -321,31 +288,28 @@ class RecoveryRound:
 
     def _follow(self, waiting: _Waiting, board: BoardView, settings: RecoverySettings) -> Optional[FailureVerdict]:
         """One wait of a participant that does not lead: the verdict, or None after taking over
-        from a leader heard lost, or from one whose beat stood still (alive, but stuck) for
-        ``leader_quiet_s`` (the first arrivals look at it so often; the others every
-        ``outcome_fallback_s``, as one of the first is there to take over)."""
+        from a leader lost, or quiet for ``leader_quiet_s`` (``outcome_fallback_s`` for those not
+        among the first arrivals, one of which is there to take over)."""
         store = self.store
         quiet = settings.leader_quiet_s if waiting.contends else max(settings.leader_quiet_s, settings.outcome_fallback_s)
         slice_s = min(quiet, store.remaining())
+        heard_lost: list[int] = []
         if board.hearing:
-            if waiting.leader == _UNKNOWN:
-                waiting.leader = board.round_leader(self.number) or _UNKNOWN
+            heard_leader = board.round_leader(self.number) if waiting.leader == _UNKNOWN else None
+            if heard_leader is not None:  # rank 0 may lead: not a truth test
+                waiting.leader = heard_leader
             watched = [waiting.leader] if waiting.leader != _UNKNOWN else []
-            raw, lost = board.wait_heard(self.keys.verdict, slice_s, watched)
-            if raw is not None:
-                return decode(FailureVerdict, raw)
-            if lost:
-                self._take_over(waiting, f"the leader of {self.name} (rank {waiting.leader}) was lost")
-                return None
+            raw, heard_lost = board.wait_heard(self.keys.verdict, slice_s, watched)
         else:
             raw = store.get_within(self.keys.verdict, slice_s)
-            if raw is not None:
-                return decode(FailureVerdict, raw)
-        if store.remaining() <= 0:
-            raise StoreUnresponsiveError("the recovery's deadline passed before a verdict")
-        if waiting.leader == _UNKNOWN:  # the round's opening was not heard: who leads, if anyone
-            waiting.leader = int(store.get_if_set(self.keys.leader) or _UNKNOWN)
-        if waiting.leader != _UNKNOWN and waiting.leader in board.known_lost():
+        if raw is not None:
+            return decode(FailureVerdict, raw)
+        if not heard_lost:
+            if store.remaining() <= 0:
+                raise StoreUnresponsiveError("the recovery's deadline passed before a verdict")
+            if waiting.leader == _UNKNOWN:  # the round's opening was not heard: who leads, if anyone
+                waiting.leader = int(store.get_if_set(self.keys.leader) or _UNKNOWN)
+        if heard_lost or (waiting.leader != _UNKNOWN and waiting.leader in board.known_lost()):
             self._take_over(waiting, f"the leader of {self.name} (rank {waiting.leader}) was lost")
             return None
         standing = self._standing() if board.hearing else None  # decided, and its telling lost
@@ -354,8 +318,7 @@ class RecoveryRound:
         beat, now = int(store.add(self.keys.leader_beat, 0)), time.monotonic()
         if beat != waiting.leader_beat:
             waiting.leader_beat, waiting.leader_since = beat, now
-            return None
-        if now - waiting.leader_since >= quiet:
+        elif now - waiting.leader_since >= quiet:
             self._take_over(waiting, f"nobody decides {self.name}" if waiting.leader == _UNKNOWN else
                             f"the leader of {self.name} (rank {waiting.leader}) stopped deciding")
         return None
@@ -378,16 +341,9 @@ class RecoveryRound:
             else:
                 self.store.compare_set(self.keys.verdict, "", encode(proposal))
 
-    def _standing_or_raise(self, rank: int) -> FailureVerdict:
-        try:
-            return _checked(decode(FailureVerdict, self.store.get(self.keys.verdict)), rank, self.name)
-        except (dist.DistError, StoreUnresponsiveError) as exc:
-            raise _store_failed("read the round's verdict", exc) from exc
-
-    # ------------------------------------------------------------------ the end
     def commit(self, record: JobRecord) -> None:
-        """Record the job this round left and close the round, in one compare-and-set (written once,
-        by the rebuild's last participant, or by the leader of a round with nothing to rebuild)."""
+        """Record the job this round left and close the round, in one compare-and-set, written once
+        (by the rebuild's last participant, or the leader of a round with nothing to rebuild)."""
         try:
             self.store.extend(2.0)
             self.state = _change_state(self.channel, self.store, self.raw_state,
@@ -395,27 +351,12 @@ class RecoveryRound:
         except (dist.DistError, StoreUnresponsiveError) as exc:
             raise _store_failed("record the recovered job", exc) from exc
 
-    def committed(self, record: JobRecord) -> bool:
-        """Whether the store says this round committed ``record`` (read where its rebuild's outcome
-        did not say so: its closer may have ended between the commit and the outcome)."""
-        try:
-            self.store.extend(2.0)
-            state, _ = read_state(self.channel, self.store)
-        except (dist.DistError, StoreUnresponsiveError) as exc:
-            raise _store_failed("read the job's record", exc) from exc
-        return state.committed == record
-
     def close(self) -> None:
         """Advance the job's round past this one (idempotent: whoever comes first)."""
         with contextlib.suppress(dist.DistError, StoreUnresponsiveError, RecoveryError):
             self.store.extend(2.0)
             _change_state(self.channel, self.store, self.raw_state,
                           lambda s: dataclasses.replace(s, round=self.number + 1) if s.round == self.number else None)
-
-
-def _heard(board: BoardView, key: str) -> Optional[FailureVerdict]:
-    raw = board.heard(key, 0.0)
-    return decode(FailureVerdict, raw) if raw is not None else None
 
 
 def _among(ranks: Sequence[int], rank: int) -> bool:
@@ -450,10 +391,9 @@ def _store_failed(what: str, exc: BaseException) -> RecoveryError:
 
 
 def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
-    """Offer ``rank`` (outside the job: counted out earlier, now fit again) to the job as it stands:
-    the next round that commits waits for it and takes it as a spare, and the job's board says it
-    is back (it was lost). An offer holds for the job as its latest committed round left it;
-    returns that round's generation (0: none committed).
+    """Offer ``rank`` (counted out earlier, fit again) to the job as its latest committed round left
+    it: the next round that commits waits for it and takes it as a spare, and the board says it is
+    back. Returns that round's generation (0: none committed).
 
     Example: see ``ResilientJob.offer``.
     """
@@ -471,11 +411,9 @@ def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
 
 def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedelta, slice_s: float = 30.0,
                    first: int = 0) -> bool:
-    """Block (a spare, outside the grid) until a recovery round of the job numbered ``first`` or
-    later opens (True), or the job releases its spares (:func:`release_spares`) or ``timeout``
-    passes (False). One blocking store wait at a time (``slice_s`` each): a waiting spare costs the
-    store a call every ``slice_s``, and no CPU. ``first``: the round after the last one this rank
-    took part in (the job's record may not say that one is over yet).
+    """Block (a spare) until a round of the job numbered ``first`` or later opens (True), or the
+    job releases its spares or ``timeout`` passes (False). A blocking store wait of ``slice_s`` at
+    a time: a store call every ``slice_s``, and no CPU.
 
     Example: see ``ResilientJob.wait_as_spare``.
     """
@@ -498,9 +436,8 @@ def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedel
 
 
 def release_spares(channel: JobChannel, plane: ControlPlane) -> None:
-    """Tell the spares of the job that wait in :func:`wait_for_round` that the job is over: they
-    return (False) at once. Any rank may call it, any number of times; a later job on the same
-    ranks has a channel of its own, which this does not touch.
+    """Tell the job's spares waiting in :func:`wait_for_round` that the job is over: they return
+    False at once. Any rank may call it, any number of times.
 
     Example: see ``ResilientJob.release_spares``.
     """

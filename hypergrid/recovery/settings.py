@@ -1,10 +1,8 @@
 """A resilient job's settings, set once: node size, the replica dim and the recovery's timings.
 
-Every rank of a job must plan a recovery alike, so what the plan and the waits depend on is one
-frozen value on the job (:attr:`~hypergrid.recovery.ResilientJob.settings`), given when the job is
-made, carried in every arrival (:meth:`RecoverySettings.describe`) and checked by the round's
-leader: ranks whose settings differ end the round with an error naming both values, rather than
-plan apart. (The heartbeat, a process per rank, has its own: :func:`~hypergrid.start_heartbeat`.)
+Every rank must plan a recovery alike, so what the plan and the waits depend on is one frozen
+value given when the job is made, carried in every arrival (:meth:`RecoverySettings.describe`)
+and compared by the round's leader: ranks whose settings differ end the round with an error.
 
 Example::
 
@@ -43,15 +41,13 @@ class RecoverySettings:
     """How a resilient job recovers; the same on every rank of it.
 
     - ``gpus_per_node``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``, else 8): a lost
-      node's ranks go to a spare node local rank for local rank, and each rank is watched from
-      another node;
+      node's ranks go to a spare node, and each rank is watched from another node;
     - ``replica_dim``: the dim whose replicas are dropped when spares run out, and grown back;
-    - the round's timings: how often its leader looks (``leader_look_s``), how long its beat may
-      stand still before another participant decides in its place (``leader_quiet_s``), how long
-      beyond the longest collective timeout a live rank may take to arrive (``arrival_margin_s``),
-      how long a wait that hears the board goes without a look at the store
-      (``outcome_fallback_s``), how long a waiting spare blocks at a time (``spare_slice_s``), and
-      how long one probe of a surviving group may take (``probe_s``).
+    - timings, in seconds: how often the round's leader looks (``leader_look_s``), how long its
+      beat may stand still before another takes over (``leader_quiet_s``), how long past the
+      longest collective timeout a live rank may take to arrive (``arrival_margin_s``), how long
+      a wait that hears the board goes without reading the store (``outcome_fallback_s``), how
+      long a spare blocks at a time (``spare_slice_s``), one probe of a group (``probe_s``).
     """
 
     gpus_per_node: int = field(default_factory=_launcher_node_size)
@@ -77,7 +73,7 @@ class RecoverySettings:
                 raise ValueError(f"{item.name} must be a positive number of seconds, got {value!r}")
 
     def describe(self) -> str:
-        """The settings in one line, alike on ranks whose settings are alike (what an arrival carries).
+        """The settings in one line, what an arrival carries.
 
         Example::
 
@@ -88,8 +84,7 @@ class RecoverySettings:
                         else f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
 
     def with_call(self, call: str, **given: Any) -> RecoverySettings:
-        """These settings, where ``given`` (a call's own arguments, None where not given) agrees
-        with them: a call cannot plan apart from the job.
+        """These settings, where ``given`` (a call's arguments, None where not given) agrees with them.
 
         Example::
 

@@ -131,7 +131,7 @@ def create(request: GroupRequest, *, name: Optional[str], timeout: timedelta,
     rank is in none (or the non-member sentinel torch gives).
 
     ``name``: the torch name the group gets, alike on every member (None: torch's own); ``check_id``:
-    the round its members agreed in, for naming those that never report back if torch fails.
+    the check its members agreed in, for naming those that never report back if torch fails.
     torch's refusal of ``pg_options`` is a TypeError naming the group and the option; any other
     failure a :class:`~hypergrid.errors.GroupCreationError` naming the group and its members.
     """

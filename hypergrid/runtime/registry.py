@@ -92,7 +92,7 @@ class GroupRegistry:
         # The default group the entries were created under; a new one means a new world, in
         # which the old entries are dead (destroy_process_group() + init_process_group()).
         self._world: Optional[dist.ProcessGroup] = None
-        # Attempts to create a group of exactly these members without an agreement round (which
+        # Attempts to create a group of exactly these members without an agreement check (which
         # names the group itself): the same count on every member, so it names the group alike.
         self._attempts: dict[Hashable, int] = {}
 

@@ -1,16 +1,10 @@
 """The scope a recovery's rebuild runs in: waits that end when a rank they wait for is lost, and
 outcomes heard from the job's board instead of read from the store.
 
-Inside a recovery, a rank that dies while the others wait for it (in a world step, a group's
-agreement check, the pooled probe of the groups that survived) must not be waited for until the
-timeout. The recovery runs its rebuild inside :func:`watching` with a :class:`RecoveryScope`,
-the job's board as this rank reads it (:class:`hypergrid.liveness.board.BoardView`), and each of
-those waits asks :func:`lost_among` once per slice: one store request, whatever the job's size.
-Where the rank's heartbeat forwards the board's events to the scope (:attr:`RecoveryScope.hearing`),
-a wait that can be ended by a write to the key it waits on blocks once instead: the scope calls
-it back on a loss (:meth:`RecoveryScope.on_loss`), and a meeting's outcome decided by one rank
-reaches the others through the board (:meth:`RecoveryScope.publish`, :meth:`RecoveryScope.heard`),
-at no request of theirs. Outside the scope nothing is looked at, and the waits wait as they would.
+Inside :func:`watching`, a wait for other ranks (a world step, an agreement check, the health
+probe) asks :func:`lost_among` once a slice, one store request; where the scope hears the board
+(:attr:`RecoveryScope.hearing`), it blocks once instead, is called back on a loss, and hears
+outcomes through the board at no request. Outside, waits wait as they would.
 
 Example::
 
@@ -21,8 +15,8 @@ Example::
     >>> lost_among([1, 3])
     []
     >>> with watching(Board()):
-    ...     watching_now(), lost_among([1, 3]), hearing_scope() is None
-    (True, [3], True)
+    ...     watching_now(), lost_among([1, 3])
+    (True, [3])
 """
 
 from __future__ import annotations
@@ -35,12 +29,10 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Optional, Protocol
 
-__all__ = ["RecoveryScope", "watching", "watching_now", "lost_among", "hearing_scope", "creation_timeout",
-           "WATCH_SLICE_S"]
+__all__ = ["RecoveryScope", "watching", "watching_now", "lost_among", "creation_timeout", "WATCH_SLICE_S"]
 
-#: How long a wait inside :func:`watching` blocks on the store at a time before it looks whether
-#: a rank it waits for is lost, in seconds, where the scope does not hear losses: a loss ends the
-#: wait within about this long.
+#: How long a wait inside :func:`watching` that does not hear losses blocks on the store before it
+#: looks for one, in seconds.
 WATCH_SLICE_S = 0.5
 
 
@@ -49,19 +41,18 @@ class RecoveryScope(Protocol):
 
     @property
     def hearing(self) -> bool:
-        """Whether the board's events reach it as they are published (else it can only be asked)."""
+        """Whether the board's events reach it as they are published."""
 
     def lost_among(self, ranks: Collection[int]) -> list[int]:
         """Those of ``ranks`` lost on the board (one look)."""
 
     def on_loss(self, ranks: Collection[int], callback: Callable[[list[int]], None]) -> AbstractContextManager[None]:
         """While the block runs, ``callback`` is called (on another thread) with those of ``ranks``
-        heard lost: at once with those heard already, then with each new one."""
+        heard lost, those heard already first."""
 
     @property
     def fallback_s(self) -> float:
-        """How long a wait that hears the board goes without a look at the store (in case the
-        rank that decided ended between its decision and its publication)."""
+        """How long a wait that hears the board goes without a look at the store."""
 
     def heard(self, key: str, seconds: float) -> Optional[bytes]:
         """The outcome decided at ``key``, once heard from the board, waiting at most ``seconds``."""
@@ -70,9 +61,8 @@ class RecoveryScope(Protocol):
         """Tell every rank of the job, through the board, that the outcome at ``key`` is ``value``."""
 
     def succeeded(self, key: str) -> None:
-        """Called by the participant whose decision that the world step ending at ``key`` (one
-        named by the recovery) succeeded stands, before it tells the others: the recovery's
-        commit, written once."""
+        """Called, before telling the others, by the participant whose decision that the step
+        ending at ``key`` succeeded stands: the recovery's commit, written once."""
 
 
 _scope = threading.local()
@@ -80,9 +70,9 @@ _scope = threading.local()
 
 @contextlib.contextmanager
 def watching(scope: Optional[RecoveryScope], deadline: Optional[float] = None) -> Iterator[None]:
-    """While the block runs, this thread's waits for other ranks end as soon as one they wait for
-    is lost (``scope``); None: they wait as they would. ``deadline`` (a monotonic time): the
-    block's end, which bounds how long torch may take to make a group (:func:`creation_timeout`)."""
+    """While the block runs, this thread's waits for other ranks end once one they wait for is lost
+    (``scope``; None: they wait as they would). ``deadline``: the block's end, a monotonic time,
+    which bounds how long torch may take to make a group (:func:`creation_timeout`)."""
     previous = getattr(_scope, "scope", None), getattr(_scope, "deadline", None)
     _scope.scope, _scope.deadline = scope, deadline
     try:
@@ -99,9 +89,7 @@ def current_scope() -> Optional[RecoveryScope]:
 
 def creation_timeout(timeout: timedelta) -> timedelta:
     """How long torch may take to make a group whose collectives time out after ``timeout``: that,
-    or what is left of the recovery's deadline inside :func:`watching`, whichever is shorter (a
-    member that died after agreeing would hold the others in gloo's connection set-up, or NCCL's
-    initialization, until then), and at least a second.
+    or what is left of the deadline inside :func:`watching` (at least a second), whichever is shorter.
 
     Example::
 
@@ -117,13 +105,6 @@ def creation_timeout(timeout: timedelta) -> timedelta:
 def watching_now() -> bool:
     """Whether this thread is inside :func:`watching` (with a scope)."""
     return current_scope() is not None
-
-
-def hearing_scope() -> Optional[RecoveryScope]:
-    """The scope where it hears the board's events as they are published, else None: a wait then
-    looks once a slice."""
-    scope = current_scope()
-    return scope if scope is not None and scope.hearing else None
 
 
 def lost_among(ranks: Collection[int]) -> list[int]:

@@ -1,18 +1,9 @@
 """World steps: what every rank of the world (or of a recovery's new placement) does together,
 and where a failure on one rank reaches the rest.
 
-Megatron's ``initialize_model_parallel`` is one such step: every rank starts it together
-(:func:`world_start`, a meeting through the store, so its end is named alike on all ranks
-whatever any of them did before), creates its groups, and ends it at a checkpoint
-(:func:`world_checkpoint`, another meeting) where a rank that failed decides the outcome with its
-error and every other rank learns of it instead of using half-made state. While a step runs, the
-agreement checks a thread waits in watch it (:func:`within_step`): a check waiting for a member
-that failed the step ends with that failure.
-
-A recovery's rebuild is a step named by the recovery round (``attempt``): its participants hold
-that name already, so it has no start, and its outcome is the round's end. Inside the recovery's
-scope (:mod:`hypergrid.runtime.scope`) a loss heard of a participant decides the outcome at once,
-and the outcome reaches the participants through the job's board.
+Megatron's ``initialize_model_parallel`` is one: the ranks start it together (:func:`world_start`)
+and end it at a checkpoint (:func:`world_checkpoint`) where a rank that failed tells the others,
+who would otherwise use half-made state. A recovery's rebuild is a step named by its round.
 
 Example, with no process group (nothing to meet through)::
 
@@ -52,9 +43,8 @@ _ALARM_S = 5.0
 
 @dataclass(frozen=True)
 class WorldStep:
-    """A step every rank of the world (or of ``ranks``, a recovery's new placement) takes together,
-    named by its participants and their epoch, which every one read at its start
-    (:func:`world_start`), or by the ``attempt`` they all hold already (a recovery round's keys).
+    """A step every rank of the world (or of ``ranks``) takes together, named by its participants
+    and the epoch all read at its start, or by the ``attempt`` they all hold (a round's keys).
 
     Example::
 
@@ -95,9 +85,8 @@ _steps = threading.local()
 
 @contextlib.contextmanager
 def within_step(step: Optional[WorldStep]) -> Iterator[None]:
-    """Make the agreement checks this thread waits in watch ``step``: once it has failed on some
-    rank (its end's outcome says so), a check waiting for a member that will never come ends with
-    that failure instead of its timeout.
+    """Make the agreement checks this thread waits in watch ``step``: once it failed on some rank, a
+    check waiting for a member that will never come ends with that failure, not its timeout.
 
     Example::
 
@@ -125,15 +114,10 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
                 attempt: Optional[str] = None) -> Optional[WorldStep]:
     """Every rank of the world (or of ``ranks``) starts ``label`` together; returns the step.
 
-    A meeting through the store (one ``add`` and one blocking get per rank): once it returns,
-    every rank has read the step's epoch, so the step's end (:func:`world_checkpoint`) is named
-    alike on all of them, whatever any rank did before. A rank that does not arrive within
-    ``timeout`` fails the start on every rank that did, naming it.
-
-    ``attempt``: a name every one of ``ranks`` holds already and no other step of theirs will (a
-    recovery round's keys, whose verdict made them the participants): the step is named by it and
-    ``label``, and starts at once, with no meeting; a participant that never comes is found at the
-    end. One step per label and attempt.
+    A meeting (an ``add`` and a blocking get per rank) after which all have read the step's epoch,
+    so its end is named alike on all. A rank that does not arrive within ``timeout`` fails the
+    start on every rank that did, naming it. ``attempt``: a name all of ``ranks`` hold and no
+    other step of theirs will (a round's keys): the step starts at once, with no meeting.
 
     Example::
 
@@ -173,14 +157,11 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
 def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], *, timeout: timedelta) -> None:
     """Every participant reports how ``step`` ended for it; each learns if any failed.
 
-    A rank that failed decides the outcome with its error and returns (the caller re-raises its
-    own); the others block until every participant arrived, or one failed, which they raise as
-    :class:`~hypergrid.errors.GridMismatchError` naming that rank and its error; a step not ended
-    by every participant in time raises :class:`~hypergrid.errors.GroupTimeoutError` naming the
-    ranks that did not, on every rank that did, as soon as the first of them reached its timeout
-    (one outcome for all: none passes a step that another gave up on). The keys of every earlier
-    step of the same participants are deleted once every one has ended this one: the store does
-    not grow with steps.
+    A rank that failed decides the outcome with its error and returns (the caller raises its own);
+    the others wait for all, and raise :class:`~hypergrid.errors.GridMismatchError` naming a rank
+    that failed, or :class:`~hypergrid.errors.GroupTimeoutError` naming those that did not end it
+    in time (one outcome for all). The keys of earlier steps of the same participants are then
+    deleted: the store does not grow with steps.
 
     Example::
 
@@ -198,8 +179,8 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
         if meeting.arrive(store, end, step.size).completes:
             _end_epoch(store, step)
             if step.attempt and scope is not None:
-                # The recovery commits before anyone hears of the success: a rank that hears it
-                # and opens the job's next round finds the job's record past this one.
+                # Committed before anyone hears of the success: a rank that hears it and opens the
+                # next round finds the job's record past this one.
                 success = encode(StepOutcome(None)).encode()
                 if meeting.decide(store, end, success) == success:
                     scope.succeeded(end.outcome)
@@ -234,9 +215,8 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
 
 def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: Optional[RecoveryScope],
             at: Optional[Meeting] = None) -> bytes:
-    """Propose ``proposal`` as the outcome of the meeting ``at`` (the step's end by default); the
-    standing outcome. The end of a step named by its round, inside a recovery that hears the job's
-    board: the participant whose proposal stands tells the others through it."""
+    """The standing outcome of the meeting ``at`` (the step's end by default), ``proposal`` unless
+    one stood; at the end of a step named by its round, its proposer tells the board."""
     at = step.end if at is None else at
     encoded = encode(proposal).encode()
     standing = meeting.decide(store, at, encoded)
@@ -246,17 +226,10 @@ def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: O
 
 
 def _outcome(store: StoreClient, step: WorldStep, at: Meeting) -> StepOutcome:
-    """The outcome of the meeting ``at`` (the step's start or end) once decided, which every
-    participant reads alike: decided by the last participant counted, by one that failed, and
-    otherwise by the first participant that learns the meeting will not complete (compare-and-set,
-    the first writer wins):
-
-    - its deadline passed: ``timed_out`` (each participant present then names the missing ones,
-      :func:`~hypergrid.store.meeting.roll_call`);
-    - inside a recovery's scope, a participant was lost: waiting longer would be waiting for a rank
-      the recovery's next round counts out. Where the scope hears the board, the wait blocks once
-      and the heartbeat's thread decides (:func:`_decide_lost`), and a step named by its attempt
-      is heard from the board too; else the wait looks at the board once a slice.
+    """The outcome of the meeting ``at`` (the step's start or end), decided by the last participant
+    counted, one that failed, or the first to learn it will not complete: its deadline passed
+    (``timed_out``), or, inside a recovery's scope, a participant was lost (heard, or looked for
+    once a slice).
 
     Raises :class:`~hypergrid.errors.GroupTimeoutError` where participants were lost.
     """
@@ -286,8 +259,8 @@ def _outcome(store: StoreClient, step: WorldStep, at: Meeting) -> StepOutcome:
 
 
 def _decide_lost(step: WorldStep, at: Meeting, lost: list[int], scope: RecoveryScope) -> None:
-    """A loss heard while waiting for the outcome of ``at`` (on the heartbeat's thread, over its own
-    connection): the outcome says so, unless one stands already (the first stands)."""
+    """A loss heard while waiting for the outcome of ``at`` (on the heartbeat's thread): the
+    outcome says so, unless one stands."""
     try:
         _decide(job_store(time.monotonic() + _ALARM_S), step, StepOutcome(None, lost=tuple(lost)), scope, at)
     except (dist.DistError, StoreUnresponsiveError) as exc:

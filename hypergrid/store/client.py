@@ -1,13 +1,10 @@
 """The job's store as hypergrid calls it: a connection of its own, every call bounded.
 
-torch's store calls block until the store's host answers, for as long as the connection's own
-timeout, whatever the caller has left. :class:`StoreClient` makes its calls on a clone of the
-job's store, on a thread of its own, and waits for each only until the caller's deadline: a host
-that stops answering (exited, frozen, overloaded) is reported within the timeout, as what it is
-(:class:`~hypergrid.errors.StoreUnresponsiveError`), never as a peer that did not come.
-
-It imports no torch: it calls whatever store object it is given (torch's ``TCPStore``,
-``HashStore``, ``FileStore``, ``PrefixStore``) by its methods.
+torch's store calls block for as long as the connection's own timeout, whatever the caller has
+left. :class:`StoreClient` makes its calls on a clone of the store, on a thread of its own, and
+waits for each only until the caller's deadline: a host that stops answering is reported in time
+as :class:`~hypergrid.errors.StoreUnresponsiveError`, never as a peer that did not come. It
+imports no torch, and calls any store object it is given by its methods.
 
 Example, over a ``HashStore``::
 
@@ -38,26 +35,19 @@ R = TypeVar("R")
 
 #: The least a store call is given, so that a call made at the deadline still gets an answer.
 MIN_CALL_S = 0.05
-#: Beyond the time a blocking call (a wait, a get of a key not set yet) may wait by design, how
-#: long its answer may take to come back before the store counts as not answering. A loaded
-#: machine (more ranks than cores, the store hosted in a busy process) answers seconds late.
+#: How long past its own wait a blocking call's answer may take before the store counts as not
+#: answering: a loaded machine answers seconds late.
 ANSWER_SLACK_S = 5.0
-#: The least timeout a blocking call hands torch's store: torch counts a timeout in whole
-#: milliseconds, and one that rounds down to 0 ms is its "no timeout", so a get made with 0.4 ms
-#: left would wait for its key for ever (its caller then saw a store that stopped answering).
+#: torch counts a timeout in whole milliseconds, and 0 ms is "no timeout": a get with 0.4 ms left
+#: would wait for ever.
 _LEAST_STORE_TIMEOUT = timedelta(milliseconds=1)
-#: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores (its
-#: records are text) begins with a NUL byte.
+#: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores begins with NUL.
 _ABSENT = b"\x00hypergrid: not set"
 
 
 class _Connection:
-    """A clone of the job's store and the thread that makes its calls.
-
-    A call made on this thread is waited for only until the caller's deadline. A connection whose
-    call ran out is dropped (the call finishes, or fails, on its own later), and the next use
-    opens a new one.
-    """
+    """A clone of the job's store and the thread that makes its calls, each waited for only until
+    the caller's deadline; a connection whose call ran out is dropped, and the next use opens another."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -65,8 +55,7 @@ class _Connection:
             queue.SimpleQueue())
         thread = threading.Thread(target=self._serve, name="hypergrid-store", daemon=True)
         thread.start()
-        # Ended before the interpreter finalizes: a call in flight then must not come back into
-        # a finalizing interpreter (hypergrid.store.shutdown says why).
+        # A call in flight must not come back into a finalizing interpreter (see store.shutdown).
         register("a store connection", lambda: self._calls.put(None), thread.join)
 
     def _serve(self) -> None:
@@ -91,8 +80,7 @@ class _Connection:
         end = time.monotonic() + seconds
         while not done.wait(max(0.0, min(end - time.monotonic(), max(every_s, 0.01) if meanwhile else seconds))):
             if meanwhile is None or time.monotonic() >= end:
-                # Woken early (a clock step, before Python 3.11's monotonic lock timeouts): the call
-                # may still be out, and the caller hears so.
+                # Woken early (a clock step before Python 3.11): the call may still be out.
                 return (True, box[0]) if done.is_set() else (False, None)
             meanwhile()
         return True, box[0]
@@ -102,12 +90,9 @@ _connections = threading.local()
 
 
 class StoreClient:
-    """The job's store over agreement's own connection, each call bounded by ``deadline``.
-
-    A call that does not come back in time is the store not answering (its host stopped, or
-    overloaded): :class:`~hypergrid.errors.StoreUnresponsiveError`, raised within the deadline. A
-    ``wait`` that runs out is not: the keys are simply not there yet (False).
-    """
+    """The job's store over a connection of this thread's own, each call bounded by ``deadline``:
+    one that does not come back in time raises :class:`~hypergrid.errors.StoreUnresponsiveError`
+    (a ``wait`` that runs out returns False: the keys are not there yet)."""
 
     def __init__(self, deadline: float, *, base: Any) -> None:
         self.deadline = deadline
@@ -135,7 +120,7 @@ class StoreClient:
         return self.deadline - time.monotonic()
 
     def _drop_connection(self) -> None:
-        """Forget this thread's connection to the store (its call is still out): the next use opens another."""
+        """Forget this thread's connection (its call is still out): the next use opens another."""
         getattr(_connections, "by_store", {}).pop(id(self._base), None)
 
     def extend(self, seconds: float) -> None:
@@ -164,14 +149,9 @@ class StoreClient:
         return cast(bytes, self._call("get", lambda store: store.get(key)))
 
     def get_if_set(self, key: str) -> Optional[bytes]:
-        """``key``'s value, or None where it is not set, without waiting: one request, where a
-        ``check`` and a ``get`` are three on the wire (torch's client waits before it gets). It is a
-        compare-and-set that never writes: expecting a value nobody stores, and desiring the same,
-        it returns the stored value where there is one, and what it expected where there is none.
-
-        Only for a key nobody waits on: torch's libuv server (the default) answers every wait on
-        the key at a compare-and-set, whether it wrote or not (torch 2.13 and 2.15 alike), so a
-        waiter would wake to a key that is not there and read an empty value.
+        """``key``'s value, or None where it is not set, in one request (a ``check`` and a ``get``
+        are three): a compare-and-set that never writes. Only for a key nobody waits on: torch's
+        libuv server wakes every waiter on the key at a compare-and-set, written or not.
 
         Example, over a ``HashStore``::
 
@@ -186,13 +166,9 @@ class StoreClient:
 
     def get_within(self, key: str, seconds: float, *, meanwhile: Optional[Callable[[], None]] = None,
                    every_s: float = 1.0) -> Optional[bytes]:
-        """``key``'s value once it is set, waiting at most ``seconds``; None if it is not set by then.
-        One store call (a wait and a get would be two), however long it waits: ``meanwhile``, if
-        given, is called every ``every_s`` while it does, on this thread (a node's reader tells
-        its followers it still waits so, at no cost to the store); it must be quick and must not
-        call this client (its connection is busy with the get). A store that cannot clone is
-        called on this thread, and ``meanwhile`` is not called then (a node's followers then read
-        the store themselves once their quiet time has passed).
+        """``key``'s value once it is set, waiting at most ``seconds`` (None: not set by then), in
+        one store call. ``meanwhile`` is called every ``every_s`` while it waits, on this thread; it
+        must be quick and must not call this client (not called for a store that cannot clone).
 
         Example, over a ``HashStore``, the key set 0.25 s into the wait::
 
@@ -265,7 +241,7 @@ class StoreClient:
 
 
 def _store_timeout(seconds: float) -> timedelta:
-    """``seconds`` as a timeout for torch's store, never below what it counts as one (1 ms).
+    """``seconds`` as a timeout for torch's store, at least 1 ms.
 
     Example::
 
@@ -284,9 +260,8 @@ def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
 
 
 def read_present(store: StoreClient, keys: list[str], limit: int = 64) -> dict[str, bytes]:
-    """The values of those of ``keys`` that exist: one ``check`` and one ``multi_get`` where all
-    do; otherwise a ``check`` for each of the first ``limit`` (a bounded look) and one
-    ``multi_get`` of those found.
+    """The values of those of ``keys`` that exist: one ``check`` and one ``multi_get`` where all do,
+    else a ``check`` for each of the first ``limit`` and one ``multi_get`` of those found.
 
     Example, over a ``HashStore``::
 
@@ -304,21 +279,19 @@ def read_present(store: StoreClient, keys: list[str], limit: int = 64) -> dict[s
 
 
 def read_lasts(store: StoreClient, ranks: list[int]) -> dict[int, LastState]:
-    """The last states of those of ``ranks`` that have one (a rank that never reached a group
-    creation has none), read as :func:`read_present` reads."""
+    """The last states of those of ``ranks`` that have one, read as :func:`read_present` reads."""
     raws = read_present(store, [last_state_key(r) for r in ranks], limit=len(ranks))
     return {r: decode(LastState, raws[last_state_key(r)]) for r in ranks if last_state_key(r) in raws}
 
 
 def advance_epoch(store: StoreClient, epoch_key: str, epoch: int) -> None:
-    """Advance ``epoch_key`` from ``epoch`` to the next, once: idempotent, whoever calls first wins."""
+    """Advance ``epoch_key`` from ``epoch`` to the next, once, whoever calls first."""
     store.compare_set(epoch_key, str(epoch), str(epoch + 1))
 
 
 def is_network_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's ``DistNetworkError`` (the connection to the store broke), as
-    opposed to a store call that ran out of time: known by its class's name, since this module
-    imports no torch.
+    """Whether ``exc`` is torch's ``DistNetworkError`` (the connection broke, not a call that ran
+    out of time), known by its class's name: this module imports no torch.
 
     Example::
 

@@ -1,21 +1,8 @@
 """Every key hypergrid writes to a job's store, and every local socket name, built in one place.
 
-Two trees, each under its own root:
-
-``hypergrid/agree/...`` (in the default group's store, whose ``PrefixStore`` is the world's alone)
-    what group creation meets on: per member set (:class:`MemberSetKeys`: its epoch counter, its
-    members' entries, one :class:`Meeting` per epoch), per rank its last state
-    (:func:`last_state_key`), the world steps (:class:`WorldStepKeys`) and the health probes of a
-    recovery (:func:`health_meeting`).
-``hypergrid/control/<token>/...`` (in the root store, which a monitor process reaches by address)
-    the control plane of one world: the token's key (:data:`NAMESPACE_TOKEN`), every rank's
-    heartbeat counter (:func:`beat_key`), and per resilient job its board and recovery rounds
-    (:class:`JobChannel`).
-
-A *meeting* (:class:`Meeting`) is the one shape of every rendezvous: its participants append a
-line (``lines``) and add themselves to a count (``count``); the one whose addition completes it
-sets ``complete``; one outcome is decided (``outcome``, compare-and-set: the first writer wins);
-where a participant's deadline passed, those present name themselves on the ``roll``.
+``hypergrid/agree/...``, in the default group's store, holds what group creation, world steps and
+health probes meet on; ``hypergrid/control/<token>/...``, in the root store that monitor processes
+reach by address, holds one world's heartbeats and each resilient job's board and rounds.
 
 Example::
 
@@ -35,6 +22,7 @@ import functools
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = [
     "AGREE_ROOT",
@@ -78,14 +66,24 @@ def members_digest(members: Sequence[int]) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _sorted_members_digest(members: tuple[int, ...]) -> str:
-    # A job names the same few member sets over and over (its world, its groups, a recovery's
-    # survivors); spelling 16,384 ranks out takes 4 ms, looking the tuple up 0.1 ms.
+    # A job names the same few member sets over and over: spelling 16,384 ranks out takes 4 ms,
+    # looking the tuple up 0.1 ms.
     return hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:20]
+
+
+class _Key:
+    """A key named as its attribute, below its holder's ``base``: ``holder.name`` is ``base/name``."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, holder: Any, owner: Any = None) -> str:
+        return self.name if holder is None else f"{holder.base}/{self.name}"
 
 
 @dataclass(frozen=True)
 class Meeting:
-    """The keys of one meeting below ``base`` (see the module).
+    """The keys of one meeting below ``base`` (:mod:`hypergrid.store.meeting`).
 
     Example::
 
@@ -94,26 +92,11 @@ class Meeting:
     """
 
     base: str
-
-    @property
-    def lines(self) -> str:
-        return f"{self.base}/lines"
-
-    @property
-    def count(self) -> str:
-        return f"{self.base}/count"
-
-    @property
-    def complete(self) -> str:
-        return f"{self.base}/complete"
-
-    @property
-    def outcome(self) -> str:
-        return f"{self.base}/outcome"
-
-    @property
-    def roll(self) -> str:
-        return f"{self.base}/roll"
+    lines = _Key()
+    count = _Key()
+    complete = _Key()
+    outcome = _Key()
+    roll = _Key()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -127,6 +110,7 @@ class MemberSetKeys:
     epoch after epoch) and the meeting of each epoch."""
 
     base: str
+    epoch = _Key()
 
     @classmethod
     def of(cls, members: Sequence[int]) -> MemberSetKeys:
@@ -135,10 +119,6 @@ class MemberSetKeys:
     @classmethod
     def named(cls, digest: str) -> MemberSetKeys:
         return cls(f"{AGREE_ROOT}/{digest}")
-
-    @property
-    def epoch(self) -> str:
-        return f"{self.base}/epoch"
 
     def entry(self, rank: int) -> str:
         return f"{self.base}/entry/{rank}"
@@ -154,10 +134,10 @@ def last_state_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class WorldStepKeys:
-    """The keys of the world steps of one set of participants (every rank of the world where
-    ``ranks`` is empty): their epoch counter, the cleanup mark, and each step's two meetings, its
-    start and its end. A step named by an attempt (a recovery round's key) keeps its meetings
-    under that name instead, and has no start.
+    """The keys of the world steps of one set of participants (the whole world where ``ranks`` is
+    empty): their epoch counter, ``cleaned`` (the first epoch whose keys may still be there), and
+    each step's start and end meetings. A step named by an attempt (a recovery round's keys) has
+    its end under that name, and no start.
 
     Example::
 
@@ -169,19 +149,12 @@ class WorldStepKeys:
     """
 
     base: str
+    epoch = _Key()
+    cleaned = _Key()
 
     @classmethod
     def of(cls, ranks: Sequence[int]) -> WorldStepKeys:
         return cls(f"{AGREE_ROOT}/world" if not ranks else f"{AGREE_ROOT}/world/{members_digest(ranks)}")
-
-    @property
-    def epoch(self) -> str:
-        return f"{self.base}/epoch"
-
-    @property
-    def cleaned(self) -> str:
-        """The first epoch whose keys may still be in the store."""
-        return f"{self.base}/cleaned"
 
     def start(self, epoch: int) -> Meeting:
         return Meeting(f"{self.base}/{epoch}/start")
@@ -217,42 +190,30 @@ def beat_key(namespace: str, rank: int) -> str:
 
 @dataclass(frozen=True)
 class RoundKeys:
-    """The keys of recovery round ``number`` of a job: who leads it and its beat, the key waiting
-    spares block on, its verdict, and the meeting of its arrivals."""
+    """The keys of one recovery round of a job: who leads it and its beat, the key waiting spares
+    block on, its verdict, and the meeting of its arrivals."""
 
     base: str
+    leader = _Key()
+    leader_beat = _Key()
+    wake = _Key()
+    verdict = _Key()
 
     @property
     def arrivals(self) -> Meeting:
         return Meeting(f"{self.base}/arrivals")
 
-    @property
-    def leader(self) -> str:
-        return f"{self.base}/leader"
-
-    @property
-    def leader_beat(self) -> str:
-        return f"{self.base}/leader_beat"
-
-    @property
-    def wake(self) -> str:
-        return f"{self.base}/wake"
-
-    @property
-    def verdict(self) -> str:
-        return f"{self.base}/verdict"
-
     def rebuild(self, label: str) -> Meeting:
-        """The end of the round's rebuild (a world step named by the round): its outcome is the
-        round's end, which the participants outside the new placement wait on too."""
+        """The end of the round's rebuild (a world step named by the round): the round's end."""
         return WorldStepKeys.attempt_end(self.base, label)
 
 
 @dataclass(frozen=True)
 class JobChannel:
     """Where one resilient job's board and rounds live: the world's ``namespace``, the job's first
-    ranks (a digest, ``origin``) and its ``instance``, which all of its ranks read together when it
-    is made.
+    ranks (a digest, ``origin``) and its ``instance``, read by all its ranks when it is made; its
+    ``state`` (the one record: the open round, the committed placement, the offers) and
+    ``released`` (set once the job lets its spares go).
 
     Example::
 
@@ -263,6 +224,8 @@ class JobChannel:
     namespace: str
     origin: str
     instance: int
+    state = _Key()
+    released = _Key()
 
     @classmethod
     def of(cls, origin: Sequence[int], instance: int, namespace: str = CONTROL_ROOT) -> JobChannel:
@@ -271,16 +234,6 @@ class JobChannel:
     @property
     def base(self) -> str:
         return f"{self.namespace}/job/{self.origin}/{self.instance}"
-
-    @property
-    def state(self) -> str:
-        """The job's one record in the store (the round now open, the committed placement, the offers)."""
-        return f"{self.base}/state"
-
-    @property
-    def released(self) -> str:
-        """Set once the job lets its spares go."""
-        return f"{self.base}/released"
 
     def round(self, number: int) -> RoundKeys:
         return RoundKeys(f"{self.base}/{number}")
@@ -295,9 +248,8 @@ class JobChannel:
 
 
 def socket_name(purpose: str, *parts: object) -> bytes:
-    """A Linux abstract socket name for ``purpose`` among the processes of one host, named by
-    ``parts`` (a digest: names are short; the parts name the world's control plane, so that two
-    jobs on one host never share a name).
+    """A Linux abstract socket name for ``purpose`` among the processes of one host, named by a
+    digest of ``parts`` (which name the world's control plane: two jobs never share a name).
 
     Example::
 

@@ -1,27 +1,15 @@
 """The one meeting: participants count themselves in, one outcome is decided, and read by all.
 
-Every rendezvous hypergrid holds in the store is this shape (its keys:
-:class:`~hypergrid.store.keys.Meeting`): a group's agreement check, the start and end of a world
-step, the pooled health probe of a recovery, a recovery round's arrivals and its rebuild.
-
-- :func:`arrive`: a participant appends its line (if it brings one) and adds itself to the
-  count; the arrival that completes the count learns that it did (:attr:`Place.completes`), and
-  sets ``complete`` where a participant blocks on everyone's arrival.
-- :func:`decide`: an outcome is proposed by compare-and-set; the first proposal stands and every
-  participant acts on the standing one.
-- :func:`wait_outcome`: a participant waits for the outcome: one blocking get on the store, or,
-  where it hears the outcomes its job's board carries (:class:`Hearing`), no request at all
-  (a look at the store once every ``fallback_s``, in case the decider ended between its decision
-  and its publication).
-- :func:`roll_call`: where a participant's deadline ended the meeting, those present name
-  themselves, so that every one of them can name the missing.
+Every rendezvous in the store has this shape (keys: :class:`~hypergrid.store.keys.Meeting`): an
+agreement check, a world step's start and end, a recovery's health probe, a round's arrivals.
+Participants :func:`arrive`; the first outcome proposed (:func:`decide`) stands; each waits for it
+(:func:`wait_outcome`), in one blocking get or, where it hears its job's board, in none; where a
+deadline ended the meeting, those present name the missing (:func:`roll_call`).
 
 Example, two participants over a ``HashStore``::
 
     >>> import time
     >>> import torch.distributed as dist
-    >>> from hypergrid.store.client import StoreClient
-    >>> from hypergrid.store.keys import Meeting
     >>> store, meeting = StoreClient(time.monotonic() + 5, base=dist.HashStore()), Meeting("m")
     >>> arrive(store, meeting, 2, "rank 0"), arrive(store, meeting, 2, "rank 1")
     (Place(number=1, completes=False), Place(number=2, completes=True))
@@ -38,6 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional, Protocol, Union
 
+from .client import StoreClient
 from .keys import Meeting
 
 __all__ = ["Place", "Hearing", "arrive", "decide", "wait_outcome", "lines", "roll_call", "forget"]
@@ -47,33 +36,8 @@ ROLL_CALL_S = 2.0
 _ROLL_POLL_S = 0.05
 
 
-class MeetingStore(Protocol):
-    """What a meeting needs of a store: a :class:`~hypergrid.store.client.StoreClient`."""
-
-    def append(self, key: str, value: str) -> None: ...
-
-    def add(self, key: str, amount: int) -> int: ...
-
-    def set(self, key: str, value: Union[str, bytes]) -> None: ...
-
-    def compare_set(self, key: str, expected: Union[str, bytes], desired: Union[str, bytes]) -> bytes: ...
-
-    def get(self, key: str) -> bytes: ...
-
-    def check(self, keys: list[str]) -> bool: ...
-
-    def get_within(self, key: str, seconds: float) -> Optional[bytes]: ...
-
-    def delete_key(self, key: str) -> None: ...
-
-    def remaining(self) -> float: ...
-
-    def extend(self, seconds: float) -> None: ...
-
-
 class Hearing(Protocol):
-    """The outcomes of a job's meetings as its board carries them to this rank (its heartbeat
-    forwards every entry): :class:`~hypergrid.liveness.board.BoardView`."""
+    """The outcomes of a job's meetings as its board carries them: :class:`~hypergrid.liveness.board.BoardView`."""
 
     def heard(self, key: str, seconds: float) -> Optional[bytes]:
         """The outcome decided at ``key``, once heard, waiting at most ``seconds`` (None: not yet)."""
@@ -82,17 +46,17 @@ class Hearing(Protocol):
 @dataclass(frozen=True)
 class Place:
     """Where an arrival landed: its ``number`` (the count just after it), and whether it
-    ``completes`` the meeting (the count reached the number of participants)."""
+    ``completes`` the meeting."""
 
     number: int
     completes: bool
 
 
-def arrive(store: MeetingStore, meeting: Meeting, size: int, line: Optional[str] = None, *,
+def arrive(store: StoreClient, meeting: Meeting, size: int, line: Optional[str] = None, *,
            awaited: bool = False) -> Place:
-    """Count this participant in among ``size``, ``line`` appended first (so the lines never lag
-    the count): one request, two with a line. ``awaited``: a participant blocks on everyone's
-    arrival (an agreement check's decider): the arrival that completes the count sets ``complete``."""
+    """Count this participant in among ``size``, ``line`` appended first (the lines never lag the
+    count): one request, two with a line. ``awaited``: someone blocks on everyone's arrival, so the
+    arrival that completes the count sets ``complete``."""
     if line is not None:
         store.append(meeting.lines, line + "\n")
     number = int(store.add(meeting.count, 1))
@@ -102,16 +66,17 @@ def arrive(store: MeetingStore, meeting: Meeting, size: int, line: Optional[str]
     return Place(number, completes)
 
 
-def decide(store: MeetingStore, meeting: Meeting, proposal: Union[str, bytes]) -> bytes:
+def decide(store: StoreClient, meeting: Meeting, proposal: Union[str, bytes]) -> bytes:
     """Propose ``proposal`` as the meeting's outcome; the outcome that stands (the first proposed)."""
     return bytes(store.compare_set(meeting.outcome, "", proposal))
 
 
-def wait_outcome(store: MeetingStore, meeting: Meeting, seconds: float, hearing: Optional[Hearing] = None,
+def wait_outcome(store: StoreClient, meeting: Meeting, seconds: float, hearing: Optional[Hearing] = None,
                  fallback_s: float = 10.0) -> Optional[bytes]:
-    """The meeting's outcome once decided, waiting at most ``seconds`` (and never past the store's
-    deadline); None if none was by then. Without ``hearing``, one blocking get; with it, what the
-    board carries, and a look at the store once every ``fallback_s`` of silence."""
+    """The meeting's outcome once decided, waiting at most ``seconds`` and never past the store's
+    deadline (None: not by then). Without ``hearing``, one blocking get; with it, what the board
+    carries, and a look at the store every ``fallback_s`` of silence (in case the decider ended
+    before telling)."""
     end = time.monotonic() + max(0.0, min(seconds, store.remaining()))
     if hearing is None:
         return store.get_within(meeting.outcome, max(0.0, end - time.monotonic()))
@@ -126,19 +91,17 @@ def wait_outcome(store: MeetingStore, meeting: Meeting, seconds: float, hearing:
             return store.get(meeting.outcome)
 
 
-def lines(store: MeetingStore, meeting: Meeting) -> list[str]:
+def lines(store: StoreClient, meeting: Meeting) -> list[str]:
     """The lines the participants that arrived brought, in the order they arrived."""
     if not store.check([meeting.lines]):
         return []
     return [line for line in store.get(meeting.lines).decode().split("\n") if line]
 
 
-def roll_call(store: MeetingStore, meeting: Meeting, rank: int, participants: Sequence[int]) -> list[int]:
-    """The participants missing from ``meeting``, which a deadline ended: each one present puts its
-    name on the roll, and reads it until it holds as many names as the meeting counted (those that
-    came after the deadline too), or for :data:`ROLL_CALL_S` at most. Only a meeting that failed so
-    costs more than its count and its outcome: a list of every participant's name, written by every
-    one, is kept off the way of one that succeeds."""
+def roll_call(store: StoreClient, meeting: Meeting, rank: int, participants: Sequence[int]) -> list[int]:
+    """The participants missing from ``meeting``, which a deadline ended: each one present names
+    itself on the roll and reads it until it holds as many names as were counted, for
+    :data:`ROLL_CALL_S` at most. Only a failed meeting pays for a list of names."""
     store.extend(ROLL_CALL_S)
     store.append(meeting.roll, f"{rank},")
     counted = int(store.add(meeting.count, 0))
@@ -149,7 +112,7 @@ def roll_call(store: MeetingStore, meeting: Meeting, rank: int, participants: Se
         time.sleep(_ROLL_POLL_S)
 
 
-def forget(store: MeetingStore, meeting: Meeting, keep_outcome: bool = False) -> None:
+def forget(store: StoreClient, meeting: Meeting, keep_outcome: bool = False) -> None:
     """Delete the meeting's keys (every participant is past it), its outcome too unless ``keep_outcome``."""
     for key in meeting.names:
         if not (keep_outcome and key == meeting.outcome):

@@ -2,8 +2,8 @@
 
 Every value that crosses processes is one of the records below: what a member asks for
 (:class:`Agreement`: typed facts of its grid and request, and where the request stands in its
-grid's sequence), its entry in a round (:class:`Entry`), its latest state (:class:`LastState`),
-a round's verdict (:class:`Verdict`) and a world step's (:class:`StepOutcome`). They are
+grid's sequence), its entry in a check (:class:`Entry`), its latest state (:class:`LastState`),
+a check's verdict (:class:`Verdict`) and a world step's (:class:`StepOutcome`). They are
 written by :func:`encode` and read back by :func:`decode`, which rebuilds nested records, enums
 and tuples from the records' own type hints; nothing is built or read by string keys elsewhere.
 
@@ -71,7 +71,7 @@ class Position:
 
     Compared between members (two ranks asking for the same group at different places of their
     sequences have diverged) and used to tell a rank at this same request from one that is busy
-    elsewhere. Not a round's name: a round is named by its members and their epoch.
+    elsewhere. Not a check's name: a check is named by its members and their epoch.
 
     Example::
 
@@ -163,8 +163,8 @@ class Agreement:
 
 @dataclass(frozen=True)
 class CheckId:
-    """One round of a member set: the members (a digest, and their list for messages) and the
-    epoch the store counts for them. Alike on every member of the round, unlike any other round.
+    """One check of a member set: the members (a digest, and their list for messages) and the
+    epoch the store counts for them. Alike on every member of the check, unlike any other check.
 
     Example::
 
@@ -186,12 +186,12 @@ class CheckId:
 
     @property
     def seed(self) -> str:
-        """What names torch's group for this round (members' digest and epoch)."""
+        """What names torch's group for this check (members' digest and epoch)."""
         return f"{self.members}#{self.epoch}"
 
 
 class CheckOutcome(str, enum.Enum):
-    """What a round ended in."""
+    """What a check ended in."""
 
     OK = "ok"
     MISMATCH = "mismatch"
@@ -201,8 +201,8 @@ class CheckOutcome(str, enum.Enum):
 class State(str, enum.Enum):
     """What a rank was last doing in hypergrid's group creation."""
 
-    WAITING = "waiting"  # published its entry for a round, waiting for the others
-    FAILED = "failed"  # its round failed (the error says why)
+    WAITING = "waiting"  # published its entry for a check, waiting for the others
+    FAILED = "failed"  # its check failed (the error says why)
     PASSED = "passed"  # issued a request without being a member of any of its groups
 
 
@@ -226,7 +226,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class Entry:
-    """A member's entry in a round: the epoch it read, what it asked for, and a digest of that
+    """A member's entry in a check: the epoch it read, what it asked for, and a digest of that
     (equal digests: equal requests)."""
 
     epoch: int
@@ -236,7 +236,7 @@ class Entry:
 
 @dataclass(frozen=True)
 class LastState:
-    """A rank's latest state. ``members``/``shown``/``epoch``: its round (empty and -1 for PASSED)."""
+    """A rank's latest state. ``members``/``shown``/``epoch``: its check (empty and -1 for PASSED)."""
 
     state: State
     members: str
@@ -245,7 +245,7 @@ class LastState:
     asked: Asked
     error: str = ""
     # Failed because ranks went different ways (not a timeout or torch error, after which a rank
-    # may retry the same request): it will not come back to this round.
+    # may retry the same request): it will not come back to this check.
     diverged: bool = False
 
     @property
@@ -259,7 +259,7 @@ class LastState:
 
 @dataclass(frozen=True)
 class Verdict:
-    """How a round ended, posted once and acted on by every member."""
+    """How a check ended, posted once and acted on by every member."""
 
     outcome: CheckOutcome
     message: str

@@ -1,17 +1,10 @@
 """Every thread hypergrid starts is ended before the interpreter tears itself down.
 
-Why: CPython ends the daemon threads still running at exit by ``pthread_exit`` as soon as one
-tries to take the GIL back after finalization has begun (Python 3.11 to 3.13). A thread that
-was inside a C++ call with the GIL released (a store call: ``add``, ``wait``, ``get``) takes it
-back in pybind11's ``gil_scoped_release`` destructor, which is ``noexcept``: the unwinding that
-``pthread_exit`` starts there ends in ``std::terminate`` ("terminate called without an active
-exception") and the process dies with SIGABRT after the job finished. With the store answering
-in 50 ms, 10 exits out of 10 ended so, on torch 2.13 and 2.15, before this module existed.
-
-So each thread hypergrid starts is registered here as a :class:`Service` (how to ask it to stop,
-how to wait for it), and one ``atexit`` hook, which runs while the interpreter is still whole,
-stops every registered service and waits for it, each wait bounded: a thread inside a store call
-comes back from it in the call's time, and then leaves on its own instead of at finalization.
+CPython ends daemon threads still running at exit by ``pthread_exit`` when one takes the GIL back
+during finalization (Python 3.11 to 3.13). A thread in a store call takes it back in pybind11's
+``noexcept`` ``gil_scoped_release`` destructor, so the unwinding ends in ``std::terminate`` and
+the finished job dies with SIGABRT. So each thread is registered as a :class:`Service`, and one
+``atexit`` hook, run while the interpreter is whole, stops them all and waits for each, bounded.
 
 Example::
 
@@ -36,8 +29,8 @@ __all__ = ["Service", "register", "unregister", "stop_all", "STOP_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
-#: How long the exit hook waits for all services together: a store call in flight comes back
-#: well within it unless the store's host is gone, and then the process leaves anyway.
+#: How long the exit hook waits for all services together (a store call comes back well within
+#: it unless the store's host is gone, and then the process leaves anyway).
 STOP_WAIT_S = 10.0
 
 
