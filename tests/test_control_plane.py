@@ -435,10 +435,8 @@ def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_on
     sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))  # nobody has read it yet
     sim.monitors[0].detach()  # the delegate goes before it read it
     follower, late = sim.monitors[1], sim.monitors[2]
-    follower.on_ready(follower.readers()[0])  # end of file: it leads now, and waits on the board
-    assert follower.board is not None
-    assert select.select([follower.board.fileno()], [], [], 5)[0]
-    follower.on_ready(follower.board.fileno())  # the event was there: read, its position is 1
+    follower.on_ready(follower.readers()[0])  # end of file: it leads now, reads event 0, waits on the board
+    assert follower.board is not None and follower.job.next_event == 1
     late.on_ready(late.readers()[0])  # end of file: it follows the new delegate
     assert late.board is None and follower.relay.listener is not None
     follower.on_ready(follower.relay.listener.fileno())  # the delegate takes it and says "at 1"
@@ -492,6 +490,42 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     follower.tick(now=2.0)  # it tries again at each tick, and beats meanwhile
     assert follower.board is None
     assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key(channel.namespace, 1), 0) == 2
+    follower.close()
+    silent.close()
+
+
+def test_a_leader_elected_as_its_predecessor_s_rank_ended_hears_that_entry_before_any_new_connection(server):
+    """A node's delegate whose rank ends publishes the loss and leaves; the follower elected in its
+    place reads the entry on the connection it has, not on the board's new one, which the store
+    may take seconds to answer (torch's server looks every new client's address up by name)."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # takes connections and never answers: every new connection is late
+    channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)
+    heard: dict[int, list] = {0: [], 1: []}
+
+    def monitor(rank):
+        config = MonitorConfig("127.0.0.1", server.port, channel.namespace, rank, 1.0, connect_timeout_s=0.5)
+        made = RankMonitor(config, forward=heard[rank].append, now=0.0,
+                           connect=_first_then_new(WireStore.connect("127.0.0.1", server.port, timeout_s=30),
+                                                   lambda: made.config.port))
+        made.attach(JobSpec(channel, ((0, 2),), 2))
+        return made
+
+    delegate, follower = monitor(0), monitor(1)
+    assert delegate.board is not None and follower.board is None
+    follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
+    delegate.parent_ended()  # rank 0 ended: its monitor published it and left, nothing relayed
+    follower.on_ready(follower.readers()[0])  # end of file: it leads, its board connection not made
+    assert follower.relay.delegates and follower.board is None
+    assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]
+    follower.config = dataclasses.replace(follower.config, port=server.port)  # the store takes connections again
+    follower.tick(now=1.0)  # connects to the board at its next tick, and waits past the entry it has
+    assert follower.board is not None and follower.job.next_event == 1
+    assert not select.select([follower.board.fileno()], [], [], 0.5)[0]
+    assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]  # heard once
     follower.close()
     silent.close()
 

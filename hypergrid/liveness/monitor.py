@@ -239,9 +239,19 @@ class RankMonitor:
     def _open_board(self, fatal: bool = False) -> None:
         """Connect to the board (however late the store takes the connection) and wait on its next
         event. Unless ``fatal`` (as the job is attached), a delegate that could not connect tries
-        again at its next tick."""
+        again at its next tick.
+
+        A monitor that takes the board over while the job runs (elected, or gone alone) first
+        reads what was published since its position on the connection it has: often its
+        predecessor's last entry, its own rank's end. torch's store server looks up every new
+        client's address by name on the thread that answers everyone (a resolver that drops a
+        query holds it 5 s), so the entry must not wait for a new connection."""
         job = self.job
         assert job is not None
+        if not fatal:
+            published = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
+            assert published is not None
+            self._catch_up(job, published)
         try:
             board = self.link.connection(self.config.connect_timeout_s)
         except (OSError, StoreProtocolError):
@@ -315,12 +325,16 @@ class RankMonitor:
     def _catch_up(self, job: _Job, position: int) -> None:
         """Read from the store the entries before ``position`` that this monitor has not had (it
         joined the relay after its delegate read them, or changed delegate, or started again
-        behind it): rare, a get each. Every entry before a delegate's position was read by it, so
-        it is written: a read the store answers late is waited for, none is passed over."""
+        behind it, or took the board over): rare, a get each. Every entry before a delegate's
+        position (or the board's count) is written: a read the store answers late is waited for,
+        none is passed over. A delegate hands each to its followers, as the board's."""
         while job.next_event < position:
-            payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(job.next_event)))
+            index = job.next_event
+            payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(index)))
             assert payload is not None
             job.next_event += 1
+            if self.relay is not None and self.relay.delegates:
+                self.relay.send(index, payload.decode())
             self._deliver_entry(payload)
 
     # ------------------------------------------------------------------ every interval
