@@ -43,8 +43,11 @@ _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
 _DELETE_KEY, _APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 8, 9, 10, 12, 13
 _MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
-#: How long one try at a connection waits for the ping's echo before it connects again (torch's
-#: servers take a new connection seconds late now and then: one in about 50 waited 5 s, here).
+#: How long one try at a connection waits for the ping's echo before it connects again. torch's
+#: servers take a new connection seconds late now and then: they look the new client's address up
+#: by name on the thread that answers every client, and a resolver that leaves the query
+#: unanswered holds the whole store for its timeout (5 s; here one lookup in about 50, the peer
+#: being ``::ffff:127.0.0.1`` on a dual-stack listener). A try made again would only queue behind it.
 _PING_TRY_S = 10.0
 _READY = 0
 
