@@ -245,7 +245,8 @@ class RankMonitor:
         reads what was published since its position on the connection it has: often its
         predecessor's last entry, its own rank's end. torch's store server looks up every new
         client's address by name on the thread that answers everyone (a resolver that drops a
-        query holds it 5 s), so the entry must not wait for a new connection."""
+        query holds it 5 s), so the entry must not wait for a new connection. The followers that
+        elected again with it have each entry as it does (:meth:`NodeRelay.send` takes them first)."""
         job = self.job
         assert job is not None
         if not fatal:
@@ -327,13 +328,14 @@ class RankMonitor:
         joined the relay after its delegate read them, or changed delegate, or started again
         behind it, or took the board over): rare, a get each. Every entry before a delegate's
         position (or the board's count) is written: a read the store answers late is waited for,
-        none is passed over. A delegate hands each to its followers, as the board's."""
+        none is passed over. A delegate hands each to its followers, as the board's (a follower's
+        relay has nobody to hand it to)."""
         while job.next_event < position:
             index = job.next_event
             payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(index)))
             assert payload is not None
             job.next_event += 1
-            if self.relay is not None and self.relay.delegates:
+            if self.relay is not None:
                 self.relay.send(index, payload.decode())
             self._deliver_entry(payload)
 

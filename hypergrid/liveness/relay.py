@@ -32,6 +32,7 @@ Example, two monitors of one node in this process::
     >>> first.delegates, second.delegates
     (True, False)
     >>> first.accept(position=3)                                   # the delegate will read entry 3 next
+    True
     >>> first.send(3, '{"kind": "lost"}'); first.keep_alive(4, "what it watches")
     >>> second.receive()                                           # doctest: +NORMALIZE_WHITESPACE
     [Relayed(index=3, payload=None, state=''), Relayed(index=3, payload='{"kind": "lost"}', state=''),
@@ -210,26 +211,32 @@ class NodeRelay:
         return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
 
     # ------------------------------------------------------------------ the delegate's side
-    def accept(self, position: int) -> None:
-        """Take a new follower (the listener is readable) and tell it ``position``."""
+    def accept(self, position: int) -> bool:
+        """Take a new follower (the listener is readable) and tell it ``position``. Whether one
+        was waiting (taken, or refused)."""
         if self.listener is None:
-            return
+            return False
         try:
             conn, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         try:
             if not _same_user(conn):
                 raise PermissionError("another user's process")
             conn.setblocking(False)  # a follower that does not take a line at once is dropped
         except OSError:
             conn.close()
-            return
+            return True
         self.followers[conn.fileno()] = conn
         self._send_to(conn, f"at {position}\n".encode())
+        return True
 
     def send(self, index: int, payload: str) -> None:
-        """Hand entry ``index`` to every follower."""
+        """Hand entry ``index`` to every follower, those waiting to be taken too (told ``index`` as
+        the position): a delegate just elected, its reads answered late, takes its followers at its
+        next look at them, and they must not read the entry from the store after it, one by one."""
+        while self.accept(position=index):
+            pass
         line = f"ev {index} {payload}\n".encode()
         for conn in list(self.followers.values()):
             self._send_to(conn, line)
