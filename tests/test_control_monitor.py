@@ -126,7 +126,7 @@ def test_bad_heartbeat_settings_are_refused_naming_the_value(kwargs, message):
 def test_settings_other_than_those_of_the_running_heartbeat_are_refused_naming_both(monkeypatch):
     from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: F401  (registers "fake")
 
-    from hypergrid.liveness import heartbeat as module
+    from hypergrid.liveness import plane as module  # start_heartbeat takes control_plane from there when called
     from hypergrid.liveness.heartbeat import running_heartbeat
 
     # Rank 0 of two, its monitor a real one on a real store; the fake backend has no control plane
@@ -215,7 +215,7 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
         store.set(channel.board_slot(index), encode(BoardEvent(EventKind.LOST, rank, reason, by=rank)))
 
     def holders() -> list[int]:
-        return [rank for rank, beat in enumerate(beats) if _store_connections(beat.pid, store.port) == 2]
+        return [rank for rank, beat in enumerate(beats) if _store_connections(beat.pid, store.port) == 3]  # beats, reads, board
 
     def until(check, seconds: float = 15.0) -> None:
         end = time.monotonic() + seconds

@@ -3,8 +3,9 @@ failed, the monitor's own store client against torch's, and the monitor's work a
 TCPStore with time given (no sleeping), up to a job of 2,048 simulated ranks.
 
 The whole processes (a monitor seeing its rank die, a held GIL, a clean exit) are in
-tests/test_control_monitor.py
-jobs of 8 and 16 ranks in tests/test_control_jobs.py.
+tests/test_control_monitor.py, the monitors of 16 to 64 stand-in ranks behind a store that
+answers late in tests/test_control_late_store.py, and jobs of 8 and 16 ranks in
+tests/test_control_jobs.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import torch.distributed as dist
 
 from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
 from hypergrid.liveness.ring import Ring, as_runs, from_runs
+from hypergrid.liveness.watch import Watch
 from hypergrid.recovery.quorum import RoundView, decide
 from hypergrid.store.keys import DEPARTED, JobChannel, beat_key
-from hypergrid.store.records import Arrival, BoardEvent, EventKind, encode_events
+from hypergrid.store.records import Arrival, BoardEvent, EventKind, decode_events, encode_events
 from hypergrid.store.tcpstore import StoreProtocolError, WireStore
 
 
@@ -138,6 +140,12 @@ def test_the_wire_client_and_torch_s_client_reach_the_same_keys_with_every_messa
     dist.PrefixStore("outer", dist.PrefixStore("inner", server)).set("k", "p")
     assert wire.get("inner/outer/k") == b"p"  # each layer puts its prefix in front, the innermost first
     wire.close()
+
+
+def test_a_connection_s_calls_wait_their_own_timeout_not_the_time_it_had_to_open(server):
+    quick = WireStore.connect("127.0.0.1", server.port, timeout_s=0.5, call_timeout_s=5.0)
+    assert quick.timeout_s == 5.0 and not quick.wait(["n/never"], 0.1) and quick.add("n/c", 1) == 1
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=3.0).timeout_s == 3.0  # the same, unless told
 
 
 def test_something_that_is_not_a_tcpstore_is_refused_naming_its_address():
@@ -427,10 +435,8 @@ def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_on
     sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))  # nobody has read it yet
     sim.monitors[0].detach()  # the delegate goes before it read it
     follower, late = sim.monitors[1], sim.monitors[2]
-    follower.on_ready(follower.readers()[0])  # end of file: it leads now, and waits on the board
-    assert follower.board is not None
-    assert select.select([follower.board.fileno()], [], [], 5)[0]
-    follower.on_ready(follower.board.fileno())  # the event was there: read, its position is 1
+    follower.on_ready(follower.readers()[0])  # end of file: it leads now, reads event 0, waits on the board
+    assert follower.board is not None and follower.job.next_event == 1
     late.on_ready(late.readers()[0])  # end of file: it follows the new delegate
     assert late.board is None and follower.relay.listener is not None
     follower.on_ready(follower.relay.listener.fileno())  # the delegate takes it and says "at 1"
@@ -467,7 +473,7 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)
 
     def monitor(rank, port):
-        config = MonitorConfig("127.0.0.1", port, channel.namespace, rank, 1.0)
+        config = MonitorConfig("127.0.0.1", port, channel.namespace, rank, 1.0, connect_timeout_s=0.5)
         made = RankMonitor(config, forward=lambda event: None, now=0.0,
                            connect=_first_then_new(WireStore.connect("127.0.0.1", server.port, timeout_s=30),
                                                    lambda: made.config.port))
@@ -478,7 +484,7 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     assert delegate.board is not None and follower.board is None
     follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
     delegate.detach()
-    follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect in half an interval
+    follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect within 0.5 s
     assert follower.relay.delegates and follower.board is None
     follower.tick(now=1.0)
     follower.tick(now=2.0)  # it tries again at each tick, and beats meanwhile
@@ -486,6 +492,94 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key(channel.namespace, 1), 0) == 2
     follower.close()
     silent.close()
+
+
+def test_a_leader_elected_as_its_predecessor_s_rank_ended_hears_that_entry_before_any_new_connection(server):
+    """A node's delegate whose rank ends publishes the loss and leaves; the follower elected in its
+    place reads the entry on the connection it has, not on the board's new one, which the store
+    may take seconds to answer (torch's server looks every new client's address up by name)."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)  # takes connections and never answers: every new connection is late
+    channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)
+    heard: dict[int, list] = {0: [], 1: []}
+
+    def monitor(rank):
+        config = MonitorConfig("127.0.0.1", server.port, channel.namespace, rank, 1.0, connect_timeout_s=0.5)
+        made = RankMonitor(config, forward=heard[rank].append, now=0.0,
+                           connect=_first_then_new(WireStore.connect("127.0.0.1", server.port, timeout_s=30),
+                                                   lambda: made.config.port))
+        made.attach(JobSpec(channel, ((0, 2),), 2))
+        return made
+
+    delegate, follower = monitor(0), monitor(1)
+    assert delegate.board is not None and follower.board is None
+    follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
+    delegate.parent_ended()  # rank 0 ended: its monitor published it and left, nothing relayed
+    follower.on_ready(follower.readers()[0])  # end of file: it leads, its board connection not made
+    assert follower.relay.delegates and follower.board is None
+    assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]
+    follower.config = dataclasses.replace(follower.config, port=server.port)  # the store takes connections again
+    follower.tick(now=1.0)  # connects to the board at its next tick, and waits past the entry it has
+    assert follower.board is not None and follower.job.next_event == 1
+    assert not select.select([follower.board.fileno()], [], [], 0.5)[0]
+    assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]  # heard once
+    follower.close()
+    silent.close()
+
+
+def test_a_look_past_a_lost_node_reads_the_ranks_after_it_together_one_round_trip_for_all():
+    ring = Ring.of(range(24), gpus_per_node=8)  # nodes visited 0, 2, 1: node 0 watches node 2, then node 1
+    watch, watched, calls = Watch(me=0, interval_s=1.0, stale_beats=5), {}, []
+
+    def read(ranks):
+        calls.append(list(ranks))
+        return [1] * len(ranks)
+
+    found = watch.look(read, ring, ring.on_node(0), set(range(16, 24)), watched, now=0.0)
+    # Node 2 lost: nothing of its to read; the ranks after its eight, node 1's, in one round trip.
+    assert found == [] and calls == [list(range(8, 16))] and sorted(watched) == list(range(8, 16))
+
+
+def test_a_resumed_monitor_reads_from_where_its_rank_had_reached_and_passes_no_entry_over(server):
+    sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
+    reached = []
+    sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))
+    sim.drain()
+    sim.monitors[2].close()  # rank 2's monitor ends, having handed entry 0 to its rank
+    sim.halted.add(2)
+    sim.monitors[1].publish(BoardEvent(EventKind.LOST, 8, "second", by=1))  # before another one starts
+    sim.drain()
+    config = MonitorConfig("127.0.0.1", server.port, sim.channel.namespace, 2, 1.0)
+    again = RankMonitor(config, forward=sim.heard[2].append, now=0.0,
+                        reached=lambda channel, position: reached.append((channel, position)))
+    again.attach(JobSpec(sim.channel, ((0, 3),), 3), first=1)  # the rank's heartbeat: resume 1
+    sim.monitors[2] = again
+    sim.halted.discard(2)
+    sim.drain()
+    assert [e.reason for e in sim.heard[2]] == ["first", "second"]
+    assert reached == [(sim.channel, 1), (sim.channel, 2)]  # where it starts, and after each entry
+    sim.tick(1.0)
+    assert [e.reason for e in sim.heard[2]] == ["first", "second"]  # once
+
+
+def test_a_stuck_delegate_s_watch_is_taken_over_by_one_follower_and_a_lost_node_published_once(server):
+    sim = _Sim(server, 24, node=8)  # nodes visited 0, 2, 1: node 0's delegate (rank 0) watches node 2
+    sim.tick(0.0)
+    sim.halted.add(0)  # rank 0's monitor is stuck: its sockets open, nothing read, sent or beaten
+    sim.halt(*range(16, 24))  # and node 2 is lost whole
+    for now in range(1, 11):
+        sim.tick(float(now))
+        watching = [r for r in range(1, 8) if sim.monitors[r].job.watched]
+        assert len(watching) == (0 if now <= 2 else 1), (now, watching)  # one, after two quiet ticks
+    assert sim.lost_heard_by_all(range(16, 24))
+    board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    entries = [decode_events(board.get(sim.channel.board_slot(i))) for i in range(board.add(sim.channel.board_count(), 0))]
+    node = [[e.rank for e in entry if e.rank >= 16] for entry in entries]
+    assert sorted(r for ranks in node for r in ranks) == list(range(16, 24)), entries  # each once
+    assert 1 <= sum(1 for ranks in node if ranks) <= 2, entries
 
 
 @pytest.mark.slow

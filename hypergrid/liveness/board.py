@@ -10,8 +10,8 @@ to its rank (:mod:`hypergrid.liveness.heartbeat`): an entry costs its publisher 
 each node two, whatever the job's size.
 
 What is published, and by whom: a rank lost, by its own monitor (its process ended, or made no
-progress for the progress timeout) or by the one watching it (its heartbeat stopped), rarely twice
-(readers take it as once); a rank counted out that offers itself back; a recovery round opened, by
+progress for the progress timeout) or by the one watching it (its heartbeat stopped), once: a
+monitor publishing a loss leaves out those the slots before its own hold (:func:`claim_slot`); a rank counted out that offers itself back; a recovery round opened, by
 its first arrival; and an outcome decided, by the rank that decided it: a round's verdict, its
 rebuild's end (:class:`~hypergrid.store.records.EventKind`).
 
@@ -45,14 +45,14 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any, Optional, Protocol, Union
 
 from ..errors import StoreUnresponsiveError
 from ..store.keys import JobChannel
 from ..store.records import BoardEvent, EventKind, decode_events, encode_events
 
-__all__ = ["BoardView", "BoardWriter", "put_entry"]
+__all__ = ["BoardView", "BoardWriter", "claim_slot", "put_entry"]
 
 #: How many decided outcomes a view remembers (the latest: a recovery waits on a few at a time).
 _OUTCOMES_KEPT = 64
@@ -96,6 +96,49 @@ def put_entry(store: BoardWriter, channel: JobChannel, payload: bytes, first: in
         index += 1
     store.set(channel.board_slot(index), payload)
     store.add(channel.board_count(), 1)
+    return index
+
+
+def claim_slot(store: BoardWriter, channel: JobChannel, events: Sequence[BoardEvent], first: int) -> Optional[int]:
+    """Put ``events`` on ``channel``'s board in the first free slot from ``first``, as
+    :func:`put_entry` does, less the losses that the slots it finds taken already hold (a loss the
+    board has is not published again, whoever found it: a node's delegate and a monitor that took
+    over its watch, or the rank's own monitor and its watcher); its index, or None where nothing
+    was left to publish. The entry is not counted: the caller adds 1 to the count once it has
+    (a claim tried again finds its own entry, the same bytes, and returns its slot).
+
+    Example::
+
+        >>> class Store(dict):
+        ...     def compare_set(self, key, expected, desired):
+        ...         return self.setdefault(key, desired)
+        ...     def set(self, key, value): self[key] = value
+        >>> store, channel = Store(), JobChannel("ns", "f00d", 0)
+        >>> def lost(*ranks, by): return [BoardEvent(EventKind.LOST, r, "stale", by=by) for r in ranks]
+        >>> claim_slot(store, channel, lost(8, by=0), 0), claim_slot(store, channel, lost(8, 9, by=1), 0)
+        (0, 1)
+        >>> [e.rank for e in decode_events(store[channel.board_slot(1)])], claim_slot(store, channel, lost(8, 9, by=2), 0)
+        ([9], None)
+    """
+    on_board: set[int] = set()
+    left = list(events)
+    index = first
+    while True:
+        payload = encode_events(left).encode()
+        held = store.compare_set(channel.board_slot(index), b"", payload)
+        if held == payload:
+            break
+        store.set(channel.board_slot(index), held)
+        for event in decode_events(held):
+            if event.kind is EventKind.LOST:
+                on_board.add(event.rank)
+            elif event.kind is EventKind.BACK:
+                on_board.discard(event.rank)
+        left = [e for e in left if not (e.kind is EventKind.LOST and e.rank in on_board)]
+        if not left:
+            return None
+        index += 1
+    store.set(channel.board_slot(index), payload)
     return index
 
 

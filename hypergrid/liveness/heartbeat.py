@@ -18,6 +18,10 @@ that ends without its interpreter's exit (SIGKILL, ``os._exit``) is seen by the 
 On the fake backend there is no store to beat in, and nothing starts; in a world of one rank,
 nobody could learn of its loss, and nothing starts either.
 
+Importing this module imports no torch (:func:`start_heartbeat` and :meth:`Heartbeat.stop` do,
+when called): a :class:`Heartbeat` over a plane given by address runs in a process without it
+(the control plane's tests start dozens of such stand-in ranks).
+
 Example, with no process group::
 
     >>> start_heartbeat() is None, running_heartbeat() is None
@@ -42,15 +46,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, Optional
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..store.records import BoardEvent, decode
 from ..store.shutdown import register
 from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
-from .plane import ControlPlane, control_plane
 from .poll import readable
+
+if TYPE_CHECKING:
+    from .plane import ControlPlane
 
 __all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
 
@@ -85,6 +89,9 @@ class Heartbeat:
         self.config = MonitorConfig(plane.address[0], plane.address[1], plane.namespace, rank, interval_s,
                                     stale_beats, progress_timeout_s, parent_pid=os.getpid())
         self.job: Optional[JobSpec] = None
+        #: The attached job's board position this rank has had every entry before (its monitor
+        #: says so after each): where a monitor started again starts reading (None: not told yet).
+        self.position: Optional[int] = None
         #: Whether the attached job still counts on this rank (False once it released its spares).
         self.job_running = False
         self._listeners: dict[str, Callable[[BoardEvent], None]] = {}
@@ -137,6 +144,8 @@ class Heartbeat:
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec) -> None:
         """Serve ``spec``'s job: watch in its ring, publish on its board, forward its events."""
+        if self.job is None or self.job.channel != spec.channel:
+            self.position = None
         self.job, self.job_running = spec, True
         self._send("job " + spec.to_json())
 
@@ -194,6 +203,11 @@ class Heartbeat:
                     listener(event)
                 except Exception:  # a listener's failure must not stop the heartbeat
                     logger.exception("rank %d: a listener of the job's events failed on %s", self.rank, event)
+        elif word == "at":  # the board's position, after the events before it (of the job attached now only)
+            board, _, position = rest.rpartition(" ")
+            job = self.job
+            if job is not None and board == job.channel.board_count():
+                self.position = int(position)
         elif word == "error":
             logger.error("rank %d: heartbeat monitor: %s", self.rank, rest)
 
@@ -207,8 +221,11 @@ class Heartbeat:
         except RuntimeError as exc:
             logger.error("%s; retrying", exc)
             return
-        if self.job is not None and self.job_running:
-            self._send("job " + self.job.to_json())
+        job, position = self.job, self.position
+        if job is not None and self.job_running:
+            # From where the last one had reached: the entries it read and this rank did not hear
+            # are read again, none is passed over.
+            self._send("job " + job.to_json() if position is None else f"resume {position} {job.to_json()}")
 
     # ------------------------------------------------------------------ the end
     def stop(self, clean: Optional[bool] = None) -> None:
@@ -217,6 +234,8 @@ class Heartbeat:
         if self._stopping.is_set():
             return
         if clean is None:
+            import torch.distributed as dist
+
             clean = not (self.job_running and dist.is_initialized())
         self._stopping.set()
         os.write(self._wake_w, b"x")
@@ -297,6 +316,10 @@ def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFA
             ...
         ValueError: progress_timeout_s must be a positive number of seconds, got -1
     """
+    import torch.distributed as dist
+
+    from .plane import control_plane
+
     global _current
     interval = _positive("interval_s", interval_s)
     progress = _positive("progress_timeout_s", progress_timeout_s)

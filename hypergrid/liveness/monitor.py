@@ -6,20 +6,22 @@ the rank's interpreter does (a C call holding the GIL for seconds, a SIGSTOP, a 
 the rank's process group) stops it. Every ``interval_s`` a node's monitors make two store
 requests per rank (one ``add`` each), whatever the job's size:
 
-- each adds 1 to its rank's heartbeat counter;
+- each adds 1 to its rank's heartbeat counter, from a thread of its own (:mod:`hypergrid.liveness.link`:
+  a delegate's reads and publications go on a connection apart, a follower's few calls take turns
+  with the beats), so that however late the store answers, its beats go out on time (a late
+  store cannot make a watcher look silent);
 - the node's relay delegate (:mod:`hypergrid.liveness.relay`) reads, for each rank of its node, the
   counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.liveness.ring`,
   on another node, and where nodes are short of ranks those after it on that node:
-  :meth:`~hypergrid.liveness.ring.Ring.watched_from`); a monitor alone (no relay, a delegate silent for more than two of its ticks,
-  or one that watches an older ring of the job) reads its own successor's. A counter that made
-  no beat for ``stale_beats`` intervals of the monitor's own clock (no clocks are compared across
-  hosts), counted from the look before the one that saw its last beat and over ``stale_beats``
-  looks (a watcher that could not run meanwhile saw nothing stand still), means that rank's node,
-  or its monitor, is gone: the watcher publishes the losses of one look in one entry, and watches
-  the next rank too. So a
-  rank silent for the bound is on the board by then (having been silent for between the bound
-  less one interval and the bound), the interval after it is left for the board's delivery, and
-  a node lost whole takes one or two entries of the board, not one per rank.
+  :meth:`~hypergrid.liveness.ring.Ring.watched_from`), and judges their silence
+  (:mod:`hypergrid.liveness.watch`): the losses found at one look are one entry of the board, so
+  a node lost whole takes one or two entries, not one per rank. A follower whose delegate said
+  nothing for more than two of its ticks (alive but stuck) does not watch for itself: one of the
+  node's followers takes the node's watch over (it holds the node's watch name,
+  :func:`~hypergrid.liveness.relay.hold`), and a loss the board has already is not published
+  again (:func:`~hypergrid.liveness.board.claim_slot`). A monitor with no relay (no abstract
+  sockets here), or one that watches a ring its delegate does not (a recovery its rank was told
+  of, the delegate's not), reads its own successor's counter.
 
 It sees its own rank's death from outside: the process it watches (its parent) ending is
 published at once (a ``pidfd`` becomes readable; where there is none, its parent pid is looked
@@ -38,9 +40,15 @@ there), waits on the next key, hands the entry to the node's other monitors (the
 also elects it) and forwards its events to its rank (which aborts its communicators,
 :class:`~hypergrid.recovery.abort.CollectiveWatch`): two requests per entry and node.
 
+A store that answers late is waited for: each call waits for its answer up to
+``connect_timeout_s`` (30 s), a failed connection is made again within that time, and only a
+store that did not answer for that long is given up (the rank's heartbeat then starts another
+monitor). No entry is passed over: the monitor tells its rank the board's position it has
+reached, and a monitor started again starts there (``resume``), not at the board's count.
+
 :class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
 the monitor process, or the control-plane benchmark's, which runs thousands of them against one
-real store.
+real store (there each beats at its tick, before its reads).
 
 Example, one rank's monitor against a store of torch's, its parent played by this process::
 
@@ -68,18 +76,21 @@ import json
 import os
 import select
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..store.keys import DEPARTED, JobChannel, beat_key
-from ..store.records import BoardEvent, EventKind, decode_events, encode, encode_events
+from ..store.keys import DEPARTED, JobChannel, beat_key, socket_name
+from ..store.records import BoardEvent, EventKind, decode_events, encode
 from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
-from .board import put_entry
-from .relay import NodeRelay, socket_name
+from .board import claim_slot
+from .link import STORE_ERRORS, StoreLink
+from .relay import NodeRelay, hold
 from .ring import Ring, from_runs
+from .watch import Watch, Watched
 
 __all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
 
@@ -93,7 +104,8 @@ STALE_BEATS = 5
 @dataclass(frozen=True)
 class MonitorConfig:
     """What a monitor needs: the store's address, the world's control namespace, its rank, the
-    heartbeat interval, the staleness bound in intervals and the progress timeout."""
+    heartbeat interval, the staleness bound in intervals, the progress timeout, and how long the
+    store may take to take a connection or to answer a call before the monitor gives it up."""
 
     host: str
     port: int
@@ -135,28 +147,12 @@ class JobSpec:
 
 
 @dataclass
-class _Watched:
-    value: int
-    #: When the counter's last beat may have come at the earliest: the look before the one that
-    #: first found ``value`` (the beat came between the two), or that first look where there was
-    #: none before it.
-    since: float
-    #: When a look first found ``value``: the beat came at this moment at the latest.
-    first_seen: float
-    #: When the watcher last looked.
-    last_look: float
-    #: How many looks found the counter at ``value``: a watcher that did not run for a while (an
-    #: overloaded host) has not seen the counter stand still, it has not looked.
-    looks: int = 1
-
-
-@dataclass
 class _Job:
     spec: JobSpec
     ring: Ring
     next_event: int
     lost: dict[int, str] = field(default_factory=dict)
-    watched: dict[int, _Watched] = field(default_factory=dict)
+    watched: dict[int, Watched] = field(default_factory=dict)
 
 
 class RankMonitor:
@@ -164,25 +160,33 @@ class RankMonitor:
     :meth:`on_ready` when one of :meth:`readers` is readable, :meth:`progress` on each tick of the
     rank's interpreter, :meth:`parent_ended` when the rank's process is gone.
 
-    ``forward`` receives every event of the board (in the monitor process: sent to the rank).
+    ``forward`` receives every event of the board (in the monitor process: sent to the rank), and
+    ``reached`` the board's position after each entry handed over (and where the job's reading
+    starts). Its beats are made by :meth:`tick`, unless a thread of their own makes them
+    (``link.start_beats()``, :class:`~hypergrid.liveness.link.StoreLink`).
     """
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
-                 connect: Optional[Callable[[float], WireStore]] = None) -> None:
+                 connect: Optional[Callable[[float], WireStore]] = None,
+                 reached: Optional[Callable[[JobChannel, int], None]] = None) -> None:
         self.config = config
         self._forward = forward
+        self._reached = reached
         # Where its connections come from (a timeout in, a connection out): the store's address by
         # default; a caller that hosts many monitors (or a proxy in front of the store) gives its own.
-        self._connect: Callable[[float], WireStore] = connect or (
-            lambda timeout_s: WireStore.connect(self.config.host, self.config.port, timeout_s=timeout_s))
-        # Beats, reads and publications: one round trip each.
-        self.store = self._connect(config.connect_timeout_s)
+        # Beats, reads and publications: one round trip each, waited for however late.
+        self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
+                              give_up_s=config.connect_timeout_s, beat_key=beat_key(config.namespace, config.rank),
+                              interval_s=config.interval_s)
+        self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
+        self._names: tuple[str, int] = ("", 0)  # what names the node's relay and watch: the board, the node
+        self._watch_lock: Optional[socket.socket] = None  # held: this follower watches for the node
         self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
         # What the node's delegate last told of its watch: the digest of its job spec (a follower
         # whose spec differs watches for itself), and the counters it watched, which this monitor
-        # takes over once it watches (it was elected, or went alone).
+        # takes over once it watches (it was elected, or took the watch over).
         self._delegate_spec: Optional[str] = None
         self._delegate_watched: Optional[list[list[float]]] = None
         self.job: Optional[_Job] = None
@@ -190,15 +194,28 @@ class RankMonitor:
         self.hung_published = False
         self.closed = False
 
+    def _read(self, ranks: Sequence[int]) -> list[int]:
+        """The heartbeat counters of ``ranks``, in one round trip."""
+        keys = [beat_key(self.config.namespace, r) for r in ranks]
+        read = self.link.call(lambda store: store.add_many(keys, 0))
+        assert read is not None
+        return read
+
     # ------------------------------------------------------------------ the job
-    def attach(self, spec: JobSpec) -> None:
-        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery)."""
+    def attach(self, spec: JobSpec, first: Optional[int] = None) -> None:
+        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery),
+        reading its board from entry ``first`` (a monitor started again: where its rank's last
+        one had reached) or else from the board's count."""
         if self.job is not None and self.job.spec.channel == spec.channel:
             self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), self.job.next_event, self.job.lost)
             return
         self._leave_board()
-        first = self.store.add(spec.channel.board_count(), 0)
+        if first is None:
+            first = self.link.call(lambda store: store.add(spec.channel.board_count(), 0))
+            assert first is not None
         self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), first)
+        if self._reached is not None:
+            self._reached(spec.channel, first)
         self._join_board(first=True)
 
     def detach(self) -> None:
@@ -212,29 +229,46 @@ class RankMonitor:
         job = self.job
         assert job is not None
         node = self.config.rank // max(1, job.spec.gpus_per_node)
-        board = f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}"
-        self.relay = NodeRelay.join(socket_name("relay", board, node))
+        self._names = (f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}", node)
+        self.relay = NodeRelay.join(socket_name("relay", *self._names))
         self._delegate_quiet = 0
         self._delegate_spec = None
         if self.relay.delegates:
-            self._open_board(within_s=None if first else self.config.interval_s / 2)
+            self._open_board(fatal=first)
 
-    def _open_board(self, within_s: Optional[float]) -> None:
-        """Connect to the board and wait on its next event. ``within_s``: a delegate elected while the
-        job runs tries for that long only, and again at its next tick, so that its own beats go on
-        (a store takes a new connection seconds late now and then, and a monitor that stops beating
-        for the staleness bound is published as lost)."""
+    def _open_board(self, fatal: bool = False) -> None:
+        """Connect to the board (however late the store takes the connection) and wait on its next
+        event. Unless ``fatal`` (as the job is attached), a delegate that could not connect tries
+        again at its next tick.
+
+        A monitor that takes the board over while the job runs (elected, or gone alone) first
+        reads what was published since its position on the connection it has: often its
+        predecessor's last entry, its own rank's end. torch's store server looks up every new
+        client's address by name on the thread that answers everyone (a resolver that drops a
+        query holds it 5 s), so the entry must not wait for a new connection. The followers that
+        elected again with it have each entry as it does (:meth:`NodeRelay.send` takes them first)."""
         job = self.job
         assert job is not None
-        if within_s is None:
-            board = self._connect(self.config.connect_timeout_s)
-        else:
-            try:
-                board = self._connect(within_s)
-            except (OSError, StoreProtocolError):
-                return
+        if not fatal:
+            published = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
+            assert published is not None
+            self._catch_up(job, published)
+        try:
+            board = self.link.connection(self.config.connect_timeout_s)
+        except (OSError, StoreProtocolError):
+            if fatal:
+                raise
+            return
         self.board = board
-        board.start_wait([job.spec.channel.board_slot(job.next_event)])
+        try:
+            board.start_wait([job.spec.channel.board_slot(job.next_event)])
+        except STORE_ERRORS:
+            self._drop_board()
+
+    def _drop_board(self) -> None:
+        if self.board is not None:
+            self.board.close()
+            self.board = None
 
     def _go_alone(self) -> None:
         """Stop counting on the node's delegate (it said nothing for the staleness bound: alive but
@@ -242,15 +276,14 @@ class RankMonitor:
         assert self.relay is not None
         self.relay.close()
         self.relay = NodeRelay(None, None)
-        self._open_board(within_s=self.config.interval_s / 2)
+        self._open_board()
 
     def _leave_board(self) -> None:
         if self.relay is not None:
             self.relay.close()
             self.relay = None
-        if self.board is not None:
-            self.board.close()
-            self.board = None
+        self._drop_board()
+        self._release_watch()
 
     def readers(self) -> list[int]:
         """The descriptors whose readiness :meth:`on_ready` handles: the board's wait, the relay's."""
@@ -292,39 +325,39 @@ class RankMonitor:
 
     def _catch_up(self, job: _Job, position: int) -> None:
         """Read from the store the entries before ``position`` that this monitor has not had (it
-        joined the relay after its delegate read them, or changed delegate): rare, a get each.
-
-        Every entry before a delegate's position was read by it, so it is written; the read waits
-        half an interval at most all the same (an entry not had then is passed over), so that a
-        store slow to answer does not hold the monitor's beats back."""
+        joined the relay after its delegate read them, or changed delegate, or started again
+        behind it, or took the board over): rare, a get each. Every entry before a delegate's
+        position (or the board's count) is written: a read the store answers late is waited for,
+        none is passed over. A delegate hands each to its followers, as the board's (a follower's
+        relay has nobody to hand it to)."""
         while job.next_event < position:
-            key = job.spec.channel.board_slot(job.next_event)
+            index = job.next_event
+            payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(index)))
+            assert payload is not None
             job.next_event += 1
-            try:
-                payload = self.store.get(key, within_s=self.config.interval_s / 2)
-            except StoreTimeout:
-                continue
+            if self.relay is not None:
+                self.relay.send(index, payload.decode())
             self._deliver_entry(payload)
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
-        """Beat, look at the watched ranks, and judge the rank's own progress."""
-        self.store.add(beat_key(self.config.namespace, self.config.rank), 1)
+        """Beat (unless apart), look at the watched ranks, and judge the rank's own progress."""
+        if not self.link.beating:
+            self.link.beat()
         job = self.job
         if job is None:
             return
         relay = self.relay
         if relay is not None and relay.delegates:
             if self.board is None:  # elected, and its connection to the board not made yet
-                self._open_board(within_s=self.config.interval_s / 2)
+                self._open_board()
+            self._keep_alive(job)  # before its reads too: however late the store answers them
         elif relay is not None:
             self._delegate_quiet += 1
             if self._delegate_quiet > self.config.stale_beats + 1:
                 self._go_alone()
         self._watch(job, now)
-        relay = self.relay
-        if relay is not None and relay.delegates and relay.followers:  # after the watch: what it saw now
-            relay.keep_alive(job.next_event, self._watch_state(job))
+        self._keep_alive(job)  # after the watch: what it saw now
         quiet = now - self.last_progress
         if quiet >= self.config.progress_timeout_s and not self.hung_published:
             self.hung_published = True
@@ -338,134 +371,103 @@ class RankMonitor:
         self.last_progress = now
         self.hung_published = False
 
-    def _watch(self, job: _Job, now: float) -> None:
-        """Read the counters this monitor watches, and publish those found lost, in one entry.
+    def _keep_alive(self, job: _Job) -> None:
+        """A delegate tells its followers its position, its spec's digest and what it saw of the
+        counters it watches (:meth:`Watch.state`)."""
+        relay = self.relay
+        if relay is not None and relay.delegates and relay.followers:
+            state = {"spec": job.spec.digest, "watched": Watch.state(job.watched)}
+            relay.keep_alive(job.next_event, json.dumps(state, separators=(",", ":")))
+
+    def _starts(self, job: _Job) -> list[int]:
+        """The ranks whose watched ranks this monitor reads (:meth:`Ring.watched_from`).
 
         A node's relay delegate watches for the whole node: the successor of each of the node's
-        ranks. So a node lost whole is found by the one delegate of the node before it in the ring, at one or
-        two of its looks (its ranks' last beats came within one interval), and published in one
-        or two entries, not eight: the board's delivery is the store's work per entry. A follower
-        whose delegate speaks watches nothing; one alone (no relay here, or its delegate silent for
-        more than two of its ticks, or one whose spec differs: a recovery it was not told of)
-        watches its own successor.
-        """
-        me, ring = self.config.rank, job.ring
-        relay = self.relay
-        following = (relay is not None and not relay.delegates and self._delegate_quiet <= 2
-                     and self._delegate_spec in (None, job.spec.digest))
-        for_node = relay is not None and relay.delegates and relay.listener is not None
-        # A delegate watches for its node's ranks of the job, whether its own rank is one or not,
-        # and for those lost too: the successor of a rank of its node lost alone is watched from
-        # another node so (and from its own, by the lost rank's watcher, walking past it: its loss
-        # may be published twice, which readers take as once; but a node lost whole with it is
-        # seen at once, not a bound later).
-        starts = ring.on_node(me // ring.gpus_per_node) if for_node else [me] if me in ring else []
-        if len(ring) < 2 or following or not starts:
+        ranks (whether its own rank is in the job or not, and for those lost too: the successor
+        of a rank of its node lost alone is watched from another node so). So a node lost whole is
+        found by the one delegate of the node before it in the ring, at one or two of its looks
+        (its ranks' last beats came within one interval), and published in one or two entries, not
+        eight: the board's delivery is the store's work per entry. A follower whose delegate
+        speaks watches nothing; one whose delegate said nothing for more than two of its ticks
+        watches for the node if it holds the node's watch name (one follower does), else nothing;
+        one alone (no relay here) or whose spec differs (a recovery its delegate was not told of)
+        watches its own successor."""
+        me, ring, relay = self.config.rank, job.ring, self.relay
+        mine = [me] if me in ring else []
+        if relay is None:
+            return mine
+        node = ring.on_node(me // ring.gpus_per_node)
+        if relay.delegates and relay.listener is not None:
+            self._release_watch()
+            return node
+        if self._delegate_spec not in (None, job.spec.digest):
+            return mine
+        if not relay.delegates and self._delegate_quiet <= 2:
+            self._release_watch()
+            return []
+        if self._watch_lock is None:
+            try:
+                self._watch_lock = hold(socket_name("watch", *self._names))
+            except OSError:  # no names to hold here: on its own
+                return mine
+        return node if self._watch_lock is not None else []
+
+    def _release_watch(self) -> None:
+        if self._watch_lock is not None:
+            self._watch_lock.close()
+            self._watch_lock = None
+
+    def _watch(self, job: _Job, now: float) -> None:
+        """Read the counters this monitor watches (:mod:`~hypergrid.liveness.watch`), and publish
+        those found lost, in one entry."""
+        starts = self._starts(job)
+        if len(job.ring) < 2 or not starts:
             job.watched.clear()
             return
-        self._take_over(job)
-        # The successors' counters read together, one round trip (a node's eight in one); those
-        # past a lost or departed rank, rare, one at a time.
-        firsts = sorted({r for start in starts for r in ring.watched_from(start)} - job.lost.keys() - {me})
-        read = dict(zip(firsts, self.store.add_many([beat_key(self.config.namespace, r) for r in firsts], 0)))
-        visited: set[int] = set()
-        found: list[BoardEvent] = []
-        for start in starts:
-            self._walk(job, start, now, visited, found, read)
-        for rank in [r for r in job.watched if r not in visited]:
-            del job.watched[rank]
+        told, self._delegate_watched = self._delegate_watched, None
+        Watch.take_over(job.watched, told, job.ring)
+        self.link.watching()
+        found = self._watch_rule.look(self._read, job.ring, starts, job.lost, job.watched, now)
+        for event in found:
+            job.lost[event.rank] = event.reason
         if found:
             self.publish(*found)
-
-    def _watch_state(self, job: _Job) -> str:
-        """What a delegate tells its followers of its watch, with its position: its spec's digest
-        and what it saw of each counter (times of the host's monotonic clock, which the node's
-        monitors share)."""
-        watched = [[rank, w.value, w.since, w.first_seen, w.last_look, w.looks] for rank, w in job.watched.items()]
-        return json.dumps({"spec": job.spec.digest, "watched": watched}, separators=(",", ":"))
-
-    def _take_over(self, job: _Job) -> None:
-        """Continue from what the node's last delegate saw of the counters this monitor now watches
-        (it was elected, or went alone): a rank lost just before a delegate changed is published
-        within the bound of its last beat still, not a bound after the change."""
-        told, self._delegate_watched = self._delegate_watched, None
-        for rank, value, since, first_seen, last_look, looks in told or []:
-            if int(rank) in job.ring and int(rank) not in job.watched:
-                job.watched[int(rank)] = _Watched(int(value), since=since, first_seen=first_seen, last_look=last_look,
-                                                  looks=int(looks))
-
-    def _walk(self, job: _Job, start: int, now: float, visited: set[int], found: list[BoardEvent],
-              read: dict[int, int]) -> None:
-        """Look at the counters :meth:`Ring.watched_from` ``start`` (``read``: counters read
-        already): its successor's, and past a lost or departed one the next one's too. Those
-        found lost go to ``found``."""
-        me, ring, stale_after = self.config.rank, job.ring, self.config.stale_after_s
-        candidate = ring.successor(start)
-        while candidate not in (me, start) and candidate not in visited:
-            visited.add(candidate)
-            following = ring.successor(candidate)
-            if candidate in job.lost:
-                candidate = following
-                continue
-            value = read.pop(candidate) if candidate in read else self.store.add(
-                beat_key(self.config.namespace, candidate), 0)
-            seen = job.watched.get(candidate)
-            if value < 0:  # it left cleanly: nobody's loss
-                candidate = following
-                continue
-            if seen is None or seen.value != value:
-                job.watched[candidate] = _Watched(value, since=now if seen is None else seen.last_look, first_seen=now,
-                                                  last_look=now)
-            else:
-                seen.looks += 1
-                seen.last_look = now
-                # Judged from the earliest moment the last beat may have come, so that a rank
-                # silent for the bound is published by then (its silence is between the bound less
-                # one interval and the bound), and the board's delivery has the interval after it.
-                # The looks count the intervals (a watcher that stalled before it saw the last beat
-                # has a ``since`` long past, but still needs its looks since); the clock only
-                # guards against looks that came too fast. Half an interval of slack: two ticks' own
-                # lateness differ, and a bound met to the microsecond would otherwise cost a whole
-                # further interval half of the time.
-                if seen.looks >= self.config.stale_beats and now - seen.since >= stale_after - self.config.interval_s / 2:
-                    job.lost[candidate] = "stale"
-                    found.append(BoardEvent(EventKind.LOST, candidate, (
-                        f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} "
-                        f"s ago (the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
-                    candidate = following
-                    continue
-            # Alive as far as seen: the rank after it is its watcher's, unless it is on this one's
-            # node (only some nodes have its local index), where it would be watched from a node
-            # lost with it.
-            if not ring.run_goes_on(candidate, following, start):
-                return
-            candidate = following
 
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:
         """Put ``events`` on the job's board, in one entry (nothing where no job is served), in
-        the first free slot from the next this monitor would read (:func:`~hypergrid.store.keys.put_entry`)."""
+        the first free slot from the next this monitor would read, less the losses the board
+        already has (:func:`~hypergrid.liveness.board.claim_slot`), then count it."""
         job = self.job
-        if job is not None:
-            put_entry(self.store, job.spec.channel, encode_events(events).encode(), job.next_event)
+        if job is None:
+            return
+        channel, first = job.spec.channel, job.next_event
+        if self.link.call(lambda store: claim_slot(store, channel, events, first)) is not None:
+            self.link.call(lambda store: store.add(channel.board_count(), 1), again=False)
 
     def on_board(self) -> None:
         """The board connection is readable: its wait was answered, the entry it waited for is on
         the board. Read it, wait on the next one, forward its events: two requests per entry,
         whatever came before (an entry already published answers the new wait at once, and brings
-        the monitor back here)."""
+        the monitor back here). A read the store answers late is waited for; one that fails is
+        made again on a new connection (its wait answered at once)."""
         job, board = self.job, self.board
         if job is None or board is None:
             return
         channel = job.spec.channel
-        if not board.waiting:  # nothing asked yet: ask (answered at once where the event is there)
-            board.start_wait([channel.board_slot(job.next_event)])
-            return
-        board.finish_wait()
         index = job.next_event
-        payload = board.read(channel.board_slot(index))
+        try:
+            if not board.waiting:  # nothing asked yet: ask (answered at once where the event is there)
+                board.start_wait([channel.board_slot(index)])
+                return
+            board.finish_wait()
+            payload = board.read(channel.board_slot(index))
+            board.start_wait([channel.board_slot(index + 1)])
+        except STORE_ERRORS:
+            self._drop_board()
+            self._open_board()
+            return
         job.next_event += 1
-        board.start_wait([channel.board_slot(job.next_event)])
         if self.relay is not None:
             self.relay.send(index, payload.decode())
         self._deliver_entry(payload)
@@ -473,6 +475,8 @@ class RankMonitor:
     def _deliver_entry(self, payload: bytes | str) -> None:
         for event in decode_events(payload):
             self.deliver(event)
+        if self.job is not None and self._reached is not None:
+            self._reached(self.job.spec.channel, self.job.next_event)
 
     def deliver(self, event: BoardEvent) -> None:
         """Take in one event of the job's board and forward it to the rank."""
@@ -495,13 +499,18 @@ class RankMonitor:
     def depart(self) -> None:
         """Mark the rank as left (nobody counts it lost) and stop."""
         if not self.closed:
-            self.store.add(beat_key(self.config.namespace, self.config.rank), DEPARTED)
+            self.link.stop_beats()
+            self.link.call(lambda store: store.add(beat_key(self.config.namespace, self.config.rank), DEPARTED))
             self.close()
 
     def close(self) -> None:
         self.closed = True
-        self.store.close()
+        self.link.close()
         self._leave_board()
+
+
+def _get(store: WireStore, key: str) -> bytes:
+    return store.get(key)
 
 
 # ---------------------------------------------------------------------- the process
@@ -549,7 +558,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C ends the rank, which ends this
     out = _ParentPipe(sys.stdout.fileno())
     try:
-        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic())
+        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic(),
+                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}"))
     except (OSError, StoreProtocolError) as exc:
         out.send(f"error the monitor could not reach the job's store at {config.host}:{config.port}: "
                  f"{type(exc).__name__}: {exc}")
@@ -559,6 +569,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inbox = b""
     next_tick = time.monotonic()
     out.send("ready")
+    monitor.link.start_beats()  # from now on its beats go out apart from its reads
     try:
         while True:
             now = time.monotonic()
@@ -602,6 +613,9 @@ def _handle(monitor: RankMonitor, line: str, now: float) -> bool:
         monitor.progress(now=now)
     elif word == "job":
         monitor.attach(JobSpec.from_json(rest))
+    elif word == "resume":  # a monitor started again: from where its rank's last one had reached
+        first, _, spec = rest.partition(" ")
+        monitor.attach(JobSpec.from_json(spec), first=int(first))
     elif word == "detach":
         monitor.detach()
     elif word == "bye":

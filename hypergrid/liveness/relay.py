@@ -8,7 +8,8 @@ of one store's time. Instead the monitors of one node (the same node index,
 keeps the node's one wait on the board and hands each entry it reads to the others over a local
 socket: the store's work per entry is the same for a node of 8 as for a rank. (The delegate also
 watches for its node, :mod:`hypergrid.liveness.monitor`; what it saw goes to the others with its
-position.) This is the only election among a node's processes.
+position.) The other name a node's monitors contend for is the watch's, taken by one follower only,
+while its delegate says nothing (:func:`hold`: the node's watch goes on without it, from one monitor).
 
 The election is a name (:func:`elect`): the first monitor to bind the node's abstract Unix
 socket (Linux's abstract namespace, one per host: nothing on disk to clean up, released when its
@@ -31,6 +32,7 @@ Example, two monitors of one node in this process::
     >>> first.delegates, second.delegates
     (True, False)
     >>> first.accept(position=3)                                   # the delegate will read entry 3 next
+    True
     >>> first.send(3, '{"kind": "lost"}'); first.keep_alive(4, "what it watches")
     >>> second.receive()                                           # doctest: +NORMALIZE_WHITESPACE
     [Relayed(index=3, payload=None, state=''), Relayed(index=3, payload='{"kind": "lost"}', state=''),
@@ -54,7 +56,7 @@ from typing import Optional
 
 from ..store.keys import socket_name
 
-__all__ = ["NodeRelay", "Relayed", "elect", "socket_name"]
+__all__ = ["NodeRelay", "Relayed", "elect", "hold", "socket_name"]
 
 #: How long a monitor keeps trying to bind or follow a name whose holder refuses it (it closes the
 #: name, or has bound it and not listened yet) before it waits on the board on its own.
@@ -98,6 +100,35 @@ def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], O
             pause = min(pause * 2, 0.01)
         except OSError:  # a holder that does not take the connection, or is another user's
             return None, None
+
+
+def hold(address: bytes) -> Optional[socket.socket]:
+    """Hold the abstract socket name ``address`` as a lock among a host's processes (bound, not
+    listening: nobody connects to it), released when its holder closes it or ends: the socket, or
+    None where another process holds it.
+
+    Raises:
+        OSError: no name can be held here (no abstract namespace).
+
+    Example::
+
+        >>> import uuid
+        >>> name = b"\\0hypergrid-doc-" + uuid.uuid4().hex.encode()
+        >>> held = hold(name); held is not None, hold(name)
+        (True, None)
+        >>> held.close(); again = hold(name); again is not None
+        True
+        >>> again.close()
+    """
+    lock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        lock.bind(address)
+    except OSError as exc:
+        lock.close()
+        if exc.errno == errno.EADDRINUSE:
+            return None
+        raise
+    return lock
 
 
 def _same_user(conn: socket.socket) -> bool:
@@ -180,26 +211,32 @@ class NodeRelay:
         return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
 
     # ------------------------------------------------------------------ the delegate's side
-    def accept(self, position: int) -> None:
-        """Take a new follower (the listener is readable) and tell it ``position``."""
+    def accept(self, position: int) -> bool:
+        """Take a new follower (the listener is readable) and tell it ``position``. Whether one
+        was waiting (taken, or refused)."""
         if self.listener is None:
-            return
+            return False
         try:
             conn, _ = self.listener.accept()
         except (BlockingIOError, InterruptedError):
-            return
+            return False
         try:
             if not _same_user(conn):
                 raise PermissionError("another user's process")
             conn.setblocking(False)  # a follower that does not take a line at once is dropped
         except OSError:
             conn.close()
-            return
+            return True
         self.followers[conn.fileno()] = conn
         self._send_to(conn, f"at {position}\n".encode())
+        return True
 
     def send(self, index: int, payload: str) -> None:
-        """Hand entry ``index`` to every follower."""
+        """Hand entry ``index`` to every follower, those waiting to be taken too (told ``index`` as
+        the position): a delegate just elected, its reads answered late, takes its followers at its
+        next look at them, and they must not read the entry from the store after it, one by one."""
+        while self.accept(position=index):
+            pass
         line = f"ev {index} {payload}\n".encode()
         for conn in list(self.followers.values()):
             self._send_to(conn, line)

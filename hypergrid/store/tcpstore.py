@@ -43,8 +43,11 @@ _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
 _DELETE_KEY, _APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 8, 9, 10, 12, 13
 _MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
-#: How long one try at a connection waits for the ping's echo before it connects again (torch's
-#: servers take a new connection seconds late now and then: one in about 50 waited 5 s, here).
+#: How long one try at a connection waits for the ping's echo before it connects again. torch's
+#: servers take a new connection seconds late now and then: they look the new client's address up
+#: by name on the thread that answers every client, and a resolver that leaves the query
+#: unanswered holds the whole store for its timeout (5 s; here one lookup in about 50, the peer
+#: being ``::ffff:127.0.0.1`` on a dual-stack listener). A try made again would only queue behind it.
 _PING_TRY_S = 10.0
 _READY = 0
 
@@ -62,7 +65,7 @@ def _string(data: bytes) -> bytes:
 
 
 class WireStore:
-    """One connection to a TCPStore server; every call waits for its answer up to ``timeout_s``.
+    """One connection to a TCPStore server; every call waits for its answer up to :attr:`timeout_s`.
 
     ``requests``, ``bytes_sent`` and ``bytes_received`` count what crossed it (for the
     control-plane benchmark, and to check the monitor's cost).
@@ -78,8 +81,11 @@ class WireStore:
         self._waiting = False
 
     @classmethod
-    def connect(cls, host: str, port: int, *, timeout_s: float) -> WireStore:
-        """Open a connection and check that the store answers as torch's TCPStore does.
+    def connect(cls, host: str, port: int, *, timeout_s: float, call_timeout_s: Optional[float] = None) -> WireStore:
+        """Open a connection within ``timeout_s`` and check that the store answers as torch's
+        TCPStore does. Its calls then wait up to ``call_timeout_s`` each (default: ``timeout_s``;
+        :attr:`timeout_s` changes it): how long a connection may take to open is not how long its
+        calls may take (a store that takes a new connection in a second may answer a call late).
 
         Raises:
             OSError: nothing accepts connections at ``host:port`` within ``timeout_s``.
@@ -91,7 +97,7 @@ class WireStore:
             attempt += 1
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            store = cls(sock, (host, port), min(timeout_s, _PING_TRY_S))
+            store = cls(sock, (host, port), max(0.05, min(deadline - time.monotonic(), _PING_TRY_S)))
             nonce = (os.getpid() * 7919 + attempt) & 0xFFFFFFFF
             try:
                 # As torch's client: the validation number, then a ping the server echoes, each a
@@ -111,9 +117,18 @@ class WireStore:
                 store.close()
                 raise StoreProtocolError(f"the store at {host}:{port} answered a ping with {echoed}, not {nonce}: "
                                          f"it does not speak torch's TCPStore protocol")
-            store._timeout_s = timeout_s
+            store._timeout_s = timeout_s if call_timeout_s is None else call_timeout_s
             store.requests = 1
             return store
+
+    @property
+    def timeout_s(self) -> float:
+        """How long each call waits for its answer (a wait given its own time excepted)."""
+        return self._timeout_s
+
+    @timeout_s.setter
+    def timeout_s(self, seconds: float) -> None:
+        self._timeout_s = seconds
 
     # ------------------------------------------------------------------ the bytes
     def fileno(self) -> int:

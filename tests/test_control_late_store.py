@@ -1,0 +1,216 @@
+"""The control plane keeps its word when the store answers late: no monitor dies of a slow read, no
+live rank is counted out, no entry of the board is skipped, a node's loss is one or two entries.
+
+Real processes: each rank a stand-in with no torch (``tests/liveness_rank.py``) running hypergrid's
+heartbeat, which starts its monitor process as in a job and restarts it when it ends; one real
+TCPStore, and in front of it a proxy (``tests/store_proxy.py``) that holds every request its
+clients send for a while: the monitors reach the store through it only. Nodes of 8 (a node's
+monitors elect their delegate on this host, as on a node of their own); a heartbeat every second,
+stale after 5.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+
+import pytest
+import torch.distributed as dist
+
+from hypergrid.liveness.board import put_entry
+from hypergrid.store.keys import JobChannel, beat_key, socket_name
+from hypergrid.store.records import BoardEvent, EventKind, decode_events, encode_events
+from hypergrid.store.tcpstore import WireStore
+from tests.store_proxy import StoreProxy
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+NODE, INTERVAL_S = 8, 1.0
+
+
+class _Job:
+    """``count`` stand-in ranks serving one job, through a proxy in front of one store."""
+
+    def __init__(self, tmp_path: Path, count: int) -> None:
+        self.count = count
+        self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=60))
+        self.proxy = StoreProxy(self.server.port)
+        self.namespace = f"hypergrid/late-store/{uuid.uuid4().hex[:12]}"
+        self.channel = JobChannel(self.namespace, "job", 0)
+        self.direct = WireStore.connect("127.0.0.1", self.server.port, timeout_s=30)  # the test's own, not held
+        self.logs = [tmp_path / f"rank{rank}.log" for rank in range(count)]
+        self.procs: dict[int, subprocess.Popen] = {}
+        for rank in range(count):
+            config = {"host": "127.0.0.1", "port": self.proxy.port, "namespace": self.namespace, "rank": rank,
+                      "ranks": count, "node": NODE, "interval": INTERVAL_S, "log": str(self.logs[rank])}
+            with open(tmp_path / f"rank{rank}.err", "w") as err:
+                self.procs[rank] = subprocess.Popen([sys.executable, "-S", "-m", "tests.liveness_rank", json.dumps(config)],
+                                                    stdin=subprocess.PIPE, stderr=err, cwd=ROOT)
+        self.killed: set[int] = set()
+
+    # ------------------------------------------------------------------ what the ranks wrote
+    def _lines(self, rank: int, word: str) -> list[list[str]]:
+        try:
+            text = self.logs[rank].read_text()
+        except FileNotFoundError:
+            return []
+        return [line.split()[1:] for line in text.splitlines() if line.startswith(word + " ")]
+
+    def monitors(self, rank: int) -> list[int]:
+        """The pids of the monitor processes rank ``rank``'s heartbeat ran, in order."""
+        return [int(fields[1]) for fields in self._lines(rank, "monitor")]
+
+    def heard(self, rank: int) -> list[tuple[float, str, int, int, str]]:
+        """(when, kind, rank, by, key) of each event rank ``rank`` heard."""
+        return [(float(t), kind, int(r), int(by), key) for t, kind, r, by, key in self._lines(rank, "heard")]
+
+    def live(self) -> list[int]:
+        return [rank for rank in range(self.count) if rank not in self.killed]
+
+    def board(self) -> list[list[BoardEvent]]:
+        """The board's entries, read from the store directly (the filled slots, in order)."""
+        entries = []
+        while self.direct.check([self.channel.board_slot(len(entries))]):
+            entries.append(decode_events(self.direct.get(self.channel.board_slot(len(entries)))))
+        return entries
+
+    def delegate(self, node: int) -> Optional[int]:
+        """The pid of the monitor that holds node ``node``'s relay (listens on its name), if any."""
+        name = socket_name("relay", f"127.0.0.1:{self.proxy.port}/{self.channel.board_count()}", node)
+        path = "@" + name[1:].decode()
+        inodes = {fields[6] for fields in (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+                  if len(fields) >= 8 and fields[7] == path and fields[3] == "00010000"}
+        for rank in range(node * NODE, min(self.count, (node + 1) * NODE)):
+            pids = self.monitors(rank)
+            if rank in self.killed or not pids:
+                continue
+            try:
+                fds = [os.readlink(fd) for fd in Path(f"/proc/{pids[-1]}/fd").iterdir()]
+            except OSError:
+                continue
+            if any(target[len("socket:["):-1] in inodes for target in fds if target.startswith("socket:[")):
+                return pids[-1]
+        return None
+
+    def until(self, check: Callable[[], bool], seconds: float, what: str) -> float:
+        """Wait until ``check()`` (every 0.05 s, ``seconds`` at most); when it held."""
+        end = time.monotonic() + seconds
+        while not check():
+            assert time.monotonic() < end, f"not within {seconds:g} s: {what}"
+            time.sleep(0.05)
+        return time.monotonic()
+
+    def settle(self) -> None:
+        """Every rank's monitor started and beating, and every node's delegate elected."""
+        self.until(lambda: all(self.monitors(r) for r in range(self.count)), 120, "every monitor started")
+        self.until(lambda: all(self.direct.add(beat_key(self.namespace, r), 0) >= 2 for r in range(self.count))
+                   and all(self.delegate(n) is not None for n in range(self.count // NODE)), 60,
+                   "every monitor beating and every node's delegate elected")
+
+    # ------------------------------------------------------------------ what the test does
+    def publish(self, event: BoardEvent) -> int:
+        return put_entry(self.direct, self.channel, encode_events([event]).encode(),
+                         self.direct.add(self.channel.board_count(), 0))
+
+    def kill_node(self, node: int) -> None:
+        """Node ``node`` lost whole: its monitors first (none sees its rank end), then its ranks."""
+        ranks = range(node * NODE, (node + 1) * NODE)
+        for rank in ranks:
+            os.kill(self.monitors(rank)[-1], signal.SIGKILL)
+        for rank in ranks:
+            self.procs[rank].kill()
+            self.killed.add(rank)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None and proc.stdin is not None:
+                proc.stdin.close()
+        end = time.monotonic() + 30
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, end - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.direct.close()
+        self.proxy.close()
+
+
+@pytest.fixture
+def job_of(tmp_path):
+    made: list[_Job] = []
+
+    def make(count: int) -> _Job:
+        made.append(_Job(tmp_path, count))
+        return made[-1]
+
+    yield make
+    for job in made:
+        job.close()
+
+
+def test_a_delegate_elected_while_every_request_is_held_600_ms_reads_on_and_every_rank_hears_the_entry(job_of):
+    # Node 0's delegate killed while every request takes 0.6 s: the follower elected in its place
+    # connects to the board and reads it at that pace (its connection's calls are not bounded by
+    # the time it had to open, nor is a read a reason to leave); the killed monitor's rank starts
+    # another, which reads from where its rank had reached, not from the board's count.
+    job = job_of(16)
+    job.settle()
+    job.proxy.hold_s = 0.6
+    victim = job.delegate(0)
+    assert victim is not None
+    victim_rank = next(r for r in range(NODE) if job.monitors(r)[-1] == victim)
+    os.kill(victim, signal.SIGKILL)  # its rank lives: its heartbeat starts another monitor
+    time.sleep(0.3)  # the node's followers elect another delegate, which opens its board connection
+    published = time.monotonic()
+    job.publish(BoardEvent(EventKind.DECIDED, -1, key="test/late", value="x", by=-1))
+    done = job.until(lambda: all(any(key == "test/late" for *_, key in job.heard(r)) for r in range(job.count)), 30,
+                     "every rank heard the entry")
+    time.sleep(2 * INTERVAL_S)  # a monitor that dies of a slow read dies now
+    assert {r: len(job.monitors(r)) for r in range(job.count) if len(job.monitors(r)) != 1} == {victim_rank: 2}
+    assert all(sum(key == "test/late" for *_, key in job.heard(r)) == 1 for r in range(job.count))  # once each
+    assert [e.kind for entry in job.board() for e in entry] == [EventKind.DECIDED]  # nobody counted out
+    print(f"\n16 ranks, requests held 0.6 s, node 0's delegate killed: every rank heard the entry "
+          f"{done - published:.1f} s after it was published (rank {victim_rank}'s new monitor included)")
+
+
+@pytest.mark.parametrize("count", [64])
+def test_a_node_lost_while_every_request_is_held_400_ms_is_heard_by_all_in_one_or_two_entries_and_no_one_else(
+        job_of, count):
+    # Every request takes 0.4 s from 3 s before node 1 is lost whole (monitors and all): the beats
+    # go out on time all the same (a monitor's own, apart from its reads), so nobody alive is
+    # counted out; node 1's watcher publishes the losses of one look in one entry, and the walk
+    # past them reads the ranks after them in one round trip.
+    job = job_of(count)
+    job.settle()
+    job.proxy.hold_s = 0.4
+    time.sleep(3.0)
+    lost_node = 1
+    lost = set(range(lost_node * NODE, (lost_node + 1) * NODE))
+    killed_at = time.monotonic()
+    job.kill_node(lost_node)
+
+    def heard_all() -> bool:
+        return all({r for _, kind, r, _, _ in job.heard(rank) if kind == "lost"} >= lost for rank in job.live())
+
+    done = job.until(heard_all, 27, "every survivor heard the node's 8 losses")
+    time.sleep(3 * INTERVAL_S)  # a second publication, or a live rank's, comes now
+    entries = job.board()
+    losses = [e.rank for entry in entries for e in entry if e.kind is EventKind.LOST]
+    assert set(losses) == lost, entries  # no live rank published lost
+    assert sorted(losses) == sorted(lost), entries  # each once
+    assert len(entries) <= 2, entries
+    assert all(len(job.monitors(r)) == 1 for r in job.live())  # no monitor exited
+    print(f"\n{count} ranks, requests held 0.4 s: every survivor heard the node's 8 losses "
+          f"{done - killed_at:.1f} s after the kill, in {len(entries)} entries")
