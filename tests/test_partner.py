@@ -8,6 +8,10 @@ node 4-5, no replica peer: ``replica_dim`` names a dim the grid does not have) w
 - node 1 (ranks 2 and 3) SIGKILLed mid-step: the spares take their positions and their shards
   from the copies ranks 0 and 1 held; every step's loss on every rank bit-equal to the same job
   with no failure;
+- the same with tensor parallel 2 x FSDP2 over dp 2 (tests/test_training.py's tensor-parallel
+  MLP, its tp group's custom autograd functions and its dropout seeded per tp rank; tp fastest,
+  so node 1 is dp index 1's whole tp group): each spare takes its tp shard's dp shard, its Adam
+  moments and its RNG from its partner's copy, bit-equal again;
 - ranks 1 and 3 (each the other's partner) SIGKILLed together: with a loader, every rank resumes
   from the loader's step (losses bit-equal to the run with no failure from there); without one,
   RecoveryRefused on every rank, naming the positions lost and who held their copies;
@@ -34,7 +38,7 @@ from hypergrid.training.partner import PartnerCopies, Source, ancestors, partner
 from hypergrid.training.state import Snapshot, digest
 from tests.harness import run_gloo
 from tests.test_mesh_refresh_gloo import _model
-from tests.test_training import mesh_job
+from tests.test_training import ParallelMLP, mesh_job
 
 STEPS, KILL_STEP, SAVE_STEP = 6, 3, 2
 DIM, HIDDEN, BATCH = 4, 8, 3
@@ -132,12 +136,26 @@ def test_partner_copies_keep_two_steps_and_settle_to_the_gate():
         copies.take(2, 2)
 
 
-# ---------------------------------------------------------------------- gloo: FSDP2 over dp 4
+# ---------------------------------------------------------------------- gloo: FSDP2 over dp 4, and tp 2 x dp 2
+def _tp_model(grid: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """tests/test_training.py's tensor-parallel MLP (tp 2), its dropout seeded per tp rank, with
+    FSDP2 over the grid's dp dim (the 1-D dp submesh of the grid's DeviceMesh)."""
+    import hypergrid
+    from torch.distributed.fsdp import fully_shard
+
+    tp_rank = grid.ranks("tp").index(dist.get_rank())
+    torch.manual_seed(2024 + tp_rank)
+    model = ParallelMLP(tp_rank)
+    fully_shard(model, mesh=hypergrid.device_mesh(grid, device_type="cpu")["dp"])
+    return model, torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+
+
 def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loader: bool = False,
-          corrupt: Optional[tuple[int, int, int]] = None) -> dict:
+          corrupt: Optional[tuple[int, int, int]] = None, tp: bool = False) -> dict:
     """dp 4 of FSDP2 on ranks 0-3, spares 4-5 (nodes of 2). ``kill``: ranks SIGKILLed after
     step ``KILL_STEP``'s forward; ``corrupt``: (holder, source, step): the holder flips one byte
-    of its copy of the source's snapshot of that step as it receives it."""
+    of its copy of the source's snapshot of that step as it receives it; ``tp``: tp 2 x dp 2
+    instead (tp fastest: node 0 holds dp index 0's tp group), :func:`_tp_model`."""
     import hypergrid
     from hypergrid.training import partner
 
@@ -152,11 +170,11 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
 
         partner.PartnerCopies.keep = flipping  # type: ignore[method-assign]
     hypergrid.start_heartbeat(interval_s=0.5)
-    job = mesh_job([4], ["dp"])  # no dp_replicate dim: each shard is held by one rank
+    job = mesh_job([2, 2], ["tp", "dp"]) if tp else mesh_job([4], ["dp"])  # no dp_replicate: one holder a shard
     ran: list[int] = []
 
     def setup(job: Any) -> Any:
-        model, optimizer = _model(hypergrid.device_mesh(job.state, device_type="cpu"))
+        model, optimizer = _tp_model(job.state) if tp else _model(hypergrid.device_mesh(job.state, device_type="cpu"))
         return hypergrid.TrainingState(model, optimizer)
 
     def step(job: Any, state: Any, step: int) -> float:
@@ -165,10 +183,11 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
             torch.save(state.capture(step), Path(folder) / f"{position}.pt")
         ran.append(step)
         (model,), (optimizer,) = state.models, state.optimizers
-        generator = torch.Generator().manual_seed(1000 * step + position)
+        generator = torch.Generator().manual_seed(1000 * step + (position // 2 if tp else position))  # by dp index
         x, y = torch.randn(BATCH, DIM, generator=generator), torch.randn(BATCH, DIM, generator=generator)
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        out = model(x, hypergrid.device_mesh(job.state, device_type="cpu").get_group("tp")) if tp else model(x)
+        loss = torch.nn.functional.mse_loss(out, y)
         if rank in kill and step == KILL_STEP:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: before the backward's reduce-scatter
         loss.backward()
@@ -198,17 +217,20 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
             "kinds": [r.kind for r in run.records]}
 
 
-def _reference(folder: str) -> dict[int, dict]:
-    results = run_gloo(_fsdp, 6, (), folder, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+def _reference(folder: str, *, tp: bool = False) -> dict[int, dict]:
+    results = run_gloo(functools.partial(_fsdp, tp=tp), 6, (), folder, timeout=240, pg_timeout_s=COLLECTIVE_S,
+                       leave_at_once=True)
     return {v["position"]: v for v in results if v.get("in_grid")}
 
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_fsdp2_through_a_node_loss_restores_the_shards_from_partner_copies_bit_equal(tmp_path):
-    expected = _reference(str(tmp_path))
-    results = run_gloo(_fsdp, 6, (2, 3), str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
-                       leave_at_once=True)
+@pytest.mark.parametrize("tp", [False, True], ids=["dp4", "tp2xdp2"])
+def test_fsdp2_through_a_node_loss_restores_the_shards_from_partner_copies_bit_equal(tmp_path, tp):
+    expected = _reference(str(tmp_path), tp=tp)
+    assert len({v["losses"][0] for v in expected.values()}) == (2 if tp else 4), expected  # tp ranks alike
+    results = run_gloo(functools.partial(_fsdp, tp=tp), 6, (2, 3), str(tmp_path), timeout=300,
+                       pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
     assert results[2][0] == "dead" and results[3][0] == "dead", results
     for rank in (0, 1, 4, 5):
         status, value = results[rank]
