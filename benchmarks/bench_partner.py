@@ -12,9 +12,17 @@ rank's shard of a model ``--ranks`` times larger holds). Per rank, the median of
 * ``exchange``: :meth:`~hypergrid.training.partner.PartnerCopies.exchange`, every rank at once:
   its snapshot sent to its partner, its partner's received into a reused buffer;
 * ``held``: the host memory of the copy a rank holds once the gate passed (its partner's latest).
+* ``dcp save``: ``torch.distributed.checkpoint.save`` of the same state (``get_state_dict``'s
+  model and optimizer) to local disk (``--folder``), each rank its own checkpoint (``no_dist``:
+  the state is the rank's alone);
+* ``restore``: :meth:`hypergrid.TrainingState.restore` from the copy received of the partner's
+  snapshot (digests checked), what a rank taking a lost position does after a node loss;
+* ``dcp load``: ``dcp.load`` of that rank's checkpoint then ``set_state_dict``, the same state
+  brought back from disk instead.
 
 Printed: the slowest rank's times and (digests + exchange) / step, the cost per step at
-``snapshot_every=1`` (divided by K at ``snapshot_every=K``).
+``snapshot_every=1`` (divided by K at ``snapshot_every=K``), then dcp save / step, and the restore
+beside the dcp load.
 
 Run::
 
@@ -28,17 +36,20 @@ import argparse
 import os
 import socket
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from bench_snapshot import model_of  # benchmarks/ is on the path when run as a script
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hypergrid
-from hypergrid.training.partner import PartnerCopies
+from hypergrid.training.partner import PartnerCopies, partner_map
 
 BATCH = 32
 
@@ -53,7 +64,7 @@ def median_s(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def rank_main(rank: int, world: int, port: int, millions: int, repeats: int, out: Any) -> None:
+def rank_main(rank: int, world: int, port: int, millions: int, repeats: int, folder: str, out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -88,9 +99,31 @@ def rank_main(rank: int, world: int, port: int, millions: int, repeats: int, out
         copies.settle(held[-1].step)  # the gate passed: the older copy's buffer is reused by the next
 
     exchange_s = median_s(exchange, repeats)
+    held_bytes, snapshot_bytes = copies.nbytes, held[-1].nbytes
+    del held[:-1]  # host memory for the checkpoint's buffers
+    saves = iter(range(10 * repeats))
+
+    def save() -> None:
+        model_sd, optim_sd = get_state_dict(model, [optimizer])
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=f"{folder}/{rank}/{next(saves)}",
+                 no_dist=True)
+
+    save_s = median_s(save, repeats)
+    source = next(r for r, holder in partner_map(list(range(world)), 1).items() if holder == rank)
+    copy = copies.take(source, held[-1].step)
+    restore_s = median_s(lambda: state.restore(copy), repeats)
+
+    def load() -> None:
+        model_sd, optim_sd = get_state_dict(model, [optimizer])
+        loaded = {"model": model_sd, "optimizer": optim_sd}
+        dcp.load(loaded, checkpoint_id=f"{folder}/{rank}/0", no_dist=True)
+        set_state_dict(model, [optimizer], model_state_dict=loaded["model"], optim_state_dict=loaded["optimizer"])
+
+    load_s = median_s(load, repeats)
     out.put((rank, {"params": sum(p.numel() for p in model.parameters()), "step_s": step_s,
                     "snapshot_s": snapshot_s, "digests_s": digests_s - snapshot_s, "exchange_s": exchange_s,
-                    "held_bytes": copies.nbytes, "snapshot_bytes": held[-1].nbytes}))
+                    "held_bytes": held_bytes, "snapshot_bytes": snapshot_bytes, "save_s": save_s,
+                    "restore_s": restore_s, "load_s": load_s}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -100,28 +133,32 @@ def main() -> None:
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--params", type=int, nargs="+", default=[10], help="millions of parameters per rank")
     parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--folder", default=None, help="where the dcp checkpoints go (default: a temporary folder)")
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {args.ranks} gloo ranks on {os.cpu_count()} CPUs, batch {BATCH}, Adam")
     print(f"{'params':>8} {'step':>8} {'snapshot':>9} {'+digests':>9} {'exchange':>9} {'(d+x)/step':>10} "
-          f"{'snapshot':>9} {'held':>9}")
+          f"{'snapshot':>9} {'held':>9} {'dcp save':>9} {'save/step':>9} {'restore':>8} {'dcp load':>9}")
     ctx = mp.get_context("spawn")
     for millions in args.params:
         with socket.socket() as probe:
             probe.bind(("127.0.0.1", 0))
             port = probe.getsockname()[1]
         out = ctx.Queue()
-        procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, millions, args.repeats, out))
-                 for r in range(args.ranks)]
-        for proc in procs:
-            proc.start()
-        got = dict(out.get(timeout=1800) for _ in procs)
-        for proc in procs:
-            proc.join(timeout=60)
+        with tempfile.TemporaryDirectory(dir=args.folder) as folder:
+            procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, millions, args.repeats, folder, out))
+                     for r in range(args.ranks)]
+            for proc in procs:
+                proc.start()
+            got = dict(out.get(timeout=1800) for _ in procs)
+            for proc in procs:
+                proc.join(timeout=60)
         worst = {key: max(v[key] for v in got.values()) for key in got[0]}
         print(f"{got[0]['params'] / 1e6:>7.1f}M {worst['step_s']:>7.3f}s {worst['snapshot_s']:>8.3f}s "
               f"{worst['digests_s']:>8.3f}s {worst['exchange_s']:>8.3f}s "
               f"{(worst['digests_s'] + worst['exchange_s']) / worst['step_s']:>10.2f} "
-              f"{worst['snapshot_bytes'] / 2**20:>5.0f} MiB {worst['held_bytes'] / 2**20:>5.0f} MiB")
+              f"{worst['snapshot_bytes'] / 2**20:>5.0f} MiB {worst['held_bytes'] / 2**20:>5.0f} MiB "
+              f"{worst['save_s']:>8.3f}s {worst['save_s'] / worst['step_s']:>9.2f} {worst['restore_s']:>7.3f}s "
+              f"{worst['load_s']:>8.3f}s")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,14 @@ node 4-5, no replica peer: ``replica_dim`` names a dim the grid does not have) w
 - node 1 (ranks 2 and 3) SIGKILLed mid-step: the spares take their positions and their shards
   from the copies ranks 0 and 1 held; every step's loss on every rank bit-equal to the same job
   with no failure;
+- the same with tensor parallel 2 x FSDP2 over dp 2 (tests/test_training.py's tensor-parallel
+  MLP, its tp group's custom autograd functions and its dropout seeded per tp rank; tp fastest,
+  so node 1 is dp index 1's whole tp group): each spare takes its tp shard's dp shard, its Adam
+  moments and its RNG from its partner's copy, bit-equal again;
+- the same with no FSDP2 but ZeroRedundancyOptimizer (Adam) over the grid's dp group, through
+  ``TrainingState(model, zero)``: each rank's snapshot holds its partition's Adam state only (no
+  consolidate_state_dict), the spares take theirs from the copies, the survivors' ZeRO is
+  pointed at the new dp group; bit-equal again;
 - ranks 1 and 3 (each the other's partner) SIGKILLed together: with a loader, every rank resumes
   from the loader's step (losses bit-equal to the run with no failure from there); without one,
   RecoveryRefused on every rank, naming the positions lost and who held their copies;
@@ -34,7 +42,7 @@ from hypergrid.training.partner import PartnerCopies, Source, ancestors, partner
 from hypergrid.training.state import Snapshot, digest
 from tests.harness import run_gloo
 from tests.test_mesh_refresh_gloo import _model
-from tests.test_training import mesh_job
+from tests.test_training import ParallelMLP, average_gradients, mesh_job
 
 STEPS, KILL_STEP, SAVE_STEP = 6, 3, 2
 DIM, HIDDEN, BATCH = 4, 8, 3
@@ -132,12 +140,39 @@ def test_partner_copies_keep_two_steps_and_settle_to_the_gate():
         copies.take(2, 2)
 
 
-# ---------------------------------------------------------------------- gloo: FSDP2 over dp 4
+# ---------------------------------------------------------------------- gloo: FSDP2 over dp 4, and tp 2 x dp 2
+def _tp_model(grid: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """tests/test_training.py's tensor-parallel MLP (tp 2), its dropout seeded per tp rank, with
+    FSDP2 over the grid's dp dim (the 1-D dp submesh of the grid's DeviceMesh)."""
+    from torch.distributed.fsdp import fully_shard
+
+    import hypergrid
+
+    tp_rank = grid.ranks("tp").index(dist.get_rank())
+    torch.manual_seed(2024 + tp_rank)
+    model = ParallelMLP(tp_rank)
+    fully_shard(model, mesh=hypergrid.device_mesh(grid, device_type="cpu")["dp"])
+    return model, torch.optim.Adam(model.parameters(), lr=0.05, foreach=False)
+
+
+def _zero_model(grid: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A plain MLP, replicated, with ZeroRedundancyOptimizer (Adam) over the grid's dp group: each
+    rank holds the Adam state of its partition of the parameters only."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.ReLU(), torch.nn.Linear(HIDDEN, DIM))
+    return model, ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.Adam,
+                                          process_group=grid.get_pg("dp"), lr=0.05, foreach=False)
+
+
 def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loader: bool = False,
-          corrupt: Optional[tuple[int, int, int]] = None) -> dict:
+          corrupt: Optional[tuple[int, int, int]] = None, tp: bool = False, zero: bool = False) -> dict:
     """dp 4 of FSDP2 on ranks 0-3, spares 4-5 (nodes of 2). ``kill``: ranks SIGKILLed after
     step ``KILL_STEP``'s forward; ``corrupt``: (holder, source, step): the holder flips one byte
-    of its copy of the source's snapshot of that step as it receives it."""
+    of its copy of the source's snapshot of that step as it receives it; ``tp``: tp 2 x dp 2
+    instead (tp fastest: node 0 holds dp index 0's tp group), :func:`_tp_model`; ``zero``: no
+    FSDP2 but ZeRO over dp 4, :func:`_zero_model`, the gradients averaged over dp."""
     import hypergrid
     from hypergrid.training import partner
 
@@ -152,11 +187,12 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
 
         partner.PartnerCopies.keep = flipping  # type: ignore[method-assign]
     hypergrid.start_heartbeat(interval_s=0.5)
-    job = mesh_job([4], ["dp"])  # no dp_replicate dim: each shard is held by one rank
+    job = mesh_job([2, 2], ["tp", "dp"]) if tp else mesh_job([4], ["dp"])  # no dp_replicate: one holder a shard
     ran: list[int] = []
 
     def setup(job: Any) -> Any:
-        model, optimizer = _model(hypergrid.device_mesh(job.state, device_type="cpu"))
+        model, optimizer = _tp_model(job.state) if tp else _zero_model(job.state) if zero else _model(
+            hypergrid.device_mesh(job.state, device_type="cpu"))
         return hypergrid.TrainingState(model, optimizer)
 
     def step(job: Any, state: Any, step: int) -> float:
@@ -165,13 +201,16 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
             torch.save(state.capture(step), Path(folder) / f"{position}.pt")
         ran.append(step)
         (model,), (optimizer,) = state.models, state.optimizers
-        generator = torch.Generator().manual_seed(1000 * step + position)
+        generator = torch.Generator().manual_seed(1000 * step + (position // 2 if tp else position))  # by dp index
         x, y = torch.randn(BATCH, DIM, generator=generator), torch.randn(BATCH, DIM, generator=generator)
         optimizer.zero_grad(set_to_none=True)
-        loss = torch.nn.functional.mse_loss(model(x), y)
+        out = model(x, hypergrid.device_mesh(job.state, device_type="cpu").get_group("tp")) if tp else model(x)
+        loss = torch.nn.functional.mse_loss(out, y)
         if rank in kill and step == KILL_STEP:
             os.kill(os.getpid(), signal.SIGKILL)  # mid-step: before the backward's reduce-scatter
         loss.backward()
+        if zero:
+            average_gradients(model, job.state.get_pg("dp"))
         optimizer.step()
         return loss.item()
 
@@ -193,22 +232,27 @@ def _fsdp(rank: int, world: int, kill: tuple[int, ...], folder: str, *, with_loa
                            getattr(refused, "key", None))}
     if not run.job.in_grid:
         return {"in_grid": False}
+    held = run.state.capture(STEPS).tensors if run.state is not None else {}
     return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses, "loaded": loaded,
+            "optimizer_tensors": sum(1 for path in held if path[:2] == ("optimizer", "state")),
             "position": list(run.job.layout.ranks).index(rank), "records": [r.describe() for r in run.records],
             "kinds": [r.kind for r in run.records]}
 
 
-def _reference(folder: str) -> dict[int, dict]:
-    results = run_gloo(_fsdp, 6, (), folder, timeout=240, pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
+def _reference(folder: str, **kind: bool) -> dict[int, dict]:
+    results = run_gloo(functools.partial(_fsdp, **kind), 6, (), folder, timeout=240, pg_timeout_s=COLLECTIVE_S,
+                       leave_at_once=True)
     return {v["position"]: v for v in results if v.get("in_grid")}
 
 
 @pytest.mark.gloo
 @pytest.mark.slow
-def test_fsdp2_through_a_node_loss_restores_the_shards_from_partner_copies_bit_equal(tmp_path):
-    expected = _reference(str(tmp_path))
-    results = run_gloo(_fsdp, 6, (2, 3), str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
-                       leave_at_once=True)
+@pytest.mark.parametrize("tp", [False, True], ids=["dp4", "tp2xdp2"])
+def test_fsdp2_through_a_node_loss_restores_the_shards_from_partner_copies_bit_equal(tmp_path, tp):
+    expected = _reference(str(tmp_path), tp=tp)
+    assert len({v["losses"][0] for v in expected.values()}) == (2 if tp else 4), expected  # tp ranks alike
+    results = run_gloo(functools.partial(_fsdp, tp=tp), 6, (2, 3), str(tmp_path), timeout=300,
+                       pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
     assert results[2][0] == "dead" and results[3][0] == "dead", results
     for rank in (0, 1, 4, 5):
         status, value = results[rank]
@@ -254,3 +298,21 @@ def test_a_corrupted_partner_copy_is_refused_by_name_and_not_trained_on(tmp_path
         assert f"the copy of rank 2's snapshot held by rank 0 (the state of rank 2 at step {KILL_STEP})" \
             in value["message"], value["message"]
         assert max(value["ran"], default=-1) <= KILL_STEP and (rank < 4 or value["ran"] == []), (rank, value["ran"])
+
+
+@pytest.mark.gloo
+@pytest.mark.slow
+def test_zero_through_a_node_loss_restores_each_rank_s_optimizer_shard_from_partner_copies_bit_equal(tmp_path):
+    expected = _reference(str(tmp_path), zero=True)
+    # 4 parameters over dp 4: each rank holds one parameter's Adam state (step, exp_avg, exp_avg_sq).
+    assert [expected[p]["optimizer_tensors"] for p in range(4)] == [3] * 4, expected
+    results = run_gloo(functools.partial(_fsdp, zero=True), 6, (2, 3), str(tmp_path), timeout=300,
+                       pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
+    assert results[2][0] == "dead" and results[3][0] == "dead", results
+    for rank in (0, 1, 4, 5):
+        status, value = results[rank]
+        assert status == "ok" and value["ranks"] == [0, 1, 4, 5], (rank, results[rank])
+        assert value["kinds"] == (["joined"] if rank >= 4 else ["replace"]), (rank, value["records"])
+        steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
+        want = expected[value["position"]]["losses"]
+        assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)

@@ -46,6 +46,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, SnapshotCorrupted
@@ -193,6 +194,7 @@ class _Trainer:
         self._restored_at = 0.0
         self.partners: Optional[PartnerCopies] = None
         self.loader: Optional[Loader] = None
+        self.zeros: list[tuple[ZeroRedundancyOptimizer, tuple[str, ...], Optional[str]]] = []
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainingRun:
@@ -237,6 +239,7 @@ class _Trainer:
             raise TypeError(f"setup must return a hypergrid TrainingState, got {type(state).__name__}")
         _check_on_job(state, job)
         self.state = state
+        self.zeros = _zero_groups(state, job.state)
 
     def _checkpoint(self) -> None:
         """Snapshot this step, then the gate: every rank of the grid has snapshotted it."""
@@ -297,7 +300,8 @@ class _Trainer:
     def _carry_over(self, before: ResilientJob, job: ResilientJob) -> None:
         """This rank's state onto ``job``'s groups: its DeviceMeshes and FSDP2 modules refreshed in
         place where the grid kept its shape; where it did not (a replica dropped or grown back),
-        built again by ``setup`` (the snapshot is restored into it next)."""
+        built again by ``setup`` (the snapshot is restored into it next). A ZeRO optimizer made over
+        one of the grid's groups is pointed at the new grid's group of the same dims."""
         old, new = before.state, job.state
         if not isinstance(old, HyperCommGrid) or not isinstance(new, HyperCommGrid) or old is new:
             return  # a Megatron job: parallel_state is filled anew, and is read each step
@@ -311,6 +315,12 @@ class _Trainer:
             assert self.state is not None
             for model in self.state.models:
                 refresh_fully_shard(model)
+        groups = [new.get_pg(dims, view=view) for _, dims, view in self.zeros]
+        if any(dist.get_world_size(g) != zero.world_size for (zero, _, _), g in zip(self.zeros, groups)):
+            self._take_position(job)  # ZeRO's partition follows its group's size: made again
+            return
+        for (zero, _, _), group in zip(self.zeros, groups):  # ZeRO broadcasts its shards over its own group
+            zero.process_group, zero.rank, zero.global_rank = group, dist.get_rank(group), dist.get_rank()
 
     def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
         """Wait outside the grid (as a spare, or offering this rank again) until given a position."""
@@ -503,3 +513,18 @@ def _check_on_job(state: TrainingState, job: ResilientJob) -> None:
                     raise ValueError(f"model {index}'s parameter {name!r} lives on a DeviceMesh over ranks {outside} "
                                      f"outside the job's grid {sorted(ranks)}: build the model on the job's groups "
                                      f"(hypergrid.device_mesh(job.state, ...))")
+
+
+
+def _zero_groups(state: TrainingState, grid: Any) -> list[tuple[ZeroRedundancyOptimizer, tuple[str, ...], Optional[str]]]:
+    """Each ZeRO optimizer of ``state`` made over one of ``grid``'s groups, with that group's dims
+    and view: after a recovery that keeps the grid's shape (and so each rank's partition) it is
+    pointed at the new grid's group of those dims (a changed shape builds the state again)."""
+    if not isinstance(grid, HyperCommGrid):
+        return []
+    found = []
+    for zero in state.optimizers:
+        if isinstance(zero, ZeroRedundancyOptimizer):
+            found += [(zero, m.dims, m.view) for m in grid.made_groups()
+                      if grid.get_pg(m.dims, view=m.view) is zero.process_group][:1]
+    return found

@@ -37,6 +37,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import SnapshotCorrupted
@@ -178,6 +179,11 @@ class TrainingState:
         ...
         ValueError: optimizer 0 holds 2 parameters that are not the model's (shapes [2, 2], [2]); ...
 
+    A ``torch.distributed.optim.ZeroRedundancyOptimizer`` is read and written through its local
+    optimizer (``zero.optim``, over this rank's partition of the parameters): its snapshot holds
+    this rank's shard of the optimizer state and no rank calls ZeRO's ``consolidate_state_dict``
+    (a collective); a restore copies the local optimizer's hyperparameters back to ZeRO's groups.
+
     Raises:
         TypeError: a model that is not a ``torch.nn.Module``, an optimizer that is not a
             ``torch.optim.Optimizer``, an object without ``state_dict``/``load_state_dict``.
@@ -218,9 +224,13 @@ class TrainingState:
         self._spare: Optional[Snapshot] = None  # an older snapshot whose buffers the next one reuses
 
     # ------------------------------------------------------------------ the live state
+    def _local(self) -> list[torch.optim.Optimizer]:
+        """The optimizers whose state dicts this rank holds: a ZeRO optimizer's local one."""
+        return [o.optim if isinstance(o, ZeroRedundancyOptimizer) else o for o in self.optimizers]
+
     def _live(self) -> tuple[dict[str, Any], Any]:
         if self.optimizers:
-            return get_state_dict(self._module, list(self.optimizers))
+            return get_state_dict(self._module, self._local())
         return get_state_dict(self._module, [])[0], {}
 
     def capture(self, step: int, *, digests: bool = False) -> Snapshot:
@@ -293,7 +303,11 @@ class TrainingState:
                 elif path in snapshot.values:
                     _assign(model_sd if root == "model" else optim_sd, path[1:], copy.deepcopy(snapshot.values[path]))
         if self.optimizers:
-            set_state_dict(self._module, list(self.optimizers), model_state_dict=model_sd, optim_state_dict=optim_sd)
+            set_state_dict(self._module, self._local(), model_state_dict=model_sd, optim_state_dict=optim_sd)
+            for zero in self.optimizers:  # ZeRO's own groups take the restored lr (its step copies them down)
+                if isinstance(zero, ZeroRedundancyOptimizer):
+                    for whole, local in zip(zero.param_groups, zero.optim.param_groups):
+                        whole.update({key: value for key, value in local.items() if key != "params"})
         else:
             set_state_dict(self._module, [], model_state_dict=model_sd, optim_state_dict={})
         # A step that failed may have left gradients behind; a snapshot is taken where there are none.
