@@ -140,16 +140,14 @@ def _same_user(conn: socket.socket) -> bool:
 
 def _bind(address: bytes, backlog: int) -> Optional[socket.socket]:
     """A listener holding ``address``; None where another holds it (raises where no name can be held)."""
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        listener.bind(address)
-        listener.listen(backlog)
-        listener.setblocking(False)
-    except OSError as exc:
-        listener.close()
-        if exc.errno == errno.EADDRINUSE:
-            return None
-        raise
+    listener = hold(address)
+    if listener is not None:
+        try:
+            listener.listen(backlog)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
     return listener
 
 
