@@ -23,7 +23,6 @@ Example: ranks 0-5 on nodes of 2 (node 0: 0, 1; node 1: 2, 3; node 2: 4, 5)::
 from __future__ import annotations
 
 import logging
-import pickle
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,8 +31,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .state import Path, Snapshot, buffer_for, view_of
-from .transfer import collective_device
+from .state import Snapshot
+from .transfer import collective_device, packed, unpacked
 
 __all__ = ["partner_map", "PartnerCopies", "RestorePlan", "Source", "plan_restore", "send_snapshots", "ancestors"]
 
@@ -95,29 +94,6 @@ def ancestors(rank: int, replacements: Sequence[Sequence[tuple[int, int]]]) -> l
 
 
 # ---------------------------------------------------------------------- sending snapshots point to point
-def _header(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
-    """What travels with a snapshot's buffer (its layout, other values, RNG, objects, digests),
-    pickled, and the buffer (the snapshot's own, or one packed now for a snapshot without one)."""
-    buffer = snapshot.buffer
-    tensors = snapshot.tensors
-    if buffer is None:
-        buffer, views = buffer_for(list(tensors.items()), None)
-        for view, tensor in zip(views, tensors.values()):
-            view.copy_(tensor)
-        tensors = dict(zip(tensors, views))
-    base = buffer.data_ptr()
-    layout = [(path, tuple(t.shape), t.dtype, t.data_ptr() - base) for path, t in tensors.items()]
-    sent = (snapshot.step, snapshot.rank, layout, snapshot.values, snapshot.rng, snapshot.objects, snapshot.digests)
-    return pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL), buffer
-
-
-def _unpacked(header: bytes, buffer: torch.Tensor) -> Snapshot:
-    step, rank, layout, values, rng, objects, digests = pickle.loads(header)  # noqa: S301 - from a rank of the job
-    tensors: dict[Path, torch.Tensor] = {path: view_of(buffer, offset, shape, dtype)
-                                         for path, shape, dtype, offset in layout}
-    return Snapshot(step, tensors, values, rng, objects, digests=digests, rank=rank, buffer=buffer)
-
-
 def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int], group: dist.ProcessGroup, *,
                    buffer: Optional[Callable[[int], torch.Tensor]] = None) -> dict[int, Snapshot]:
     """Send each ``(rank, snapshot)`` of ``sends`` to its rank and receive one snapshot from each
@@ -138,11 +114,11 @@ def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int
     ``tests/test_partner.py`` sends them between gloo ranks.
     """
     device = collective_device(group)
-    packed = [(peer, *_header(snapshot)) for peer, snapshot in sends]
+    outgoing = [(peer, *packed(snapshot)) for peer, snapshot in sends]
     sizes_out = [torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=device)
-                 for _, header, payload in packed]
+                 for _, header, payload in outgoing]
     sizes_in = {peer: torch.empty(2, dtype=torch.int64, device=device) for peer in receives}
-    _run([dist.P2POp(dist.isend, size, peer, group) for size, (peer, _, _) in zip(sizes_out, packed)]
+    _run([dist.P2POp(dist.isend, size, peer, group) for size, (peer, _, _) in zip(sizes_out, outgoing)]
          + [dist.P2POp(dist.irecv, size, peer, group) for peer, size in sizes_in.items()])
     incoming: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for peer, size in sizes_in.items():
@@ -151,7 +127,7 @@ def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int
         incoming[peer] = (torch.empty(header_len, dtype=torch.uint8, device=device),
                           host if device.type == "cpu" else torch.empty(payload_len, dtype=torch.uint8, device=device))
     ops = []
-    for peer, header, payload in packed:
+    for peer, header, payload in outgoing:
         ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), peer, group))
         ops.append(dist.P2POp(dist.isend, payload.to(device), peer, group))
     for peer, (header_in, payload_in) in incoming.items():
@@ -165,7 +141,7 @@ def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int
             host = (buffer(payload_in.numel()) if buffer is not None
                     else torch.empty(payload_in.numel(), dtype=torch.uint8))
             host.copy_(payload_in)
-        received[peer] = _unpacked(header_in.cpu().numpy().tobytes(), host)
+        received[peer] = unpacked(header_in.cpu().numpy().tobytes(), host)
     return received
 
 

@@ -1,10 +1,10 @@
 """A snapshot sent from one rank of a group to the others: how a rank that just took a position
 gets the state of that position from a surviving peer that holds it (replicated state).
 
-The source sends the snapshot's layout (paths, shapes, dtypes) and its other values in one
-object broadcast, then its tensors packed into one flat buffer per dtype, so a snapshot of any
-number of tensors costs a handful of collectives. Over NCCL the buffers travel through the
-device of the rank; over gloo they stay in host memory.
+A snapshot travels as its header (layout, other values, RNG, objects, digests; :func:`packed`)
+and its one host buffer: here one object broadcast and one broadcast of the buffer, point to point
+in :mod:`hypergrid.training.partner`. Over NCCL the buffer travels through the device of the
+rank; over gloo it stays in host memory.
 
 Example, one rank alone (a group of one: the snapshot is its own)::
 
@@ -20,15 +20,15 @@ Example, one rank alone (a group of one: the snapshot is its own)::
 
 from __future__ import annotations
 
-from collections import defaultdict
-from typing import Any, Optional
+import pickle
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .state import Path, RngState, Snapshot
+from .state import Path, Snapshot, buffer_for, view_of
 
-__all__ = ["share_snapshot", "collective_device"]
+__all__ = ["share_snapshot", "collective_device", "packed", "unpacked"]
 
 
 def share_snapshot(snapshot: Optional[Snapshot], *, source: int, group: dist.ProcessGroup) -> Snapshot:
@@ -47,44 +47,52 @@ def share_snapshot(snapshot: Optional[Snapshot], *, source: int, group: dist.Pro
         return snapshot
     if rank == source and snapshot is None:
         raise ValueError(f"rank {source} is the source of a snapshot but has none to send")
-    header: list[object] = [None]
+    header: list[object] = [None, 0]
     if rank == source:
         assert snapshot is not None
-        layout = [(path, tuple(t.shape), t.dtype) for path, t in snapshot.tensors.items()]
-        header = [(snapshot.step, layout, snapshot.values, snapshot.rng, snapshot.objects)]
+        pickled, buffer = packed(snapshot)
+        header = [pickled, buffer.numel()]
     dist.broadcast_object_list(header, src=source, group=group)
-    sent: tuple[int, list[tuple[Path, tuple[int, ...], torch.dtype]], dict[Path, Any], Optional[RngState],
-                dict[str, Any]] = header[0]  # type: ignore[assignment]
-    step, layout, values, rng, objects = sent
     device = collective_device(group)
-    by_dtype: dict[torch.dtype, list[tuple[Path, tuple[int, ...]]]] = defaultdict(list)
-    for path, shape, dtype in layout:
-        by_dtype[dtype].append((path, shape))
-    tensors: dict[Path, torch.Tensor] = {}
-    for dtype, entries in by_dtype.items():  # in the order the source listed them: alike everywhere
-        sizes = [_numel(shape) for _, shape in entries]
-        if rank == source:
-            assert snapshot is not None
-            flat = torch.cat([snapshot.tensors[path].reshape(-1) for path, _ in entries]).to(device)
-        else:
-            flat = torch.empty(sum(sizes), dtype=dtype, device=device)
-        dist.broadcast(flat, src=source, group=group)
-        if rank == source:
-            continue
-        host = flat.cpu()
-        for (path, shape), piece in zip(entries, torch.split(host, sizes)):
-            tensors[path] = piece.view(shape)
     if rank == source:
+        dist.broadcast(buffer.to(device), src=source, group=group)
         assert snapshot is not None
         return snapshot
-    return Snapshot(step, tensors, values, rng, objects)
+    incoming = torch.empty(int(header[1]), dtype=torch.uint8, device=device)  # type: ignore[call-overload]
+    dist.broadcast(incoming, src=source, group=group)
+    return unpacked(header[0], incoming.cpu())  # type: ignore[arg-type]
 
 
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
+def packed(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
+    """What travels with a snapshot's buffer (its layout, other values, RNG, objects, digests),
+    pickled, and the buffer (the snapshot's own, or one packed now for a snapshot without one).
+
+    Example::
+
+        >>> import torch
+        >>> header, buffer = packed(Snapshot(3, tensors={("model", "w"): torch.ones(2)}))
+        >>> unpacked(header, buffer).tensors[("model", "w")].tolist()
+        [1.0, 1.0]
+    """
+    buffer = snapshot.buffer
+    tensors = snapshot.tensors
+    if buffer is None:
+        buffer, views = buffer_for(list(tensors.items()), None)
+        for view, tensor in zip(views, tensors.values()):
+            view.copy_(tensor)
+        tensors = dict(zip(tensors, views))
+    base = buffer.data_ptr()
+    layout = [(path, tuple(t.shape), t.dtype, t.data_ptr() - base) for path, t in tensors.items()]
+    sent = (snapshot.step, snapshot.rank, layout, snapshot.values, snapshot.rng, snapshot.objects, snapshot.digests)
+    return pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL), buffer
+
+
+def unpacked(header: bytes, buffer: torch.Tensor) -> Snapshot:
+    """The snapshot :func:`packed` made ``header`` and ``buffer`` of (its tensors are views of the buffer)."""
+    step, rank, layout, values, rng, objects, digests = pickle.loads(header)  # noqa: S301 - from a rank of the job
+    tensors: dict[Path, torch.Tensor] = {path: view_of(buffer, offset, shape, dtype)
+                                         for path, shape, dtype, offset in layout}
+    return Snapshot(step, tensors, values, rng, objects, digests=digests, rank=rank, buffer=buffer)
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:
