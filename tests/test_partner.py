@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from hypergrid.errors import SnapshotCorrupted
 from hypergrid.training import TrainingState
-from hypergrid.training.partner import PartnerCopies, Source, ancestors, partner_map, plan_restore
+from hypergrid.training.partner import PartnerCopies, partner_map
+from hypergrid.training.regions import Held, Region, Wanted, block_of, plan_relay
 from hypergrid.training.state import Snapshot, digest
 from tests.harness import run_gloo
 from tests.test_mesh_refresh_gloo import _model
@@ -67,25 +68,82 @@ def test_partners_follow_the_grid_order_after_a_replacement_and_one_node_is_refu
         partner_map([6, 7], 2)
 
 
-def test_the_restore_plan_prefers_a_replica_peer_then_a_copy_then_names_what_is_lost():
-    reports = {0: ([3], [(2, 3)]), 1: ([3], [(3, 3)]), 4: ([], []), 5: ([], [])}
-    chains = {4: [2], 5: [3]}
-    plan = plan_restore([0, 1, 4, 5], frozenset({4, 5}), lambda r: [r], chains, reports, 3)
-    assert plan.sources == {4: Source(0, 2, True), 5: Source(1, 3, True)} and not plan.lost
-    replicas = {4: [0, 4], 5: [1, 5]}
-    plan = plan_restore([0, 1, 4, 5], frozenset({4, 5}), lambda r: replicas.get(r, [r]), chains, reports, 3)
-    assert plan.sources == {4: Source(0, 0, False), 5: Source(1, 1, False)}
+def _rows(rank: int, rows: int, shards: int, context: tuple = (), plain: tuple = ()) -> dict:
+    """The region of rank ``rank``'s Shard(0) block of a ``rows`` x 3 weight over ``shards``
+    ranks, as FSDP2 (torch.chunk) lays it, and of its optimizer's step count (a whole scalar, in
+    context ``plain``: the rank's dp coordinate where dp is not the replica dim)."""
+    size = -(-rows // shards)
+    start = min(rank * size, rows)
+    return {("model", "w"): Region(context, (rows, 3), (start, 0), (min(size, rows - start), 3), torch.float32),
+            ("optimizer", "step"): Region(plain, (), (), (), torch.float32)}
+
+
+def _relaid(old_shards: int, new_ranks: list, rows: int = 10) -> dict:
+    """Old ranks 0..old_shards-1 hold their rows of a global weight; each of ``new_ranks`` is
+    built from the plan's blocks: returns each new rank's tensor, to compare with its rows."""
+    weight = torch.arange(rows * 3, dtype=torch.float32).reshape(rows, 3)
+    held, data = [], {}
+    for r in range(old_shards):
+        regions = _rows(r, rows, old_shards)
+        block = regions[("model", "w")]
+        data[r] = weight[block.offsets[0]:block.offsets[0] + block.shape[0]]
+        held.append(Held(r, r, 3, False, (("dp", r),), regions))
+    wanted = [Wanted(r, (("dp", i),), _rows(i, rows, len(new_ranks))) for i, r in enumerate(new_ranks)]
+    plan = plan_relay(wanted, held, 3, replica_dim="dp")
+    assert not plan.missing, plan.missing
+    built = {}
+    for want in wanted:
+        need = want.regions[("model", "w")]
+        out = torch.full(need.shape, -1.0)
+        for part in plan.parts:
+            if part.receiver == want.rank and part.path == ("model", "w"):
+                source = held[part.source].regions[("model", "w")]
+                block_of(out, need, part.offsets, part.shape).copy_(
+                    block_of(data[part.source], source, part.offsets, part.shape))
+        built[want.rank] = (out, weight[need.offsets[0]:need.offsets[0] + need.shape[0]])
+    return built
+
+
+@pytest.mark.parametrize("old,new", [(4, 2), (2, 4), (4, 3), (3, 4), (4, 4), (1, 3)])
+def test_shards_are_re_laid_onto_another_dp_size_as_dcp_would(old, new):
+    for rank, (built, want) in _relaid(old, list(range(new))).items():
+        assert torch.equal(built, want), (rank, built, want)
+
+
+def test_a_replacement_takes_the_lost_rank_s_regions_from_its_copy_or_a_replica_peer():
+    def held(holder, source, step, copy, context=()):
+        return Held(holder, source, step, copy, (("dp", source),), _rows(source, 8, 4, context, (("dp", source),)))
+
+    # dp 4 of FSDP2, no replica dim: ranks 4 and 5 took 2's and 3's places; 0 and 1 hold their copies.
+    copies = [held(0, 0, 3, False), held(0, 2, 3, True), held(1, 1, 3, False), held(1, 3, 3, True)]
+    wanted = [Wanted(r, (("dp", p),), _rows(p, 8, 4, (), (("dp", p),))) for p, r in enumerate([0, 1, 4, 5])]
+    plan = plan_relay(wanted, copies, 3, replica_dim="none")
+    assert {(p.receiver, p.holder, p.source) for p in plan.parts} == {(0, 0, 0), (1, 1, 1), (4, 0, 2), (5, 1, 3)}
+    assert plan.templates == {0: (0, 0), 1: (1, 1), 4: (0, 2), 5: (1, 3)}  # the replaced rank's RNG and objects
+    # A replica peer (the same region, its own snapshot) is taken before a copy.
+    peers = copies + [Held(6, 6, 3, False, (("dp", 2),), _rows(2, 8, 4, (), (("dp", 2),)))]
+    assert {(p.receiver, p.holder) for p in plan_relay(wanted, peers, 3, "none").parts if p.receiver == 4} == {(4, 6)}
     # The copies of step 3 never arrived (a node lost in the exchange): back to step 2, which all hold.
-    older = {0: ([2, 3], [(2, 2)]), 1: ([2, 3], [(3, 2)]), 4: ([], []), 5: ([], [])}
-    assert plan_restore([0, 1, 4, 5], frozenset({4, 5}), lambda r: [r], chains, older, 3).step == 2
-    lost = plan_restore([0, 4, 2, 5], frozenset({4, 5}), lambda r: [r], {4: [1], 5: [3]},
-                        {0: ([3], []), 2: ([3], [(0, 3)]), 4: ([], []), 5: ([], [])}, 3)
-    assert lost.lost == ((1, 4, 1), (3, 5, 3)) and lost.step == 3
+    older = copies[::2] + copies[2::2] + [held(0, 2, 2, True), held(1, 3, 2, True), held(0, 0, 2, False),
+                                          held(1, 1, 2, False)]
+    older = [h for h in older if not (h.copy and h.step == 3)]
+    assert plan_relay(wanted, older, 3, "none").step == 2
+    # Nobody holds rank 3's regions: what is missing is named; tensor-parallel contexts never mix.
+    lost = plan_relay(wanted, copies[:3], 3, "none")
+    assert lost.step == 3 and lost.missing[0] == "rank 5: model/w in context (), 6 of 6 elements held by nobody", lost
+    tp = [held(0, 0, 3, False, (("tp", 1),))]
+    assert plan_relay([Wanted(0, (("dp", 0),), _rows(0, 8, 4, (("tp", 0),), (("dp", 0),)))], tp, 3, "none").missing
 
 
-def test_ancestors_follow_every_replacement_back():
-    assert ancestors(6, [[(2, 4)], [(4, 6)]]) == [4, 2]
-    assert ancestors(0, [[(2, 4)]]) == []
+def test_zero_partitions_are_found_by_parameter_name_on_whichever_rank_held_them():
+    def zero(rank, names):
+        return {("optimizer", "state", n, "exp_avg"): Region((), (4,), (0,), (4,), torch.float32) for n in names}
+
+    held = [Held(r, r, 5, False, (("dp", r),), zero(r, [f"{r}.w"])) for r in range(4)]  # one parameter each
+    wanted = [Wanted(0, (("dp", 0),), zero(0, ["0.w", "1.w"])), Wanted(1, (("dp", 1),), zero(1, ["2.w", "3.w"]))]
+    plan = plan_relay(wanted, held, 5, replica_dim="dp")
+    assert sorted((p.receiver, p.path[2], p.holder) for p in plan.parts) == [
+        (0, "0.w", 0), (0, "1.w", 1), (1, "2.w", 2), (1, "3.w", 3)]
 
 
 # ---------------------------------------------------------------------- fast: digests
@@ -133,11 +191,9 @@ def test_partner_copies_keep_two_steps_and_settle_to_the_gate():
     copies = PartnerCopies(gpus_per_node=2)
     for step in (1, 2, 3):
         copies.keep(2, Snapshot(step, {("w",): torch.ones(1)}, rank=2))
-    assert copies.report() == [(2, 2), (2, 3)]
+    assert [(c.rank, c.step) for c in copies.held()] == [(2, 2), (2, 3)]
     copies.settle(3)
-    assert copies.report() == [(2, 3)] and copies.take(2, 3).step == 3
-    with pytest.raises(KeyError, match="holds no copy of rank 2's snapshot of step 2"):
-        copies.take(2, 2)
+    assert [(c.rank, c.step) for c in copies.held()] == [(2, 3)]
 
 
 # ---------------------------------------------------------------------- gloo: FSDP2 over dp 4, and tp 2 x dp 2

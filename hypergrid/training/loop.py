@@ -53,10 +53,11 @@ from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, Snapsho
 from ..grid import HyperCommGrid
 from ..mesh import MeshShapeChangedError, refresh_fully_shard, refresh_meshes
 from ..recovery import ResilientJob, grow, recover
-from .partner import PartnerCopies, ancestors, describe_lost, partner_map, plan_restore, send_snapshots
+from .partner import PartnerCopies, partner_map
 from .records import RecoveryRecord
+from .regions import Held, Placement, RelayPlan, Wanted, plan_relay
 from .state import Snapshot, TrainingState
-from .transfer import collective_device, share_snapshot
+from .transfer import collective_device, relay
 
 __all__ = ["train", "TrainingRun", "Setup", "Step", "Loader"]
 
@@ -173,6 +174,7 @@ class _Restoring:
     agreed_s: Optional[float]
     rebuilt_s: Optional[float]
     rollback: bool = True  # False: a growth at a committed step, where the survivors' state is current
+    rebuilt: bool = False  # this rank's state was built again by setup (it holds nothing yet)
     restored_s: Optional[float] = None
 
 
@@ -201,7 +203,8 @@ class _Trainer:
         if self.job.in_grid:
             self._take_position(self.job)
             assert self.state is not None
-            self.committed = self.state.capture(self.step, digests=self.partners is not None)
+            self.committed = self.state.capture(self.step, digests=self.partners is not None,
+                                                placement=self._placement())
             if self.partners is not None:  # a node lost before the first gate still leaves copies
                 self.partners.exchange(self.committed, self.job.layout.ranks, self.job.world)
         else:
@@ -245,7 +248,7 @@ class _Trainer:
         """Snapshot this step, then the gate: every rank of the grid has snapshotted it."""
         assert self.state is not None
         partners = self.partners
-        self.pending = self.state.capture(self.step, digests=partners is not None)
+        self.pending = self.state.capture(self.step, digests=partners is not None, placement=self._placement())
         world = self.job.world
         if partners is not None:  # before the gate: once it passes, every rank holds its copies
             partners.exchange(self.pending, self.job.layout.ranks, world)
@@ -257,10 +260,11 @@ class _Trainer:
             self.state.recycle(self.committed)
         self.committed, self.pending = self.pending, None
 
-    def _latest(self) -> int:
-        """The step of this rank's latest snapshot: the least over the survivors is one they all hold."""
+    def _latest(self) -> Optional[int]:
+        """The step of this rank's latest snapshot: the least over the survivors is one they all
+        hold (None: it holds none, having just taken a position; the others' steps decide)."""
         held = self.pending or self.committed
-        return held.step if held is not None else 0
+        return held.step if held is not None else None
 
     def _growth_due(self) -> bool:
         return (self.grow_every is not None and self.step % self.grow_every == 0 and self.step > 0
@@ -287,30 +291,31 @@ class _Trainer:
             self.state = None
             self._wait_outside(job.wait_as_spare, failed_step=failed_step)
             return
-        self._carry_over(before, job)
+        rebuilt = self._carry_over(before, job)
         times = job.times
         last = job.last
         self.restoring = _Restoring(
             kind=last.kind.value if last is not None else "repair",
             plan=last.describe() if last is not None and job.recoveries != before.recoveries else "nobody lost",
-            target=job.step if job.step is not None else self._latest(), failed_step=failed_step,
+            target=job.step if job.step is not None else self._latest() or 0, failed_step=failed_step,
             seen_at=seen_at, seen=seen, agreed_s=times.agreed_s if times else None,
-            rebuilt_s=times.rebuilt_s if times else None)
+            rebuilt_s=times.rebuilt_s if times else None, rebuilt=rebuilt)
 
-    def _carry_over(self, before: ResilientJob, job: ResilientJob) -> None:
+    def _carry_over(self, before: ResilientJob, job: ResilientJob) -> bool:
         """This rank's state onto ``job``'s groups: its DeviceMeshes and FSDP2 modules refreshed in
         place where the grid kept its shape; where it did not (a replica dropped or grown back),
         built again by ``setup`` (the snapshot is restored into it next). A ZeRO optimizer made over
-        one of the grid's groups is pointed at the new grid's group of the same dims."""
+        one of the grid's groups is pointed at the new grid's group of the same dims. Returns
+        whether the state was built again."""
         old, new = before.state, job.state
         if not isinstance(old, HyperCommGrid) or not isinstance(new, HyperCommGrid) or old is new:
-            return  # a Megatron job: parallel_state is filled anew, and is read each step
+            return False  # a Megatron job: parallel_state is filled anew, and is read each step
         try:
             refreshed = refresh_meshes(old, new)
         except MeshShapeChangedError as changed:
             logger.info("rank %d: building the state again on the new grid: %s", dist.get_rank(), changed)
             self._take_position(job)
-            return
+            return True
         if refreshed:
             assert self.state is not None
             for model in self.state.models:
@@ -318,9 +323,10 @@ class _Trainer:
         groups = [new.get_pg(dims, view=view) for _, dims, view in self.zeros]
         if any(dist.get_world_size(g) != zero.world_size for (zero, _, _), g in zip(self.zeros, groups)):
             self._take_position(job)  # ZeRO's partition follows its group's size: made again
-            return
+            return True
         for (zero, _, _), group in zip(self.zeros, groups):  # ZeRO broadcasts its shards over its own group
             zero.process_group, zero.rank, zero.global_rank = group, dist.get_rank(group), dist.get_rank()
+        return False
 
     def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
         """Wait outside the grid (as a spare, or offering this rank again) until given a position."""
@@ -337,7 +343,7 @@ class _Trainer:
         self.restoring = _Restoring(
             kind="joined", plan=last.describe() if last is not None else "joined",
             target=job.step if job.step is not None else 0, failed_step=failed_step, seen_at=seen_at, seen=seen,
-            agreed_s=None, rebuilt_s=job.times.rebuilt_s if job.times else None)
+            agreed_s=None, rebuilt_s=job.times.rebuilt_s if job.times else None, rebuilt=True)
 
     def _grow(self) -> None:
         seen_at, seen = time.time(), time.monotonic()
@@ -346,45 +352,77 @@ class _Trainer:
             self.job = grown
             return
         before, self.job = self.job, grown
-        self._carry_over(before, grown)
+        rebuilt = self._carry_over(before, grown)
         last = grown.last
         self.restoring = _Restoring(
             kind="grow", plan=last.describe() if last is not None else "grow", target=self.step, failed_step=None,
             seen_at=seen_at, seen=seen, agreed_s=grown.times.agreed_s if grown.times else None,
-            rebuilt_s=grown.times.rebuilt_s if grown.times else None, rollback=False)
+            rebuilt_s=grown.times.rebuilt_s if grown.times else None, rollback=False, rebuilt=rebuilt)
         self._restore()
 
     def _restore(self) -> None:
-        """Every rank of the grid at the recovery's step: from its own snapshot, or, on a rank
-        that just took a position, from the first peer of its replica group that did not."""
-        if self.partners is not None:
-            self._restore_shared()
-            return
+        """Every rank of the grid at the recovery's step. Each says which regions its live state is
+        made of and which snapshots it holds (its own, and its partners' copies); all derive the
+        same plan from that (:func:`~hypergrid.training.regions.plan_relay`), every holder checks
+        the digests of what it sends from, and the blocks travel point to point
+        (:func:`~hypergrid.training.transfer.relay`). A rank that took a position gets its state
+        whole, from a replica peer or from the copy of the rank it replaced; where the sharded
+        dim's size changed (a shrink, a growth), every rank's new shards are cut from the old ones."""
         restoring, job, state = self.restoring, self.job, self.state
         assert restoring is not None and state is not None
-        rank, target = dist.get_rank(), restoring.target
-        own = next((s for s in (self.pending, self.committed) if s is not None and s.step == target), None)
-        arrived = job.arrived()
-        orphans = _orphans(job, arrived)  # from the plan, which every rank shares: all decide alike
-        if orphans:
-            self._load_or_refuse(f"no rank holds the state of step {target} for ranks {orphans}: every rank of their "
-                                 f"replica groups just took its position")
+        rank, world = dist.get_rank(), job.world
+        placement = self._placement()
+        mine: dict[tuple[int, int], Snapshot] = {(s.rank if s.rank is not None else rank, s.step): s
+                                                 for s in (self.committed, self.pending) if s is not None}
+        for copy in self.partners.held() if self.partners is not None else ():
+            mine[(copy.rank if copy.rank is not None else -1, copy.step)] = copy
+        wanted = Wanted(rank, placement.coords, state.regions(placement))
+        held = [Held(rank, source, step, source != rank, s.coords, s.regions) for (source, step), s in mine.items()]
+        reports: list[Any] = [(wanted, held)]
+        if world is not None and dist.get_world_size(world) > 1:
+            reports = [None] * dist.get_world_size(world)
+            dist.all_gather_object(reports, (wanted, held), group=world)
+        plan = plan_relay([w for w, _ in reports], [h for _, hs in reports for h in hs], restoring.target,
+                          job.settings.replica_dim)
+        if plan.missing:
+            self._load_or_refuse(self._describe_missing(plan, [h for _, hs in reports for h in hs]))
             return
-        group = job.replica_group
-        assert group is not None
-        members = dist.get_process_group_ranks(group)
-        if any(m in arrived for m in members):
-            holders = [m for m in members if m not in arrived]
-            got = share_snapshot(own if rank == holders[0] else None, source=holders[0], group=group)
-            if rank in arrived:
-                own = got
-        if own is None or own.step != target:
-            held = [s.step for s in (self.committed, self.pending) if s is not None]
-            raise RecoveryError(f"hypergrid: rank {rank} holds no snapshot of step {target}, where the job resumes "
-                                f"(it holds steps {held})")
-        if restoring.rollback or rank in arrived:
-            state.restore(own)
-        self.committed, self.pending, self.step = own, None, target
+        used = sorted({p.source for p in plan.parts if p.holder == rank}
+                      | {source for holder, source in plan.templates.values() if holder == rank})
+        problem: Optional[SnapshotCorrupted] = None
+        for source in used:
+            what = (f"rank {rank}'s own snapshot" if source == rank
+                    else f"the copy of rank {source}'s snapshot held by rank {rank}")
+            try:
+                mine[(source, plan.step)].verify(what=what)
+            except SnapshotCorrupted as corrupted:
+                problem = corrupted
+                break
+        problems: list[Any] = [problem]
+        if world is not None and dist.get_world_size(world) > 1:
+            problems = [None] * dist.get_world_size(world)
+            dist.all_gather_object(problems, problem, group=world)  # every rank learns of any, and acts alike
+        found = [p for p in problems if p is not None]
+        if found:
+            if self.loader is None:
+                job.release_spares()
+                raise found[0]
+            logger.error("rank %d: %s", rank, found[0])
+            self._load_or_refuse(str(found[0]))
+            return
+        ours = {source: s for (source, step), s in mine.items() if step == plan.step}
+        own = relay(plan, ours, wanted.regions, world) if world is not None else ours[rank]
+        untouched = own is ours.get(rank) and not restoring.rebuilt
+        if restoring.rollback or not untouched or own.step != self.step:
+            state.restore(own, verify=False)
+        if not untouched:  # what it restored, as its own snapshot at its new placement
+            own = state.capture(plan.step, digests=self.partners is not None, placement=placement)
+        self.committed, self.pending, self.step = own, None, plan.step
+        restoring.target = plan.step
+        moved = any(p.holder != p.receiver for p in plan.parts) or any(
+            holder != receiver for receiver, (holder, _) in plan.templates.items())
+        if self.partners is not None and moved:  # copies of the new placement before its first step
+            self.partners.exchange(own, job.layout.ranks, world)
         self._restored()
 
     def _restored(self) -> None:
@@ -394,57 +432,28 @@ class _Trainer:
         self.recorded, self.restoring = restoring, None
         self._restored_at = time.monotonic()
 
-    def _restore_shared(self) -> None:
-        """With partner copies: every rank reports the snapshots and copies it holds, all derive
-        the same plan (:func:`~hypergrid.training.partner.plan_restore`), the arriving ranks'
-        snapshots travel point to point, and every rank checks its digests before any restores."""
-        restoring, job, state, partners = self.restoring, self.job, self.state, self.partners
-        assert restoring is not None and state is not None and partners is not None
-        rank, world, arrived, layout = dist.get_rank(), job.world, job.arrived(), job.layout
-        assert world is not None
-        owns = {s.step: s for s in (self.committed, self.pending) if s is not None}
-        reports: list[Any] = [None] * dist.get_world_size(world)
-        dist.all_gather_object(reports, (rank, sorted(owns), partners.report()), group=world)
-        dim = job.settings.replica_dim
-        chains = {r: ancestors(r, [plan.replaced for plan in job.recoveries]) for r in arrived}
-        plan = plan_restore(list(layout.ranks), arrived, lambda r: layout.group_ranks([dim], r)
-                            if dim in layout.dim_names else [r], chains, {r: (o, h) for r, o, h in reports},
-                            restoring.target)
-        if plan.lost:
-            self._load_or_refuse(f"no copy of the state of step {plan.step} survived for "
-                                 f"{describe_lost(plan, self._old_partners(job))}: each was lost with its partner")
-            return
-        sends = [(to, partners.take(src.shard, plan.step) if src.copy else owns[plan.step])
-                 for to, src in plan.sources.items() if src.holder == rank]
-        source = plan.sources.get(rank)
-        got = send_snapshots(sends, [source.holder] if source else [], world)
-        own = got[source.holder] if source else owns.get(plan.step)
-        problem: Optional[RecoveryError] = None
-        if own is None:
-            problem = RecoveryError(f"hypergrid: rank {rank} holds no snapshot of step {plan.step}, where the job "
-                                    f"resumes (it holds steps {sorted(owns)})")
-        else:
-            what = (f"rank {rank}'s own snapshot" if source is None else f"the copy of rank {source.shard}'s snapshot "
-                    f"held by rank {source.holder}" if source.copy else f"rank {source.holder}'s snapshot")
-            try:
-                own.verify(what=what)
-            except SnapshotCorrupted as corrupted:
-                problem = corrupted
-        problems: list[Any] = [None] * dist.get_world_size(world)
-        dist.all_gather_object(problems, problem, group=world)  # every rank learns of any, and acts alike
-        found = [p for p in problems if p is not None]
-        if found:
-            if self.loader is None or not isinstance(found[0], SnapshotCorrupted):
-                raise found[0]
-            logger.error("rank %d: %s", rank, found[0])
-            self._load_or_refuse(str(found[0]))
-            return
-        assert own is not None
-        if restoring.rollback or rank in arrived or own.step != self.step:
-            state.restore(own, verify=False)
-        self.committed, self.pending, self.step = own, None, plan.step
-        restoring.target = plan.step
-        self._restored()
+    def _placement(self) -> Placement:
+        return Placement(self.job.layout, dist.get_rank(), self.job.settings.replica_dim)
+
+    def _describe_missing(self, plan: RelayPlan, held: list[Held]) -> str:
+        """What no snapshot or copy kept, for a person: the positions of the placement before
+        whose state of the plan's step nobody holds (with who held their copies), or else the
+        blocks missing."""
+        last = self.job.last
+        before = last.old if last is not None else self.job.layout
+        kept = {h.source for h in held if h.step == plan.step}
+        lost = [(position, r) for position, r in enumerate(before.ranks) if r not in kept]
+        if not lost:
+            return f"no snapshot of step {plan.step} holds all the state the new placement needs: " + "; ".join(
+                plan.missing[:4])
+        if self.partners is None:
+            return (f"no rank holds the state of step {plan.step} of " + ", ".join(
+                f"position {position} (rank {r})" for position, r in lost)
+                + ": it was lost with every replica peer (give train(partner_copies=True) to keep copies)")
+        holders = self._old_partners(self.job)
+        return f"no copy of the state of step {plan.step} survived for " + ", ".join(
+            f"position {position} (rank {r}, its copy held by rank {holders.get(r, 'none')})" for position, r in lost
+        ) + ": each was lost with its partner"
 
     def _old_partners(self, job: ResilientJob) -> dict[int, int]:
         """Who held each rank's copy on the placement before the latest recovery (for messages)."""
@@ -473,7 +482,7 @@ class _Trainer:
             raise RecoveryError(f"hypergrid: the loader returned different steps on the grid's ranks: {steps}")
         if self.partners is not None:
             self.partners.clear()
-        self.committed = state.capture(step, digests=self.partners is not None)
+        self.committed = state.capture(step, digests=self.partners is not None, placement=self._placement())
         self.pending, self.step, restoring.target = None, step, step
         self._restored()
 
@@ -492,14 +501,6 @@ class _Trainer:
         logger.info("%s", record.describe())
         if self.on_recovery is not None:
             self.on_recovery(record)
-
-
-def _orphans(job: ResilientJob, arrived: frozenset[int]) -> list[int]:
-    """The ranks that took a position and have no replica peer that did not (nowhere to copy from)."""
-    dim, layout = job.settings.replica_dim, job.layout
-    if dim not in layout.dim_names:
-        return sorted(arrived)
-    return sorted(a for a in arrived if all(m in arrived for m in layout.group_ranks([dim], a)))
 
 
 def _check_on_job(state: TrainingState, job: ResilientJob) -> None:

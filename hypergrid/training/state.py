@@ -41,11 +41,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..errors import SnapshotCorrupted
+from .regions import Coords, Path, Placement, Region, region_of
 
 __all__ = ["TrainingState", "Snapshot", "RngState"]
-
-#: A leaf's place in a state dict: the keys and list indices that lead to it.
-Path = tuple[Any, ...]
 
 #: Where each tensor starts in a snapshot's buffer: a multiple of this many bytes, so that a
 #: byte offset is a whole number of elements of any dtype (complex128's 16 bytes included).
@@ -88,9 +86,11 @@ class Snapshot:
     a number), ``rng`` and ``objects`` (each user object's ``state_dict()``, copied).
 
     ``digests``: each tensor's CRC-32 when it was taken (empty where none was asked for);
-    ``rank``: the rank whose state it is (None outside a process group); ``buffer``: the one
-    host buffer (uint8) the tensors are views of, where :meth:`TrainingState.capture` made them so
-    (sent to a partner as it is, with no packing)."""
+    ``rank``: the rank whose state it is (None outside a process group); ``regions`` and
+    ``coords``: which block of the job's state each tensor is and where the rank sat, where it
+    was taken at a :class:`~hypergrid.training.regions.Placement` (what a restore onto another
+    placement cuts it by); ``buffer``: the one host buffer (uint8) the tensors are views of, where
+    :meth:`TrainingState.capture` made them so (sent to a partner as it is, with no packing)."""
 
     step: int
     tensors: dict[Path, torch.Tensor] = field(default_factory=dict)
@@ -99,6 +99,8 @@ class Snapshot:
     objects: dict[str, Any] = field(default_factory=dict)
     digests: dict[Path, int] = field(default_factory=dict)
     rank: Optional[int] = None
+    regions: dict[Path, Region] = field(default_factory=dict, repr=False)
+    coords: Coords = ()
     buffer: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def __getstate__(self) -> dict[str, Any]:
@@ -222,6 +224,7 @@ class TrainingState:
         # One module over the chunks, as torch's state_dict functions take one.
         self._module = models[0] if len(models) == 1 else torch.nn.ModuleList(models)
         self._spare: Optional[Snapshot] = None  # an older snapshot whose buffers the next one reuses
+        self._regions: tuple[Optional[Placement], dict[Path, Region]] = (None, {})  # by placement, reused
 
     # ------------------------------------------------------------------ the live state
     def _local(self) -> list[torch.optim.Optimizer]:
@@ -233,10 +236,11 @@ class TrainingState:
             return get_state_dict(self._module, self._local())
         return get_state_dict(self._module, [])[0], {}
 
-    def capture(self, step: int, *, digests: bool = False) -> Snapshot:
+    def capture(self, step: int, *, digests: bool = False, placement: Optional[Placement] = None) -> Snapshot:
         """This rank's state at the start of ``step``, copied to host memory, into one buffer. The
         buffer of the snapshot handed back by :meth:`recycle` is written over rather than
-        allocated again. ``digests``: take each tensor's CRC-32 too (:meth:`Snapshot.verify`).
+        allocated again. ``digests``: take each tensor's CRC-32 too (:meth:`Snapshot.verify`);
+        ``placement``: record each tensor's region there (:meth:`regions`).
 
         Example::
 
@@ -255,19 +259,52 @@ class TrainingState:
         for root, tree in (("model", model_sd), ("optimizer", optim_sd)):
             for path, leaf in _leaves(tree, (root,)):
                 if isinstance(leaf, torch.Tensor):
-                    local = leaf.to_local() if isinstance(leaf, DTensor) else leaf
-                    live.append((path, local.detach()))
+                    live.append((path, leaf))
                 else:
                     snapshot.values[path] = copy.deepcopy(leaf)
-        snapshot.buffer, views = buffer_for(live, reuse)
-        for (path, local), view in zip(live, views):
+        data = [(path, (leaf.to_local() if isinstance(leaf, DTensor) else leaf).detach()) for path, leaf in live]
+        snapshot.buffer, views = buffer_for(data, reuse)
+        for (path, local), view in zip(data, views):
             view.copy_(local)
             snapshot.tensors[path] = view
         if digests:
             snapshot.digests = {path: digest(view) for path, view in snapshot.tensors.items()}
         snapshot.rng = RngState.capture()
         snapshot.objects = {name: copy.deepcopy(obj.state_dict()) for name, obj in self.objects.items()}
+        if placement is not None:
+            snapshot.regions, snapshot.coords = self._regions_of(live, placement), placement.coords
         return snapshot
+
+    def regions(self, placement: Placement) -> dict[Path, Region]:
+        """The region of every tensor of this rank's live state at ``placement``: which block of
+        which of the job's global tensors it is (what a restore onto it must be given).
+
+        Example::
+
+            >>> import torch
+            >>> from hypergrid.layout import GridLayout
+            >>> place = Placement(GridLayout((2,), ("dp",)), rank=1, replica_dim="dp")
+            >>> TrainingState(torch.nn.Linear(3, 1)).regions(place)[("model", "weight")].shape
+            (1, 3)
+        """
+        model_sd, optim_sd = self._live()
+        return self._regions_of([(path, leaf) for root, tree in (("model", model_sd), ("optimizer", optim_sd))
+                                 for path, leaf in _leaves(tree, (root,)) if isinstance(leaf, torch.Tensor)], placement)
+
+    def _regions_of(self, live: Sequence[tuple[Path, torch.Tensor]], placement: Placement) -> dict[Path, Region]:
+        known, cache = self._regions
+        if known != placement:
+            cache = {}
+            self._regions = (placement, cache)
+        contexts: dict[int, Coords] = {}
+        found = {}
+        for path, tensor in live:
+            region = cache.get(path)
+            if region is None or region.dtype != tensor.dtype or (
+                    not isinstance(tensor, DTensor) and region.shape != tuple(tensor.shape)):
+                region = cache[path] = region_of(tensor, placement, contexts)
+            found[path] = region
+        return found
 
     def recycle(self, snapshot: Snapshot) -> None:
         """``snapshot`` is no longer needed: the next :meth:`capture` writes into its buffers."""
@@ -300,7 +337,7 @@ class TrainingState:
                                          f"{local.dtype} is expected")
                     with torch.no_grad():
                         local.copy_(saved, non_blocking=False)
-                elif path in snapshot.values:
+                elif path in snapshot.values and path[-1] != "params":  # which parameters: the live state's
                     _assign(model_sd if root == "model" else optim_sd, path[1:], copy.deepcopy(snapshot.values[path]))
         if self.optimizers:
             set_state_dict(self._module, self._local(), model_state_dict=model_sd, optim_state_dict=optim_sd)

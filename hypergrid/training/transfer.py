@@ -21,14 +21,16 @@ Example, one rank alone (a group of one: the snapshot is its own)::
 from __future__ import annotations
 
 import pickle
-from typing import Optional
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from .regions import Region, RelayPlan, block_of
 from .state import Path, Snapshot, buffer_for, view_of
 
-__all__ = ["share_snapshot", "collective_device", "packed", "unpacked"]
+__all__ = ["share_snapshot", "send_snapshots", "relay", "collective_device", "packed", "unpacked"]
 
 
 def share_snapshot(snapshot: Optional[Snapshot], *, source: int, group: dist.ProcessGroup) -> Snapshot:
@@ -83,16 +85,131 @@ def packed(snapshot: Snapshot) -> tuple[bytes, torch.Tensor]:
         tensors = dict(zip(tensors, views))
     base = buffer.data_ptr()
     layout = [(path, tuple(t.shape), t.dtype, t.data_ptr() - base) for path, t in tensors.items()]
-    sent = (snapshot.step, snapshot.rank, layout, snapshot.values, snapshot.rng, snapshot.objects, snapshot.digests)
+    sent = (snapshot.step, snapshot.rank, layout, snapshot.values, snapshot.rng, snapshot.objects, snapshot.digests,
+            snapshot.regions, snapshot.coords)
     return pickle.dumps(sent, protocol=pickle.HIGHEST_PROTOCOL), buffer
 
 
 def unpacked(header: bytes, buffer: torch.Tensor) -> Snapshot:
     """The snapshot :func:`packed` made ``header`` and ``buffer`` of (its tensors are views of the buffer)."""
-    step, rank, layout, values, rng, objects, digests = pickle.loads(header)  # noqa: S301 - from a rank of the job
+    step, rank, layout, values, rng, objects, digests, regions, coords = pickle.loads(header)  # noqa: S301 - a rank's
     tensors: dict[Path, torch.Tensor] = {path: view_of(buffer, offset, shape, dtype)
                                          for path, shape, dtype, offset in layout}
-    return Snapshot(step, tensors, values, rng, objects, digests=digests, rank=rank, buffer=buffer)
+    return Snapshot(step, tensors, values, rng, objects, digests=digests, rank=rank, regions=regions, coords=coords,
+                    buffer=buffer)
+
+
+def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int], group: dist.ProcessGroup, *,
+                   buffer: Optional[Callable[[int], torch.Tensor]] = None) -> dict[int, Snapshot]:
+    """Send each ``(rank, snapshot)`` of ``sends`` to its rank and receive one snapshot from each
+    rank of ``receives``, over ``group`` (global ranks), in two batches of point-to-point
+    operations: the sizes, then each snapshot's header and its one buffer (over NCCL through this
+    rank's device). Every rank named on either side calls it with the matching entries.
+    ``buffer(nbytes)``: where a received buffer goes (default: a new one). Returns the snapshots
+    received, by the rank that sent each.
+
+    Example, a rank with nothing to send or receive (it makes no call)::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> send_snapshots([], [], dist.group.WORLD)
+        {}
+        >>> dist.destroy_process_group()
+
+    ``tests/test_partner.py`` sends them between gloo ranks.
+    """
+    device = collective_device(group)
+    outgoing = [(peer, *packed(snapshot)) for peer, snapshot in sends]
+    sizes_out = [torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=device)
+                 for _, header, payload in outgoing]
+    sizes_in = {peer: torch.empty(2, dtype=torch.int64, device=device) for peer in receives}
+    _run([dist.P2POp(dist.isend, size, peer, group) for size, (peer, _, _) in zip(sizes_out, outgoing)]
+         + [dist.P2POp(dist.irecv, size, peer, group) for peer, size in sizes_in.items()])
+    incoming: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for peer, size in sizes_in.items():
+        header_len, payload_len = (int(v) for v in size.tolist())
+        host = buffer(payload_len) if buffer is not None else torch.empty(payload_len, dtype=torch.uint8)
+        incoming[peer] = (torch.empty(header_len, dtype=torch.uint8, device=device),
+                          host if device.type == "cpu" else torch.empty(payload_len, dtype=torch.uint8, device=device))
+    ops = []  # an empty buffer (a snapshot of values only) is not sent: both sides know its size
+    for peer, header, payload in outgoing:
+        ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), peer, group))
+        ops += [dist.P2POp(dist.isend, payload.to(device), peer, group)] if payload.numel() else []
+    for peer, (header_in, payload_in) in incoming.items():
+        ops.append(dist.P2POp(dist.irecv, header_in, peer, group))
+        ops += [dist.P2POp(dist.irecv, payload_in, peer, group)] if payload_in.numel() else []
+    _run(ops)
+    received = {}
+    for peer, (header_in, payload_in) in incoming.items():
+        host = payload_in
+        if device.type != "cpu":
+            host = (buffer(payload_in.numel()) if buffer is not None
+                    else torch.empty(payload_in.numel(), dtype=torch.uint8))
+            host.copy_(payload_in)
+        received[peer] = unpacked(header_in.cpu().numpy().tobytes(), host)
+    return received
+
+
+def relay(plan: RelayPlan, held: Mapping[int, Snapshot], wanted: Mapping[Path, Region],
+          group: dist.ProcessGroup) -> Snapshot:
+    """Carry out ``plan`` on this rank (every rank of ``group`` calls it with the same plan): send
+    the blocks it holds to the ranks that need them, one snapshot per receiver, and build its own
+    state (``wanted``: its live state's regions) from the blocks it receives and holds. ``held``:
+    the snapshots of ``plan.step`` this rank holds, by their source rank. Returns this rank's
+    snapshot of ``plan.step``: its own, untouched, where every block of it was its own.
+
+    Example, one rank holding the whole of its state::
+
+        >>> import torch, torch.distributed as dist
+        >>> from hypergrid.training.regions import Part
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> region = Region((), (2,), (0,), (2,), torch.float32)
+        >>> own = Snapshot(3, {("w",): torch.ones(2)}, rank=0, regions={("w",): region})
+        >>> plan = RelayPlan(3, (Part(0, ("w",), 0, 0, (0,), (2,)),), {0: (0, 0)})
+        >>> relay(plan, {0: own}, {("w",): region}, dist.group.WORLD) is own
+        True
+        >>> dist.destroy_process_group()
+    """
+    rank = dist.get_rank()
+    outgoing: dict[int, Snapshot] = {}
+    mine: list[tuple[int, Any]] = []
+    for index, part in enumerate(plan.parts):
+        if part.holder == rank and part.receiver != rank:
+            source = held[part.source]
+            block = block_of(source.tensors[part.path], source.regions[part.path], part.offsets, part.shape)
+            outgoing.setdefault(part.receiver, Snapshot(plan.step, rank=part.source)).tensors[(index,)] = block
+        elif part.receiver == rank:
+            mine.append((index, part))
+    for receiver, (holder, source_rank) in plan.templates.items():
+        if holder == rank and receiver != rank:
+            sent, source = outgoing.setdefault(receiver, Snapshot(plan.step, rank=source_rank)), held[source_rank]
+            sent.values, sent.rng, sent.objects = source.values, source.rng, source.objects
+    template = plan.templates[rank]
+    senders = sorted({part.holder for _, part in mine if part.holder != rank} | ({template[0]} - {rank}))
+    got = send_snapshots(sorted(outgoing.items(), key=lambda item: item[0]), senders, group)
+    own = held.get(rank)
+    if own is not None and template == (rank, rank) and len(mine) == len(wanted) and all(
+            (part.holder, part.source) == (rank, rank) and own.regions.get(part.path) == wanted[part.path]
+            for _, part in mine):
+        return own
+    built = Snapshot(plan.step, rank=rank)
+    built.tensors = {path: torch.empty(region.shape, dtype=region.dtype) for path, region in wanted.items()}
+    for index, part in mine:
+        if part.holder == rank:
+            source = held[part.source]
+            block = block_of(source.tensors[part.path], source.regions[part.path], part.offsets, part.shape)
+        else:
+            block = got[part.holder].tensors[(index,)]
+        block_of(built.tensors[part.path], wanted[part.path], part.offsets, part.shape).copy_(block)
+    model = held[template[1]] if template[0] == rank else got[template[0]]
+    built.values, built.rng, built.objects = model.values, model.rng, model.objects
+    return built
+
+
+def _run(ops: list[dist.P2POp]) -> None:
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
 
 
 def collective_device(group: dist.ProcessGroup) -> torch.device:
