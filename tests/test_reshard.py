@@ -70,6 +70,7 @@ def _save(job: Any, state: Any, folder: Path, zero: bool) -> None:
     (model,), (optimizer,) = state.models, state.optimizers
     if zero:
         first = job.layout.ranks[0]
+        folder.mkdir(parents=True, exist_ok=True)
         optimizer.consolidate_state_dict(to=first)
         if dist.get_rank() == first:
             torch.save({"model": model.state_dict(), "optim": optimizer.state_dict()}, folder / "zero.pt")
@@ -98,11 +99,11 @@ def _load(job: Any, model: torch.nn.Module, optimizer: torch.optim.Optimizer, fo
 
 
 def _job(rank: int, world: int, folder: str, zero: bool, *, kill: bool = False, freeze: Optional[float] = None,
-         save_at: Optional[int] = None, start: Optional[int] = None) -> dict:
+         save_at: tuple[int, ...] = (), start: Optional[int] = None) -> dict:
     """dp ``world`` (4, or the size a reference job starts on) on ranks 0..world-1, nodes of 2, no
     spare. ``kill``: node 1 SIGKILLed after step KILL_STEP's forward; ``freeze``: rank 3 SIGSTOPped
     that many seconds in step 2, the grid grown back at GROW_AT; ``save_at``: the state at the
-    start of that step saved by torch (after the step before it, where the grid grows then);
+    start of those steps saved by torch (after the step before it, where the grid grows then);
     ``start``: a reference job started at that step from what was saved."""
     import hypergrid
 
@@ -124,7 +125,7 @@ def _job(rank: int, world: int, folder: str, zero: bool, *, kill: bool = False, 
     def setup(job: Any) -> Any:
         model, optimizer = _build(job, zero)
         if start is not None and not saved:
-            _load(job, model, optimizer, Path(folder), zero)
+            _load(job, model, optimizer, Path(folder) / str(start), zero)
             saved.append(-start)  # loaded once, at the start
         return hypergrid.TrainingState(model, optimizer)
 
@@ -137,8 +138,8 @@ def _job(rank: int, world: int, folder: str, zero: bool, *, kill: bool = False, 
             store.wait(["frozen_at"], timedelta(seconds=60))
             while time.time() < float(store.get("frozen_at").decode()) + freeze + 3 * COLLECTIVE_S:
                 time.sleep(0.2)
-        if save_at is not None and step == save_at and freeze is None:
-            _save(job, state, Path(folder), zero)
+        if step in save_at and freeze is None:
+            _save(job, state, Path(folder) / str(step), zero)
             saved.append(step)
         position = list(job.layout.ranks).index(dist.get_rank())
         (model,), (optimizer,) = state.models, state.optimizers
@@ -155,9 +156,9 @@ def _job(rank: int, world: int, folder: str, zero: bool, *, kill: bool = False, 
                 dist.all_reduce(p.grad, group=job.state.get_pg("dp"))
                 p.grad /= job.layout.size
         optimizer.step()
-        if save_at is not None and step == save_at - 1 and freeze is not None:
-            _save(job, state, Path(folder), zero)  # the state the growth starts from
-            saved.append(save_at)
+        if step + 1 in save_at and freeze is not None:
+            _save(job, state, Path(folder) / str(step + 1), zero)  # the state the growth starts from
+            saved.append(step + 1)
         return loss.item()
 
     run = hypergrid.train(job, setup, step, steps=STEPS, first_step=start or 0, partner_copies=start is None,
@@ -166,6 +167,7 @@ def _job(rank: int, world: int, folder: str, zero: bool, *, kill: bool = False, 
         return {"in_grid": False}
     return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses, "saved": saved,
             "position": list(run.job.layout.ranks).index(rank), "kinds": [r.kind for r in run.records],
+            "resumed": [r.resumed_step for r in run.records],
             "records": [r.describe() for r in run.records]}
 
 
@@ -175,25 +177,30 @@ def _by_position(results: list) -> dict[int, dict]:
 
 @pytest.mark.parametrize("zero", [False, True], ids=["fsdp2", "zero"])
 def test_a_node_lost_with_no_spare_re_lays_the_shards_on_the_smaller_dp(tmp_path, zero):
-    run_gloo(functools.partial(_job, save_at=KILL_STEP), 4, str(tmp_path), zero, timeout=240, pg_timeout_s=COLLECTIVE_S,
-             leave_at_once=True)  # the state every rank had at KILL_STEP, with no failure
+    # The state every rank had at the start of the steps the job may resume from, with no failure:
+    # the kill comes while the copies of KILL_STEP's snapshot travel, so KILL_STEP or the one before.
+    run_gloo(functools.partial(_job, save_at=(KILL_STEP - 1, KILL_STEP)), 4, str(tmp_path), zero, timeout=240,
+             pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
     results = run_gloo(functools.partial(_job, kill=True), 4, str(tmp_path), zero, timeout=300,
                        pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
-    fresh = _by_position(run_gloo(functools.partial(_job, start=KILL_STEP), 2, str(tmp_path), zero, timeout=240,
-                                  pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
     assert results[2][0] == "dead" and results[3][0] == "dead", results
+    (resumed,) = results[0][1]["resumed"]
+    assert resumed in (KILL_STEP - 1, KILL_STEP), results[0]
+    fresh = _by_position(run_gloo(functools.partial(_job, start=resumed), 2, str(tmp_path), zero, timeout=240,
+                                  pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
     for rank in (0, 1):
         status, value = results[rank]
         assert status == "ok" and value["ranks"] == [0, 1] and value["kinds"] == ["shrink"], (rank, results[rank])
-        after = {s: loss for s, loss in value["losses"].items() if s >= KILL_STEP}
-        want = {s: fresh[value["position"]]["losses"][s] for s in range(KILL_STEP, STEPS)}
+        assert value["resumed"] == [resumed], (rank, value)
+        after = {s: loss for s, loss in value["losses"].items() if s >= resumed}
+        want = {s: fresh[value["position"]]["losses"][s] for s in range(resumed, STEPS)}
         assert after == want, (rank, after, want)
     print("shrink:", *(results[r][1]["records"][0] for r in (0, 1)), sep="\n  ")
 
 
 @pytest.mark.parametrize("zero", [False, True], ids=["fsdp2", "zero"])
 def test_a_rank_counted_out_and_grown_back_re_lays_the_shards_each_time(tmp_path, zero):
-    results = run_gloo(functools.partial(_job, freeze=10.0, save_at=GROW_AT), 4, str(tmp_path), zero, timeout=300,
+    results = run_gloo(functools.partial(_job, freeze=10.0, save_at=(GROW_AT,)), 4, str(tmp_path), zero, timeout=300,
                        pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
     members = {rank: v for rank, (status, v) in enumerate(results) if status == "ok" and v["in_grid"]}
     assert sorted(members) == [0, 1, 2, 3], results

@@ -283,9 +283,12 @@ def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any, com
     moved = plan.new != job.layout
     if moved:
         job.let_go_job_groups()  # the old placement's: the new one's are made when asked for
+    elif job._copies is not None:
+        job._copies.destroy()  # a copy cut short by the failure may still be posted on it: made anew
     job = dataclasses.replace(job, layout=plan.new, spares=committed.spares, state=state, recoveries=recoveries,
                               record=committed, step=verdict.step, next_round=verdict.round + 1,
-                              _world=None if moved else job._world, _replicas=None if moved else job._replicas)
+                              _world=None if moved else job._world, _replicas=None if moved else job._replicas,
+                              _copies=None)
     if job.channel is not None:
         attach(job, first_round=verdict.round + 1)
     return job
@@ -303,7 +306,7 @@ def synced(job: Any, committed: Optional[JobRecord], next_round: int = 0) -> Any
                    describe_ranks(list(layout.ranks)))
     job.let_go_job_groups()
     return dataclasses.replace(job, layout=layout, spares=committed.spares, record=committed, step=committed.step,
-                               _world=None, _replicas=None)
+                               _world=None, _replicas=None, _copies=None)
 
 
 _collective_watch: Optional[CollectiveWatch] = None

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -79,6 +79,7 @@ class ResilientJob:
     times: Optional[RecoveryTimes] = dataclasses.field(default=None, compare=False)
     _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
     _replicas: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
+    _copies: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not isinstance(self.settings, RecoverySettings):
@@ -214,14 +215,7 @@ class ResilientJob:
         layout = self.layout
         if layout.rank_map is None and layout.rank_offset == 0 and layout.size == dist.get_world_size():
             return dist.group.WORLD
-        world = self._world
-        if world is None:
-            world = world_grid(layout)
-            object.__setattr__(self, "_world", world)
-        try:
-            return world.get_pg("world")
-        except KeyError:
-            return world.create_pg("world", group_desc="HYPERGRID_JOB_WORLD")
+        return self._own_group("_world", world_grid, "world", group_desc="HYPERGRID_JOB_WORLD")
 
     @property
     def replica_group(self) -> Optional[dist.ProcessGroup]:
@@ -249,18 +243,44 @@ class ResilientJob:
         if dim not in self.layout.dim_names:
             raise ValueError(f"the job's replica_dim {dim!r} is not a dim of its grid {list(self.layout.dim_names)}; "
                              f"set RecoverySettings(replica_dim=...) to the dim along which state is replicated")
-        grid = self._replicas
+        return self._own_group("_replicas", job_grid, dim, group_desc="HYPERGRID_JOB_REPLICAS")
+
+    @property
+    def copy_group(self) -> Optional[dist.ProcessGroup]:
+        """A group over the grid's ranks, like :attr:`world` but a communicator of its own: what
+        partner copies travel over while the job's collectives go on (over NCCL two groups are two
+        streams, so a copy in flight does not hold back the step's or the commit gate's). Made when
+        first asked for, on every rank of the grid alike; None outside it.
+
+        Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
+
+            >>> import torch.distributed as dist
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
+            >>> after = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]), spares=[4, 5],
+            ...                              settings=RecoverySettings(gpus_per_node=2)).recover(failed=[2, 3])
+            >>> dist.get_process_group_ranks(after.copy_group), after.copy_group is after.world
+            ([0, 1, 4, 5], False)
+            >>> after.destroy(); dist.destroy_process_group()
+        """
+        if not dist.is_initialized() or not self.in_grid:
+            return None
+        return self._own_group("_copies", world_grid, "world", private=True, group_desc="HYPERGRID_JOB_COPIES")
+
+    def _own_group(self, field: str, grid_of: Callable[[GridLayout], HyperCommGrid], dims: str,
+                   **options: Any) -> Optional[dist.ProcessGroup]:
+        """One of the job's own groups (the grid in ``field``, made by ``grid_of`` on first use),
+        made when first asked for, on every rank of the grid alike."""
+        grid = getattr(self, field)
         if grid is None:
-            grid = job_grid(self.layout)
-            object.__setattr__(self, "_replicas", grid)
-        try:
-            return grid.get_pg(dim)
-        except KeyError:
-            return grid.create_pg(dim, group_desc="HYPERGRID_JOB_REPLICAS")
+            grid = grid_of(self.layout)
+            object.__setattr__(self, field, grid)
+        return grid.get_or_create_pg(dims, **options)
 
     def let_go_job_groups(self) -> None:
-        """Destroy the groups :attr:`world` and :attr:`replica_group` made (the placement moved)."""
-        for grid in (self._world, self._replicas):
+        """Destroy the groups :attr:`world`, :attr:`replica_group` and :attr:`copy_group` made (the
+        placement moved)."""
+        for grid in (self._world, self._replicas, self._copies):
             if grid is not None:
                 grid.destroy()
 

@@ -5,15 +5,16 @@ optimizers, scheduler, data sampler) on the job's groups, and a ``step`` that tr
 :func:`train` runs the steps on every rank, spares included, and owns everything a failure
 asks for:
 
-- **Snapshots and a commit gate.** After every ``snapshot_every`` steps each rank copies its
-  state to host memory, then the ranks of the grid meet (one all-reduce of one number over
-  :attr:`ResilientJob.world`). A rank takes its next snapshot only after every rank took this
-  one, so no rank is ever a snapshot ahead of another, and each holds the two that a recovery
-  may roll back to: its last committed one and the one it took since.
+- **Snapshots and a commit gate.** After every ``snapshot_every`` steps the ranks of the grid
+  meet (one all-reduce of one number over :attr:`ResilientJob.world`), then each copies its state
+  to host memory. A rank takes a snapshot only after every rank took the one before, so no rank
+  is ever a snapshot ahead of another, and each holds the two that a recovery may roll back to:
+  the one every rank took and its latest.
 - **A failure.** A step (or a gate) that raises because a peer is gone makes every survivor call
   :func:`~hypergrid.recovery.recover` with the step of its latest snapshot; the job carries the
   least, and every rank rolls back to it: from its own snapshot, or, on a rank that just took a
-  position, from a surviving peer of its replica group (:mod:`hypergrid.training.transfer`).
+  position, from a surviving peer of its replica group; where the grid's shape changed, every
+  rank's shards cut from the old ones (:mod:`hypergrid.training.regions`).
 - **Outside the grid.** A spare waits until a recovery gives it a position, a rank whose replica
   was dropped waits as a spare, and a rank counted out (it hung) offers itself again; each
   calls ``setup`` when it takes a position, and gets its state from a peer.
@@ -22,11 +23,11 @@ asks for:
 - **Records.** Each recovery is timed in parts on every rank (:class:`RecoveryRecord`), logged
   in one line, kept on the run and handed to ``on_recovery``.
 - **Partner copies** (``partner_copies=True``, for state no replica peer holds: FSDP2 or ZeRO
-  shards). Each snapshot is taken with a digest of every tensor and sent, before the gate, to the
-  rank's partner on another node (:mod:`hypergrid.training.partner`); after a recovery every rank
-  reports what it holds, all derive the same sources, and a rank that took a position gets its
-  snapshot from a replica peer or from the partner that held a copy of it, checked against its
-  digests on every rank before anything is restored. Where no copy survived (a rank lost with
+  shards). Each snapshot is taken with a digest of every tensor and sent to the rank's partner on
+  another node (:mod:`hypergrid.training.partner`) over :attr:`ResilientJob.copy_group`, in
+  flight while the next steps run and waited for before the next gate; after a recovery the
+  copies serve the blocks of the ranks lost, checked against their digests before anything is
+  restored. Where no copy survived (a rank lost with
   its partner), ``loader(job, state)`` is called on every rank of the grid and the job resumes
   from the step it returns; without one, :class:`~hypergrid.errors.RecoveryRefused` names the
   positions lost, on every rank.
@@ -188,8 +189,8 @@ class _Trainer:
         self.state: Optional[TrainingState] = None
         self.step = 0
         self.result = TrainingRun(job, None, 0)
-        self.committed: Optional[Snapshot] = None  # the latest snapshot every rank took
-        self.pending: Optional[Snapshot] = None  # taken since, its gate not passed
+        self.committed: Optional[Snapshot] = None  # this rank's latest snapshot
+        self.previous: Optional[Snapshot] = None  # the one before: every rank holds it, and its copies
         self.restoring: Optional[_Restoring] = None
         self.recorded: Optional[_Restoring] = None  # restored, its first step not done
         self.fruitless = 0  # recoveries in a row that found nobody lost
@@ -205,8 +206,8 @@ class _Trainer:
             assert self.state is not None
             self.committed = self.state.capture(self.step, digests=self.partners is not None,
                                                 placement=self._placement())
-            if self.partners is not None:  # a node lost before the first gate still leaves copies
-                self.partners.exchange(self.committed, self.job.layout.ranks, self.job.world)
+            if self.partners is not None:
+                self.partners.start(self.committed, self.job.layout.ranks, self.job.copy_group)
         else:
             self._wait_outside(self.job.wait_as_spare, failed_step=None)
         while self.job.in_grid and self.step < self.steps:
@@ -228,6 +229,8 @@ class _Trainer:
                 self._recover(failure)
         self._close_record()
         if self.job.in_grid:
+            if self.partners is not None:
+                self.partners.finish()  # the last copies sent: no rank leaves with a send in flight
             world = self.job.world
             if world is not None:
                 dist.barrier(group=world)  # every rank of the grid is done before the spares go
@@ -245,26 +248,29 @@ class _Trainer:
         self.zeros = _zero_groups(state, job.state)
 
     def _checkpoint(self) -> None:
-        """Snapshot this step, then the gate: every rank of the grid has snapshotted it."""
-        assert self.state is not None
-        partners = self.partners
-        self.pending = self.state.capture(self.step, digests=partners is not None, placement=self._placement())
-        world = self.job.world
-        if partners is not None:  # before the gate: once it passes, every rank holds its copies
-            partners.exchange(self.pending, self.job.layout.ranks, world)
+        """The gate, then this step's snapshot. The ranks of the grid meet (one all-reduce of one
+        number) once each holds the partner copies of its latest snapshot: so every rank holds
+        that snapshot and its copies, and the one before can go. This step's snapshot is then
+        taken into its buffer, and its copies travel while the next steps run."""
+        state, partners, world = self.state, self.partners, self.job.world
+        assert state is not None
+        if partners is not None:
+            partners.finish()
         if world is not None:
             dist.all_reduce(torch.zeros(1, device=collective_device(world)), group=world)
+        if partners is not None and self.committed is not None:
+            partners.settle(self.committed.step)
+        if self.previous is not None:
+            state.recycle(self.previous)
+        self.previous = self.committed
+        self.committed = state.capture(self.step, digests=partners is not None, placement=self._placement())
         if partners is not None:
-            partners.settle(self.step)
-        if self.committed is not None:
-            self.state.recycle(self.committed)
-        self.committed, self.pending = self.pending, None
+            partners.start(self.committed, self.job.layout.ranks, self.job.copy_group)
 
     def _latest(self) -> Optional[int]:
         """The step of this rank's latest snapshot: the least over the survivors is one they all
         hold (None: it holds none, having just taken a position; the others' steps decide)."""
-        held = self.pending or self.committed
-        return held.step if held is not None else None
+        return self.committed.step if self.committed is not None else None
 
     def _growth_due(self) -> bool:
         return (self.grow_every is not None and self.step % self.grow_every == 0 and self.step > 0
@@ -276,6 +282,8 @@ class _Trainer:
         logger.warning("rank %d: step %d failed (%s); recovering", dist.get_rank(), failed_step,
                        str(failure).splitlines()[0][:200] if str(failure) else type(failure).__name__)
         before = self.job
+        if self.partners is not None:
+            self.partners.salvage()  # the copies in flight that arrived whole count; the rest are gone
         try:
             job = recover(before, step=self._latest())
         except ExcludedByRecovery as excluded:
@@ -330,7 +338,7 @@ class _Trainer:
 
     def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
         """Wait outside the grid (as a spare, or offering this rank again) until given a position."""
-        self.state, self.committed, self.pending = None, None, None
+        self.state, self.committed, self.previous = None, None, None
         if self.partners is not None:
             self.partners.clear()  # copies of a placement this rank has left
         job = wait(timeout=self.wait_timeout)
@@ -347,6 +355,8 @@ class _Trainer:
 
     def _grow(self) -> None:
         seen_at, seen = time.time(), time.monotonic()
+        if self.partners is not None:
+            self.partners.finish()  # this step's copies, for the plan that re-lays the state
         grown = grow(self.job, step=self.step)
         if grown.layout == self.job.layout:
             self.job = grown
@@ -373,7 +383,7 @@ class _Trainer:
         rank, world = dist.get_rank(), job.world
         placement = self._placement()
         mine: dict[tuple[int, int], Snapshot] = {(s.rank if s.rank is not None else rank, s.step): s
-                                                 for s in (self.committed, self.pending) if s is not None}
+                                                 for s in (self.previous, self.committed) if s is not None}
         for copy in self.partners.held() if self.partners is not None else ():
             mine[(copy.rank if copy.rank is not None else -1, copy.step)] = copy
         wanted = Wanted(rank, placement.coords, state.regions(placement))
@@ -415,14 +425,17 @@ class _Trainer:
         untouched = own is ours.get(rank) and not restoring.rebuilt
         if restoring.rollback or not untouched or own.step != self.step:
             state.restore(own, verify=False)
+        for other in (self.previous, self.committed):  # their buffers serve the next snapshot
+            if other is not None and other is not own:
+                state.recycle(other)
         if not untouched:  # what it restored, as its own snapshot at its new placement
             own = state.capture(plan.step, digests=self.partners is not None, placement=placement)
-        self.committed, self.pending, self.step = own, None, plan.step
+        self.committed, self.previous, self.step = own, None, plan.step
         restoring.target = plan.step
         moved = any(p.holder != p.receiver for p in plan.parts) or any(
             holder != receiver for receiver, (holder, _) in plan.templates.items())
         if self.partners is not None and moved:  # copies of the new placement before its first step
-            self.partners.exchange(own, job.layout.ranks, world)
+            self.partners.start(own, job.layout.ranks, job.copy_group)
         self._restored()
 
     def _restored(self) -> None:
@@ -480,10 +493,11 @@ class _Trainer:
             dist.all_gather_object(steps, step, group=world)
         if len(set(steps) - {None}) > 1:
             raise RecoveryError(f"hypergrid: the loader returned different steps on the grid's ranks: {steps}")
-        if self.partners is not None:
-            self.partners.clear()
         self.committed = state.capture(step, digests=self.partners is not None, placement=self._placement())
-        self.pending, self.step, restoring.target = None, step, step
+        self.previous, self.step, restoring.target = None, step, step
+        if self.partners is not None:  # copies of what was loaded, before the first step from it
+            self.partners.clear()
+            self.partners.start(self.committed, job.layout.ranks, job.copy_group)
         self._restored()
 
     def _close_record(self) -> None:

@@ -22,13 +22,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .state import Snapshot
-from .transfer import send_snapshots
+from .transfer import Sending, start_sending
 
 __all__ = ["partner_map", "PartnerCopies"]
 
@@ -74,8 +74,9 @@ def partner_map(ranks: Sequence[int], gpus_per_node: int) -> dict[int, int]:
 # ---------------------------------------------------------------------- the copies a rank holds
 class PartnerCopies:
     """The copies this rank holds of other ranks' snapshots, by the rank that sent each (at most
-    the latest two steps of each: the one the commit gate passed and the one sent since), and the
-    exchange that re-forms them at each snapshot on the job's placement.
+    the latest two steps of each), and the exchange that sends them at each snapshot on the job's
+    placement: started after the snapshot, in flight while the next steps run, finished before
+    the commit gate of the next snapshot.
 
     Example, with no process group (nothing is sent; copies are taken in by hand)::
 
@@ -94,11 +95,15 @@ class PartnerCopies:
         self.exchange_s: list[float] = []  # each exchange's time on this rank, for the record
         self._free: list[torch.Tensor] = []  # buffers of copies let go, reused by the next ones
         self._one_node: Optional[tuple[int, ...]] = None  # the placement a warning was given for
+        self._sending: Optional[Sending] = None  # the exchange in flight
+        self._abandoned: list[Sending] = []  # cut short by a failure: alive until their group is gone
 
-    def exchange(self, snapshot: Snapshot, ranks: Sequence[int], group: Optional[dist.ProcessGroup]) -> None:
-        """On every rank of the grid (``ranks``, position order; ``group`` over them): send
-        ``snapshot`` to this rank's partner and keep the copies sent to it. Nothing on a grid
-        of one node (logged once per placement)."""
+    def start(self, snapshot: Snapshot, ranks: Sequence[int], group: Optional[dist.ProcessGroup]) -> None:
+        """On every rank of the grid (``ranks``, position order; ``group`` over them): start
+        sending ``snapshot`` to this rank's partner and receiving the copies sent to it, left in
+        flight while training goes on (:meth:`finish` keeps them). Nothing on a grid of one node
+        (logged once per placement)."""
+        self.finish()
         if group is None:
             return
         try:
@@ -110,10 +115,27 @@ class PartnerCopies:
             return
         start, rank = time.perf_counter(), dist.get_rank()
         sources = [source for source, holder in partners.items() if holder == rank and source != rank]
-        got = send_snapshots([(partners[rank], snapshot)], sources, group, buffer=self._buffer)
-        for source, copy in got.items():
-            self.keep(source, copy)
+        self._sending = start_sending([(partners[rank], snapshot)], sources, group, buffer=self._buffer)
         self.exchange_s.append(time.perf_counter() - start)
+
+    def finish(self) -> None:
+        """Wait for the copies in flight and keep them (raises where a peer failed on the way)."""
+        sending, self._sending = self._sending, None
+        self._abandoned.clear()  # a gate or a restore on a new group since: the old ones are gone
+        if sending is None:
+            return
+        start = time.perf_counter()
+        for source, copy in sending.wait().items():
+            self.keep(source, copy)
+        self.exchange_s[-1] += time.perf_counter() - start
+
+    def salvage(self) -> None:
+        """After a failure: keep the copies in flight that arrived whole, let the others go."""
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            self._abandoned.append(sending)
+            for source, copy in sending.arrived().items():
+                self.keep(source, copy)
 
     def keep(self, source: int, copy: Snapshot) -> None:
         """Hold ``copy`` of ``source``'s snapshot (beside the one before it, if any)."""
@@ -139,7 +161,10 @@ class PartnerCopies:
         return [copy for source in sorted(self.copies) for copy in self.copies[source]]
 
     def clear(self) -> None:
-        """Let every copy go (the job resumed from somewhere no copy is of)."""
+        """Let every copy go, and any in flight (the job resumed from somewhere no copy is of)."""
+        if self._sending is not None:
+            self._abandoned.append(self._sending)
+        self._sending = None
         for held in self.copies.values():
             for copy in held:
                 self._let_go(copy)
@@ -159,15 +184,3 @@ class PartnerCopies:
             if free.numel() == nbytes:
                 return self._free.pop(index)
         return torch.empty(nbytes, dtype=torch.uint8)
-
-
-def exchange_summary(copies: PartnerCopies) -> dict[str, Any]:
-    """The copies' cost on this rank so far: exchanges, their mean seconds, the bytes held.
-
-    Example::
-
-        >>> exchange_summary(PartnerCopies(gpus_per_node=2))
-        {'exchanges': 0, 'mean_s': 0.0, 'held_bytes': 0}
-    """
-    times = copies.exchange_s
-    return {"exchanges": len(times), "mean_s": sum(times) / len(times) if times else 0.0, "held_bytes": copies.nbytes}

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from .regions import Region, RelayPlan, block_of
 from .state import Path, Snapshot, buffer_for, view_of
 
-__all__ = ["share_snapshot", "send_snapshots", "relay", "collective_device", "packed", "unpacked"]
+__all__ = ["share_snapshot", "send_snapshots", "start_sending", "Sending", "relay", "collective_device", "packed", "unpacked"]
 
 
 def share_snapshot(snapshot: Optional[Snapshot], *, source: int, group: dist.ProcessGroup) -> Snapshot:
@@ -102,11 +102,8 @@ def unpacked(header: bytes, buffer: torch.Tensor) -> Snapshot:
 def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int], group: dist.ProcessGroup, *,
                    buffer: Optional[Callable[[int], torch.Tensor]] = None) -> dict[int, Snapshot]:
     """Send each ``(rank, snapshot)`` of ``sends`` to its rank and receive one snapshot from each
-    rank of ``receives``, over ``group`` (global ranks), in two batches of point-to-point
-    operations: the sizes, then each snapshot's header and its one buffer (over NCCL through this
-    rank's device). Every rank named on either side calls it with the matching entries.
-    ``buffer(nbytes)``: where a received buffer goes (default: a new one). Returns the snapshots
-    received, by the rank that sent each.
+    rank of ``receives``, over ``group`` (global ranks): :func:`start_sending`, waited for.
+    Returns the snapshots received, by the rank that sent each.
 
     Example, a rank with nothing to send or receive (it makes no call)::
 
@@ -117,6 +114,75 @@ def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int
         >>> dist.destroy_process_group()
 
     ``tests/test_partner.py`` sends them between gloo ranks.
+    """
+    return start_sending(sends, receives, group, buffer=buffer).wait()
+
+
+class Sending:
+    """Snapshots on their way (:func:`start_sending`): :meth:`wait` for all of them, or take the
+    ones already received (:meth:`arrived`) where the sending was cut short by a failure (then
+    keep this object until its group is gone: the backend may still write into its buffers)."""
+
+    def __init__(self, works: list[Any], peers: list[int], incoming: dict[int, tuple[torch.Tensor, torch.Tensor]],
+                 buffer: Optional[Callable[[int], torch.Tensor]], keep: list[torch.Tensor]) -> None:
+        self._works, self._peers, self._incoming = works, peers, incoming  # peers[i]: operation i's
+        self._buffer, self._keep = buffer, keep  # keep: what is sent, alive until it is gone
+
+    def wait(self) -> dict[int, Snapshot]:
+        """Every snapshot received, once all sent and received (raises where a peer failed)."""
+        for work in self._works:
+            work.wait()
+        return {peer: self._unpack(peer) for peer in self._incoming}
+
+    def arrived(self) -> dict[int, Snapshot]:
+        """The snapshots received whole by now, without waiting for the others: where the backend
+        says its operations completed (NCCL), and else (gloo tells nothing before a wait, which
+        may block on a frozen peer) where the header arrived and the buffer matches every digest
+        the header carries. A snapshot without digests is taken only on the backend's word."""
+        done = [work.is_completed() for work in self._works]
+        if done and all(done):
+            try:
+                return self.wait()
+            except RuntimeError:  # completed with an error: judged one by one below
+                pass
+        received = {}
+        for peer in self._incoming:
+            try:
+                snapshot = self._unpack(peer)
+                if not snapshot.digests:
+                    continue
+                snapshot.verify(what=f"the snapshot in flight from rank {peer}")
+            except Exception:  # noqa: BLE001 - a header or buffer not (yet) whole: not arrived
+                continue
+            received[peer] = snapshot
+        return received
+
+    def _unpack(self, peer: int) -> Snapshot:
+        header_in, payload_in = self._incoming[peer]
+        host = payload_in
+        if payload_in.device.type != "cpu":
+            host = (self._buffer(payload_in.numel()) if self._buffer is not None
+                    else torch.empty(payload_in.numel(), dtype=torch.uint8))
+            host.copy_(payload_in)
+        return unpacked(header_in.cpu().numpy().tobytes(), host)
+
+
+def start_sending(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int], group: dist.ProcessGroup, *,
+                  buffer: Optional[Callable[[int], torch.Tensor]] = None) -> Sending:
+    """Start sending each ``(rank, snapshot)`` of ``sends`` to its rank and receiving one snapshot
+    from each rank of ``receives``, over ``group`` (global ranks), in two batches of
+    point-to-point operations: the sizes (waited for here: a few bytes), then each snapshot's
+    header and its one buffer (over NCCL through this rank's device), left in flight. Every rank
+    named on either side calls it with the matching entries. ``buffer(nbytes)``: where a received
+    buffer goes (default: a new one).
+
+    Example, a rank with nothing to send or receive::
+
+        >>> import torch.distributed as dist
+        >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        >>> start_sending([], [], dist.group.WORLD).arrived()
+        {}
+        >>> dist.destroy_process_group()
     """
     device = collective_device(group)
     outgoing = [(peer, *packed(snapshot)) for peer, snapshot in sends]
@@ -131,23 +197,17 @@ def send_snapshots(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int
         host = buffer(payload_len) if buffer is not None else torch.empty(payload_len, dtype=torch.uint8)
         incoming[peer] = (torch.empty(header_len, dtype=torch.uint8, device=device),
                           host if device.type == "cpu" else torch.empty(payload_len, dtype=torch.uint8, device=device))
-    ops = []  # an empty buffer (a snapshot of values only) is not sent: both sides know its size
-    for peer, header, payload in outgoing:
-        ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device), peer, group))
-        ops += [dist.P2POp(dist.isend, payload.to(device), peer, group)] if payload.numel() else []
+    ops: list[dist.P2POp] = []
+    keep: list[torch.Tensor] = []
+    for peer, header, payload in outgoing:  # an empty buffer (values only) is not sent: both sides know its size
+        sent = [torch.frombuffer(bytearray(header), dtype=torch.uint8).to(device)]
+        sent += [payload.to(device)] if payload.numel() else []
+        keep += sent
+        ops += [dist.P2POp(dist.isend, tensor, peer, group) for tensor in sent]
     for peer, (header_in, payload_in) in incoming.items():
-        ops.append(dist.P2POp(dist.irecv, header_in, peer, group))
-        ops += [dist.P2POp(dist.irecv, payload_in, peer, group)] if payload_in.numel() else []
-    _run(ops)
-    received = {}
-    for peer, (header_in, payload_in) in incoming.items():
-        host = payload_in
-        if device.type != "cpu":
-            host = (buffer(payload_in.numel()) if buffer is not None
-                    else torch.empty(payload_in.numel(), dtype=torch.uint8))
-            host.copy_(payload_in)
-        received[peer] = unpacked(header_in.cpu().numpy().tobytes(), host)
-    return received
+        ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor in (header_in, payload_in) if tensor.numel()]
+    works = list(dist.batch_isend_irecv(ops)) if ops else []
+    return Sending(works, [op.peer for op in ops], incoming, buffer, keep)
 
 
 def relay(plan: RelayPlan, held: Mapping[int, Snapshot], wanted: Mapping[Path, Region],
