@@ -39,7 +39,7 @@ import torch.distributed as dist
 from hypergrid.errors import SnapshotCorrupted
 from hypergrid.training import TrainingState
 from hypergrid.training.partner import PartnerCopies, partner_map
-from hypergrid.training.regions import Held, Region, Wanted, block_of, plan_relay
+from hypergrid.training.regions import Held, Region, Wanted, block_of, plan_relay, plan_whole, table_of
 from hypergrid.training.state import Snapshot, digest
 from hypergrid.training.transfer import Sending, packed
 from tests.harness import run_gloo
@@ -134,6 +134,25 @@ def test_a_replacement_takes_the_lost_rank_s_regions_from_its_copy_or_a_replica_
     assert lost.step == 3 and lost.missing[0] == "rank 5: model/w in context (), 6 of 6 elements held by nobody", lost
     tp = [held(0, 0, 3, False, (("tp", 1),))]
     assert plan_relay([Wanted(0, (("dp", 0),), _rows(0, 8, 4, (("tp", 0),), (("dp", 0),)))], tp, 3, "none").missing
+
+
+def test_whole_snapshots_are_traded_by_their_tables_alone_where_no_shape_changed():
+    def named(holder, source, step, copy, shards=4):
+        return Held(holder, source, step, copy, (("dp", source),), {},
+                    table_of(_rows(source, 8, shards, (), (("dp", source),))))
+
+    held = [named(0, 0, 3, False), named(0, 2, 3, True), named(1, 1, 3, False), named(1, 3, 3, True)]
+    wanted = [Wanted(r, (("dp", p),), {}, table_of(_rows(p, 8, 4, (), (("dp", p),))))
+              for p, r in enumerate([0, 1, 4, 5])]
+    plan = plan_whole(wanted, held, 3)
+    assert plan is not None and plan.whole and plan.step == 3
+    assert plan.templates == {0: (0, 0), 1: (1, 1), 4: (0, 2), 5: (1, 3)}
+    # Rank 3's copy of step 3 never arrived: whole at step 2 at best (the loop then asks the regions).
+    older = [named(h.holder, h.source, 2, h.copy) for h in held] + held[:3]
+    assert plan_whole(wanted, older, 3).step == 2  # type: ignore[union-attr]
+    # dp 4 -> 2: no table matches a new shard; the regions re-lay them.
+    shrunk = [Wanted(r, (("dp", r),), {}, table_of(_rows(r, 8, 2, (), (("dp", r),)))) for r in (0, 1)]
+    assert plan_whole(shrunk, held, 3) is None
 
 
 def test_zero_partitions_are_found_by_parameter_name_on_whichever_rank_held_them():

@@ -117,10 +117,6 @@ class MonitorConfig:
     connect_timeout_s: float = 30.0
     parent_pid: int = 0
 
-    @property
-    def stale_after_s(self) -> float:
-        return self.stale_beats * self.interval_s
-
 
 @dataclass(frozen=True)
 class JobSpec:

@@ -56,7 +56,7 @@ from ..mesh import MeshShapeChangedError, refresh_fully_shard, refresh_meshes
 from ..recovery import ResilientJob, grow, recover
 from .partner import PartnerCopies, partner_map
 from .records import RecoveryRecord
-from .regions import Held, Placement, RelayPlan, Wanted, plan_relay
+from .regions import Held, Placement, RelayPlan, Wanted, plan_relay, plan_whole, table_of
 from .state import Snapshot, TrainingState
 from .transfer import collective_device, relay
 
@@ -372,12 +372,14 @@ class _Trainer:
 
     def _restore(self) -> None:
         """Every rank of the grid at the recovery's step. Each says which regions its live state is
-        made of and which snapshots it holds (its own, and its partners' copies); all derive the
-        same plan from that (:func:`~hypergrid.training.regions.plan_relay`), every holder checks
-        the digests of what it sends from, and the blocks travel point to point
-        (:func:`~hypergrid.training.transfer.relay`). A rank that took a position gets its state
-        whole, from a replica peer or from the copy of the rank it replaced; where the sharded
-        dim's size changed (a shrink, a growth), every rank's new shards are cut from the old ones."""
+        made of and which snapshots it holds (its own, and its partners' copies), first by the
+        tables' names alone (:func:`~hypergrid.training.regions.plan_whole`: a rank that took a
+        position takes a replica peer's snapshot or the copy of the rank it replaced, whole), and
+        where that does not serve the recovery's step, region by region
+        (:func:`~hypergrid.training.regions.plan_relay`: where the sharded dim's size changed, every
+        rank's new shards are cut from the old ones). All derive the same plan, every holder
+        checks the digests of what it sends from, and snapshots and blocks travel point to point
+        (:func:`~hypergrid.training.transfer.relay`)."""
         restoring, job, state = self.restoring, self.job, self.state
         assert restoring is not None and state is not None
         rank, world = dist.get_rank(), job.world
@@ -388,15 +390,19 @@ class _Trainer:
             mine[(copy.rank if copy.rank is not None else -1, copy.step)] = copy
         wanted = Wanted(rank, placement.coords, state.regions(placement))
         held = [Held(rank, source, step, source != rank, s.coords, s.regions) for (source, step), s in mine.items()]
-        reports: list[Any] = [(wanted, held)]
-        if world is not None and dist.get_world_size(world) > 1:
-            reports = [None] * dist.get_world_size(world)
-            dist.all_gather_object(reports, (wanted, held), group=world)
-        plan = plan_relay([w for w, _ in reports], [h for _, hs in reports for h in hs], restoring.target,
-                          job.settings.replica_dim)
-        if plan.missing:
-            self._load_or_refuse(self._describe_missing(plan, [h for _, hs in reports for h in hs]))
-            return
+        # First the tables' names alone: where every rank's state is the whole of a snapshot held
+        # at the recovery's step (no shape changed), nothing more is reported.
+        named = _gathered((Wanted(rank, wanted.coords, {}, table_of(wanted.regions)),
+                           [Held(h.holder, h.source, h.step, h.copy, h.coords, {}, table_of(h.regions)) for h in held]),
+                          world)
+        plan = plan_whole([w for w, _ in named], [h for _, hs in named for h in hs], restoring.target)
+        if plan is None or plan.step != restoring.target:
+            reports = _gathered((wanted, held), world)
+            plan = plan_relay([w for w, _ in reports], [h for _, hs in reports for h in hs], restoring.target,
+                              job.settings.replica_dim)
+            if plan.missing:
+                self._load_or_refuse(self._describe_missing(plan, [h for _, hs in reports for h in hs]))
+                return
         used = sorted({p.source for p in plan.parts if p.holder == rank}
                       | {source for holder, source in plan.templates.values() if holder == rank})
         problem: Optional[SnapshotCorrupted] = None
@@ -408,11 +414,7 @@ class _Trainer:
             except SnapshotCorrupted as corrupted:
                 problem = corrupted
                 break
-        problems: list[Any] = [problem]
-        if world is not None and dist.get_world_size(world) > 1:
-            problems = [None] * dist.get_world_size(world)
-            dist.all_gather_object(problems, problem, group=world)  # every rank learns of any, and acts alike
-        found = [p for p in problems if p is not None]
+        found = [p for p in _gathered(problem, world) if p is not None]  # every rank learns of any, and acts alike
         if found:
             if self.loader is None:
                 job.release_spares()
@@ -487,11 +489,8 @@ class _Trainer:
         step = self.loader(job, state)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"loader must return the step its checkpoint is of (an int >= 0), got {step!r}")
-        world = job.world
-        steps: list[Any] = [None] * (dist.get_world_size(world) if world is not None else 1)
-        if world is not None:
-            dist.all_gather_object(steps, step, group=world)
-        if len(set(steps) - {None}) > 1:
+        steps = _gathered(step, job.world)
+        if len(set(steps)) > 1:
             raise RecoveryError(f"hypergrid: the loader returned different steps on the grid's ranks: {steps}")
         self.committed = state.capture(step, digests=self.partners is not None, placement=self._placement())
         self.previous, self.step, restoring.target = None, step, step
@@ -515,6 +514,15 @@ class _Trainer:
         logger.info("%s", record.describe())
         if self.on_recovery is not None:
             self.on_recovery(record)
+
+
+def _gathered(value: Any, world: Optional[dist.ProcessGroup]) -> list[Any]:
+    """``value`` from every rank of ``world`` (just this rank's where there is no other)."""
+    if world is None or dist.get_world_size(world) == 1:
+        return [value]
+    values: list[Any] = [None] * dist.get_world_size(world)
+    dist.all_gather_object(values, value, group=world)
+    return values
 
 
 def _check_on_job(state: TrainingState, job: ResilientJob) -> None:

@@ -33,6 +33,7 @@ Example: FSDP2-like rows of an 8 x 2 weight over dp 4, re-laid on dp 2 (no conte
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ from torch.distributed.tensor import DTensor
 
 from ..layout import GridLayout
 
-__all__ = ["Region", "Placement", "Held", "Wanted", "Part", "RelayPlan", "plan_relay", "region_of", "block_of"]
+__all__ = ["Region", "Placement", "Held", "Wanted", "Part", "RelayPlan", "plan_relay", "plan_whole", "region_of",
+           "block_of", "table_of"]
 
 #: A leaf's place in a state dict: the keys and list indices that lead to it.
 Path = tuple[Any, ...]
@@ -151,10 +153,24 @@ def block_of(tensor: torch.Tensor, region: Region, offsets: Sequence[int], shape
     return view
 
 
+def table_of(regions: Mapping[Path, Region]) -> str:
+    """A name for a whole table of regions, alike on every rank that has the same one: ranks
+    whose tables match trade whole snapshots, with no region reported (:func:`plan_whole`).
+
+    Example::
+
+        >>> one = {("w",): Region((), (2,), (0,), (2,), torch.float32)}
+        >>> table_of(one) == table_of(dict(one)), table_of(one) == table_of({})
+        (True, False)
+    """
+    return hashlib.blake2b(repr(tuple(regions.items())).encode(), digest_size=16).hexdigest()
+
+
 @dataclass(frozen=True)
 class Held:
     """A snapshot a rank holds: ``source``'s state at ``step``, the source's own or a ``copy``;
-    ``coords``: where the source sat when it was taken; ``regions``: its tensors'."""
+    ``coords``: where the source sat when it was taken; ``regions``: its tensors' (empty where
+    only its ``table`` is reported)."""
 
     holder: int
     source: int
@@ -162,15 +178,18 @@ class Held:
     copy: bool
     coords: Coords
     regions: Mapping[Path, Region]
+    table: str = ""
 
 
 @dataclass(frozen=True)
 class Wanted:
-    """A rank of the new grid: where it sits, and the regions its live state is made of."""
+    """A rank of the new grid: where it sits, and the regions its live state is made of (empty
+    where only their ``table`` is reported)."""
 
     rank: int
     coords: Coords
     regions: Mapping[Path, Region]
+    table: str = ""
 
 
 @dataclass(frozen=True)
@@ -190,13 +209,47 @@ class Part:
 class RelayPlan:
     """What every rank derives alike: the ``step`` the job resumes from, every block's
     :class:`Part`, and each receiver's ``templates`` entry: the (holder, source) of the snapshot
-    whose other values, RNG states and objects it takes. ``missing``: what no snapshot of that
-    step holds (then the job cannot resume from it)."""
+    whose other values, RNG states and objects it takes; ``whole``: each receiver takes that
+    snapshot whole instead (no parts). ``missing``: what no snapshot of that step holds (then the
+    job cannot resume from it)."""
 
     step: int
     parts: tuple[Part, ...] = ()
     templates: Mapping[int, tuple[int, int]] = field(default_factory=dict)
     missing: tuple[str, ...] = ()
+    whole: bool = False
+
+
+def plan_whole(wanted: Sequence[Wanted], held: Sequence[Held], target: int) -> Optional[RelayPlan]:
+    """The plan where every rank's state is the whole of a snapshot someone holds (its table
+    matches; no shape changed), from the tables alone: the latest such step at most ``target``,
+    each receiver taking its own, else the snapshot of the position it took (same coords), else a
+    rank's own before a copy, from the lowest rank. None where no step serves every rank.
+
+    Example: rank 4 took rank 2's place; rank 0 holds rank 2's copy, rank 6 (a replica of rank
+    2's) its own::
+
+        >>> held = [Held(0, 0, 3, False, (("dp", 0),), {}, "a"), Held(0, 2, 3, True, (("dp", 2),), {}, "c"),
+        ...         Held(6, 6, 3, False, (("dp", 2),), {}, "c")]
+        >>> plan = plan_whole([Wanted(0, (("dp", 0),), {}, "a"), Wanted(4, (("dp", 2),), {}, "c")], held, 3)
+        >>> plan.templates, plan.whole
+        ({0: (0, 0), 4: (6, 6)}, True)
+        >>> plan_whole([Wanted(4, (("dp", 1),), {}, "b")], held, 3) is None
+        True
+    """
+    for step in sorted({h.step for h in held if h.step <= target}, reverse=True):
+        chosen: dict[int, tuple[int, int]] = {}
+        for want in wanted:
+            alike = [h for h in held if h.step == step and h.table == want.table]
+            own = [h for h in held if h.step == step and (h.holder, h.source) == (want.rank, want.rank)]
+            if not alike or (own and own[0].table != want.table):  # its own state changed shape: re-laid
+                break
+            h = min(alike, key=lambda h: ((h.holder, h.source) != (want.rank, want.rank), h.coords != want.coords,
+                                          h.copy, h.holder, h.source))
+            chosen[want.rank] = (h.holder, h.source)
+        else:
+            return RelayPlan(step, templates=chosen, whole=True)
+    return None
 
 
 def plan_relay(wanted: Sequence[Wanted], held: Sequence[Held], target: int, replica_dim: str) -> RelayPlan:

@@ -1,9 +1,9 @@
-"""A snapshot sent from one rank of a group to the others: how a rank that just took a position
-gets the state of that position from a surviving peer that holds it (replicated state).
+"""Snapshots on the wire: broadcast to a group (:func:`share_snapshot`), sent point to point
+(:func:`send_snapshots`, or left in flight: :func:`start_sending`, as partner copies travel), and
+a restore plan carried out (:func:`relay`: whole snapshots, or blocks cut from them).
 
-A snapshot travels as its header (layout, other values, RNG, objects, digests; :func:`packed`)
-and its one host buffer: here one object broadcast and one broadcast of the buffer, point to point
-in :mod:`hypergrid.training.partner`. Over NCCL the buffer travels through the device of the
+A snapshot travels as its header (layout, other values, RNG, objects, digests, regions;
+:func:`packed`) and its one host buffer. Over NCCL the buffer travels through the device of the
 rank; over gloo it stays in host memory.
 
 Example, one rank alone (a group of one: the snapshot is its own)::
@@ -231,6 +231,12 @@ def relay(plan: RelayPlan, held: Mapping[int, Snapshot], wanted: Mapping[Path, R
         >>> dist.destroy_process_group()
     """
     rank = dist.get_rank()
+    if plan.whole:  # each rank's state is the whole of one snapshot: sent as it is
+        sends = [(receiver, held[source]) for receiver, (holder, source) in sorted(plan.templates.items())
+                 if holder == rank and receiver != rank]
+        holder, origin = plan.templates[rank]
+        got = send_snapshots(sends, [holder] if holder != rank else [], group)
+        return held[origin] if holder == rank else got[holder]
     outgoing: dict[int, Snapshot] = {}
     mine: list[tuple[int, Any]] = []
     for index, part in enumerate(plan.parts):
