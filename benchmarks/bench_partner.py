@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -48,8 +47,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from bench_snapshot import model_of  # benchmarks/ is on the path when run as a script
+from ranks import run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 import hypergrid
@@ -68,7 +67,7 @@ def median_s(call: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def rank_main(rank: int, world: int, port: int, millions: int, repeats: int, folder: str, out: Any) -> None:
+def rank_main(rank: int, port: int, out: Any, world: int, millions: int, repeats: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -149,20 +148,9 @@ def main() -> None:
     print(f"{'params':>8} {'step':>8} {'snapshot':>9} {'+digests':>9} {'exchange':>9} {'overlapped':>10} "
           f"{'(d+o)/step':>10} "
           f"{'snapshot':>9} {'held':>9} {'dcp save':>9} {'save/step':>9} {'restore':>8} {'dcp load':>9}")
-    ctx = mp.get_context("spawn")
     for millions in args.params:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        out = ctx.Queue()
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-            procs = [ctx.Process(target=rank_main, args=(r, args.ranks, port, millions, args.repeats, folder, out))
-                     for r in range(args.ranks)]
-            for proc in procs:
-                proc.start()
-            got = dict(out.get(timeout=1800) for _ in procs)
-            for proc in procs:
-                proc.join(timeout=60)
+            got = run_ranks(rank_main, args.ranks, args.ranks, millions, args.repeats, folder)
         worst = {key: max(v[key] for v in got.values()) for key in got[0]}
         print(f"{got[0]['params'] / 1e6:>7.1f}M {worst['step_s']:>7.3f}s {worst['snapshot_s']:>8.3f}s "
               f"{worst['digests_s']:>8.3f}s {worst['exchange_s']:>8.3f}s {worst['overlapped_s']:>9.3f}s "

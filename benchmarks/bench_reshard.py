@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -37,8 +36,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-import torch.multiprocessing as mp
 from bench_snapshot import model_of  # benchmarks/ is on the path when run as a script
+from ranks import run_ranks
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
@@ -72,7 +71,7 @@ def sharded(millions: int, mesh: Any) -> tuple[torch.nn.Module, torch.optim.Opti
     return model, torch.optim.Adam(model.parameters(), lr=1e-4)
 
 
-def rank_main(rank: int, port: int, millions: int, repeats: int, folder: str, out: Any) -> None:
+def rank_main(rank: int, port: int, out: Any, millions: int, repeats: int, folder: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // WORLD))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
@@ -139,20 +138,9 @@ def main() -> None:
     args = parser.parse_args()
     print(f"torch {torch.__version__}, {WORLD} gloo ranks on {os.cpu_count()} CPUs, FSDP2 dp {WORLD} -> {KEPT}, Adam")
     print(f"{'params':>8} {'dcp save':>9} {'relay':>8} {'dcp load':>9} {'relay/load':>10} {'equal':>6}")
-    ctx = mp.get_context("spawn")
     for millions in args.params:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        out = ctx.Queue()
         with tempfile.TemporaryDirectory(dir=args.folder) as folder:
-            procs = [ctx.Process(target=rank_main, args=(r, port, millions, args.repeats, folder, out))
-                     for r in range(WORLD)]
-            for proc in procs:
-                proc.start()
-            got = dict(out.get(timeout=1800) for _ in procs)
-            for proc in procs:
-                proc.join(timeout=60)
+            got = run_ranks(rank_main, WORLD, millions, args.repeats, folder)
         kept = [got[r] for r in range(KEPT)]
         relay_s, load_s = max(v["relay_s"] for v in kept), max(v["load_s"] for v in kept)
         print(f"{kept[0]['params'] / 1e6:>7.1f}M {max(v['save_s'] for v in got.values()):>8.3f}s {relay_s:>7.3f}s "
