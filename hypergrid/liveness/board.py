@@ -1,26 +1,10 @@
-"""A job's board: where every loss, every recovery round opened and every outcome a recovery's
-meetings decide is published once, and from where each reaches every rank.
+"""A job's board: where every loss, recovery round opened and outcome decided is published once.
 
-The board is a run of slots in the job's store (:class:`~hypergrid.store.keys.JobChannel`:
-``event/<k>`` holds entry ``k``, one event or several published together; ``events`` counts them).
-A publisher fills the first free slot with ``compare_set`` (:func:`put_entry`), so that no slot is
-ever left empty below a filled one, then counts it. Each node's monitors keep one wait on the next
-slot (their delegate's, :mod:`hypergrid.liveness.relay`), and every rank's monitor hands each entry
-to its rank (:mod:`hypergrid.liveness.heartbeat`): an entry costs its publisher three requests and
-each node two, whatever the job's size.
-
-What is published, and by whom: a rank lost, by its own monitor (its process ended, or made no
-progress for the progress timeout) or by the one watching it (its heartbeat stopped), once: a
-monitor publishing a loss leaves out those the slots before its own hold (:func:`claim_slot`); a rank counted out that offers itself back; a recovery round opened, by
-its first arrival; and an outcome decided, by the rank that decided it: a round's verdict, its
-rebuild's end (:class:`~hypergrid.store.records.EventKind`).
-
-:class:`BoardView` is the board as a rank's recovery reads it: which ranks are lost, for one store
-request per look (whether the next slot is filled); and, where the rank's heartbeat forwards the
-board's events to it (:meth:`BoardView.hear_from`), the losses and outcomes as they are published:
-a wait for a rank that is lost is ended at once (:meth:`BoardView.on_loss`), and an outcome is
-heard (:meth:`BoardView.heard`) instead of read from the store. No torch: the monitor process uses
-:func:`put_entry` too.
+The board is a run of slots in the job's store (``event/<k>`` holds entry ``k``, ``events`` counts
+them). A publisher fills the first free slot with ``compare_set`` (:func:`put_entry`), so no slot
+is left empty below a filled one, which would block every wait on the board; an entry costs its
+publisher three requests and each node two, whatever the job's size. :class:`BoardView` is the
+board as a rank's recovery reads it, or hears it from its heartbeat. No torch: monitors use it too.
 
 Example, over a ``HashStore``::
 
@@ -54,13 +38,12 @@ from ..store.records import BoardEvent, EventKind, decode_events, encode_events
 
 __all__ = ["BoardView", "BoardWriter", "claim_slot", "put_entry"]
 
-#: How many decided outcomes a view remembers (the latest: a recovery waits on a few at a time).
+#: How many decided outcomes a view remembers (a recovery waits on a few at a time).
 _OUTCOMES_KEPT = 64
 
 
 class BoardWriter(Protocol):
-    """What :func:`put_entry` needs of a store: a monitor's :class:`~hypergrid.store.tcpstore.WireStore`,
-    or a rank's :class:`~hypergrid.store.client.StoreClient`."""
+    """What :func:`put_entry` needs of a store: a monitor's ``WireStore`` or a rank's ``StoreClient``."""
 
     def compare_set(self, key: str, expected: bytes, desired: bytes) -> bytes: ...
 
@@ -70,14 +53,10 @@ class BoardWriter(Protocol):
 
 
 def put_entry(store: BoardWriter, channel: JobChannel, payload: bytes, first: int) -> int:
-    """Put ``payload`` on ``channel``'s board in the first free slot from ``first``; its index.
+    """Put ``payload`` on ``channel``'s board in the first free slot from ``first``, then count it; its index.
 
-    Each ``compare_set`` either fills a slot or finds it taken, so a publisher that ends between
-    its requests leaves no empty slot below a filled one, on which every wait on the board would
-    block. The entry is written again with ``set`` (torch's classic server wakes no waiter on a
-    ``compare_set``), as is a slot found taken (one whose publisher ended between the two is then
-    not waited on for ever either), and only then counted: three requests, two more for each slot
-    found taken.
+    Each slot is written again with ``set``, a slot found taken too: torch's classic server wakes
+    no waiter on a ``compare_set``.
 
     Example::
 
@@ -100,12 +79,9 @@ def put_entry(store: BoardWriter, channel: JobChannel, payload: bytes, first: in
 
 
 def claim_slot(store: BoardWriter, channel: JobChannel, events: Sequence[BoardEvent], first: int) -> Optional[int]:
-    """Put ``events`` on ``channel``'s board in the first free slot from ``first``, as
-    :func:`put_entry` does, less the losses that the slots it finds taken already hold (a loss the
-    board has is not published again, whoever found it: a node's delegate and a monitor that took
-    over its watch, or the rank's own monitor and its watcher); its index, or None where nothing
-    was left to publish. The entry is not counted: the caller adds 1 to the count once it has
-    (a claim tried again finds its own entry, the same bytes, and returns its slot).
+    """Put ``events`` on ``channel``'s board as :func:`put_entry` does, less the losses the slots found
+    taken already hold; its index, or None where nothing was left. Not counted: the caller adds 1
+    to the count (a claim tried again finds its own entry and returns its slot).
 
     Example::
 
@@ -143,18 +119,16 @@ def claim_slot(store: BoardWriter, channel: JobChannel, events: Sequence[BoardEv
 
 
 class BoardView:
-    """The ranks lost on ``channel``'s board from entry ``first`` on, with why (a BACK event undoes
-    an earlier loss), read or heard, and the outcomes heard; ``seen``: the next entry it reads.
-    ``store()`` gives a client of the job's root store bounded by a short deadline (a look, a
-    publication)."""
+    """The ranks lost on ``channel``'s board from entry ``first`` on, with why (a BACK undoes a loss),
+    read or heard, and the outcomes heard; ``seen``: the next entry it reads. ``store()`` gives a
+    client of the job's root store bounded by a short deadline."""
 
     def __init__(self, channel: JobChannel, store: Callable[[], Any], first: int = 0) -> None:
         self.channel = channel
         self._store = store
         self.seen = first
         self.lost: dict[int, str] = {}
-        #: The ranks heard lost since :meth:`hear_from`, less those heard offering themselves back
-        #: since (the heartbeat forwards the board's entries in order).
+        #: The ranks heard lost since :meth:`hear_from`, less those heard back since.
         self.heard_lost: set[int] = set()
         self._outcomes: OrderedDict[str, bytes] = OrderedDict()
         self._leaders: dict[int, int] = {}
@@ -169,9 +143,7 @@ class BoardView:
         return self._hearing
 
     def hear_from(self, source: Any, name: str = "recovery's board") -> None:
-        """Hear every event ``source`` (the rank's :class:`~hypergrid.liveness.heartbeat.Heartbeat`)
-        hands its listeners, as listener ``name``, the recent ones first: from then on waits are
-        called back on losses, and outcomes are heard."""
+        """Hear every event the rank's heartbeat ``source`` hands its listeners, the recent ones first."""
         source.listen(name, self.hear, replay=True)
         self._hearing = True
 
@@ -197,7 +169,7 @@ class BoardView:
             callback([event.rank])
 
     def known_lost(self) -> set[int]:
-        """The ranks this view holds lost without asking the store: read at its last look, or heard."""
+        """The ranks this view holds lost without asking the store."""
         with self._changed:
             return set(self.lost) | self.heard_lost
 
@@ -208,20 +180,12 @@ class BoardView:
 
     def heard(self, key: str, seconds: float) -> Optional[bytes]:
         """The outcome decided at ``key`` once heard, waiting at most ``seconds`` (None: not yet)."""
-        end = time.monotonic() + seconds
-        with self._changed:
-            while key not in self._outcomes:
-                left = end - time.monotonic()
-                if left <= 0:
-                    return None
-                self._changed.wait(left)
-            return self._outcomes[key]
+        return self.wait_heard(key, seconds, ())[0]
 
     def wait_heard(self, key: str, seconds: float, lost_any: Collection[int]) -> tuple[Optional[bytes], list[int]]:
-        """The outcome at ``key`` once heard, or those of ``lost_any`` once heard lost, whichever
-        comes first, waiting at most ``seconds``: ``(outcome or None, ranks heard lost)``."""
-        end = time.monotonic() + seconds
-        watched = set(lost_any)
+        """Wait at most ``seconds`` for the outcome at ``key`` or a loss among ``lost_any``:
+        ``(outcome or None, ranks heard lost)``."""
+        end, watched = time.monotonic() + seconds, set(lost_any)
         with self._changed:
             while True:
                 lost = sorted(watched & self.heard_lost)
@@ -263,9 +227,8 @@ class BoardView:
 
     # ------------------------------------------------------------------ what it reads and writes
     def refresh(self, store: Optional[Any] = None) -> dict[int, str]:
-        """Read what was published since the last look: one request when nothing was (whether
-        the next slot is filled; not the count, which lags a publisher that ended between its
-        slot and its count)."""
+        """Read what was published since the last look: one request when nothing was (whether the
+        next slot is filled; the count lags a publisher that ended between its slot and its count)."""
         store = store or self._store()
         while store.check([self.channel.board_slot(self.seen)]):
             events = decode_events(store.get(self.channel.board_slot(self.seen)))
@@ -286,8 +249,7 @@ class BoardView:
         return sorted(r for r in lost if r in ranks)
 
     def publish_event(self, event: BoardEvent, store: Optional[Any] = None) -> None:
-        """Put ``event`` on the board as a monitor does (:func:`put_entry`), in the first free slot
-        from the count: four store requests, two more for each slot found taken."""
+        """Put ``event`` on the board (:func:`put_entry`) from the count: four store requests."""
         store = store or self._store()
         put_entry(store, self.channel, encode_events([event]).encode(), store.add(self.channel.board_count(), 0))
 

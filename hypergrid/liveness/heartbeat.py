@@ -1,26 +1,14 @@
 """This rank's side of the control plane: its monitor process, and the thread that talks to it.
 
-:func:`start_heartbeat` starts the rank's monitor (:mod:`hypergrid.liveness.monitor`), a process
-that beats for the rank in the job's store, watches one other rank and publishes losses; it
-returns once the monitor has reached the store, or raises naming why it could not. A thread of
-the rank's own (it needs the GIL, which is the point) sends the monitor a tick every interval:
-a rank whose interpreter is paused for longer than the progress timeout is published as hung,
-and no sooner. The same thread hears the events of the job's board that the monitor forwards
-and hands them to the listeners (the collective watch, :class:`~hypergrid.recovery.abort.CollectiveWatch`).
+:func:`start_heartbeat` starts the rank's monitor (:mod:`hypergrid.liveness.monitor`) and returns
+once it has reached the store. A thread of the rank's own sends it a tick every interval: it needs
+the GIL, which is the point, as a rank whose interpreter makes no progress for the progress
+timeout is published as hung. The same thread hands the board's events the monitor forwards to
+the listeners. At the interpreter's exit the monitor is told ``bye`` (the rank leaves cleanly) or
+``gone`` (a job still counts on it); a process killed outright is seen by the monitor itself.
 
-A job attaches itself (:meth:`Heartbeat.attach`): its board, its ranks and the ranks per node,
-which place the monitor in the job's ring. When the interpreter exits (hypergrid stops its
-threads first, :mod:`hypergrid.store.shutdown`), the monitor is told how: ``bye`` (the rank
-leaves cleanly: its job was released, or its default group destroyed, or it served none), or
-``gone`` (the process ends while a job still counts on it: the job learns at once). A process
-that ends without its interpreter's exit (SIGKILL, ``os._exit``) is seen by the monitor itself.
-
-On the fake backend there is no store to beat in, and nothing starts; in a world of one rank,
-nobody could learn of its loss, and nothing starts either.
-
-Importing this module imports no torch (:func:`start_heartbeat` and :meth:`Heartbeat.stop` do,
-when called): a :class:`Heartbeat` over a plane given by address runs in a process without it
-(the control plane's tests start dozens of such stand-in ranks).
+Nothing starts on the fake backend (no store) or in a world of one rank (nobody to tell). Importing
+this module imports no torch, so stand-in ranks in tests run without it.
 
 Example, with no process group::
 
@@ -34,6 +22,7 @@ Example, with no process group::
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -60,9 +49,9 @@ __all__ = ["Heartbeat", "start_heartbeat", "running_heartbeat", "DEFAULT_PROGRES
 
 logger = logging.getLogger(__name__)
 
-#: The directory that holds the hypergrid package this process runs: the monitor runs the same.
+#: The directory holding this hypergrid package: the monitor runs the same.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
-#: The monitor's command: no site packages (it needs none), this hypergrid first on its path.
+#: The monitor's command: no site packages, this hypergrid first on its path.
 _BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.liveness.monitor import main; "
          "sys.exit(main())")
 #: How long a new monitor may take to reach the store and say it is ready.
@@ -89,8 +78,8 @@ class Heartbeat:
         self.config = MonitorConfig(plane.address[0], plane.address[1], plane.namespace, rank, interval_s,
                                     stale_beats, progress_timeout_s, parent_pid=os.getpid())
         self.job: Optional[JobSpec] = None
-        #: The attached job's board position this rank has had every entry before (its monitor
-        #: says so after each): where a monitor started again starts reading (None: not told yet).
+        #: The attached job's board position this rank has had every entry before: where a restarted
+        #: monitor starts reading (None: not told yet).
         self.position: Optional[int] = None
         #: Whether the attached job still counts on this rank (False once it released its spares).
         self.job_running = False
@@ -135,11 +124,9 @@ class Heartbeat:
             stdin = self._proc.stdin
             if stdin is None:
                 return
-            try:
+            with contextlib.suppress(BrokenPipeError, ValueError, OSError):  # the monitor ended: the thread restarts it
                 stdin.write(line.encode() + b"\n")
                 stdin.flush()
-            except (BrokenPipeError, ValueError, OSError):
-                pass  # the monitor ended: the thread restarts it
 
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec) -> None:
@@ -150,15 +137,14 @@ class Heartbeat:
         self._send("job " + spec.to_json())
 
     def release(self) -> None:
-        """The job no longer counts on this rank: its end is nobody's loss, and nothing is watched."""
+        """The job no longer counts on this rank: its end is nobody's loss."""
         self.job_running = False
         self._send("detach")
 
     def listen(self, name: str, callback: Callable[[BoardEvent], None], replay: bool = False) -> None:
-        """Call ``callback`` (on the heartbeat's thread) with every event of the attached job's board,
-        in place of the listener ``name`` had; ``replay``: with the latest :data:`RECENT_EVENTS`
-        events first (on this thread, before any later one), so that an outcome decided just before
-        the call is heard too."""
+        """Call ``callback`` (on the heartbeat's thread) with every event of the attached job's board, as
+        listener ``name``; ``replay``: the latest :data:`RECENT_EVENTS` first (on this thread), so that an
+        outcome decided just before is heard too."""
         with self._lock:
             self._listeners = {**self._listeners, name: callback}
             for event in self._recent if replay else ():
@@ -203,7 +189,7 @@ class Heartbeat:
                     listener(event)
                 except Exception:  # a listener's failure must not stop the heartbeat
                     logger.exception("rank %d: a listener of the job's events failed on %s", self.rank, event)
-        elif word == "at":  # the board's position, after the events before it (of the job attached now only)
+        elif word == "at":  # the board's position (of the job attached now only)
             board, _, position = rest.rpartition(" ")
             job = self.job
             if job is not None and board == job.channel.board_count():
@@ -223,14 +209,13 @@ class Heartbeat:
             return
         job, position = self.job, self.position
         if job is not None and self.job_running:
-            # From where the last one had reached: the entries it read and this rank did not hear
-            # are read again, none is passed over.
+            # From where the last one reached: no entry is passed over.
             self._send("job " + job.to_json() if position is None else f"resume {position} {job.to_json()}")
 
     # ------------------------------------------------------------------ the end
     def stop(self, clean: Optional[bool] = None) -> None:
         """Stop the thread and the monitor. ``clean``: the rank leaves cleanly (default: unless a job
-        still counts on it and its default group is still up)."""
+        still counts on it and its default group is up)."""
         if self._stopping.is_set():
             return
         if clean is None:
@@ -244,20 +229,16 @@ class Heartbeat:
                                        "sys.exit, before the job was released)")
         with self._lock:
             if self._proc.stdin is not None:
-                try:
+                with contextlib.suppress(OSError):
                     self._proc.stdin.close()
-                except OSError:
-                    pass
         try:
             self._proc.wait(timeout=5.0)
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
         for fd in (self._wake_r, self._wake_w):
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
 
 
 def _read_line(fd: int, timeout_s: float) -> Optional[str]:
@@ -293,21 +274,12 @@ def _positive(name: str, value: Any) -> float:
 
 def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S,
                     stale_beats: int = STALE_BEATS) -> Optional[Heartbeat]:
-    """Start (or keep) this rank's heartbeat: its monitor process beats every ``interval_s``
-    seconds; the rank counts as gone once its heartbeat made no beat for ``stale_beats``
-    intervals (its node, or its monitor, lost: it is on the board within that bound of its last
-    beat, after at least ``stale_beats - 1`` intervals of silence), at once when its process
-    ends, and as hung once its interpreter made no progress for ``progress_timeout_s`` (minutes by default: a GIL held for
-    seconds, a long pickling, is not a failure). Call it on every rank, spares included, once
-    ``init_process_group`` has run; :class:`~hypergrid.recovery.ResilientJob` starts one with the
-    defaults where none runs. Returns it (None where there is no store to beat in, or in a world
-    of one rank).
+    """Start (or keep) this rank's heartbeat, on every rank (spares too) after ``init_process_group``.
 
-    Raises:
-        ValueError: an interval, timeout or count that is not a positive number; or settings other
-            than those of the heartbeat already running on this rank.
-        RuntimeError: the monitor could not start (the store cannot be reached by address, or
-            the process could not be started), naming why.
+    The rank counts as gone after ``stale_beats`` intervals of ``interval_s`` with no beat, at once
+    when its process ends, and as hung after ``progress_timeout_s`` with no progress (minutes: a GIL
+    held for seconds is no failure). Returns it, or None with no store or in a world of one rank.
+    Raises ValueError for bad or conflicting settings, RuntimeError where the monitor cannot start.
 
     Example::
 
@@ -337,7 +309,7 @@ def start_heartbeat(interval_s: float = 1.0, *, progress_timeout_s: float = DEFA
         if current is not None and current.running and current.rank == rank and current.plane is plane:
             asked = (interval, progress, stale_beats)
             if asked != (current.interval_s, current.progress_timeout_s, current.stale_beats):
-                # Dropping them silently would leave the user believing in a progress timeout that is not kept.
+                # Dropped silently, the user would believe in a progress timeout that is not kept.
                 raise ValueError(
                     f"rank {rank}'s heartbeat already runs with interval_s={current.interval_s:g}, progress_timeout_s="
                     f"{current.progress_timeout_s:g}, stale_beats={current.stale_beats}; this call asks for "

@@ -1,24 +1,14 @@
 """A monitor's connections to the job's store, which answers late now and then.
 
-A loaded or briefly stalled TCPStore answers in seconds, not milliseconds, and how long a
-connection took to open says nothing of how long its calls may take. So a monitor's call waits
-for its answer, on the same connection, for as long as the store may take (``give_up_s``, 30 s by
-default): a slow answer is never a reason to leave, and it is not asked for again on a new
-connection either (a store that is late has its hands full; torch's takes a new connection
-seconds late now and then, and a client that opens one for each late answer stalls it further).
-Only a connection that failed (closed, reset) is made again, and the call with it, within the
-same time; a store that did not answer for ``give_up_s`` is given up.
+A loaded TCPStore can take seconds to answer, so a call waits for its answer on the same
+connection for up to ``give_up_s``: a slow answer is no reason to leave, nor to ask again on a new
+connection (torch's server takes new connections late under load, and more of them stall it
+further). Only a connection that failed is made again, with its call.
 
-The monitor's beats go out from a thread of their own (in the monitor process,
-:meth:`StoreLink.start_beats`), on the first connection, so that neither a read nor a publication
-the store answers late holds a beat back: a late store cannot make a monitor look silent to its
-watcher. A monitor that watches (a node's delegate, which reads every interval) makes its calls
-on a connection of its own, opened at its first look and kept; a follower's few calls (reading
-the entries it missed when its delegate changed, publishing its rank's end or hang) take turns
-with its beats on theirs, one call at a time, so that a beat waits one answer at most. A
-follower holds one connection to the store, a node's delegate three (beats, calls, its wait on
-the board), and no connection is opened because an answer is late. Where one process hosts many monitors (the control-plane benchmark, the
-tests' simulation), each beats at its tick instead, before its reads, on one connection.
+Beats go out from a thread of their own (:meth:`StoreLink.start_beats`), and a watching monitor's
+calls on a second connection, so a late read cannot hold a beat back and make the monitor look
+silent; a follower's few calls take turns with its beats. Where one process hosts many monitors
+(the benchmark, the tests' simulation), each beats at its tick on one connection.
 
 Example, against a store of torch's::
 
@@ -50,9 +40,8 @@ _T = TypeVar("_T")
 
 
 class StoreLink:
-    """A monitor's connections (see the module): ``beats`` (made at once), and ``own`` for the
-    calls of a monitor that watches (made by :meth:`watching`), each made by ``connect`` (a timeout
-    in, a connection out), their calls waited for up to ``give_up_s``."""
+    """A monitor's connections: ``beats`` (made at once), and ``own`` for a watching monitor's calls
+    (:meth:`watching`), each made by ``connect`` (a timeout in), their calls waited for up to ``give_up_s``."""
 
     def __init__(self, connect: Callable[[float], WireStore], *, give_up_s: float, beat_key: str,
                  interval_s: float) -> None:
@@ -66,15 +55,13 @@ class StoreLink:
         self._beating: Optional[threading.Event] = None  # set to stop the beats' thread
 
     def connection(self, within_s: float) -> WireStore:
-        """A new connection made within ``within_s``, whose calls wait up to ``give_up_s`` each:
-        how long it took to open is not how long they may take."""
+        """A new connection made within ``within_s``, whose calls wait up to ``give_up_s`` each."""
         made = self._connect(within_s)
         made.timeout_s = self.give_up_s
         return made
 
     def watching(self) -> None:
-        """This monitor reads every interval from now on (it watches): its calls go on a connection
-        of their own, apart from the beats' (where they have a thread of their own)."""
+        """This monitor watches: its calls go on a connection apart from the beats' (where on a thread)."""
         if self.own is None and self._beating is not None:
             self.own = self.connection(self.give_up_s)
 
@@ -95,10 +82,8 @@ class StoreLink:
             self.beats = self.connection(within_s)
 
     def call(self, call: Callable[[WireStore], _T], again: bool = True) -> Optional[_T]:
-        """``call`` on the calls' connection, its answer waited for up to ``give_up_s``; where the
-        connection fails, on a new one, within that time. Raises where the store did not answer
-        in time, or no connection could be made again. ``again=False``: a call that must not be
-        made twice (an ``add`` to the board's count) is not made again: None."""
+        """``call`` on the calls' connection, made again on a new one where it fails, within ``give_up_s``
+        (raises past it). ``again=False``: a call not to be made twice (an ``add``) returns None instead."""
         give_up = time.monotonic() + self.give_up_s
         while True:
             with self._calls() as store:
@@ -116,7 +101,7 @@ class StoreLink:
     # ------------------------------------------------------------------ the beats
     @property
     def beating(self) -> bool:
-        """Whether the beats are made by :meth:`start_beats`'s thread (not at each tick)."""
+        """Whether :meth:`start_beats`'s thread makes the beats (not each tick)."""
         return self._beating is not None
 
     def beat(self) -> None:

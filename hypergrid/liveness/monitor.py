@@ -1,60 +1,21 @@
 """A rank's monitor: the process that beats for it, watches for its node, and publishes losses.
 
-Each rank of a resilient job runs one (:func:`hypergrid.start_heartbeat` starts it); it is a
-process of its own, in a session of its own, that imports no torch (some 8 MB), so that nothing
-the rank's interpreter does (a C call holding the GIL for seconds, a SIGSTOP, a launcher ending
-the rank's process group) stops it. Every ``interval_s`` a node's monitors make two store
-requests per rank (one ``add`` each), whatever the job's size:
+Each rank of a resilient job runs one (:func:`hypergrid.start_heartbeat`): a process in a session
+of its own, with no torch, so that nothing the rank's interpreter does (a GIL held, a SIGSTOP)
+stops it. Every interval a node's monitors make two store requests per rank, whatever the job's
+size: each beats from a thread of its own (a late store cannot make it look silent), and the
+node's relay delegate reads the counters its node's ranks watch in the ring and publishes the
+losses of one look as one board entry; a follower takes the node's watch over from a stuck one.
 
-- each adds 1 to its rank's heartbeat counter, from a thread of its own (:mod:`hypergrid.liveness.link`:
-  a delegate's reads and publications go on a connection apart, a follower's few calls take turns
-  with the beats), so that however late the store answers, its beats go out on time (a late
-  store cannot make a watcher look silent);
-- the node's relay delegate (:mod:`hypergrid.liveness.relay`) reads, for each rank of its node, the
-  counter of the rank it watches, its successor in the job's ring (:mod:`hypergrid.liveness.ring`,
-  on another node, and where nodes are short of ranks those after it on that node:
-  :meth:`~hypergrid.liveness.ring.Ring.watched_from`), and judges their silence
-  (:mod:`hypergrid.liveness.watch`): the losses found at one look are one entry of the board, so
-  a node lost whole takes one or two entries, not one per rank. A follower whose delegate said
-  nothing for more than two of its ticks (alive but stuck) does not watch for itself: one of the
-  node's followers takes the node's watch over (it holds the node's watch name,
-  :func:`~hypergrid.liveness.relay.hold`), and a loss the board has already is not published
-  again (:func:`~hypergrid.liveness.board.claim_slot`). A monitor with no relay (no abstract
-  sockets here), or one that watches a ring its delegate does not (a recovery its rank was told
-  of, the delegate's not), reads its own successor's counter.
-
-It sees its own rank's death from outside: the process it watches (its parent) ending is
-published at once (a ``pidfd`` becomes readable; where there is none, its parent pid is looked
-at every 0.1 s), before the monitor leaves. It tells a paused rank from a dead one: the rank's
-interpreter sends it a tick every interval (it needs the GIL to), and only when no tick came for
-``progress_timeout_s`` (minutes by default) is the rank published as hung. A rank that leaves
-cleanly says so (``bye``): its counter is marked as left (:data:`~hypergrid.store.keys.DEPARTED`)
-and nobody counts it lost.
-
-Every loss goes to one place, the job's board (``events`` and ``event/<k>``,
-:class:`~hypergrid.store.keys.JobChannel`): the publisher fills the first free entry's key
-(:meth:`RankMonitor.publish`; an entry holds one event, or the losses found at one look), then
-adds 1 to ``events``. One monitor per node keeps a wait pending on the board's next key, which costs nothing until an entry is published;
-the store's answer wakes it, and it reads the entry (one get: the wait was answered, the key is
-there), waits on the next key, hands the entry to the node's other monitors (the relay, which
-also elects it) and forwards its events to its rank (which aborts its communicators,
-:class:`~hypergrid.recovery.abort.CollectiveWatch`): two requests per entry and node.
-
-A store that answers late is waited for: each call waits for its answer up to
-``connect_timeout_s`` (30 s), a failed connection is made again within that time, and only a
-store that did not answer for that long is given up (the rank's heartbeat then starts another
-monitor). No entry is passed over: the monitor tells its rank the board's position it has
-reached, and a monitor started again starts there (``resume``), not at the board's count.
-
-:class:`RankMonitor` is that work for one rank, driven by a loop: this module's :func:`main` in
-the monitor process, or the control-plane benchmark's, which runs thousands of them against one
-real store (there each beats at its tick, before its reads).
+The rank's end is seen from outside (a ``pidfd``, else its parent pid every 0.1 s) and published at
+once; a hang only after ``progress_timeout_s`` with no tick from its interpreter; ``bye`` marks the
+rank :data:`~hypergrid.store.keys.DEPARTED`. A late store is waited for up to ``connect_timeout_s``,
+and a monitor started again resumes at the board position its rank was last told.
 
 Example, one rank's monitor against a store of torch's, its parent played by this process::
 
     >>> import torch.distributed as dist
     >>> from hypergrid.store.keys import JobChannel
-    >>> from hypergrid.store.records import BoardEvent, EventKind
     >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     >>> config = MonitorConfig("127.0.0.1", server.port, "ns", rank=0, interval_s=1.0)
     >>> seen = []
@@ -94,8 +55,7 @@ from .watch import Watch, Watched
 
 __all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
 
-#: How long a rank's interpreter may make no progress before it counts as hung (as NVIDIA
-#: Resiliency Extension's in-process restart, minutes: pauses of seconds are routine at scale).
+#: How long a rank's interpreter may make no progress before it counts as hung (minutes: pauses of seconds are routine).
 DEFAULT_PROGRESS_TIMEOUT_S = 180.0
 #: How many heartbeat intervals a counter may stand still before its rank counts as gone.
 STALE_BEATS = 5
@@ -103,9 +63,8 @@ STALE_BEATS = 5
 
 @dataclass(frozen=True)
 class MonitorConfig:
-    """What a monitor needs: the store's address, the world's control namespace, its rank, the
-    heartbeat interval, the staleness bound in intervals, the progress timeout, and how long the
-    store may take to take a connection or to answer a call before the monitor gives it up."""
+    """What a monitor needs: the store's address and namespace, its rank, its timing, and how long
+    the store may take to connect or answer before the monitor gives it up."""
 
     host: str
     port: int
@@ -120,8 +79,7 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """The job a monitor serves: its channel (where its board is), its ranks as ``(first, count)``
-    runs, and the ranks per node (what the ring keeps apart)."""
+    """The job a monitor serves: its board's channel, its ranks as ``(first, count)`` runs, the ranks per node."""
 
     channel: JobChannel
     runs: tuple[tuple[int, int], ...]
@@ -132,8 +90,7 @@ class JobSpec:
 
     @functools.cached_property
     def digest(self) -> str:
-        """A short digest of the spec: monitors of one node compare theirs (one that was not told
-        of a recovery, its rank hung, watches an older ring)."""
+        """A short digest: a node's monitors compare theirs (one not told of a recovery watches an older ring)."""
         return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
 
     @classmethod
@@ -152,15 +109,10 @@ class _Job:
 
 
 class RankMonitor:
-    """One rank's control-plane work (see the module): :meth:`tick` every interval,
-    :meth:`on_ready` when one of :meth:`readers` is readable, :meth:`progress` on each tick of the
-    rank's interpreter, :meth:`parent_ended` when the rank's process is gone.
-
-    ``forward`` receives every event of the board (in the monitor process: sent to the rank), and
-    ``reached`` the board's position after each entry handed over (and where the job's reading
-    starts). Its beats are made by :meth:`tick`, unless a thread of their own makes them
-    (``link.start_beats()``, :class:`~hypergrid.liveness.link.StoreLink`).
-    """
+    """One rank's monitor, driven by a loop: :meth:`tick` every interval, :meth:`on_ready` when one of
+    :meth:`readers` is readable, :meth:`progress` on the rank's ticks, :meth:`parent_ended` at its end.
+    ``forward`` gets every event of the board; ``reached`` the board's position after each entry.
+    :meth:`tick` beats too, unless ``link.start_beats()`` runs the beats on a thread of their own."""
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
                  connect: Optional[Callable[[float], WireStore]] = None,
@@ -168,21 +120,17 @@ class RankMonitor:
         self.config = config
         self._forward = forward
         self._reached = reached
-        # Where its connections come from (a timeout in, a connection out): the store's address by
-        # default; a caller that hosts many monitors (or a proxy in front of the store) gives its own.
-        # Beats, reads and publications: one round trip each, waited for however late.
+        # ``connect``: a caller hosting many monitors (or a proxy in front of the store) gives its own.
         self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
                               give_up_s=config.connect_timeout_s, beat_key=beat_key(config.namespace, config.rank),
                               interval_s=config.interval_s)
         self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
-        self._names: tuple[str, int] = ("", 0)  # what names the node's relay and watch: the board, the node
+        self._names: tuple[str, int] = ("", 0)  # names the node's relay and watch: the board, the node
         self._watch_lock: Optional[socket.socket] = None  # held: this follower watches for the node
         self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
-        # What the node's delegate last told of its watch: the digest of its job spec (a follower
-        # whose spec differs watches for itself), and the counters it watched, which this monitor
-        # takes over once it watches (it was elected, or took the watch over).
+        # What the delegate last told: its spec's digest, and the counters it watched (taken over on a change).
         self._delegate_spec: Optional[str] = None
         self._delegate_watched: Optional[list[list[float]]] = None
         self.job: Optional[_Job] = None
@@ -199,9 +147,8 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec, first: Optional[int] = None) -> None:
-        """Serve ``spec``'s job from now on (the same job again: its ranks changed after a recovery),
-        reading its board from entry ``first`` (a monitor started again: where its rank's last
-        one had reached) or else from the board's count."""
+        """Serve ``spec``'s job (the same job again: its ranks changed), reading its board from entry
+        ``first`` (a monitor started again) or else from the board's count."""
         if self.job is not None and self.job.spec.channel == spec.channel:
             self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), self.job.next_event, self.job.lost)
             return
@@ -220,8 +167,7 @@ class RankMonitor:
         self._leave_board()
 
     def _join_board(self, first: bool = False) -> None:
-        """Be the node's delegate (and wait on the board), or follow the one that is. ``first``: as the
-        job is attached (its connection is made as every other one is then, however long it takes)."""
+        """Be the node's delegate (and wait on the board), or follow it; ``first``: as the job is attached."""
         job = self.job
         assert job is not None
         node = self.config.rank // max(1, job.spec.gpus_per_node)
@@ -233,16 +179,10 @@ class RankMonitor:
             self._open_board(fatal=first)
 
     def _open_board(self, fatal: bool = False) -> None:
-        """Connect to the board (however late the store takes the connection) and wait on its next
-        event. Unless ``fatal`` (as the job is attached), a delegate that could not connect tries
-        again at its next tick.
-
-        A monitor that takes the board over while the job runs (elected, or gone alone) first
-        reads what was published since its position on the connection it has: often its
-        predecessor's last entry, its own rank's end. torch's store server looks up every new
-        client's address by name on the thread that answers everyone (a resolver that drops a
-        query holds it 5 s), so the entry must not wait for a new connection. The followers that
-        elected again with it have each entry as it does (:meth:`NodeRelay.send` takes them first)."""
+        """Connect to the board and wait on its next entry; unless ``fatal``, a failed connection is tried
+        again at the next tick. A monitor taking the board over mid-job first catches up on the connection
+        it has: torch's server resolves each new client's name on the thread that answers everyone (a
+        dropped DNS query holds it 5 s), and the entry (often its rank's own end) must not wait for that."""
         job = self.job
         assert job is not None
         if not fatal:
@@ -267,8 +207,7 @@ class RankMonitor:
             self.board = None
 
     def _go_alone(self) -> None:
-        """Stop counting on the node's delegate (it said nothing for the staleness bound: alive but
-        stuck): wait on the board itself from here on, for this job."""
+        """Stop counting on the node's delegate (silent for the staleness bound): wait on the board itself."""
         assert self.relay is not None
         self.relay.close()
         self.relay = NodeRelay(None, None)
@@ -282,7 +221,7 @@ class RankMonitor:
         self._release_watch()
 
     def readers(self) -> list[int]:
-        """The descriptors whose readiness :meth:`on_ready` handles: the board's wait, the relay's."""
+        """The descriptors :meth:`on_ready` handles: the board's wait, the relay's."""
         fds = [self.board.fileno()] if self.board is not None else []
         return fds + (self.relay.readers() if self.relay is not None else [])
 
@@ -301,11 +240,11 @@ class RankMonitor:
             self._on_relayed(relay)
 
     def _on_relayed(self, relay: NodeRelay) -> None:
-        """The node's delegate sent events (or its position), or went: then elect again."""
+        """The node's delegate sent entries (or its position), or went: then elect again."""
         job = self.job
         assert job is not None
         heard = relay.receive()
-        if heard is None:  # the next delegate tells its position, or this one waits on the board
+        if heard is None:
             relay.close()
             self._join_board()
             return
@@ -320,12 +259,8 @@ class RankMonitor:
                 self._deliver_entry(item.payload)
 
     def _catch_up(self, job: _Job, position: int) -> None:
-        """Read from the store the entries before ``position`` that this monitor has not had (it
-        joined the relay after its delegate read them, or changed delegate, or started again
-        behind it, or took the board over): rare, a get each. Every entry before a delegate's
-        position (or the board's count) is written: a read the store answers late is waited for,
-        none is passed over. A delegate hands each to its followers, as the board's (a follower's
-        relay has nobody to hand it to)."""
+        """Read from the store, a get each, the entries before ``position`` this monitor missed (a change
+        of delegate, a restart); a delegate hands each to its followers too."""
         while job.next_event < position:
             index = job.next_event
             payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(index)))
@@ -337,7 +272,7 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
-        """Beat (unless apart), look at the watched ranks, and judge the rank's own progress."""
+        """Beat (unless on a thread), look at the watched ranks, and judge the rank's own progress."""
         if not self.link.beating:
             self.link.beat()
         job = self.job
@@ -345,7 +280,7 @@ class RankMonitor:
             return
         relay = self.relay
         if relay is not None and relay.delegates:
-            if self.board is None:  # elected, and its connection to the board not made yet
+            if self.board is None:
                 self._open_board()
             self._keep_alive(job)  # before its reads too: however late the store answers them
         elif relay is not None:
@@ -368,26 +303,16 @@ class RankMonitor:
         self.hung_published = False
 
     def _keep_alive(self, job: _Job) -> None:
-        """A delegate tells its followers its position, its spec's digest and what it saw of the
-        counters it watches (:meth:`Watch.state`)."""
+        """A delegate tells its followers its position, its spec's digest and what it saw of its counters."""
         relay = self.relay
         if relay is not None and relay.delegates and relay.followers:
             state = {"spec": job.spec.digest, "watched": Watch.state(job.watched)}
             relay.keep_alive(job.next_event, json.dumps(state, separators=(",", ":")))
 
     def _starts(self, job: _Job) -> list[int]:
-        """The ranks whose watched ranks this monitor reads (:meth:`Ring.watched_from`).
-
-        A node's relay delegate watches for the whole node: the successor of each of the node's
-        ranks (whether its own rank is in the job or not, and for those lost too: the successor
-        of a rank of its node lost alone is watched from another node so). So a node lost whole is
-        found by the one delegate of the node before it in the ring, at one or two of its looks
-        (its ranks' last beats came within one interval), and published in one or two entries, not
-        eight: the board's delivery is the store's work per entry. A follower whose delegate
-        speaks watches nothing; one whose delegate said nothing for more than two of its ticks
-        watches for the node if it holds the node's watch name (one follower does), else nothing;
-        one alone (no relay here) or whose spec differs (a recovery its delegate was not told of)
-        watches its own successor."""
+        """The ranks whose watched ranks this monitor reads: the whole node's for a delegate (so a node
+        lost whole takes one or two entries, not one per rank) or for the follower holding the watch
+        name once its delegate is quiet; its own for a monitor alone or whose spec differs."""
         me, ring, relay = self.config.rank, job.ring, self.relay
         mine = [me] if me in ring else []
         if relay is None:
@@ -414,8 +339,7 @@ class RankMonitor:
             self._watch_lock = None
 
     def _watch(self, job: _Job, now: float) -> None:
-        """Read the counters this monitor watches (:mod:`~hypergrid.liveness.watch`), and publish
-        those found lost, in one entry."""
+        """Read the counters this monitor watches, and publish those found lost in one entry."""
         starts = self._starts(job)
         if len(job.ring) < 2 or not starts:
             job.watched.clear()
@@ -431,9 +355,7 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:
-        """Put ``events`` on the job's board, in one entry (nothing where no job is served), in
-        the first free slot from the next this monitor would read, less the losses the board
-        already has (:func:`~hypergrid.liveness.board.claim_slot`), then count it."""
+        """Put ``events`` on the job's board in one entry (less the losses it has already), then count it."""
         job = self.job
         if job is None:
             return
@@ -442,18 +364,14 @@ class RankMonitor:
             self.link.call(lambda store: store.add(channel.board_count(), 1), again=False)
 
     def on_board(self) -> None:
-        """The board connection is readable: its wait was answered, the entry it waited for is on
-        the board. Read it, wait on the next one, forward its events: two requests per entry,
-        whatever came before (an entry already published answers the new wait at once, and brings
-        the monitor back here). A read the store answers late is waited for; one that fails is
-        made again on a new connection (its wait answered at once)."""
+        """The board's wait was answered: read the entry, wait on the next, forward its events (two
+        requests per entry); a failed read is made again on a new connection."""
         job, board = self.job, self.board
         if job is None or board is None:
             return
-        channel = job.spec.channel
-        index = job.next_event
+        channel, index = job.spec.channel, job.next_event
         try:
-            if not board.waiting:  # nothing asked yet: ask (answered at once where the event is there)
+            if not board.waiting:
                 board.start_wait([channel.board_slot(index)])
                 return
             board.finish_wait()
@@ -509,10 +427,8 @@ def _get(store: WireStore, key: str) -> bytes:
     return store.get(key)
 
 
-# ---------------------------------------------------------------------- the process
 class _ParentPipe:
-    """Lines to the rank (its stdout pipe), never blocking the monitor: a rank that holds the GIL
-    reads nothing, and what does not fit waits here."""
+    """Lines to the rank's stdout pipe, never blocking: a rank holding the GIL reads nothing meanwhile."""
 
     def __init__(self, fd: int) -> None:
         self.fd = fd
@@ -547,8 +463,7 @@ def _parent_watch(pid: int) -> Optional[int]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The monitor process: ``python -c 'from hypergrid.liveness.monitor import main; main()' CONFIG``,
-    started by :func:`hypergrid.liveness.heartbeat.start_heartbeat` with pipes to and from its rank."""
+    """The monitor process (``main()`` with a JSON :class:`MonitorConfig` argument), started by the heartbeat."""
     args = list(sys.argv[1:] if argv is None else argv)
     config = MonitorConfig(**json.loads(args[0]))
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C ends the rank, which ends this
@@ -565,7 +480,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     inbox = b""
     next_tick = time.monotonic()
     out.send("ready")
-    monitor.link.start_beats()  # from now on its beats go out apart from its reads
+    monitor.link.start_beats()
     try:
         while True:
             now = time.monotonic()
@@ -590,7 +505,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if stdin is not None and stdin in ready:
                 chunk = os.read(stdin, 65536)
                 if not chunk:
-                    stdin = None  # the rank closed it (or ended): its end is seen by its pid
+                    stdin = None  # its end is seen by its pid
                     continue
                 lines, _, inbox = (inbox + chunk).rpartition(b"\n")
                 for line in lines.split(b"\n") if lines else []:
@@ -609,7 +524,7 @@ def _handle(monitor: RankMonitor, line: str, now: float) -> bool:
         monitor.progress(now=now)
     elif word == "job":
         monitor.attach(JobSpec.from_json(rest))
-    elif word == "resume":  # a monitor started again: from where its rank's last one had reached
+    elif word == "resume":
         first, _, spec = rest.partition(" ")
         monitor.attach(JobSpec.from_json(spec), first=int(first))
     elif word == "detach":

@@ -1,13 +1,11 @@
 """Where a world's control plane lives: the root store, its address and the world's namespace.
 
-A monitor process imports no torch and reaches only the store under torch's ``PrefixStore``
-layers, by address. So the control plane's keys live in that root store, below a namespace the
-world's ranks agree on when one first needs it: the first writes a fresh token under the default
-group's prefix (the world's alone) and all read it back, so two worlds never share keys.
+A monitor process imports no torch and reaches only the root store under torch's ``PrefixStore``
+layers, by address; so the keys live there, below a namespace the world's ranks agree on once
+(a fresh token under the default group's prefix), and two worlds never share keys.
 
 Example, in a one-rank gloo world over a ``TCPStore``::
 
-    >>> from datetime import timedelta
     >>> import torch.distributed as dist
     >>> server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     >>> dist.init_process_group("gloo", store=server, rank=0, world_size=1)
@@ -40,15 +38,14 @@ __all__ = ["ControlPlane", "control_plane", "root_store"]
 
 @dataclass(frozen=True)
 class ControlPlane:
-    """A world's control plane: its ``namespace`` in the root ``store``, and the store's address
-    (None: not reachable by address, so no monitor can reach it)."""
+    """A world's ``namespace`` in the root ``store``, and the store's address (None: no monitor can reach it)."""
 
     namespace: str
     store: Any
     address: Optional[tuple[str, int]]
 
     def client(self, deadline: float) -> StoreClient:
-        """The root store over a connection of this thread's own, calls bounded by ``deadline``."""
+        """The root store over this thread's own connection, calls bounded by ``deadline``."""
         return StoreClient(deadline, base=self.store)
 
 
@@ -73,10 +70,7 @@ _cached: Optional[tuple[Any, ControlPlane]] = None
 
 def control_plane(timeout_s: float = 60.0) -> Optional[ControlPlane]:
     """This world's control plane (agreed once, then cached), or None with no store to meet in.
-
-    Raises:
-        RuntimeError: the store did not answer within ``timeout_s``.
-    """
+    Raises RuntimeError where the store does not answer within ``timeout_s``."""
     global _cached
     if not agreement_possible():
         return None

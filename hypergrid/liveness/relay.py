@@ -1,28 +1,16 @@
 """One wait on the job's board per node: a node's monitors elect a delegate that waits and relays.
 
-Every entry of a job's board (a loss, a round opened, a meeting's outcome) must reach every
-rank's monitor. Were each monitor to wait on the board itself, each entry would cost the store a
-wake and two requests per rank: at 16,384 ranks eight entries are some 260,000 requests, seconds
-of one store's time. Instead the monitors of one node (the same node index,
-``rank // gpus_per_node``, on the same host) elect one of them, the node's *delegate*, which
-keeps the node's one wait on the board and hands each entry it reads to the others over a local
-socket: the store's work per entry is the same for a node of 8 as for a rank. (The delegate also
-watches for its node, :mod:`hypergrid.liveness.monitor`; what it saw goes to the others with its
-position.) The other name a node's monitors contend for is the watch's, taken by one follower only,
-while its delegate says nothing (:func:`hold`: the node's watch goes on without it, from one monitor).
+Were each monitor to wait on the board itself, every entry would cost the store a wake and two
+requests per rank (some 260,000 requests for eight entries at 16,384 ranks). So the monitors of
+one node elect a *delegate* by binding the node's abstract Unix socket name (:func:`elect`: no file
+to clean up, released when its holder ends; another user's process is neither followed nor
+accepted), which keeps the node's one wait and hands each entry to the others over that socket.
 
-The election is a name (:func:`elect`): the first monitor to bind the node's abstract Unix
-socket (Linux's abstract namespace, one per host: nothing on disk to clean up, released when its
-holder ends) is the delegate; the others connect to it (a process of another user is neither
-followed nor accepted: the name has no permissions). A follower whose delegate goes (its rank
-ended, it left the job) reads end-of-file, and elects again. Every relayed entry carries its
-board index, and a new follower is told the delegate's position first: a follower that missed
-entries (it joined after the delegate read them, or between two delegates) reads those from the
-store itself, so no entry is lost or seen twice. The delegate tells its position every interval
-too; a follower that heard nothing from it for the staleness bound (a delegate alive but stuck)
-stops counting on it and waits on the board itself, as it does where abstract sockets do not
-exist (not Linux). A follower too far behind to take what the delegate sends (its socket full)
-is dropped, elects again, and catches up the same way.
+Every relayed entry carries its board index and a new follower is told the delegate's position
+first, so a follower that missed entries reads them from the store itself: none is lost or seen
+twice. A follower whose delegate goes reads end-of-file and elects again; one that hears nothing
+for the staleness bound (a stuck delegate), or has no abstract sockets (not Linux), waits on the
+board itself; one too far behind (its socket full) is dropped and catches up the same way.
 
 Example, two monitors of one node in this process::
 
@@ -58,19 +46,17 @@ from ..store.keys import socket_name
 
 __all__ = ["NodeRelay", "Relayed", "elect", "hold", "socket_name"]
 
-#: How long a monitor keeps trying to bind or follow a name whose holder refuses it (it closes the
-#: name, or has bound it and not listened yet) before it waits on the board on its own.
+#: How long a monitor keeps trying a name whose holder refuses it (closing, or bound and not yet listening).
 _ELECT_S = 0.5
-#: How long a connection to a name's holder may take (one that hangs is not a delegate to follow).
+#: How long a connection to a name's holder may take.
 _CONNECT_TIMEOUT_S = 1.0
 
 
 def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], Optional[socket.socket]]:
     """Hold the abstract socket name ``address`` if nobody does, else connect to whoever does.
 
-    Returns ``(listener, None)`` for the holder (listening, non-blocking), ``(None, connection)``
-    for a follower (non-blocking), and ``(None, None)`` where this process is on its own: no
-    abstract namespace here, a holder that does not take the connection, or another user's.
+    Returns ``(listener, None)`` for the holder, ``(None, connection)`` for a follower (both
+    non-blocking), and ``(None, None)`` where this process is on its own.
 
     Example::
 
@@ -81,8 +67,7 @@ def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], O
         (True, True)
         >>> joined.close(); held.close()
     """
-    # A holder between its bind and its listen refuses a connection: try again for a moment
-    # (a busy host may hold it there a while), backing off, rather than give up at once.
+    # A holder between its bind and its listen refuses a connection: back off and try again a moment.
     give_up, pause = time.monotonic() + _ELECT_S, 0.001
     while True:
         try:
@@ -103,12 +88,9 @@ def elect(address: bytes, backlog: int = 64) -> tuple[Optional[socket.socket], O
 
 
 def hold(address: bytes) -> Optional[socket.socket]:
-    """Hold the abstract socket name ``address`` as a lock among a host's processes (bound, not
-    listening: nobody connects to it), released when its holder closes it or ends: the socket, or
-    None where another process holds it.
-
-    Raises:
-        OSError: no name can be held here (no abstract namespace).
+    """Hold the abstract socket name ``address`` as a host-wide lock (bound, not listening), released
+    when its holder closes it or ends: the socket, or None where another process holds it. Raises
+    OSError where no name can be held (no abstract namespace).
 
     Example::
 
@@ -132,8 +114,7 @@ def hold(address: bytes) -> Optional[socket.socket]:
 
 
 def _same_user(conn: socket.socket) -> bool:
-    """Whether the process at the other end of ``conn`` runs as this one's user (an abstract
-    socket's name has no permissions: another user's process could hold it, or connect)."""
+    """Whether the peer of ``conn`` runs as this user (an abstract socket's name has no permissions)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return bool(struct.unpack("3i", creds)[1] == os.getuid())
 
@@ -168,9 +149,8 @@ def _connect(address: bytes) -> socket.socket:
 
 @dataclass(frozen=True)
 class Relayed:
-    """What a follower hears: an entry of the board at ``index`` (``payload`` its encoding), or,
-    with no payload, the delegate's position: the index of the next entry the delegate will read,
-    and the delegate's own ``state`` (one line, opaque to the relay; empty where it sent none)."""
+    """What a follower hears: the board's entry ``index`` (``payload`` its encoding), or, with no
+    payload, the delegate's position (the next entry it reads) and its opaque one-line ``state``."""
 
     index: int
     payload: Optional[str]
@@ -178,8 +158,7 @@ class Relayed:
 
 
 class NodeRelay:
-    """One monitor's end of its node's relay: the delegate's listening socket and its followers'
-    connections, or a follower's connection to the delegate (see the module)."""
+    """One monitor's end of its node's relay: the delegate's listener and followers, or a follower's upstream."""
 
     def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket]) -> None:
         self.listener = listener
@@ -189,11 +168,8 @@ class NodeRelay:
 
     @classmethod
     def join(cls, address: bytes) -> NodeRelay:
-        """Be the node's delegate at ``address`` if nobody is, else follow whoever is.
-
-        Returns a relay that delegates with no listener where this system has no abstract sockets
-        (the monitor then waits on the board itself, for itself alone).
-        """
+        """Be the node's delegate at ``address`` if nobody is, else follow whoever is (with no abstract
+        sockets: a delegate with no listener, alone)."""
         listener, upstream = elect(address)
         return cls(listener, upstream)
 
@@ -202,16 +178,14 @@ class NodeRelay:
         return self.upstream is None
 
     def readers(self) -> list[int]:
-        """The descriptors to watch for reading: the listener and the followers (to see them go),
-        or the connection to the delegate."""
+        """The descriptors to watch: the listener and the followers (to see them go), or the upstream."""
         if self.upstream is not None:
             return [self.upstream.fileno()]
         return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
 
     # ------------------------------------------------------------------ the delegate's side
     def accept(self, position: int) -> bool:
-        """Take a new follower (the listener is readable) and tell it ``position``. Whether one
-        was waiting (taken, or refused)."""
+        """Take a new follower and tell it ``position``; whether one was waiting (taken, or refused)."""
         if self.listener is None:
             return False
         try:
@@ -230,9 +204,8 @@ class NodeRelay:
         return True
 
     def send(self, index: int, payload: str) -> None:
-        """Hand entry ``index`` to every follower, those waiting to be taken too (told ``index`` as
-        the position): a delegate just elected, its reads answered late, takes its followers at its
-        next look at them, and they must not read the entry from the store after it, one by one."""
+        """Hand entry ``index`` to every follower, those waiting to be taken first (else each would
+        read it from the store, one by one, after a newly elected delegate)."""
         while self.accept(position=index):
             pass
         line = f"ev {index} {payload}\n".encode()
@@ -240,8 +213,7 @@ class NodeRelay:
             self._send_to(conn, line)
 
     def keep_alive(self, position: int, state: str = "") -> None:
-        """Tell every follower the delegate's position and ``state`` (one line; every interval: a
-        follower that hears nothing for the staleness bound stops counting on this delegate)."""
+        """Tell every follower the delegate's position and one-line ``state`` (every interval)."""
         if "\n" in state:
             raise ValueError(f"a relayed state is one line, got {state!r}")
         line = (f"at {position} {state}\n" if state else f"at {position}\n").encode()

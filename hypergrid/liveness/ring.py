@@ -1,32 +1,15 @@
 """Who watches whom: a ring over a job's ranks in which every rank's watcher is on another node,
 and, where the job has more than a few nodes, on a node far from it.
 
-Each rank's *successor* is watched for it (by its node's relay delegate, which reads the
-successors of its node's ranks, or by its own monitor alone), one heartbeat per rank and
-interval, so the store's work per rank is the same at 8 ranks and at 100,000, and every rank is
-watched on behalf of exactly one other. The ring visits the ranks by local index first and node
-second (rank ``r`` is local index ``r % gpus_per_node`` of node ``r // gpus_per_node``): local 0 of every
-node, then local 1 of every node, and so on. A rank's watcher is therefore the same local index
-on the node before it in the ring, not a rank of its own node, where every node has that local
-index: when a whole node is lost, monitors and all, each of its ranks is watched from a node that
-is still there, and each loss is seen within the staleness bound, all at once.
-
-The nodes are visited with the two halves of the job interleaved (of the job's ``K`` nodes, in
-rank order, with ``h = ceil(K / 2)``: the first, the ``h``-th, the second, the ``h + 1``-th, ...),
-not in rank order: consecutive nodes (a rack, a switch, a power feed) are lost together, and
-in rank order each of them but the first would be watched from one lost with it, found one bound
-after the other as the watch walks on. Interleaved, a node's watcher is ``h - 1`` or ``h`` nodes
-away, so a run of up to ``h - 1`` consecutive nodes lost at once is seen within one bound.
-
-Where only some nodes have a local index (after a shrink, or with spares), the ring passes from
-the last rank of one local index to the first of the next, which may be on the same node: a
-watcher therefore reads its successor and the ranks after it on the successor's node
-(:meth:`Ring.watched_from`), so that those, watched otherwise only from their own node, are seen
-lost with it, not one bound after another. A watcher whose successor is gone watches the one
-after it, and so on.
-
-Ranks are kept as a sorted array (8 bytes each), and the nodes that hold them as another, and
-successors found by bisection, so that a monitor's memory stays small at a million ranks.
+Each rank watches its *successor*, one heartbeat per rank and interval. The ring visits local
+index 0 of every node, then local 1 of every node, and so on, so that a node lost whole, monitors
+and all, has each of its ranks watched from a node still there. The nodes are visited with the
+job's two halves interleaved (with ``h = ceil(K / 2)`` of ``K`` nodes: the first, the ``h``-th, the
+second, ...): consecutive nodes (a rack, a switch) fail together, and this way a run of up to
+``h - 1`` of them is still seen within one staleness bound. Where only some nodes have a local
+index, a watcher also reads the ranks after its successor on the successor's node
+(:meth:`Ring.watched_from`). Ranks are kept as sorted arrays, so a monitor stays small at a
+million ranks.
 
 Example, ranks 0-7 on nodes of 4 (two nodes), and ranks 0-11 on nodes of 2 (six nodes, visited
 as 0, 3, 1, 4, 2, 5)::
@@ -85,7 +68,7 @@ def from_runs(runs: Iterable[Sequence[int]]) -> Iterator[int]:
 @dataclass(frozen=True)
 class Ring:
     """The watching ring over ``ranks`` (sorted, distinct) with nodes of ``gpus_per_node`` ranks;
-    ``nodes``: the nodes that hold any of them, ascending (made by :meth:`of`)."""
+    ``nodes``: the nodes that hold any, ascending (made by :meth:`of`)."""
 
     ranks: array
     gpus_per_node: int
@@ -113,8 +96,7 @@ class Ring:
 
     # -------------------------------------------------------------- the order of the nodes
     def _position(self, node: int) -> int:
-        """Where ``node`` (one of :attr:`nodes`) comes in the ring's order of nodes: the two
-        halves interleaved, the i-th node of the first half at 2i, of the second at 2i + 1."""
+        """``node``'s place in the ring's order: the i-th node of the first half at 2i, of the second at 2i + 1."""
         index, half = bisect.bisect_left(self.nodes, node), (len(self.nodes) + 1) // 2
         return 2 * index if index < half else 2 * (index - half) + 1
 
@@ -123,8 +105,7 @@ class Ring:
         return self.nodes[position // 2 if position % 2 == 0 else half + position // 2]
 
     def _first_with(self, local: int, from_position: int) -> Optional[int]:
-        """The rank of local index ``local`` on the first node at ``from_position`` or after, in
-        the ring's order of nodes, that has one (the nodes without it, few, one bisection each)."""
+        """The rank of local index ``local`` on the first node from ``from_position`` on that has one."""
         for position in range(from_position, len(self.nodes)):
             candidate = self._node_at(position) * self.gpus_per_node + local
             if candidate in self:
@@ -150,10 +131,8 @@ class Ring:
         raise AssertionError("unreachable: a non-empty ring has a rank of some local index")
 
     def watched_from(self, rank: int) -> list[int]:
-        """The ranks ``rank``'s watcher reads: its successor, and those after it in the ring while
-        they are on the successor's node, where that is not ``rank``'s own (reading more of its
-        own node would see nothing a loss of it hides). Only the successor where every node has
-        every local index.
+        """The ranks ``rank``'s watcher reads: its successor, and those after it on the successor's
+        node where that is not ``rank``'s own. Only the successor where every node has every local index.
 
         Example, node 1 with local indices 2 and 3 alone::
 
@@ -171,8 +150,7 @@ class Ring:
         return run
 
     def run_goes_on(self, read: int, following: int, watcher: int) -> bool:
-        """Whether ``watcher``, having read ``read``, reads ``following`` (``read``'s successor)
-        too: it is on ``read``'s node, and that is not ``watcher``'s own (:meth:`watched_from`).
+        """Whether ``watcher``, having read ``read``, reads ``following`` too (:meth:`watched_from`).
 
         Example::
 

@@ -1,17 +1,11 @@
 """A monitor's watch: the heartbeat counters it reads, and when a counter's silence means a loss.
 
-A watcher (a node's delegate, for its node's ranks; a monitor alone, for its own rank) reads the
-counters of the ranks those watch (:meth:`~hypergrid.liveness.ring.Ring.watched_from`), all in one
-round trip, at each of its looks. A counter that made no beat for ``stale_beats`` intervals of the
-watcher's own clock (no clocks are compared across hosts), counted from the look before the one
-that saw its last beat and over ``stale_beats`` looks (a watcher that could not run meanwhile saw
-nothing stand still), means that rank's node, or its monitor, is gone: the watcher publishes the
-losses of one look in one entry, and watches the next rank too. Its silence is judged on what the
-store answered (the counter stood still over the looks), not on how long the store took to answer.
-
-Past a rank lost or departed, the watch walks on to the next one in the ring; the counters a look
-walks to are read together too, one round trip per step of the longest walk (after a node's loss,
-one more), never one per rank: a late store makes a look slower, not longer by the node's size.
+A watcher reads, in one round trip per look, the counters of the ranks its starts watch
+(:meth:`~hypergrid.liveness.ring.Ring.watched_from`). A counter that stood still over ``stale_beats``
+looks and intervals of the watcher's own clock (no clocks are compared across hosts) means its
+rank's node, or monitor, is gone. Silence is judged on what the store answered, not on how long it
+took. Past a rank lost or departed, the watch walks on to the next one; the counters walked to are
+read together, one round trip per step of the longest walk, never one per rank.
 
 Example, a watcher of rank 1 whose counter stands still (the reads given)::
 
@@ -44,23 +38,18 @@ class Watched:
     """What a watcher saw of one counter."""
 
     value: int
-    #: When the counter's last beat may have come at the earliest: the look before the one that
-    #: first found ``value`` (the beat came between the two), or that first look where there was
-    #: none before it.
+    #: The earliest its last beat may have come: the look before the one that first found ``value``.
     since: float
-    #: When a look first found ``value``: the beat came at this moment at the latest.
+    #: When a look first found ``value``: the latest its last beat may have come.
     first_seen: float
-    #: When the watcher last looked.
     last_look: float
-    #: How many looks found the counter at ``value``: a watcher that did not run for a while (an
-    #: overloaded host) has not seen the counter stand still, it has not looked.
+    #: How many looks found ``value``: a watcher that did not run (an overloaded host) saw nothing stand still.
     looks: int = 1
 
 
 @dataclass(frozen=True)
 class Watch:
-    """The watch of rank ``me``'s monitor: its rule of silence (``stale_beats`` intervals of
-    ``interval_s``), applied at each :meth:`look` to the counters it keeps in ``watched``."""
+    """Rank ``me``'s rule of silence (``stale_beats`` intervals of ``interval_s``), applied at each :meth:`look`."""
 
     me: int
     interval_s: float
@@ -68,9 +57,8 @@ class Watch:
 
     def look(self, read: Callable[[Sequence[int]], Sequence[int]], ring: Ring, starts: Sequence[int],
              lost: Collection[int], watched: dict[int, Watched], now: float) -> list[BoardEvent]:
-        """Read the counters that ``starts`` watch (``read``: the counters of some ranks, in one
-        round trip), and those past the ones ``lost`` or departed, and judge them; the ranks found
-        lost now, as events (not yet in ``lost``: the caller publishes them, then takes them in)."""
+        """Read (``read``: one round trip) and judge the counters ``starts`` watch, walking past those
+        ``lost`` or departed; the ranks found lost now, as events (the caller adds them to ``lost``)."""
         firsts = sorted({r for start in starts for r in ring.watched_from(start)} - set(lost) - {self.me})
         counters = dict(zip(firsts, read(firsts))) if firsts else {}
         visited: set[int] = set()
@@ -91,8 +79,7 @@ class Watch:
 
     def _walk(self, ring: Ring, start: int, lost: Collection[int], watched: dict[int, Watched], now: float,
               visited: set[int], found: list[BoardEvent]) -> _Walk:
-        """The counters :meth:`Ring.watched_from` ``start``: its successor's, and past a lost or
-        departed one the next one's too. Those found lost go to ``found``."""
+        """Walk the counters ``start`` watches, past lost or departed ones; losses go to ``found``."""
         me, stale_after = self.me, self.stale_beats * self.interval_s
         candidate = ring.successor(start)
         while candidate not in (me, start) and candidate not in visited:
@@ -112,23 +99,16 @@ class Watch:
             else:
                 seen.looks += 1
                 seen.last_look = now
-                # Judged from the earliest moment the last beat may have come, so that a rank
-                # silent for the bound is published by then (its silence is between the bound less
-                # one interval and the bound), and the board's delivery has the interval after it.
-                # The looks count the intervals (a watcher that stalled before it saw the last beat
-                # has a ``since`` long past, but still needs its looks since); the clock only
-                # guards against looks that came too fast. Half an interval of slack: two ticks' own
-                # lateness differ, and a bound met to the microsecond would otherwise cost a whole
-                # further interval half of the time.
+                # From the earliest the last beat may have come, so a rank is published within the bound.
+                # The looks count the intervals; the clock only guards against looks that came too fast,
+                # with half an interval of slack (else a bound met to the microsecond costs an interval).
                 if seen.looks >= self.stale_beats and now - seen.since >= stale_after - self.interval_s / 2:
                     found.append(BoardEvent(EventKind.LOST, candidate, (
                         f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} "
                         f"s ago (the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
                     candidate = following
                     continue
-            # Alive as far as seen: the rank after it is its watcher's, unless it is on this one's
-            # node (only some nodes have its local index), where it would be watched from a node
-            # lost with it.
+            # Alive: the next rank has a watcher of its own, unless on this one's node (lost with it).
             if not ring.run_goes_on(candidate, following, start):
                 return
             candidate = following
@@ -136,15 +116,13 @@ class Watch:
     # ------------------------------------------------------------------ between delegates
     @staticmethod
     def state(watched: Mapping[int, Watched]) -> list[list[float]]:
-        """What a delegate tells its followers of its watch: what it saw of each counter (times of
-        the host's monotonic clock, which the node's monitors share)."""
+        """What a delegate tells its followers of its watch (times of the host's monotonic clock)."""
         return [[rank, w.value, w.since, w.first_seen, w.last_look, w.looks] for rank, w in watched.items()]
 
     @staticmethod
     def take_over(watched: dict[int, Watched], told: Optional[Sequence[Sequence[float]]], ring: Ring) -> None:
-        """Continue from what the node's last delegate saw (``told``, its :meth:`state`) of the
-        counters this monitor now watches: a rank lost just before a delegate changed is published
-        within the bound of its last beat still, not a bound after the change."""
+        """Continue from what the node's last delegate saw (``told``, its :meth:`state`): a rank lost
+        just before a change of delegate is still published within the bound."""
         for rank, value, since, first_seen, last_look, looks in told or []:
             if int(rank) in ring and int(rank) not in watched:
                 watched[int(rank)] = Watched(int(value), since=since, first_seen=first_seen, last_look=last_look,
@@ -152,8 +130,7 @@ class Watch:
 
 
 def _advance(walk: _Walk, need: Optional[int], counters: dict[int, int]) -> Optional[int]:
-    """Run ``walk`` on (sent the counter of ``need``, None at its start) while the counters it asks
-    for are read already; the rank whose counter it needs next, or None where it ended."""
+    """Run ``walk`` on while the counters it asks for are read; the rank it needs next, or None at its end."""
     try:
         asked = next(walk) if need is None else walk.send(counters.pop(need))
         while asked in counters:

@@ -1,9 +1,6 @@
 """Megatron-Core's ``parallel_state`` over a placement of ranks: with spares, and after a recovery.
 
-:func:`initialize_placed` initializes as :func:`~hypergrid.megatron.initialize_model_parallel`
-would on a world of every rank but the spares; :func:`rebuild_megatron` fills ``parallel_state``
-again for the placement a recovery chose, keeping every communicator whose members and options
-did not change. :class:`hypergrid.recovery.ResilientJob` calls both.
+A rebuild keeps every communicator whose members and options did not change.
 """
 
 from __future__ import annotations
@@ -30,23 +27,13 @@ from .state import MegatronGrids, set_active
 __all__ = ["initialize_placed", "rebuild_megatron", "activate_megatron"]
 
 
-def initialize_placed(
-    spares: Sequence[int],
-    *,
-    ranks: Optional[Sequence[int]] = None,
-    share_groups: bool,
-    strategy: Optional[str],
-    check_agreement: bool,
-    megatron_kwargs: dict[str, Any],
-) -> tuple[MegatronConfig, GridLayout, Optional[MegatronGrids], str]:
+def initialize_placed(spares: Sequence[int], *, ranks: Optional[Sequence[int]] = None, share_groups: bool,
+                      strategy: Optional[str], check_agreement: bool, megatron_kwargs: dict[str, Any],
+                      ) -> tuple[MegatronConfig, GridLayout, Optional[MegatronGrids], str]:
     """``initialize_model_parallel(**megatron_kwargs)`` on the world's ranks but ``spares``, or on
-    ``ranks`` (the grid's positions' ranks, in order: a placement a recovery chose, to start again
-    from a checkpoint on the same ranks).
-
-    Returns the configuration (``world_size``: the grid's ranks), the dense layout over its
-    placement, this rank's state (None on a spare) and the strategy resolved.
-
-    Example, as rank 1 of a 6-rank job on torch's fake backend, ranks 4 and 5 spares::
+    ``ranks`` (the grid's positions' ranks, in order). Returns the configuration (``world_size``: the
+    grid's ranks), the dense layout over its placement, this rank's state (None on a spare) and the
+    strategy resolved. Example, as rank 1 of a 6-rank job on torch's fake backend, ranks 4 and 5 spares::
 
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
@@ -82,33 +69,15 @@ def initialize_placed(
     return config, plan.dense, grids, resolved
 
 
-def rebuild_megatron(
-    config: MegatronConfig,
-    recovery: RecoveryPlan,
-    members: Sequence[int],
-    rank: int,
-    *,
-    share_groups: bool,
-    strategy: str,
-    check_agreement: bool,
-    step_timeout: Optional[timedelta] = None,
-    attempt: Optional[str] = None,
-    label: str = "recover",
-) -> Optional[MegatronGrids]:
+def rebuild_megatron(config: MegatronConfig, recovery: RecoveryPlan, members: Sequence[int], rank: int, *,
+                     share_groups: bool, strategy: str, check_agreement: bool, step_timeout: Optional[timedelta] = None,
+                     attempt: Optional[str] = None, label: str = "recover") -> Optional[MegatronGrids]:
     """``parallel_state`` for ``recovery.new``, built by its ``members``; None on other ranks.
 
-    The caller keeps holding the state from before (so that every group whose members and options
-    are unchanged is found in the registry instead of made again) and lets it go once the
-    recovery is committed, or makes it current again with :func:`activate_megatron` if not.
-    Afterwards ``parallel_state`` answers for the new state (empty on a rank outside it, or where
-    the build failed). ``step_timeout``: how long the members wait for each other at the start
-    and the end (what is left of the recovery's timeout; by default the configuration's);
-    ``attempt``: the recovery round's keys, which name the members' world step ``label`` (it then has
-    no start).
-
-    Raises:
-        RecoveryRefused: Megatron-Core's sizes do not fit the new number of ranks (a shrink that
-            leaves the expert layout without whole groups, say).
+    The caller holds the old state meanwhile, so unchanged groups are found in the registry, and
+    lets it go on commit or makes it current again (:func:`activate_megatron`). ``step_timeout``: the
+    members' wait for each other (default: the configuration's); ``attempt``: the round's keys, naming
+    the world step ``label``. Raises RecoveryRefused where Megatron-Core's sizes do not fit the ranks.
     """
     try:
         new_config = dataclasses.replace(config, world_size=recovery.new.size, rank_offset=0, local_world_size=None)
@@ -118,8 +87,7 @@ def rebuild_megatron(
             f"fit them: {exc}"
         ) from None
     new = recovery.new
-    # A placement on consecutive ranks from rank_offset has no rank map of its own: its ranks are
-    # given as one, or the plan would put it on ranks 0.. (a shrink that keeps the last replica).
+    # A contiguous placement from rank_offset needs an explicit map, or the plan would put it on ranks 0..
     plan = MegatronPlan(new_config, new.rank_map or RankMap.contiguous(new.rank_offset, new.size)
                         if new.rank_offset else new.rank_map)
     reset_parallel_state()
@@ -134,8 +102,8 @@ def rebuild_megatron(
 
 
 def activate_megatron(grids: Optional[MegatronGrids]) -> None:
-    """Make ``grids`` (whose groups are still held) what ``parallel_state`` answers for again, or
-    leave it empty for None: a recovery attempt that did not commit goes back to the state it had.
+    """Make ``grids`` (still held) what ``parallel_state`` answers for again, or leave it empty for
+    None: an attempt that did not commit goes back to the state it had.
 
     Example, as rank 1 of a 4-rank job on torch's fake backend::
 

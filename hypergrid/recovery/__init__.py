@@ -1,10 +1,6 @@
 """Recovery in-process: after ranks are lost, re-place the grid on survivors or spares and rebuild
-only the groups that changed, without restarting the job.
-
-Every rank builds the job as a :class:`ResilientJob` (:meth:`ResilientJob.of_megatron` or
-:meth:`ResilientJob.of_grid`); spares wait in :meth:`ResilientJob.wait_as_spare`. When a
-collective fails, every survivor calls :func:`recover` and goes on with the job it returns (see
-docs/recovery.md for a training loop).
+only the groups that changed. Every rank builds a :class:`ResilientJob`; when a collective fails,
+every survivor calls :func:`recover` (see docs/recovery.md for a training loop).
 
 Example, with no process group: nothing to recover with, so a spare's wait returns at once::
 
@@ -26,36 +22,21 @@ from .abort import register_abortable_backend
 from .job import GridRecipe, MegatronRecipe, ResilientJob
 from .settings import RecoverySettings
 
-__all__ = [
-    "ResilientJob",
-    "RecoverySettings",
-    "GridRecipe",
-    "MegatronRecipe",
-    "RecoveryKind",
-    "RecoveryPlan",
-    "plan_recovery",
-    "plan_growth",
-    "recover",
-    "grow",
-    "register_abortable_backend",
-    "start_heartbeat",
-]
+__all__ = ["ResilientJob", "RecoverySettings", "GridRecipe", "MegatronRecipe", "RecoveryKind", "RecoveryPlan",
+           "plan_recovery", "plan_growth", "recover", "grow", "register_abortable_backend", "start_heartbeat"]
 
 
 def recover(job: ResilientJob, *, failed: Optional[Sequence[int]] = None, timeout: Optional[timedelta] = None,
             step: Optional[int] = None, gpus_per_node: Optional[int] = None,
             replica_dim: Optional[str] = None) -> ResilientJob:
-    """The job after a failure, on every surviving rank: :meth:`ResilientJob.recover`.
-
-    Example, as rank 0 of a 4-rank job on torch's fake backend (the failed rank given): tp 2 x
-    dp 2, rank 3 is lost and there is no spare, so the replica holding it is dropped::
+    """The job after a failure, on every survivor (:meth:`ResilientJob.recover`). Example, as rank 0
+    of 4 on torch's fake backend: rank 3 is lost and there is no spare, so its dp replica is dropped::
 
         >>> import torch.distributed as dist
         >>> from torch.testing._internal.distributed.fake_pg import FakeStore
         >>> from hypergrid import HyperCommGrid
         >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
-        >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
-        >>> tp = grid.create_pg("tp")
+        >>> grid = HyperCommGrid([2, 2], ["tp", "dp"]); tp = grid.create_pg("tp")
         >>> after = recover(ResilientJob.of_grid(grid), failed=[3])
         >>> after.last.kind.value, list(after.layout.ranks), after.state.get_pg("tp") is tp
         ('shrink', [0, 1], True)
@@ -67,10 +48,8 @@ def recover(job: ResilientJob, *, failed: Optional[Sequence[int]] = None, timeou
 
 def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
          gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-    """The job grown back towards the size it was made with, on every rank of its grid:
-    :meth:`ResilientJob.grow`.
-
-    Example, with no process group (nobody to grow with)::
+    """The job grown back towards its made size (:meth:`ResilientJob.grow`). Example, with no process
+    group (nobody to grow with)::
 
         >>> from hypergrid import HyperCommGrid
         >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))

@@ -1,15 +1,13 @@
 """Ending a rank's collectives in flight, where the backend can abort a communicator.
 
 A collective with a dead rank waits for its own timeout (NCCL's is ten minutes). Where
-``ProcessGroup.abort()`` ends it (NCCL, and backends given to :func:`register_abortable_backend`;
-not gloo), a :class:`CollectiveWatch` aborts this rank's communicators once the board says a rank
-was lost or a recovery opened, so the blocked collective raises and the training loop recovers.
+``ProcessGroup.abort()`` ends it (NCCL and registered backends, not gloo), a :class:`CollectiveWatch`
+aborts this rank's communicators once the board says a rank was lost or a recovery opened, so the
+blocked collective raises and the training loop recovers.
 
-Example::
-
-    >>> register_abortable_backend("my_backend")
-    >>> "my_backend" in abortable_backends() and "gloo" not in abortable_backends()
-    True
+>>> register_abortable_backend("my_backend")
+>>> "my_backend" in abortable_backends() and "gloo" not in abortable_backends()
+True
 """
 
 from __future__ import annotations
@@ -30,20 +28,17 @@ __all__ = ["register_abortable_backend", "abortable_backends", "can_abort", "abo
 
 logger = logging.getLogger(__name__)
 
-#: torch's backends whose ``abort()`` ends the collectives in flight.
 _ABORTING = {"nccl", "nccl2", "nccl-lazy", "nccl-legacy"}
 _registered: set[str] = set()
 _lock = threading.Lock()
 _aborted: list[tuple[int, ...]] = []
-#: Held through a pass of aborts (:func:`abort_all`) and by :func:`take_aborted`, so that a rank
-#: that the pass's first abort released into the recovery names every group of the pass.
+#: Held through a pass of aborts and by take_aborted: a rank released by the pass's first abort sees every group of it.
 _pass = threading.Lock()
 _recovering = threading.Event()
 
 
 def register_abortable_backend(name: str) -> None:
-    """Declare that ``name``'s ``ProcessGroup.abort()`` ends the collectives in flight, so that a
-    recovery aborts its communicators to get a blocked rank out."""
+    """Declare that ``name``'s ``ProcessGroup.abort()`` ends the collectives in flight."""
     if not isinstance(name, str) or not name:
         raise TypeError(f"name must be a backend's name (a non-empty str), got {name!r}")
     with _lock:
@@ -53,10 +48,8 @@ def register_abortable_backend(name: str) -> None:
 def abortable_backends() -> frozenset[str]:
     """The backends whose communicators a recovery aborts.
 
-    Example::
-
-        >>> "nccl2" in abortable_backends()
-        True
+    >>> "nccl2" in abortable_backends()
+    True
     """
     with _lock:
         return frozenset(_ABORTING | _registered)
@@ -81,8 +74,7 @@ def can_abort(pg: dist.ProcessGroup) -> bool:
 
 
 def abort_group(pg: dist.ProcessGroup) -> Optional[tuple[int, ...]]:
-    """Abort ``pg`` (its operations in flight end with an error), recorded for :func:`take_aborted`;
-    its member list, or None where it cannot be aborted."""
+    """Abort ``pg`` and record it for :func:`take_aborted`; its member list, or None where it cannot be aborted."""
     if not can_abort(pg):
         return None
     members = tuple(dist.get_process_group_ranks(pg))
@@ -96,12 +88,10 @@ def abort_group(pg: dist.ProcessGroup) -> Optional[tuple[int, ...]]:
 
 
 def take_aborted() -> list[tuple[int, ...]]:
-    """The member lists of the groups this process aborted since the last call, forgotten now.
+    """The member lists of the groups aborted since the last call, then forgotten.
 
-    Example::
-
-        >>> take_aborted()
-        []
+    >>> take_aborted()
+    []
     """
     with _pass, _lock:
         out = sorted(set(_aborted))
@@ -113,11 +103,9 @@ def take_aborted() -> list[tuple[int, ...]]:
 def recovering() -> Iterator[None]:
     """Mark this process as inside a recovery for the block: the watch aborts nothing meanwhile.
 
-    Example::
-
-        >>> with recovering():
-        ...     in_recovery()
-        True
+    >>> with recovering():
+    ...     in_recovery()
+    True
     """
     _recovering.set()
     try:
@@ -127,17 +115,15 @@ def recovering() -> Iterator[None]:
 
 
 def in_recovery() -> bool:
-    """Whether this process is inside a recovery (:func:`recovering`)."""
+    """Whether this process is inside :func:`recovering`."""
     return _recovering.is_set()
 
 
 def abort_all(groups: Sequence[dist.ProcessGroup]) -> int:
     """Abort those of ``groups`` that can be, in one pass :func:`take_aborted` waits for; how many.
 
-    Example::
-
-        >>> abort_all([])
-        0
+    >>> abort_all([])
+    0
     """
     targets = [pg for pg in groups if can_abort(pg)]
     with _pass:
@@ -147,7 +133,7 @@ def abort_all(groups: Sequence[dist.ProcessGroup]) -> int:
 
 
 class CollectiveWatch:
-    """Aborts this rank's communicators (``groups()``) on the events of ``channel``'s board that
+    """Aborts this rank's communicators (``groups()``) on the board events of ``channel`` that
     concern the job over ``ranks`` as of round ``first_round``."""
 
     def __init__(self, channel: JobChannel, *, ranks: Sequence[int], first_round: int,
@@ -157,8 +143,7 @@ class CollectiveWatch:
         self.first_round = first_round
         self._groups = groups
         self.active = True
-        # The groups aborted already, held so that their ids are not reused.
-        self._done: dict[int, dist.ProcessGroup] = {}
+        self._done: dict[int, dist.ProcessGroup] = {}  # groups aborted, held so that their ids are not reused
 
     def concerns(self, event: BoardEvent) -> bool:
         """Whether ``event`` means this rank's collectives may be blocked on a peer that will not come."""

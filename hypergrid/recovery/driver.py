@@ -1,9 +1,8 @@
 """A recovery as rounds: each participant arrives, agrees, attempts the plan, until a round commits.
 
-In each round (:mod:`hypergrid.recovery.round`) every participant hears the verdict, computes the
-same plan (:func:`plan_for`), and the new placement's ranks rebuild (:mod:`hypergrid.recovery.rebuild`)
-in a world step whose outcome is the round's end; a round that does not commit leaves the state
-from before, and the next one starts, until the deadline.
+Every participant computes the same plan from the verdict (:func:`plan_for`); the new placement's
+ranks rebuild in a world step whose outcome is the round's end. A round that does not commit
+leaves the state from before, and the next one starts, until the deadline.
 
 Example, with no process group (the failed set given, as one simulated rank knows it)::
 
@@ -65,10 +64,8 @@ def recover_known(job: Any, lost: tuple[int, ...], timeout: timedelta) -> Any:
 
 
 def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -> Any:
-    """``job`` after rounds of its recovery until one commits, on this participant.
-
-    ``reason``: why this rank comes (``"recover"``, ``"grow"`` or ``"wait"``, a spare).
-    """
+    """``job`` after rounds of its recovery until one commits; ``reason``: ``"recover"``, ``"grow"`` or
+    ``"wait"`` (a spare)."""
     assert job.channel is not None
     plane = control_plane()
     assert plane is not None
@@ -85,8 +82,7 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
         while True:
             rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound), ahead=job.record)
             if board is None:
-                # From the entry the latest committed round recorded (no rank the job counts on is
-                # lost before it), and heard before this rank arrives, so before the leader looks.
+                # From the latest commit's entry (no job rank is lost before it), heard before the leader looks.
                 board = board_view(job.channel, plane, rnd.record.board_from if rnd.record else 0)
                 if beat is not None:
                     board.hear_from(beat)
@@ -132,9 +128,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
 
 @dataclass(frozen=True)
 class RecoveryTimes:
-    """How long this rank's part of a recovery took: from its arrival to the verdict of the round
-    that committed (``agreed_s``, earlier rounds included), and from that verdict to the commit
-    (``rebuilt_s``: the new placement's groups made and checked)."""
+    """How long this rank's part of a recovery took: from arrival to the committing round's verdict
+    (``agreed_s``, earlier rounds included), and from that verdict to the commit (``rebuilt_s``)."""
 
     agreed_s: float
     rebuilt_s: float
@@ -142,8 +137,8 @@ class RecoveryTimes:
 
 @dataclass
 class _RebuildScope:
-    """The scope of one round's rebuild (:class:`~hypergrid.runtime.scope.RecoveryScope`): the
-    job's board, and the round's commit, made once the rebuild's success stands."""
+    """One round's rebuild as a :class:`~hypergrid.runtime.scope.RecoveryScope`: the job's board, and
+    the round's commit once the rebuild's success stands."""
 
     board: BoardView
     rnd: RecoveryRound
@@ -196,8 +191,7 @@ def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, deadline: flo
         except Exception as exc:
             restore(job)
             why = f"{type(exc).__name__}: {one_line(str(exc), 400)}"
-            # Where it failed before the rebuild's world step could say so (the probe, say), the
-            # round's end says so now, for the participants outside the new placement.
+            # It may have failed before the rebuild's world step could say so (the probe): tell those outside.
             _end_rebuild(rnd, board, StepOutcome(rank, why))
             return False, None, f"rank {rank}: {why}"
     else:
@@ -222,8 +216,8 @@ def _end_rebuild(rnd: RecoveryRound, board: BoardView, outcome: StepOutcome) -> 
 
 
 def _rebuild_outcome(rnd: RecoveryRound, board: BoardView, fallback_s: float) -> StepOutcome:
-    """How the round's rebuild ended, for a participant outside the new placement: heard or read
-    until the deadline, when this rank ends it unless an outcome stands."""
+    """How the round's rebuild ended, for a participant outside the new placement (at the deadline
+    this rank ends it)."""
     rebuild = rnd.keys.rebuild(REBUILD_LABEL)
     raw = meeting.wait_outcome(rnd.store, rebuild, rnd.store.remaining(), board if board.hearing else None, fallback_s)
     if raw is None:
@@ -241,9 +235,8 @@ def _why_not(ended: StepOutcome) -> str:
 
 
 def plan_for(job: Any, verdict: FailureVerdict) -> RecoveryPlan:
-    """The placement after ``verdict``, alike on every participant: spares replace the failed
-    ranks or their replicas are dropped, nobody failed is a repair, and a round started by
-    :meth:`~hypergrid.recovery.ResilientJob.grow` adds replicas."""
+    """The placement after ``verdict``, alike on every participant: spares replace the failed ranks or
+    their replicas are dropped, nobody failed is a repair, and a growth adds replicas."""
     gpus_per_node, replica_dim = job.settings.gpus_per_node, job.settings.replica_dim
     failed = set(verdict.failed)
     lost = [r for r in verdict.failed if job.layout.contains(r)]
@@ -295,8 +288,8 @@ def after(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, state: Any, com
 
 
 def synced(job: Any, committed: Optional[JobRecord], next_round: int = 0) -> Any:
-    """This job as the store's latest committed record says (where this rank missed an end),
-    taking part in rounds from ``next_round`` on."""
+    """This job as the store's latest committed record says (where this rank missed an end), taking
+    part in rounds from ``next_round`` on."""
     if next_round > job.next_round:
         job = dataclasses.replace(job, next_round=next_round)
     if committed is None or committed.generation <= job.generation:
@@ -313,9 +306,8 @@ _collective_watch: Optional[CollectiveWatch] = None
 
 
 def attach(job: Any, first_round: int) -> None:
-    """Serve ``job`` on this rank's control plane: its monitor watches in the job's ring and
-    forwards the board's events, and the collective watch aborts on those that concern rounds
-    from ``first_round`` on."""
+    """Serve ``job`` on this rank's control plane: its monitor watches the job's ring, and the
+    collective watch aborts on board events of rounds from ``first_round`` on."""
     global _collective_watch
     if _collective_watch is not None:
         _collective_watch.active = False

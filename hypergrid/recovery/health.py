@@ -1,11 +1,10 @@
 """Whether communicators that outlived a failure still work, decided alike by all their members.
 
-A failure breaks more than the groups of the rank that died: a survivor that timed out waiting for
-a peer already in the recovery leaves gloo's connections closed, or the group out of step, with
-only living members. :func:`broken_groups` probes each group with one small collective, and the
-participants pool what they found through the store: a group is broken if any member found it so.
+A failure breaks more than the dead rank's groups: a survivor that timed out waiting for a peer
+already in the recovery leaves gloo's connections closed, or a group out of step, with only living
+members. So each group is probed, and a group is broken if any member found it so.
 
-Example, in a one-rank gloo world whose store is a ``HashStore``: a group of this rank alone works::
+Example, in a one-rank gloo world on a ``HashStore``: a group of this rank alone works::
 
     >>> import torch.distributed as dist
     >>> dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
@@ -57,18 +56,11 @@ def probe(pg: dist.ProcessGroup, timeout: timedelta) -> bool:
 def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence[int], timeout: timedelta,
                   attempt: Optional[str] = None, known: Iterable[tuple[int, ...]] = (),
                   probe_s: float = 10.0) -> set[tuple[int, ...]]:
-    """The member lists of the groups, among ``groups``, that some member found broken.
-
-    Every rank of ``participants`` calls it with the groups it holds that the recovery could keep,
-    in the order they were made, and it returns once all have reported. Cost: one collective per
-    group (``probe_s`` at most) and a meeting, one request per rank (two where it found one broken),
-    whose outcome is heard from the board inside a recovery that hears it. ``known``: member lists
-    known broken (aborted): reported, not probed. ``attempt``: the round's keys, which name the
-    meeting; by default an epoch the store counts per set of participants.
-
-    Raises:
-        RecoveryError: a participant did not report within ``timeout`` (it died or hangs).
-    """
+    """The member lists of ``groups`` that some member found broken; every rank of ``participants``
+    calls it with its keepable groups in creation order, and it returns once all have reported.
+    ``known``: lists known broken (aborted), not probed. ``attempt``: the round's keys, naming the
+    meeting (default: an epoch counted per set of participants). Raises RecoveryError where a
+    participant did not report within ``timeout``."""
     if not agreement_possible():
         return set()  # one simulated rank (the fake backend): its groups carry nothing that can break
     known = {tuple(k) for k in known}
@@ -114,8 +106,7 @@ def _decide(store: StoreClient, pool: Meeting, proposal: str, hearing: Optional[
 
 def _wait(store: StoreClient, pool: Meeting, ranks: list[int], hearing: Optional[RecoveryScope],
           scope: Optional[RecoveryScope]) -> Optional[dict[str, Any]]:
-    """The pool's outcome: heard (a loss heard decides it), or read a slice at a time with a look
-    at the board between slices inside a recovery; None at the deadline."""
+    """The pool's outcome, heard or read (a loss decides it); None at the deadline."""
     with contextlib.ExitStack() as alarm:
         if hearing is not None:
             def lost(ranks_lost: list[int]) -> None:

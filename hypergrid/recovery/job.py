@@ -1,8 +1,7 @@
 """A job that survives the loss of ranks in-process: re-placed, with only the changed groups rebuilt.
 
 After a failure every survivor calls :meth:`ResilientJob.recover` (spares wait in
-:meth:`ResilientJob.wait_as_spare`), and the recovery runs in rounds
-(:mod:`hypergrid.recovery.driver`) until one commits a new placement.
+:meth:`ResilientJob.wait_as_spare`), and the recovery runs in rounds until one commits.
 """
 
 from __future__ import annotations
@@ -42,17 +41,14 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ResilientJob:
-    """What every rank of a job (the grid's and the spares) knows alike: the grid's ``layout``,
-    the ``spares``, how to build the groups (``recipe``), this rank's ``state`` (a grid or
-    :class:`~hypergrid.megatron.MegatronGrids`; None outside the grid), the recoveries so far, and
-    the ``step`` every rank resumes from after the latest one.
+    """What every rank of a job (the grid's and the spares) knows alike; ``state`` is this rank's grid
+    or :class:`~hypergrid.megatron.MegatronGrids` (None outside the grid), ``step`` where every rank
+    resumes after the latest recovery.
 
-    Example::
-
-        >>> job = ResilientJob(GridLayout((2, 2), ("tp", "dp")), (4,), GridRecipe(("tp", "dp"), None, "auto",
-        ...                    None, True, (), ()), None)
-        >>> job.domain, job.made_shape
-        ((0, 1, 2, 3, 4), (2, 2))
+    >>> job = ResilientJob(GridLayout((2, 2), ("tp", "dp")), (4,), GridRecipe(("tp", "dp"), None, "auto",
+    ...                    None, True, (), ()), None)
+    >>> job.domain, job.made_shape
+    ((0, 1, 2, 3, 4), (2, 2))
     """
 
     layout: GridLayout
@@ -62,20 +58,14 @@ class ResilientJob:
     recoveries: tuple[RecoveryPlan, ...] = ()
     origin: tuple[int, ...] = ()
     channel: Optional[JobChannel] = None
-    #: The job as its latest committed recovery left it (None: none has).
-    record: Optional[JobRecord] = None
-    #: The first recovery round this rank has not taken part in.
-    next_round: int = 0
+    record: Optional[JobRecord] = None  #: the job as its latest committed recovery left it
+    next_round: int = 0  #: the first recovery round this rank has not taken part in
     step: Optional[int] = None
-    #: :meth:`recover`'s default.
-    timeout: timedelta = DEFAULT_TIMEOUT
-    #: The longest timeout of the job's collectives: how long a recovery waits for a live rank.
-    collective_timeout: Optional[timedelta] = None
-    #: The replicas along each dim when the job was made (what :meth:`grow` returns to).
-    made_shape: tuple[int, ...] = ()
+    timeout: timedelta = DEFAULT_TIMEOUT  #: :meth:`recover`'s default
+    collective_timeout: Optional[timedelta] = None  #: the longest of the job's: how long a live rank is waited for
+    made_shape: tuple[int, ...] = ()  #: the shape the job was made with, what :meth:`grow` returns to
     settings: RecoverySettings = dataclasses.field(default_factory=RecoverySettings)
-    #: How long this rank's part of the latest recovery took (None: none yet, or a recovery of
-    #: failed ranks given by the caller).
+    #: How long this rank's part of the latest rounds-based recovery took (None: none yet).
     times: Optional[RecoveryTimes] = dataclasses.field(default=None, compare=False)
     _world: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
     _replicas: Optional[HyperCommGrid] = dataclasses.field(default=None, compare=False, repr=False)
@@ -92,15 +82,12 @@ class ResilientJob:
     @classmethod
     def of_grid(cls, grid: HyperCommGrid, *, spares: Sequence[int] = (),
                 timeout: timedelta = DEFAULT_TIMEOUT, settings: Optional[RecoverySettings] = None) -> ResilientJob:
-        """A job whose groups are ``grid``'s ``create_pg`` calls so far, repeated in order by a
-        recovery. Every rank of the job calls it, spares too: they meet once in the store, and each
-        starts its heartbeat if none runs.
+        """A job whose groups are ``grid``'s ``create_pg`` calls so far, repeated by a recovery. Every
+        rank of the job calls it, spares too; each starts its heartbeat if none runs.
 
-        Example::
-
-            >>> grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=6)
-            >>> ResilientJob.of_grid(grid, spares=[4, 5]).domain
-            (0, 1, 2, 3, 4, 5)
+        >>> grid = HyperCommGrid([2, 2], ["tp", "dp"], world_size=6)
+        >>> ResilientJob.of_grid(grid, spares=[4, 5]).domain
+        (0, 1, 2, 3, 4, 5)
         """
         if not isinstance(grid, HyperCommGrid):
             raise TypeError(f"grid must be a HyperCommGrid, got {type(grid).__name__} {grid!r}")
@@ -119,14 +106,11 @@ class ResilientJob:
                     timeout: timedelta = DEFAULT_TIMEOUT, share_groups: bool = True, strategy: Optional[str] = None,
                     check_agreement: bool = True, settings: Optional[RecoverySettings] = None,
                     **megatron_kwargs: Any) -> ResilientJob:
-        """The job, with Megatron-Core's ``parallel_state`` initialized on every rank but ``spares``
-        (:func:`hypergrid.megatron.initialize_model_parallel` on a world of those). Every rank calls
-        it. ``ranks``: the grid's positions' ranks, in order (default: all but the spares).
+        """The job, with Megatron-Core's ``parallel_state`` initialized on every rank but ``spares``; every
+        rank calls it. ``ranks``: the grid's positions' ranks, in order (default: all but the spares).
         ``timeout`` is the groups' collective timeout too unless ``distributed_timeout_minutes`` is given.
-
         Example, as rank 3 of a 10-rank job on torch's fake backend (ranks 8 and 9 are spares)::
 
-            >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> from megatron.core import parallel_state
             >>> from hypergrid.megatron import destroy_model_parallel
@@ -183,22 +167,17 @@ class ResilientJob:
     def counts_on(self, rank: int) -> bool:
         """Whether ``rank`` is a rank of the job (the grid's or a spare): O(log runs), not O(world).
 
-        Example::
-
-            >>> ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=4), spares=[3]).counts_on(3)
-            True
+        >>> ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=4), spares=[3]).counts_on(3)
+        True
         """
         return self.layout.contains(rank) or rank in self.spares
 
     @property
     def world(self) -> Optional[dist.ProcessGroup]:
-        """A group over the grid's ranks in the grid's order, where code would use the default
-        group (which counts spares and lost ranks): made when first asked for on every rank of the
-        grid; None outside it.
+        """A group over the grid's ranks in the grid's order, for code that would use the default group
+        (which counts spares and lost ranks); made on first use, None outside the grid. Example, as
+        rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
-        Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
-
-            >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
             >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
@@ -219,13 +198,10 @@ class ResilientJob:
 
     @property
     def replica_group(self) -> Optional[dist.ProcessGroup]:
-        """This rank's group along the settings' ``replica_dim``, over the grid's ranks: the peers
-        that hold the same state (where a rank that took a position copies it from). Made when
-        first asked for, on every rank of the grid alike; None outside it.
-
+        """This rank's group along ``settings.replica_dim``: the peers that hold the same state. Made on
+        first use, None outside the grid; ValueError where ``replica_dim`` is not a dim of the grid.
         Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
-            >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]), spares=[4, 5],
@@ -233,9 +209,6 @@ class ResilientJob:
             >>> dist.get_process_group_ranks(job.replica_group)
             [1, 3]
             >>> job.destroy(); dist.destroy_process_group()
-
-        Raises:
-            ValueError: the settings' ``replica_dim`` is not a dim of the grid.
         """
         if not dist.is_initialized() or not self.in_grid:
             return None
@@ -247,14 +220,10 @@ class ResilientJob:
 
     @property
     def copy_group(self) -> Optional[dist.ProcessGroup]:
-        """A group over the grid's ranks, like :attr:`world` but a communicator of its own: what
-        partner copies travel over while the job's collectives go on (over NCCL two groups are two
-        streams, so a copy in flight does not hold back the step's or the commit gate's). Made when
-        first asked for, on every rank of the grid alike; None outside it.
-
+        """Like :attr:`world` but a communicator of its own, for partner copies: over NCCL it is another
+        stream, so a copy in flight does not hold back the step's collectives. Made on first use.
         Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
-            >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=6)
             >>> after = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]), spares=[4, 5],
@@ -269,8 +238,7 @@ class ResilientJob:
 
     def _own_group(self, field: str, grid_of: Callable[[GridLayout], HyperCommGrid], dims: str,
                    **options: Any) -> Optional[dist.ProcessGroup]:
-        """One of the job's own groups (the grid in ``field``, made by ``grid_of`` on first use),
-        made when first asked for, on every rank of the grid alike."""
+        """The group of the grid kept in ``field`` (made by ``grid_of`` on first use)."""
         grid = getattr(self, field)
         if grid is None:
             grid = grid_of(self.layout)
@@ -278,8 +246,7 @@ class ResilientJob:
         return grid.get_or_create_pg(dims, **options)
 
     def let_go_job_groups(self) -> None:
-        """Destroy the groups :attr:`world`, :attr:`replica_group` and :attr:`copy_group` made (the
-        placement moved)."""
+        """Destroy the groups of :attr:`world`, :attr:`replica_group` and :attr:`copy_group`."""
         for grid in (self._world, self._replicas, self._copies):
             if grid is not None:
                 grid.destroy()
@@ -300,14 +267,11 @@ class ResilientJob:
         return self.recoveries[-1] if self.recoveries else None
 
     def state_source(self, rank: Optional[int] = None) -> Optional[int]:
-        """Where ``rank`` (default: this rank), placed by the latest recovery, copies its state
-        from: the first peer along the replica dim that was there before (None: ``rank`` was there,
-        or no peer was: load a checkpoint).
+        """Where ``rank`` (default: this rank), placed by the latest recovery, copies its state from: the
+        first replica peer that was there before (None: ``rank`` was there, or no peer was: load a checkpoint).
+        Example, as rank 8 (a spare) of 10 on torch's fake backend: it takes rank 5's place and copies
+        from rank 7, its data-parallel peer::
 
-        Example, as rank 8 (a spare) of a 10-rank job on torch's fake backend: it takes rank 5's
-        place, and copies its shard from rank 7, its data-parallel peer::
-
-            >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=8, world_size=10)
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2, 2], ["tp", "dp", "pp"]), spares=[8, 9],
@@ -328,10 +292,8 @@ class ResilientJob:
     def arrived(self) -> frozenset[int]:
         """The ranks placed by the latest recovery: they hold no model state yet.
 
-        Example::
-
-            >>> ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=2)).arrived()
-            frozenset()
+        >>> ResilientJob.of_grid(HyperCommGrid([2], ["dp"], world_size=2)).arrived()
+        frozenset()
         """
         last = self.last
         if last is None:
@@ -341,13 +303,10 @@ class ResilientJob:
     def recover(self, *, failed: Optional[Sequence[int]] = None, timeout: Optional[timedelta] = None,
                 step: Optional[int] = None, gpus_per_node: Optional[int] = None,
                 replica_dim: Optional[str] = None) -> ResilientJob:
-        """The job after the failure that just happened, on every surviving rank (spares too), its
-        state built on the ranks of the new placement and None elsewhere.
-
-        ``failed``: where every rank knows them alike (a simulated world); by default the survivors
-        agree on them through the store. ``step``: the training step this rank resumes from; the
-        job carries the least given. ``timeout``: by default the job's, plus, in the first round,
-        up to the longest collective timeout for ranks blocked in a collective.
+        """The job after the failure that just happened, on every survivor (spares too); its state is
+        None off the new placement. ``failed``: given where every rank knows them alike, else agreed
+        through the store. ``step``: where this rank resumes; the job carries the least given.
+        ``timeout``: default the job's, plus, in the first round, the longest collective timeout.
 
         Raises:
             RecoveryRefused: no placement fits (too few spares, no replica to drop); on every survivor.
@@ -371,11 +330,9 @@ class ResilientJob:
 
     def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
              gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-        """Add replicas of waiting spares back along the replica dim, up to the size the job was
-        made with (unchanged where no whole replica fits): on every rank of the grid, at the same
-        point, while the spares wait in :meth:`wait_as_spare`.
-
-        Example, with no process group (nobody to grow with)::
+        """Add replicas of waiting spares back along the replica dim, up to the made size; every rank of
+        the grid calls it at the same point, while the spares wait in :meth:`wait_as_spare`. Example,
+        with no process group (nobody to grow with)::
 
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))
             >>> job.grow() is job
@@ -388,10 +345,8 @@ class ResilientJob:
 
     def wait_as_spare(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
                       gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-        """On a spare: take part in recoveries until this rank holds a position, and return the job;
-        still outside after ``timeout`` or once the job releases its spares. No CPU while it waits.
-
-        Example, with no process group (nobody to recover with)::
+        """On a spare: take part in recoveries until this rank holds a position, ``timeout`` passes or
+        the job releases its spares; the job. No CPU while it waits. Example, with no process group::
 
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6), spares=[4, 5])
             >>> job.wait_as_spare(timeout=timedelta(seconds=0.1)) is job
@@ -411,15 +366,13 @@ class ResilientJob:
             try:
                 job = run_rounds(job, recovery_timeout, None, "wait")
             except (RecoveryError, RecoveryRefused) as exc:
-                    logger.info("rank %d: a recovery this spare took part in failed; waiting on: %s", dist.get_rank(), exc)
+                logger.info("rank %d: a recovery this spare took part in failed; waiting on: %s", dist.get_rank(), exc)
         return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
               gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
         """On a rank the job counted out (:class:`~hypergrid.errors.ExcludedByRecovery`), fit again:
-        offer it as a spare and wait like one (:meth:`wait_as_spare`).
-
-        Example, with no process group (nobody to offer to)::
+        offer it as a spare and wait like one. Example, with no process group (nobody to offer to)::
 
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6))
             >>> job.offer(timeout=timedelta(seconds=0.1)) is job
@@ -449,9 +402,8 @@ class ResilientJob:
         return job.as_stored()
 
     def as_stored(self) -> ResilientJob:
-        """This job as the store's latest committed record has it (without a store, as it is).
-
-        Example, with no process group::
+        """This job as the store's latest committed record has it (without a store, as it is). Example,
+        with no process group::
 
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))
             >>> job.as_stored() is job
@@ -472,11 +424,9 @@ class ResilientJob:
         return stored
 
     def destroy(self) -> None:
-        """Let go of the job's groups on this rank: its state's and its :attr:`world` group. Idempotent.
+        """Let go of the job's groups on this rank (its state's and its own). Idempotent. Example, as
+        rank 0 of a 4-rank job on torch's fake backend::
 
-        Example, as rank 0 of a 4-rank job on torch's fake backend::
-
-            >>> import torch.distributed as dist
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
             >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"]))
@@ -494,9 +444,8 @@ class ResilientJob:
             destroy_model_parallel()
 
     def release_spares(self) -> None:
-        """On any rank once training is over: the spares in :meth:`wait_as_spare` return at once.
-
-        Example, with no process group (nobody waits)::
+        """On any rank once training is over: the spares in :meth:`wait_as_spare` return at once. Example,
+        with no process group (nobody waits)::
 
             >>> job = ResilientJob.of_grid(HyperCommGrid([2, 2], ["tp", "dp"], world_size=6), spares=[4, 5])
             >>> job.release_spares()

@@ -1,9 +1,8 @@
 """Who failed, decided from what a recovery round's leader sees: a pure function, no store.
 
-The rule of :func:`decide`: a rank lost on the board is failed, with the board's reason; a rank
-absent but not lost may be blocked in a collective, so it is waited for up to ``bound_s``, then
-counted out as hung (a deadline that comes first abandons the round); participants whose settings
-differ abandon the round. The verdict grows with what failed, not with the job.
+A rank lost on the board is failed; a rank absent but not lost may be blocked in a collective, so
+it is waited for up to ``bound_s``, then counted out as hung (a deadline that comes first abandons
+the round, as do participants whose settings differ).
 
 Example: of the job ``[0, 1, 2, 3]``, ranks 0 and 1 arrived and rank 2's process ended::
 
@@ -35,9 +34,8 @@ ABANDON_MARGIN_S = 0.2
 
 @dataclass(frozen=True)
 class RoundView:
-    """What a round's leader sees: every rank the job counts on (``domain``), the arrivals, the
-    ranks lost on the board with why, how long it has waited, the ranks outside the job that
-    offered themselves, and how many entries of the board ``lost`` was read from."""
+    """What a round's leader sees: ``lost``, the board's lost ranks and why; ``offers``, ranks outside
+    the job that offered themselves; ``board_read``, how many board entries ``lost`` came from."""
 
     number: int
     domain: Sequence[int]
@@ -49,13 +47,10 @@ class RoundView:
 
 
 def _settings_disagree(arrivals: Mapping[int, Arrival]) -> str:
-    """Why the arrivals would plan apart (their settings differ), naming the ranks and each value;
-    empty where they agree.
+    """Why the arrivals would plan apart (their settings differ); empty where they agree.
 
-    Example::
-
-        >>> _settings_disagree({0: Arrival(0, settings="gpus_per_node=8"), 5: Arrival(5, settings="gpus_per_node=4")})
-        "the participants' recovery settings differ: ranks [0] have gpus_per_node=8; ranks [5] have gpus_per_node=4"
+    >>> _settings_disagree({0: Arrival(0, settings="gpus_per_node=8"), 5: Arrival(5, settings="gpus_per_node=4")})
+    "the participants' recovery settings differ: ranks [0] have gpus_per_node=8; ranks [5] have gpus_per_node=4"
     """
     by_value: dict[str, list[int]] = {}
     for rank, arrival in sorted(arrivals.items()):
@@ -67,7 +62,7 @@ def _settings_disagree(arrivals: Mapping[int, Arrival]) -> str:
 
 
 def decide(seen: RoundView, *, bound_s: float, remaining_s: float) -> Optional[FailureVerdict]:
-    """The round's verdict, or None to wait longer (see the module)."""
+    """The round's verdict, or None to wait longer."""
     disagree = _settings_disagree({r: a for r, a in seen.arrivals.items() if r not in seen.lost})
     if disagree:
         return FailureVerdict((), seen.number, abandoned=disagree)

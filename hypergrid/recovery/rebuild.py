@@ -1,13 +1,9 @@
 """A recovery attempt's state: what one rank builds over the new placement, and what it lets go.
 
-The ranks of the new placement stop sharing the communicators the failure broke
-(:func:`evict_broken`), then build the placement's groups through the registry, where an
-unchanged group that still works is the existing communicator. The state from before is held
-until the round commits (:func:`let_go`), or made current again if it does not (:func:`restore`).
+Broken communicators are evicted first, so that building through the registry reuses only
+unchanged groups that still work. The state from before is held until the round commits.
 
-Example::
-
-    >>> let_go(None, keep=None)     # nothing held: nothing to let go
+>>> let_go(None, keep=None)     # nothing held: nothing to let go
 """
 
 from __future__ import annotations
@@ -45,15 +41,10 @@ __all__ = ["REBUILD_LABEL", "build", "restore", "let_go", "evict_broken", "rebui
 
 def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float, *, attempt: Optional[str],
           scope: Optional[RecoveryScope]) -> Any:
-    """This rank's state over ``plan.new``, built with the other ranks of the new placement; the
-    state from before is still held. ``attempt``: the round's keys, which name the probe and the
-    world step (None: a recovery every rank knows of); ``scope``: the board whose losses end the
-    rebuild's waits (None: they run their course).
-
-    Raises:
-        RecoveryRefused: no group can be made among its members only here (:func:`recovery_strategy`),
-            or Megatron-Core's sizes do not fit the new placement.
-    """
+    """This rank's state over ``plan.new``, built with the other ranks of the new placement.
+    ``attempt``: the round's keys, naming the probe and the world step (None: no round); ``scope``:
+    the board whose losses end the rebuild's waits. Raises RecoveryRefused where no group can be made
+    among its members only (:func:`recovery_strategy`) or Megatron-Core's sizes do not fit."""
     strategy = recovery_strategy(job.recipe.strategy)
     members = sorted(plan.new.ranks)
     with watching(scope, deadline if scope is not None else None):
@@ -73,15 +64,11 @@ def build(job: Any, plan: RecoveryPlan, verdict: FailureVerdict, deadline: float
 
 def recovery_strategy(strategy: str) -> str:
     """The strategy a recovery makes groups with: ``fresh`` where new groups are split from the
-    world's communicator (a split would need the lost ranks), else the job's own.
+    world's communicator (a split would need the lost ranks), else the job's own. Raises
+    RecoveryRefused where the world splits and this torch cannot make a group among its members only.
 
-    Raises:
-        RecoveryRefused: the world splits and this torch cannot make a group among its members only.
-
-    Example::
-
-        >>> recovery_strategy("auto")          # no process group: nothing splits
-        'auto'
+    >>> recovery_strategy("auto")          # no process group: nothing splits
+    'auto'
     """
     setup = job_setup()
     if not setup.splits:
@@ -101,13 +88,10 @@ def recovery_strategy(strategy: str) -> str:
 
 
 def world_grid(layout: GridLayout) -> HyperCommGrid:
-    """A grid of one dim, ``world``, over ``layout``'s ranks in its positions' order, whose one group
-    (made among its members only) stands in for the default group (:attr:`ResilientJob.world`).
+    """A grid of one dim, ``world``, over ``layout``'s ranks in order: the default group's stand-in.
 
-    Example::
-
-        >>> world_grid(GridLayout((2, 2), ("tp", "dp"), rank_offset=4)).ranks("world", rank=5)
-        [4, 5, 6, 7]
+    >>> world_grid(GridLayout((2, 2), ("tp", "dp"), rank_offset=4)).ranks("world", rank=5)
+    [4, 5, 6, 7]
     """
     world = dist.get_world_size() if dist.is_initialized() else layout.rank_offset + layout.size
     return HyperCommGrid([layout.size], ["world"], rank_offset=layout.rank_offset, rank_map=layout.rank_map,
@@ -115,13 +99,10 @@ def world_grid(layout: GridLayout) -> HyperCommGrid:
 
 
 def job_grid(layout: GridLayout) -> HyperCommGrid:
-    """A grid over ``layout``'s ranks and dims whose groups are made among their members only:
-    the job's own groups beside the user's (:attr:`ResilientJob.replica_group`).
+    """A grid over ``layout``'s ranks and dims for the job's own groups beside the user's.
 
-    Example::
-
-        >>> job_grid(GridLayout((2, 2), ("tp", "dp"))).ranks("dp", rank=1)
-        [1, 3]
+    >>> job_grid(GridLayout((2, 2), ("tp", "dp"))).ranks("dp", rank=1)
+    [1, 3]
     """
     world = dist.get_world_size() if dist.is_initialized() else layout.rank_offset + layout.size
     return HyperCommGrid(list(layout.shape), list(layout.dim_names), rank_offset=layout.rank_offset,
@@ -148,8 +129,7 @@ def let_go(state: Any, *, keep: Any) -> None:
 
 def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: timedelta, attempt: Optional[str],
                  probe_s: float = 10.0) -> None:
-    """Stop sharing the groups of living members that the failure broke, or that a member aborted,
-    so that they are made anew."""
+    """Stop sharing the groups of living members that the failure broke or a member aborted."""
     alive = set(members)
     candidates = [pg for pg in REGISTRY.groups() if set(dist.get_process_group_ranks(pg)) <= alive]
     aborted = [tuple(dist.get_process_group_ranks(pg)) for pg in candidates
@@ -165,8 +145,7 @@ def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: time
 
 def rebuild_grid(recipe: Recipe, plan: RecoveryPlan, members: list[int], rank: int, timeout: timedelta,
                  attempt: Optional[str] = None) -> Any:
-    """This rank's grid of ``recipe`` on ``plan.new``, made by ``members`` in one world step
-    (named by ``attempt`` where given)."""
+    """This rank's grid of ``recipe`` on ``plan.new``, made by ``members`` in one world step."""
     assert isinstance(recipe, GridRecipe)
     if plan.kind is RecoveryKind.SHRINK and recipe.views:
         raise RecoveryRefused(
@@ -209,9 +188,7 @@ def reset_megatron_if(recipe: Recipe) -> None:
 def left(deadline: float) -> timedelta:
     """What is left of ``deadline`` (a monotonic time), at least a second.
 
-    Example::
-
-        >>> left(time.monotonic() - 5)
-        datetime.timedelta(seconds=1)
+    >>> left(time.monotonic() - 5)
+    datetime.timedelta(seconds=1)
     """
     return timedelta(seconds=max(1.0, deadline - time.monotonic()))

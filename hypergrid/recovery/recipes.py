@@ -1,15 +1,12 @@
 """How a resilient job's groups are built again after a recovery: a grid's calls or Megatron's config.
 
-A :class:`GridRecipe` repeats a grid's ``create_pg`` calls in order over the new placement; a
-:class:`MegatronRecipe` runs Megatron-Core's initialization over it. Both know the longest
-collective timeout of their groups, which bounds how long a recovery waits for a live rank.
+Each recipe knows its groups' longest collective timeout, which bounds how long a recovery waits
+for a live rank.
 
-Example::
-
-    >>> from hypergrid import HyperCommGrid
-    >>> recipe = GridRecipe.of(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))
-    >>> recipe.dim_names, recipe.made, recipe.longest_timeout() is None
-    (('tp', 'dp'), (), True)
+>>> from hypergrid import HyperCommGrid
+>>> recipe = GridRecipe.of(HyperCommGrid([2, 2], ["tp", "dp"], world_size=4))
+>>> recipe.dim_names, recipe.made, recipe.longest_timeout() is None
+(('tp', 'dp'), (), True)
 """
 
 from __future__ import annotations
@@ -32,7 +29,7 @@ DEFAULT_TIMEOUT = timedelta(minutes=5)
 
 @dataclass(frozen=True)
 class GridRecipe:
-    """How a grid job's groups are built: the grid's settings, views and ``create_pg`` calls."""
+    """How a grid job's groups are built: the grid's settings, views and ``create_pg`` calls, repeated in order."""
 
     dim_names: tuple[str, ...]
     backend: Optional[str]
@@ -57,8 +54,8 @@ class GridRecipe:
 
 @dataclass(frozen=True)
 class MegatronRecipe:
-    """How a Megatron job's groups are built: its configuration (``world_size`` is the number of
-    grid positions) and ``initialize_model_parallel``'s own choices."""
+    """How a Megatron job's groups are built: its configuration (``world_size``: the grid's positions)
+    and ``initialize_model_parallel``'s own choices."""
 
     config: Any  # hypergrid.megatron.spec.config.MegatronConfig (megatron-core imported on use)
     share_groups: bool
@@ -74,24 +71,20 @@ Recipe = Union[GridRecipe, MegatronRecipe]
 
 def rebuild_strategy(strategy: str) -> str:
     """The creation strategy a recovery rebuilds with: ``enumerate`` (every rank makes every group)
-    cannot be kept once ranks are lost, so such groups are made among their members instead.
+    cannot work once ranks are lost.
 
-    Example::
-
-        >>> rebuild_strategy("enumerate"), rebuild_strategy("local")
-        ('auto', 'local')
+    >>> rebuild_strategy("enumerate"), rebuild_strategy("local")
+    ('auto', 'local')
     """
     return "auto" if strategy == "enumerate" else strategy
 
 
 def longest_collective(timeout: Optional[timedelta]) -> timedelta:
-    """``timeout`` or the default group's, whichever is longer (the default recovery timeout where
-    neither is known): the longest a collective of the job may wait.
+    """The longest a collective of the job may wait: ``timeout`` or the default group's, whichever is
+    longer (:data:`DEFAULT_TIMEOUT` where neither is known).
 
-    Example::
-
-        >>> longest_collective(timedelta(seconds=30))     # no process group
-        datetime.timedelta(seconds=30)
+    >>> longest_collective(timedelta(seconds=30))     # no process group
+    datetime.timedelta(seconds=30)
     """
     candidates = [t for t in (timeout, default_group_timeout() if dist.is_initialized() else None) if t is not None]
     return max(candidates) if candidates else DEFAULT_TIMEOUT

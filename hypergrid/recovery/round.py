@@ -2,10 +2,9 @@
 
 A job's one record in the store (:class:`~hypergrid.store.records.JobState`) says which round is
 open, the placement the latest committed round left, and who offers itself. With its heartbeat
-running a participant costs the store four requests at any size: it opens the round, arrives (a
-meeting; the first arrivals contend for the lead), hears the leader's verdict from the board, and
-ends the rebuild, whose last participant commits and closes the round in one compare-and-set. A
-participant whose leader is lost, or quiet for ``leader_quiet_s``, takes the lead.
+running, a participant costs the store four requests at any size (open, arrive, hear the verdict,
+end the rebuild). The first arrivals contend for the lead; a follower whose leader is lost or
+quiet takes it.
 
 Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
 and its process ended (its monitor published it)::
@@ -58,23 +57,18 @@ __all__ = ["RecoveryRound", "open_channel", "board_view", "read_state", "wait_fo
 
 logger = logging.getLogger(__name__)
 
-#: The first arrivals each wake the spares and contend for the lead (one that died on its way in
-#: is covered by the next at once); the others learn who leads from the verdict.
+#: The first arrivals each wake the spares and contend for the lead, so one that dies on its way in is covered.
 _CONTENDERS = 3
 _UNKNOWN = -1
-#: How many times a change of the job's record is tried against other writers (offers, closes).
-_STATE_TRIES = 64
+_STATE_TRIES = 64  # compare-and-set tries of a change of the job's record against other writers
 
 
 def open_channel(origin: Sequence[int], *, timeout: timedelta) -> JobChannel:
-    """The channel of a job whose ranks are ``origin``: all of them call it when the job is made
-    and read the same instance in a world step (a rank that never comes fails it, named, within
-    ``timeout``).
+    """The channel of a job whose ranks are ``origin``; all of them call it when the job is made (a
+    rank that never comes fails it within ``timeout``).
 
-    Example::
-
-        >>> open_channel([0, 1], timeout=timedelta(seconds=5))      # no process group: instance 0
-        JobChannel(namespace='hypergrid/control', origin='fa5836450376bf4bf592', instance=0)
+    >>> open_channel([0, 1], timeout=timedelta(seconds=5))      # no process group: instance 0
+    JobChannel(namespace='hypergrid/control', origin='fa5836450376bf4bf592', instance=0)
     """
     ranks = sorted(set(origin))
     plane = control_plane()
@@ -98,8 +92,7 @@ def read_state(channel: JobChannel, store: StoreClient) -> tuple[JobState, bytes
 
 def _change_state(channel: JobChannel, store: StoreClient, raw: bytes,
                   change: Callable[[JobState], Optional[JobState]]) -> JobState:
-    """The record after ``change`` (None: leave it), by compare-and-set from ``raw``, the bytes last
-    read, read again where another writer came between."""
+    """The record after ``change`` (None: leave it), by compare-and-set from ``raw``, the bytes last read."""
     current = False  # whether ``raw`` is known to be what the store holds
     for _ in range(_STATE_TRIES):
         state = decode(JobState, raw) if raw else JobState()
@@ -138,8 +131,8 @@ class _Waiting:
 
 @dataclass
 class RecoveryRound:
-    """One participant's view of round ``number`` of a job, its store calls bounded by a deadline;
-    ``state`` and ``raw_state``: the job's record as read at the opening, and its bytes."""
+    """One participant's view of round ``number`` of a job; ``state`` and ``raw_state``: the job's
+    record as read at the opening, and its bytes."""
 
     channel: JobChannel
     plane: ControlPlane
@@ -151,9 +144,8 @@ class RecoveryRound:
     @classmethod
     def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float, store: Optional[StoreClient] = None,
              ahead: Optional[JobRecord] = None) -> RecoveryRound:
-        """This rank's view of the job's open round: one request. ``ahead``: this rank's record;
-        where the store's is older (the closer of the round that committed it ended first), it is
-        written now and that round closed."""
+        """This rank's view of the job's open round: one request. ``ahead``: this rank's record, written
+        where the store's is older (the closer of the round that committed it ended first)."""
         store = store or plane.client(deadline)
         try:
             state, raw = read_state(channel, store)
@@ -187,15 +179,9 @@ class RecoveryRound:
     def agree(self, domain: Sequence[int], arrival: Arrival, *, bound_s: float, board: BoardView,
               settings: RecoverySettings, offers: Sequence[int] = ()) -> FailureVerdict:
         """Arrive with ``arrival`` and return the round's verdict, as every participant reads it.
-
-        ``domain``: every rank the job counts on; ``offers``: ranks outside it that offered
-        themselves, waited for alike. ``bound_s``: how long a live but absent rank is waited for;
-        at the store's deadline this rank abandons the round.
-
-        Raises:
-            ExcludedByRecovery: this rank is in the verdict's failed set (it came too late).
-            RecoveryError: the round was abandoned, or the store stopped answering.
-        """
+        ``offers``: ranks outside ``domain`` that offered themselves; ``bound_s``: how long a live but
+        absent rank is waited for. Raises ExcludedByRecovery where this rank is in the failed set,
+        RecoveryError where the round was abandoned or the store stopped answering."""
         store, rank, now = self.store, arrival.rank, time.monotonic()
         waiting = _Waiting(rank, domain, offers, now, now)
         try:
@@ -225,8 +211,8 @@ class RecoveryRound:
         return _checked(verdict, rank, self.name)
 
     def _standing(self, board: Optional[BoardView] = None) -> Optional[FailureVerdict]:
-        """The verdict if one stands: heard from ``board`` where given, else read (with a check
-        first: followers without a heartbeat block on the key, and a peek would wake them)."""
+        """The verdict if one stands: heard from ``board`` where given, else read (checked first:
+        followers without a heartbeat block on the key, and a peek would wake them)."""
         key = self.keys.verdict
         if board is not None:
             raw = board.heard(key, 0.0)
@@ -236,10 +222,7 @@ class RecoveryRound:
 
     def _lead(self, waiting: _Waiting, board: BoardView, bound_s: float,
               settings: RecoverySettings) -> Optional[FailureVerdict]:
-        """One look of the leader: the verdict once it can be decided (None: look again).
-
-        Where the board is heard, a look blocks on the arrivals' completion (one request) and the
-        losses are those heard; else it reads the count and the board and sleeps ``leader_look_s``."""
+        """One look of the leader: the verdict once it can be decided (None: look again)."""
         store, hearing = self.store, board.hearing
         standing = self._standing(board if hearing else None)
         if standing is not None:  # a participant that gave up at its deadline decided already
@@ -252,8 +235,7 @@ class RecoveryRound:
         offers = sorted(set(waiting.offered) - set(domain))
         size = len(domain) + len(offers)
         closing = store.remaining() <= ABANDON_MARGIN_S + settings.leader_look_s
-        # Read first: a loss published before this rank began to hear (the one that started the
-        # recovery) is on the board only.
+        # Read first: a loss published before this rank began to hear is on the board only.
         lost = board.lost if hearing and waiting.looked else board.refresh(store)
         waiting.looked = True
         missing = sum(1 for r in lost if _among(domain, r) or _among(offers, r))
@@ -287,9 +269,8 @@ class RecoveryRound:
         return decode(FailureVerdict, standing)
 
     def _follow(self, waiting: _Waiting, board: BoardView, settings: RecoverySettings) -> Optional[FailureVerdict]:
-        """One wait of a participant that does not lead: the verdict, or None after taking over
-        from a leader lost, or quiet for ``leader_quiet_s`` (``outcome_fallback_s`` for those not
-        among the first arrivals, one of which is there to take over)."""
+        """One wait of a follower: the verdict, or None after taking over from a leader lost or quiet
+        (for ``leader_quiet_s``; ``outcome_fallback_s`` for those not among the first arrivals)."""
         store = self.store
         quiet = settings.leader_quiet_s if waiting.contends else max(settings.leader_quiet_s, settings.outcome_fallback_s)
         slice_s = min(quiet, store.remaining())
@@ -342,8 +323,7 @@ class RecoveryRound:
                 self.store.compare_set(self.keys.verdict, "", encode(proposal))
 
     def commit(self, record: JobRecord) -> None:
-        """Record the job this round left and close the round, in one compare-and-set, written once
-        (by the rebuild's last participant, or the leader of a round with nothing to rebuild)."""
+        """Record the job this round left and close the round, in one compare-and-set."""
         try:
             self.store.extend(2.0)
             self.state = _change_state(self.channel, self.store, self.raw_state,
@@ -391,12 +371,8 @@ def _store_failed(what: str, exc: BaseException) -> RecoveryError:
 
 
 def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
-    """Offer ``rank`` (counted out earlier, fit again) to the job as its latest committed round left
-    it: the next round that commits waits for it and takes it as a spare, and the board says it is
-    back. Returns that round's generation (0: none committed).
-
-    Example: see ``ResilientJob.offer``.
-    """
+    """Offer ``rank`` (counted out earlier, fit again) to the job: the next round that commits waits
+    for it and takes it as a spare. Returns the current generation (0: none committed)."""
     store = plane.client(time.monotonic() + 30.0)
     try:
         board_view(channel, plane).publish_event(BoardEvent(EventKind.BACK, rank, "it offers itself again", by=rank),
@@ -411,12 +387,8 @@ def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
 
 def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedelta, slice_s: float = 30.0,
                    first: int = 0) -> bool:
-    """Block (a spare) until a round of the job numbered ``first`` or later opens (True), or the
-    job releases its spares or ``timeout`` passes (False). A blocking store wait of ``slice_s`` at
-    a time: a store call every ``slice_s``, and no CPU.
-
-    Example: see ``ResilientJob.wait_as_spare``.
-    """
+    """Block (a spare) until a round numbered ``first`` or later opens (True), or the job releases
+    its spares or ``timeout`` passes (False): a blocking store wait of ``slice_s`` at a time, no CPU."""
     end = time.monotonic() + timeout.total_seconds()
     store = plane.client(end + 5.0)
     try:
@@ -436,11 +408,8 @@ def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedel
 
 
 def release_spares(channel: JobChannel, plane: ControlPlane) -> None:
-    """Tell the job's spares waiting in :func:`wait_for_round` that the job is over: they return
-    False at once. Any rank may call it, any number of times.
-
-    Example: see ``ResilientJob.release_spares``.
-    """
+    """Tell the spares in :func:`wait_for_round` that the job is over (they return False at once);
+    any rank may call it, any number of times."""
     store = plane.client(time.monotonic() + 30.0)
     try:
         store.set(channel.released, "1")

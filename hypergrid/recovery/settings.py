@@ -1,18 +1,15 @@
 """A resilient job's settings, set once: node size, the replica dim and the recovery's timings.
 
-Every rank must plan a recovery alike, so what the plan and the waits depend on is one frozen
-value given when the job is made, carried in every arrival (:meth:`RecoverySettings.describe`)
-and compared by the round's leader: ranks whose settings differ end the round with an error.
+Every rank must plan a recovery alike, so the settings are one frozen value carried in every
+arrival and compared by the round's leader: ranks whose settings differ end the round with an error.
 
-Example::
-
-    >>> settings = RecoverySettings(gpus_per_node=4)
-    >>> settings.gpus_per_node, settings.replica_dim, settings.leader_quiet_s
-    (4, 'dp', 4.0)
-    >>> RecoverySettings(gpus_per_node=0)
-    Traceback (most recent call last):
-        ...
-    ValueError: gpus_per_node must be a positive number of ranks, got 0
+>>> settings = RecoverySettings(gpus_per_node=4)
+>>> settings.gpus_per_node, settings.replica_dim, settings.leader_quiet_s
+(4, 'dp', 4.0)
+>>> RecoverySettings(gpus_per_node=0)
+Traceback (most recent call last):
+    ...
+ValueError: gpus_per_node must be a positive number of ranks, got 0
 """
 
 from __future__ import annotations
@@ -27,7 +24,7 @@ from ..layout.checks import as_int
 
 __all__ = ["RecoverySettings", "DEFAULT_GPUS_PER_NODE"]
 
-#: Ranks per node where neither the job nor the launcher (torchrun's LOCAL_WORLD_SIZE) says.
+#: Ranks per node where neither the job nor torchrun's LOCAL_WORLD_SIZE says.
 DEFAULT_GPUS_PER_NODE = 8
 
 
@@ -38,26 +35,17 @@ def _launcher_node_size() -> int:
 
 @dataclass(frozen=True)
 class RecoverySettings:
-    """How a resilient job recovers; the same on every rank of it.
+    """How a resilient job recovers; the same on every rank of it. ``gpus_per_node`` defaults to
+    torchrun's ``LOCAL_WORLD_SIZE``, else 8; timings are in seconds."""
 
-    - ``gpus_per_node``: ranks per node (default: torchrun's ``LOCAL_WORLD_SIZE``, else 8): a lost
-      node's ranks go to a spare node, and each rank is watched from another node;
-    - ``replica_dim``: the dim whose replicas are dropped when spares run out, and grown back;
-    - timings, in seconds: how often the round's leader looks (``leader_look_s``), how long its
-      beat may stand still before another takes over (``leader_quiet_s``), how long past the
-      longest collective timeout a live rank may take to arrive (``arrival_margin_s``), how long
-      a wait that hears the board goes without reading the store (``outcome_fallback_s``), how
-      long a spare blocks at a time (``spare_slice_s``), one probe of a group (``probe_s``).
-    """
-
-    gpus_per_node: int = field(default_factory=_launcher_node_size)
-    replica_dim: str = "dp"
-    leader_look_s: float = 0.1
-    leader_quiet_s: float = 4.0
-    arrival_margin_s: float = 5.0
-    outcome_fallback_s: float = 30.0
-    spare_slice_s: float = 30.0
-    probe_s: float = 10.0
+    gpus_per_node: int = field(default_factory=_launcher_node_size)  #: a lost node's ranks go to a spare node
+    replica_dim: str = "dp"  #: whose replicas are dropped when spares run out, and grown back
+    leader_look_s: float = 0.1  #: how often the round's leader looks
+    leader_quiet_s: float = 4.0  #: how long its beat may stand still before another takes over
+    arrival_margin_s: float = 5.0  #: past the longest collective timeout, for a live rank to arrive
+    outcome_fallback_s: float = 30.0  #: how long a wait that hears the board goes without reading the store
+    spare_slice_s: float = 30.0  #: how long a spare blocks at a time
+    probe_s: float = 10.0  #: one probe of a group
 
     def __post_init__(self) -> None:
         number = as_int(self.gpus_per_node, "gpus_per_node")
@@ -75,10 +63,8 @@ class RecoverySettings:
     def describe(self) -> str:
         """The settings in one line, what an arrival carries.
 
-        Example::
-
-            >>> RecoverySettings(gpus_per_node=2, replica_dim="pp").describe()[:40]
-            'gpus_per_node=2 replica_dim=pp leader_lo'
+        >>> RecoverySettings(gpus_per_node=2, replica_dim="pp").describe()[:40]
+        'gpus_per_node=2 replica_dim=pp leader_lo'
         """
         return " ".join(f"{f.name}={getattr(self, f.name):g}" if isinstance(getattr(self, f.name), float)
                         else f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
@@ -86,14 +72,12 @@ class RecoverySettings:
     def with_call(self, call: str, **given: Any) -> RecoverySettings:
         """These settings, where ``given`` (a call's arguments, None where not given) agrees with them.
 
-        Example::
-
-            >>> RecoverySettings(gpus_per_node=4).with_call("recover", gpus_per_node=None, replica_dim="dp").gpus_per_node
-            4
-            >>> RecoverySettings(gpus_per_node=4).with_call("recover", gpus_per_node=8)
-            Traceback (most recent call last):
-                ...
-            ValueError: recover(gpus_per_node=8) differs from the job's settings (gpus_per_node=4): set it once, on the job (ResilientJob.of_grid / of_megatron, settings=RecoverySettings(...))
+        >>> RecoverySettings(gpus_per_node=4).with_call("recover", gpus_per_node=None, replica_dim="dp").gpus_per_node
+        4
+        >>> RecoverySettings(gpus_per_node=4).with_call("recover", gpus_per_node=8)
+        Traceback (most recent call last):
+            ...
+        ValueError: recover(gpus_per_node=8) differs from the job's settings (gpus_per_node=4): set it once, on the job (ResilientJob.of_grid / of_megatron, settings=RecoverySettings(...))
         """
         for name, value in given.items():
             if value is not None and value != getattr(self, name):

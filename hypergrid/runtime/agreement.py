@@ -1,78 +1,18 @@
 """Agreement across ranks: a group's members check they asked for the same thing before waiting.
 
-torch's group constructors block until every member arrives. A member that built a different grid,
-asked for groups in another order, or died, leaves the others waiting for the full timeout with no
-hint of who or why. hypergrid checks first, through the job's store.
+torch's group constructors block until every member arrives; a member that built another grid,
+asked in another order, or died leaves the others waiting for the full timeout with no hint of
+who or why. So the members first meet in a *check* in the job's store, named by what they share:
+their member set and an *epoch* the store counts for it. The lowest member, the *decider*, reads
+every entry and posts one verdict; every member acts on that verdict. The invariant:
 
-**Checks.** The members of a group meet in a *check*, named by what they share: their member set
-and the check's *epoch*, a counter the store keeps for that member set. A member reads the epoch
-when it arrives and publishes what it asks for (an :class:`Agreement`: typed facts of the grid,
-the request and where the request stands in its grid's sequence), then counts itself in; the
-group's lowest rank, its *decider*, reads every member's entry once the count says all came, and
-either advances the epoch and then posts "ok", or posts why not. The invariant that makes this
-right by construction:
+    An epoch is advanced only once every member has read it, or once its check has failed for
+    every member that reads its verdict, and before its verdict is posted. So two members read
+    the same epoch exactly when they are in the same check.
 
-    An epoch is advanced only once every member has read it (the decider saw all their entries),
-    or once its check has failed for every member that reads its verdict; and it is advanced
-    before its verdict is posted. So two members read the same epoch exactly when they are in the
-    same check, and no member can read a finished check's epoch again.
-
-Nothing a process counts by itself (grids built, requests made, attempts) names a check: whatever
-a rank did before (failed alone, sat outside a partial grid, made groups of size one, lived
-through a restart over a new store prefix), identical requests of the same members meet in the
-same check. A member that leaves a failed check advances its epoch too (an atomic compare-and-set:
-whoever comes first), so a retry, which the job starts once every rank is out of its failed
-calls, begins a new check on every member alike.
-
-**Verdicts.** One per check, posted once and read by every member, so the members of a check
-share its outcome: every member gets the group, or every member gets the same error. A follower
-whose decider stays silent gives up at the same deadline as the decider, naming the members that
-never arrived.
-
-**Diagnosis.** While waiting, a member looks, once a slice (see **Waits**), at the absent
-members' *last states* (each rank's
-latest: waiting in a check, failed in one, or passed a request without being in any of its
-groups) and stops early only on evidence that cannot be stale: an absent member of the same
-member set at a later epoch (it went past this check) or failed in this very check; one blocked
-in another check that is still open (its epoch not advanced) at this same request of this grid
-family with other members or facts, or one that itself waits for this rank (a wait-for cycle);
-or, for ranks outside every group of a request, one that passed this same request with grid
-facts that put it elsewhere. Inside a recovery (:func:`~hypergrid.runtime.scope.watching`)
-it looks at the job's board too: an absent member that was lost, or a decider lost after it
-arrived, will never come. A rank merely busy elsewhere is late, and is waited for.
-
-**Waits.** Every wait is a blocking store call a *slice* at a time, with one look for trouble
-between two slices, so that what a waiting member asks of the store per slice does not depend on
-the group's size. Each member arrives with its entry (and last state) in one ``multi_set``, its
-rank appended to the check's list of arrivals and one ``add`` to the check's count; the member
-whose ``add`` completes the count sets the key its decider blocks on. The decider blocks on that
-key, first for a quarter of a second, then for twice as long each time up to 3 s (0.5 s inside a
-recovery); between two slices it reads the list of arrivals (one ``get``) and looks at the absent
-members (the board: one request; their last states: at most 64 of them, one ``check`` and one
-``multi_get`` where each has one). A follower blocks on its decider's verdict (one ``get`` a
-slice, 3 s for the first, then as the decider's), and between two slices looks at the decider only:
-whether it came (until it has), why not, and inside a recovery whether the board says it was lost.
-
-**Store.** Agreement talks to the job's store over a connection of its own (the store's
-``clone()``), whose timeout it sets to what is left of the request's, so a store host that stops
-answering is reported within the timeout as what it is. Per member set the store holds an epoch
-counter, one entry per member (overwritten check after check) and at most a verdict or two, which
-the next meeting deletes; per check its list of arrivals, their count and the key the count's
-last member sets, which the decider deletes when the check ends (a member that arrives in a failed
-check after its decider ended it leaves two of them); per rank one last state. Nothing grows with
-create and destroy cycles.
-
-What an agreeing check costs a follower: one ``add`` (read the epoch), one ``multi_set`` (entry
-and last state), one ``append`` and one ``add`` (arrive; the last member a ``set`` besides) and
-one blocking ``get`` of the verdict. The decider: the same four to arrive, one blocking ``wait``
-for the count, one ``check`` and one ``multi_get`` of the entries, two ``compare_set`` (advance
-the epoch, decide the verdict) and four ``delete_key`` (the previous verdict, this check's keys
-of arrival).
-
-The records that cross the store are in :mod:`hypergrid.store.records`, the bounded store calls
-in :mod:`hypergrid.store.client`, the diagnosis of absent members in
-:mod:`hypergrid.runtime.diagnosis` and the world steps (Megatron's initialization) in
-:mod:`hypergrid.runtime.world_step`.
+While waiting, a member looks at the absent members' last states (:mod:`.diagnosis`) and stops
+early only on evidence that cannot be stale. The protocol, its waits and what it costs the store
+are in docs/architecture.md ("Agreement").
 
 Example::
 
@@ -82,11 +22,6 @@ Example::
     >>> agreement = Agreement(Position("grid:tp,dp", facts.digest, 3), facts, request)
     >>> check_agreement("dp", [5], agreement, timeout=timedelta(seconds=1)) is None   # alone: nothing to check
     True
-
-In a job, every member of a group checks before creating it (``grid.create_pg`` does this for
-you); with members ``[1, 3, 5, 7]``, on each of those four ranks::
-
-    check_id = check_agreement("dp", members=[1, 3, 5, 7], agreement=agreement, timeout=timedelta(seconds=30))
 """
 
 from __future__ import annotations
@@ -179,11 +114,6 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
     store that stops answering raises :class:`~hypergrid.errors.GroupCreationError` naming the
     group, within the timeout.
 
-    In a job, every member calls it before creating the group: with a grid of ``tp`` size 2,
-    ranks 0 and 1 each call::
-
-        check_agreement("tp", [0, 1], agreement, timeout=timedelta(seconds=10))
-
     Example, in a one-rank gloo world whose store is a ``HashStore``: a group of rank 0 alone
     has nothing to check, and one with rank 1, which never comes, times out naming it::
 
@@ -236,19 +166,15 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
 
 
 def _arrive(check: Check) -> None:
-    """Publish this member's entry, then count it in: the member whose arrival completes the
-    count says so on the key its decider blocks on. Every arrival is in the check's list, by which
-    the decider names the absent without reading every entry."""
+    """Publish this member's entry and last state in one round trip, then count it in."""
     entry = encode(Entry(check.epoch, check.digest, check.asked))
-    # One round trip: the entry the decider reads and the last state others diagnose by.
     check.store.multi_set([last_state_key(check.rank), check.keys.entry(check.rank)],
                           [encode(check.last_state(State.WAITING)), entry])
     meeting.arrive(check.store, check.meeting, len(check.members), str(check.rank), awaited=True)
 
 
 def _leave_failed(check: Check, exc: BaseException) -> None:
-    """Mark this rank failed in its check and end the check (whoever is first), before raising;
-    the decider drops the check's keys of arrival too."""
+    """Mark this rank failed and end the check (whoever is first) before raising."""
     root = getattr(exc, "root_cause", None) or one_line(str(exc))
     with contextlib.suppress(dist.DistError, StoreUnresponsiveError):
         check.store.set(last_state_key(check.rank), encode(check.last_state(State.FAILED, root, isinstance(exc, GridMismatchError))))
@@ -258,9 +184,7 @@ def _leave_failed(check: Check, exc: BaseException) -> None:
 
 
 def _decide(check: Check, proposed: Verdict, root_cause: Optional[str] = None) -> None:
-    """Make ``proposed`` the check's one verdict unless another was decided first, and act on the
-    verdict that stands: return for "ok", raise its error otherwise. Every member acts on the same
-    verdict, so a check ends alike for all its members."""
+    """Make ``proposed`` the check's one verdict unless another came first; act on the one that stands."""
     raw = check.store.compare_set(check.meeting.outcome, "", encode(proposed))
     standing = decode(Verdict, raw)
     _act_on(standing, root_cause if standing == proposed else None)
@@ -291,8 +215,7 @@ def _poll(deadline: float, ready: Callable[[], bool], diagnose: Callable[[], Non
 
 
 def _waiting_until(check: Check, timeout: timedelta) -> float:
-    """When to stop waiting: the deadline less the time the closing calls need (naming who is
-    missing, deciding the verdict), so that the error itself arrives within the timeout."""
+    """The deadline less what the closing calls need, so the error itself arrives within the timeout."""
     return check.store.deadline - min(_CLOSING_S, 0.05 * timeout.total_seconds())
 
 
@@ -304,10 +227,8 @@ def _timeout_message(check: Check, missing: list[int], timeout: timedelta) -> st
 
 
 def _slices(first: float) -> Iterator[float]:
-    """How long each blocking call of a wait lasts: ``first``, then twice the last, up to
-    :data:`_SLICE_S`, or inside a recovery's scope (:func:`~hypergrid.runtime.scope.watching`)
-    up to :data:`~hypergrid.runtime.scope.WATCH_SLICE_S`, so that a lost member ends the wait
-    within about that long. Between two, a member looks for trouble once.
+    """How long each blocking call of a wait lasts: doubling from ``first`` up to :data:`_SLICE_S`
+    (:data:`~hypergrid.runtime.scope.WATCH_SLICE_S` inside a recovery, so a lost member ends it soon).
 
     Example::
 
@@ -326,8 +247,7 @@ def _slice_cap() -> float:
 
 
 def _arrived(check: Check, known: bool = True) -> set[int]:
-    """The members in the check's list of arrivals: one ``get`` (and a ``check`` first where the
-    list may be gone: ``known`` False, for a follower, whose decider deletes it once it decided)."""
+    """The members in the check's list of arrivals (``known`` False: the decider may have deleted it)."""
     if known:
         return {int(r) for r in check.store.get(check.meeting.lines).decode().split()}
     return {int(r) for r in meeting.lines(check.store, check.meeting)}
@@ -346,33 +266,25 @@ def _lead(check: Check, timeout: timedelta) -> None:
         _decide(check, Verdict(CheckOutcome.TIMEOUT, str(exc)), exc.root_cause)
     except GridMismatchError as exc:
         _decide(check, Verdict(CheckOutcome.MISMATCH, str(exc)), exc.root_cause)
-    # Every member has read this epoch: advance it, then say yes, so that no member can read it
-    # again for its next request; then drop the keys that no member reads any more.
+    # Advance before saying yes, so no member can read this epoch again for its next request.
     advance_epoch(check.store, check.keys.epoch, check.epoch)
     _decide(check, Verdict(CheckOutcome.OK, ""))
     _drop_old_keys(check)
 
 
 def _await_members(check: Check, timeout: timedelta) -> dict[int, Entry]:
-    """Every member's entry in this check, once all have arrived; the decider's wait.
-
-    A slice is one blocking ``wait`` on the key the last arrival sets; between two, the decider
-    reads the list of arrivals (one ``get``) and looks at the absent members once
-    (:func:`~hypergrid.runtime.diagnosis.judge_absent`: the job's board inside a recovery, their
-    last states). The entries themselves are read once, when the count says every member came.
-    Raises :class:`~hypergrid.errors.GroupTimeoutError` naming the absent at the deadline, or
-    what the diagnosis raises."""
+    """Every member's entry, once all have arrived (the decider's wait); between two slices it
+    looks at the absent once (:func:`~hypergrid.runtime.diagnosis.judge_absent`)."""
     until = _waiting_until(check, timeout)
     slices = _slices(_FIRST_LOOK_S)
-    counted = False  # the count reached the members' number: its key is set, a wait returns at once
+    counted = False
     while True:
         seconds = min(next(slices), until - time.monotonic())
         arrived: Optional[set[int]] = None
         if not counted:
             counted = complete = check.store.wait([check.meeting.complete], seconds)
         else:
-            # Counted, but a member is missing: one was counted twice (it left an earlier call in
-            # this check without closing it, and came again). The list says who came.
+            # Counted but a member missing: one left an earlier call in this check and came again.
             time.sleep(max(0.0, seconds))
             arrived = _arrived(check)
             complete = set(check.members) <= arrived
@@ -390,21 +302,15 @@ def _await_members(check: Check, timeout: timedelta) -> dict[int, Entry]:
 
 
 def _drop_old_keys(check: Check) -> None:
-    """Delete the previous check's verdict: every member has published in this check, so every
-    member is past that one (a verdict of a check before a failed one stays, one key a failure);
-    and this check's keys of arrival, which every member has written and nobody reads again."""
+    """Delete the previous check's verdict (every member is past it) and this check's arrival keys."""
     if check.epoch > 0:
         check.store.delete_key(check.keys.meeting(check.epoch - 1).outcome)
     meeting.forget(check.store, check.meeting, keep_outcome=True)
 
 
 def _follow(check: Check, timeout: timedelta) -> None:
-    # A slice is one blocking call: a check ends with its decider deciding its verdict. A decider
-    # that died or went another way decides nothing, so after the first slice the follower looks
-    # at the decider once a slice, as the decider looks at its absent members: whether it came
-    # (until it has), why it cannot come, or, inside a recovery, whether the job's board says it
-    # was lost. At the deadline it proposes a timeout itself, naming the absent members, unless a
-    # verdict stands.
+    # A decider that died or went another way decides nothing: between slices the follower looks
+    # at it alone, and at the deadline proposes a timeout itself unless a verdict stands.
     until = _waiting_until(check, timeout)
     slices = _slices(_SLICE_S)
     leader_came = leader_lost = False
@@ -444,10 +350,8 @@ def _follow(check: Check, timeout: timedelta) -> None:
 
 def explain_creation_failure(label: str, members: Sequence[int], agreement: Optional[Agreement],
                              check_id: Optional[CheckId]) -> str:
-    """After torch failed to create an agreed group: which members never finished, if any can tell.
-
-    Marks this rank failed in the check, waits briefly for the other members to mark theirs, and
-    names those that did not (they died or hang inside torch). Empty when nothing can be said.
+    """After torch failed to create an agreed group: the members that never reported failing too
+    (they died or hang inside torch); empty when nothing can be said.
 
     Example::
 

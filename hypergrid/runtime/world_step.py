@@ -114,10 +114,9 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
                 attempt: Optional[str] = None) -> Optional[WorldStep]:
     """Every rank of the world (or of ``ranks``) starts ``label`` together; returns the step.
 
-    A meeting (an ``add`` and a blocking get per rank) after which all have read the step's epoch,
-    so its end is named alike on all. A rank that does not arrive within ``timeout`` fails the
-    start on every rank that did, naming it. ``attempt``: a name all of ``ranks`` hold and no
-    other step of theirs will (a round's keys): the step starts at once, with no meeting.
+    After the start all have read the step's epoch, so its end is named alike on all; a rank that
+    does not arrive within ``timeout`` fails the start on every rank that did, naming it. With
+    ``attempt`` (a name all of ``ranks`` hold, a round's keys) the step starts at once.
 
     Example::
 
@@ -158,10 +157,8 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
     """Every participant reports how ``step`` ended for it; each learns if any failed.
 
     A rank that failed decides the outcome with its error and returns (the caller raises its own);
-    the others wait for all, and raise :class:`~hypergrid.errors.GridMismatchError` naming a rank
-    that failed, or :class:`~hypergrid.errors.GroupTimeoutError` naming those that did not end it
-    in time (one outcome for all). The keys of earlier steps of the same participants are then
-    deleted: the store does not grow with steps.
+    the others raise :class:`~hypergrid.errors.GridMismatchError` naming it, or
+    :class:`~hypergrid.errors.GroupTimeoutError` naming those that did not end it in time.
 
     Example::
 
@@ -179,8 +176,7 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
         if meeting.arrive(store, end, step.size).completes:
             _end_epoch(store, step)
             if step.attempt and scope is not None:
-                # Committed before anyone hears of the success: a rank that hears it and opens the
-                # next round finds the job's record past this one.
+                # Committed before anyone hears of it: a rank opening the next round finds the record past this one.
                 success = encode(StepOutcome(None)).encode()
                 if meeting.decide(store, end, success) == success:
                     scope.succeeded(end.outcome)
@@ -215,8 +211,7 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
 
 def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: Optional[RecoveryScope],
             at: Optional[Meeting] = None) -> bytes:
-    """The standing outcome of the meeting ``at`` (the step's end by default), ``proposal`` unless
-    one stood; at the end of a step named by its round, its proposer tells the board."""
+    """The standing outcome at ``at`` (the step's end by default); a round's step tells the board."""
     at = step.end if at is None else at
     encoded = encode(proposal).encode()
     standing = meeting.decide(store, at, encoded)
@@ -226,13 +221,9 @@ def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: O
 
 
 def _outcome(store: StoreClient, step: WorldStep, at: Meeting) -> StepOutcome:
-    """The outcome of the meeting ``at`` (the step's start or end), decided by the last participant
-    counted, one that failed, or the first to learn it will not complete: its deadline passed
-    (``timed_out``), or, inside a recovery's scope, a participant was lost (heard, or looked for
-    once a slice).
-
-    Raises :class:`~hypergrid.errors.GroupTimeoutError` where participants were lost.
-    """
+    """The outcome at ``at`` (the step's start or end), decided by whoever learns it first: the last
+    participant counted, one that failed, one whose deadline passed, or, inside a recovery, a loss.
+    Raises :class:`~hypergrid.errors.GroupTimeoutError` where participants were lost."""
     scope = current_scope()
     participants = step.participants()
     hearing = scope if scope is not None and scope.hearing else None
@@ -259,8 +250,7 @@ def _outcome(store: StoreClient, step: WorldStep, at: Meeting) -> StepOutcome:
 
 
 def _decide_lost(step: WorldStep, at: Meeting, lost: list[int], scope: RecoveryScope) -> None:
-    """A loss heard while waiting for the outcome of ``at`` (on the heartbeat's thread): the
-    outcome says so, unless one stands."""
+    """On the heartbeat's thread: a loss heard while waiting decides the outcome, unless one stands."""
     try:
         _decide(job_store(time.monotonic() + _ALARM_S), step, StepOutcome(None, lost=tuple(lost)), scope, at)
     except (dist.DistError, StoreUnresponsiveError) as exc:

@@ -1,13 +1,11 @@
 """How hypergrid's ranks talk through the job's store, with no torch.
 
 - :mod:`~hypergrid.store.keys`: every key hypergrid writes and every local socket name;
-- :mod:`~hypergrid.store.records`: the frozen records that cross processes, and their one
-  serializer;
+- :mod:`~hypergrid.store.records`: the frozen records that cross processes, and their serializer;
 - :mod:`~hypergrid.store.meeting`: the one rendezvous (count in, one outcome, a roll call);
 - :mod:`~hypergrid.store.client`: torch's store called with every call bounded by a deadline;
-- :mod:`~hypergrid.store.tcpstore`: a client of torch's TCPStore that speaks its wire protocol
-  itself, for the monitor processes;
-- :mod:`~hypergrid.store.shutdown`: the threads of all of it ended before the interpreter's.
+- :mod:`~hypergrid.store.tcpstore`: a TCPStore client speaking the wire protocol, for monitor processes;
+- :mod:`~hypergrid.store.shutdown`: its threads ended before the interpreter's.
 
 Nothing here imports torch, so a rank's monitor process can use all of it.
 

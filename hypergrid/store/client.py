@@ -1,10 +1,9 @@
-"""The job's store as hypergrid calls it: a connection of its own, every call bounded.
+"""The job's store as hypergrid calls it: a connection of its own, every call bounded by a deadline.
 
-torch's store calls block for as long as the connection's own timeout, whatever the caller has
-left. :class:`StoreClient` makes its calls on a clone of the store, on a thread of its own, and
-waits for each only until the caller's deadline: a host that stops answering is reported in time
-as :class:`~hypergrid.errors.StoreUnresponsiveError`, never as a peer that did not come. It
-imports no torch, and calls any store object it is given by its methods.
+torch's store calls block for the connection's own timeout, whatever the caller has left, so
+:class:`StoreClient` calls a clone of the store on a thread of its own and waits only until the
+caller's deadline: a host that stops answering is reported in time as
+:class:`~hypergrid.errors.StoreUnresponsiveError`, never as a peer that did not come.
 
 Example, over a ``HashStore``::
 
@@ -35,19 +34,16 @@ R = TypeVar("R")
 
 #: The least a store call is given, so that a call made at the deadline still gets an answer.
 MIN_CALL_S = 0.05
-#: How long past its own wait a blocking call's answer may take before the store counts as not
-#: answering: a loaded machine answers seconds late.
+#: How late a blocking call's answer may come before the store counts as not answering (a loaded host is late).
 ANSWER_SLACK_S = 5.0
-#: torch counts a timeout in whole milliseconds, and 0 ms is "no timeout": a get with 0.4 ms left
-#: would wait for ever.
+#: torch counts whole milliseconds and 0 ms is "no timeout": a get with 0.4 ms left would wait for ever.
 _LEAST_STORE_TIMEOUT = timedelta(milliseconds=1)
 #: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores begins with NUL.
 _ABSENT = b"\x00hypergrid: not set"
 
 
 class _Connection:
-    """A clone of the job's store and the thread that makes its calls, each waited for only until
-    the caller's deadline; a connection whose call ran out is dropped, and the next use opens another."""
+    """A clone of the job's store and the thread that makes its calls."""
 
     def __init__(self, store: Any) -> None:
         self.store = store
@@ -66,14 +62,13 @@ class _Connection:
             fn, box, done = call
             try:
                 box.append((True, fn(self.store)))
-            except BaseException as exc:  # handed to the caller
+            except BaseException as exc:
                 box.append((False, exc))
             done.set()
 
     def call(self, fn: Callable[[Any], R], seconds: float, meanwhile: Optional[Callable[[], None]] = None,
              every_s: float = 1.0) -> tuple[bool, Any]:
-        """``(finished, (ok, value or exception))``: not finished when ``seconds`` ran out first.
-        ``meanwhile`` is called every ``every_s`` while the call is out (on the caller's thread)."""
+        """``(finished, (ok, value or exception))``; ``meanwhile`` runs every ``every_s`` while waiting."""
         box: list[Any] = []
         done = threading.Event()
         self._calls.put((fn, box, done))
@@ -90,9 +85,8 @@ _connections = threading.local()
 
 
 class StoreClient:
-    """The job's store over a connection of this thread's own, each call bounded by ``deadline``:
-    one that does not come back in time raises :class:`~hypergrid.errors.StoreUnresponsiveError`
-    (a ``wait`` that runs out returns False: the keys are not there yet)."""
+    """The job's store over this thread's own connection, each call bounded by ``deadline``: one that
+    does not come back in time raises :class:`~hypergrid.errors.StoreUnresponsiveError`."""
 
     def __init__(self, deadline: float, *, base: Any) -> None:
         self.deadline = deadline
@@ -111,8 +105,8 @@ class StoreClient:
             raise StoreUnresponsiveError(f"the job's store did not answer a new connection within {self.remaining():.1f} s")
         ok, clone = result
         if ok:
-            connection.store = clone  # its thread now calls the clone
-        # A store that cannot clone (a custom one): calls go to it directly.
+            connection.store = clone
+        # A store that cannot clone (a custom one) is called directly.
         cache[id(base)] = (base, connection if ok else None)
         return connection if ok else None
 
@@ -120,7 +114,7 @@ class StoreClient:
         return self.deadline - time.monotonic()
 
     def _drop_connection(self) -> None:
-        """Forget this thread's connection (its call is still out): the next use opens another."""
+        """Forget this thread's connection (its call is still out)."""
         getattr(_connections, "by_store", {}).pop(id(self._base), None)
 
     def extend(self, seconds: float) -> None:
@@ -130,15 +124,15 @@ class StoreClient:
     def _call(self, what: str, fn: Callable[[Any], R], seconds: Optional[float] = None,
               meanwhile: Optional[Callable[[], None]] = None, every_s: float = 1.0) -> R:
         if self._connection is None:
-            return fn(self._base)  # a store that cannot clone: called here, so nothing meanwhile
+            return fn(self._base)  # a store that cannot clone: nothing runs meanwhile
         budget = max(MIN_CALL_S, self.remaining() if seconds is None else seconds)
         try:
             finished, result = self._connection.call(fn, budget, meanwhile, every_s)
         except BaseException:
-            self._drop_connection()  # ``meanwhile`` raised with the call still out: not queued behind it
+            self._drop_connection()  # ``meanwhile`` raised with the call still out
             raise
         if not finished:
-            self._drop_connection()  # stuck: the next use opens another
+            self._drop_connection()
             raise StoreUnresponsiveError(f"the job's store did not answer a {what} within {budget:.1f} s")
         ok, value = result
         if not ok:
@@ -149,9 +143,8 @@ class StoreClient:
         return cast(bytes, self._call("get", lambda store: store.get(key)))
 
     def get_if_set(self, key: str) -> Optional[bytes]:
-        """``key``'s value, or None where it is not set, in one request (a ``check`` and a ``get``
-        are three): a compare-and-set that never writes. Only for a key nobody waits on: torch's
-        libuv server wakes every waiter on the key at a compare-and-set, written or not.
+        """``key``'s value, or None where it is not set, in one request (a compare-and-set that never
+        writes). Only for a key nobody waits on: torch's libuv server wakes every waiter on it.
 
         Example, over a ``HashStore``::
 
@@ -166,9 +159,8 @@ class StoreClient:
 
     def get_within(self, key: str, seconds: float, *, meanwhile: Optional[Callable[[], None]] = None,
                    every_s: float = 1.0) -> Optional[bytes]:
-        """``key``'s value once it is set, waiting at most ``seconds`` (None: not set by then), in
-        one store call. ``meanwhile`` is called every ``every_s`` while it waits, on this thread; it
-        must be quick and must not call this client (not called for a store that cannot clone).
+        """``key``'s value once set, waiting at most ``seconds`` (None: not by then), in one call.
+        ``meanwhile`` runs every ``every_s`` on this thread; it must be quick and not call this client.
 
         Example, over a ``HashStore``, the key set 0.25 s into the wait::
 
@@ -185,7 +177,7 @@ class StoreClient:
 
         def getting(store: Any) -> Optional[bytes]:
             previous = store.timeout
-            store.set_timeout(_store_timeout(seconds))  # how long the store waits for the key
+            store.set_timeout(_store_timeout(seconds))
             try:
                 return cast(bytes, store.get(key))
             except RuntimeError as exc:
@@ -193,7 +185,7 @@ class StoreClient:
                     raise
                 return None  # not set in time
             finally:
-                store.set_timeout(previous)  # the connection's other calls keep their own timeout
+                store.set_timeout(previous)
 
         return self._call("get", getting, seconds + ANSWER_SLACK_S, meanwhile, every_s)
 
@@ -222,7 +214,7 @@ class StoreClient:
         return cast(bytes, self._call("compare_set", lambda store: store.compare_set(key, expected, desired)))
 
     def wait(self, keys: list[str], seconds: float) -> bool:
-        """Block until every key is set, for at most ``seconds``: one store call either way."""
+        """Block until every key is set, for at most ``seconds`` (False: they were not)."""
         seconds = min(seconds, self.remaining())
         if seconds <= 0:
             return False
@@ -254,14 +246,11 @@ def _store_timeout(seconds: float) -> timedelta:
 def read_last(store: StoreClient, rank: int) -> Optional[LastState]:
     """``rank``'s last state (None: it never reached a hypergrid group creation)."""
     key = last_state_key(rank)
-    if not store.check([key]):
-        return None
-    return decode(LastState, store.get(key))
+    return decode(LastState, store.get(key)) if store.check([key]) else None
 
 
 def read_present(store: StoreClient, keys: list[str], limit: int = 64) -> dict[str, bytes]:
-    """The values of those of ``keys`` that exist: one ``check`` and one ``multi_get`` where all do,
-    else a ``check`` for each of the first ``limit`` and one ``multi_get`` of those found.
+    """The values of those of ``keys`` that exist (where some are missing, only the first ``limit``).
 
     Example, over a ``HashStore``::
 
@@ -290,8 +279,7 @@ def advance_epoch(store: StoreClient, epoch_key: str, epoch: int) -> None:
 
 
 def is_network_error(exc: BaseException) -> bool:
-    """Whether ``exc`` is torch's ``DistNetworkError`` (the connection broke, not a call that ran
-    out of time), known by its class's name: this module imports no torch.
+    """Whether ``exc`` is torch's ``DistNetworkError`` (the connection broke), known by class name.
 
     Example::
 

@@ -1,8 +1,7 @@
 """Every key hypergrid writes to a job's store, and every local socket name, built in one place.
 
-``hypergrid/agree/...``, in the default group's store, holds what group creation, world steps and
-health probes meet on; ``hypergrid/control/<token>/...``, in the root store that monitor processes
-reach by address, holds one world's heartbeats and each resilient job's board and rounds.
+``hypergrid/agree/...`` lives in the default group's store; ``hypergrid/control/<token>/...`` in
+the root store, which monitor processes reach by address.
 
 Example::
 
@@ -25,36 +24,21 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = [
-    "AGREE_ROOT",
-    "CONTROL_ROOT",
-    "NAMESPACE_TOKEN",
-    "DEPARTED",
-    "members_digest",
-    "Meeting",
-    "MemberSetKeys",
-    "last_state_key",
-    "WorldStepKeys",
-    "health_meeting",
-    "health_epoch",
-    "health_attempt",
-    "beat_key",
-    "RoundKeys",
-    "JobChannel",
-    "socket_name",
+    "AGREE_ROOT", "CONTROL_ROOT", "NAMESPACE_TOKEN", "DEPARTED", "members_digest", "Meeting", "MemberSetKeys",
+    "last_state_key", "WorldStepKeys", "health_meeting", "health_epoch", "health_attempt", "beat_key", "RoundKeys",
+    "JobChannel", "socket_name",
 ]
 
-#: Group creation's keys start with this (below the default group's prefix).
 AGREE_ROOT = "hypergrid/agree"
-#: The control plane's keys start with this, then the world's namespace token.
 CONTROL_ROOT = "hypergrid/control"
-#: Under the default group's prefix: the token every rank of the world reads back.
+#: In the default group's store: the control plane's token, which every rank reads back.
 NAMESPACE_TOKEN = f"{CONTROL_ROOT}/namespace"
 #: Added once to a heartbeat counter by a rank that leaves cleanly: any negative value means "left".
 DEPARTED = -(1 << 40)
 
 
 def members_digest(members: Sequence[int]) -> str:
-    """A member set's name in the store, alike on every member whatever the order given.
+    """A member set's name in the store, alike whatever the order given.
 
     Example::
 
@@ -66,13 +50,12 @@ def members_digest(members: Sequence[int]) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _sorted_members_digest(members: tuple[int, ...]) -> str:
-    # A job names the same few member sets over and over: spelling 16,384 ranks out takes 4 ms,
-    # looking the tuple up 0.1 ms.
+    # Cached: a job names the same few member sets over and over, and 16,384 ranks take 4 ms to spell.
     return hashlib.sha1(",".join(map(str, members)).encode()).hexdigest()[:20]
 
 
 class _Key:
-    """A key named as its attribute, below its holder's ``base``: ``holder.name`` is ``base/name``."""
+    """A key named as its attribute: ``holder.name`` is ``holder.base/name``."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -106,8 +89,7 @@ class Meeting:
 
 @dataclass(frozen=True)
 class MemberSetKeys:
-    """A member set's keys for group creation: its epoch counter, each member's entry (overwritten
-    epoch after epoch) and the meeting of each epoch."""
+    """A member set's keys for group creation: its epoch counter, each member's entry, each epoch's meeting."""
 
     base: str
     epoch = _Key()
@@ -134,10 +116,9 @@ def last_state_key(rank: int) -> str:
 
 @dataclass(frozen=True)
 class WorldStepKeys:
-    """The keys of the world steps of one set of participants (the whole world where ``ranks`` is
-    empty): their epoch counter, ``cleaned`` (the first epoch whose keys may still be there), and
-    each step's start and end meetings. A step named by an attempt (a recovery round's keys) has
-    its end under that name, and no start.
+    """The world steps of one set of participants (empty: the whole world): their epoch counter,
+    ``cleaned`` (the first epoch whose keys may remain) and each step's start and end meetings. A
+    step named by an attempt (a recovery round) has only an end, under that name.
 
     Example::
 
@@ -168,8 +149,7 @@ class WorldStepKeys:
 
 
 def health_meeting(attempt: str) -> Meeting:
-    """Where the new placement's ranks pool which surviving groups still work in ``attempt`` (a
-    recovery round's keys, or :func:`health_attempt` outside a round)."""
+    """Where ranks pool which surviving groups still work, in ``attempt`` (a round or :func:`health_attempt`)."""
     return Meeting(f"{attempt}/health")
 
 
@@ -190,8 +170,8 @@ def beat_key(namespace: str, rank: int) -> str:
 
 @dataclass(frozen=True)
 class RoundKeys:
-    """The keys of one recovery round of a job: who leads it and its beat, the key waiting spares
-    block on, its verdict, and the meeting of its arrivals."""
+    """One recovery round's keys: its leader and the leader's beat, the key spares block on, its
+    verdict, and its arrivals' meeting."""
 
     base: str
     leader = _Key()
@@ -204,16 +184,15 @@ class RoundKeys:
         return Meeting(f"{self.base}/arrivals")
 
     def rebuild(self, label: str) -> Meeting:
-        """The end of the round's rebuild (a world step named by the round): the round's end."""
+        """The round's rebuild end (a world step named by the round)."""
         return WorldStepKeys.attempt_end(self.base, label)
 
 
 @dataclass(frozen=True)
 class JobChannel:
-    """Where one resilient job's board and rounds live: the world's ``namespace``, the job's first
-    ranks (a digest, ``origin``) and its ``instance``, read by all its ranks when it is made; its
-    ``state`` (the one record: the open round, the committed placement, the offers) and
-    ``released`` (set once the job lets its spares go).
+    """Where one resilient job's board and rounds live, named by its first ranks (``origin``, a
+    digest) and ``instance``; ``state`` holds its one record, ``released`` is set once it lets its
+    spares go.
 
     Example::
 
@@ -239,17 +218,17 @@ class JobChannel:
         return RoundKeys(f"{self.base}/{number}")
 
     def board_count(self) -> str:
-        """The board's counter: how many entries were published (a place to start reading from)."""
+        """The board's counter: how many entries were published."""
         return f"{self.base}/events"
 
     def board_slot(self, index: int) -> str:
-        """The board's entry number ``index`` (filled once by its publisher)."""
+        """The board's entry number ``index`` (written once)."""
         return f"{self.base}/event/{index}"
 
 
 def socket_name(purpose: str, *parts: object) -> bytes:
-    """A Linux abstract socket name for ``purpose`` among the processes of one host, named by a
-    digest of ``parts`` (which name the world's control plane: two jobs never share a name).
+    """A Linux abstract socket name for ``purpose`` on one host, from a digest of ``parts`` (which
+    name the world's control plane, so two jobs never share one).
 
     Example::
 

@@ -1,10 +1,8 @@
 """The one meeting: participants count themselves in, one outcome is decided, and read by all.
 
-Every rendezvous in the store has this shape (keys: :class:`~hypergrid.store.keys.Meeting`): an
-agreement check, a world step's start and end, a recovery's health probe, a round's arrivals.
-Participants :func:`arrive`; the first outcome proposed (:func:`decide`) stands; each waits for it
-(:func:`wait_outcome`), in one blocking get or, where it hears its job's board, in none; where a
-deadline ended the meeting, those present name the missing (:func:`roll_call`).
+Every rendezvous in the store has this shape: participants :func:`arrive`, the first outcome
+proposed (:func:`decide`) stands, and each waits for it (:func:`wait_outcome`); where a deadline
+ended the meeting, those present name the missing (:func:`roll_call`).
 
 Example, two participants over a ``HashStore``::
 
@@ -37,7 +35,7 @@ _ROLL_POLL_S = 0.05
 
 
 class Hearing(Protocol):
-    """The outcomes of a job's meetings as its board carries them: :class:`~hypergrid.liveness.board.BoardView`."""
+    """The outcomes of a job's meetings as its board carries them (:class:`~hypergrid.liveness.board.BoardView`)."""
 
     def heard(self, key: str, seconds: float) -> Optional[bytes]:
         """The outcome decided at ``key``, once heard, waiting at most ``seconds`` (None: not yet)."""
@@ -45,8 +43,7 @@ class Hearing(Protocol):
 
 @dataclass(frozen=True)
 class Place:
-    """Where an arrival landed: its ``number`` (the count just after it), and whether it
-    ``completes`` the meeting."""
+    """Where an arrival landed: the count just after it, and whether it completes the meeting."""
 
     number: int
     completes: bool
@@ -55,8 +52,7 @@ class Place:
 def arrive(store: StoreClient, meeting: Meeting, size: int, line: Optional[str] = None, *,
            awaited: bool = False) -> Place:
     """Count this participant in among ``size``, ``line`` appended first (the lines never lag the
-    count): one request, two with a line. ``awaited``: someone blocks on everyone's arrival, so the
-    arrival that completes the count sets ``complete``."""
+    count). ``awaited``: someone blocks on the ``complete`` key, which the last arrival sets."""
     if line is not None:
         store.append(meeting.lines, line + "\n")
     number = int(store.add(meeting.count, 1))
@@ -74,9 +70,8 @@ def decide(store: StoreClient, meeting: Meeting, proposal: Union[str, bytes]) ->
 def wait_outcome(store: StoreClient, meeting: Meeting, seconds: float, hearing: Optional[Hearing] = None,
                  fallback_s: float = 10.0) -> Optional[bytes]:
     """The meeting's outcome once decided, waiting at most ``seconds`` and never past the store's
-    deadline (None: not by then). Without ``hearing``, one blocking get; with it, what the board
-    carries, and a look at the store every ``fallback_s`` of silence (in case the decider ended
-    before telling)."""
+    deadline (None: not by then). With ``hearing``, the store is looked at every ``fallback_s`` of
+    silence too, in case the decider ended before telling."""
     end = time.monotonic() + max(0.0, min(seconds, store.remaining()))
     if hearing is None:
         return store.get_within(meeting.outcome, max(0.0, end - time.monotonic()))
@@ -100,8 +95,7 @@ def lines(store: StoreClient, meeting: Meeting) -> list[str]:
 
 def roll_call(store: StoreClient, meeting: Meeting, rank: int, participants: Sequence[int]) -> list[int]:
     """The participants missing from ``meeting``, which a deadline ended: each one present names
-    itself on the roll and reads it until it holds as many names as were counted, for
-    :data:`ROLL_CALL_S` at most. Only a failed meeting pays for a list of names."""
+    itself on the roll and reads it until it holds every name counted, for :data:`ROLL_CALL_S` at most."""
     store.extend(ROLL_CALL_S)
     store.append(meeting.roll, f"{rank},")
     counted = int(store.add(meeting.count, 0))

@@ -1,11 +1,7 @@
-"""What the members of a group write to the job's store, as frozen records with one serializer.
+"""The frozen records that cross processes through the job's store, and their one serializer.
 
-Every value that crosses processes is one of the records below: what a member asks for
-(:class:`Agreement`: typed facts of its grid and request, and where the request stands in its
-grid's sequence), its entry in a check (:class:`Entry`), its latest state (:class:`LastState`),
-a check's verdict (:class:`Verdict`) and a world step's (:class:`StepOutcome`). They are
-written by :func:`encode` and read back by :func:`decode`, which rebuilds nested records, enums
-and tuples from the records' own type hints; nothing is built or read by string keys elsewhere.
+:func:`encode` writes a record; :func:`decode` rebuilds it, nested records, enums and tuples
+included, from the record's own type hints, so nothing elsewhere reads values by string keys.
 
 Example::
 
@@ -36,29 +32,9 @@ from ..layout.describe import describe_ranks
 from .keys import members_digest
 
 __all__ = [
-    "Position",
-    "ViewFacts",
-    "GridFacts",
-    "RequestFacts",
-    "Agreement",
-    "CheckId",
-    "CheckOutcome",
-    "State",
-    "Asked",
-    "Entry",
-    "LastState",
-    "Verdict",
-    "StepOutcome",
-    "Arrival",
-    "FailureVerdict",
-    "JobRecord",
-    "JobState",
-    "EventKind",
-    "BoardEvent",
-    "encode",
-    "decode",
-    "encode_events",
-    "decode_events",
+    "Position", "ViewFacts", "GridFacts", "RequestFacts", "Agreement", "CheckId", "CheckOutcome", "State", "Asked",
+    "Entry", "LastState", "Verdict", "StepOutcome", "Arrival", "FailureVerdict", "JobRecord", "JobState",
+    "EventKind", "BoardEvent", "encode", "decode", "encode_events", "decode_events",
 ]
 
 R = TypeVar("R")
@@ -67,11 +43,8 @@ R = TypeVar("R")
 # ---------------------------------------------------------------------- what members compare
 @dataclass(frozen=True)
 class Position:
-    """Where a request stands: the ``index``-th request of a grid of ``family`` with facts ``grid``.
-
-    Compared between members (two ranks asking for the same group at different places of their
-    sequences have diverged) and used to tell a rank at this same request from one that is busy
-    elsewhere. Not a check's name: a check is named by its members and their epoch.
+    """Where a request stands: the ``index``-th request of a grid of ``family`` with facts ``grid``
+    (two ranks asking for the same group at different positions have diverged).
 
     Example::
 
@@ -163,8 +136,7 @@ class Agreement:
 
 @dataclass(frozen=True)
 class CheckId:
-    """One check of a member set: the members (a digest, and their list for messages) and the
-    epoch the store counts for them. Alike on every member of the check, unlike any other check.
+    """One check of a member set: its members (a digest, and a list for messages) and its epoch.
 
     Example::
 
@@ -186,7 +158,7 @@ class CheckId:
 
     @property
     def seed(self) -> str:
-        """What names torch's group for this check (members' digest and epoch)."""
+        """What names torch's group for this check."""
         return f"{self.members}#{self.epoch}"
 
 
@@ -199,18 +171,17 @@ class CheckOutcome(str, enum.Enum):
 
 
 class State(str, enum.Enum):
-    """What a rank was last doing in hypergrid's group creation."""
+    """What a rank was last doing in group creation (PASSED: a request with none of its groups)."""
 
-    WAITING = "waiting"  # published its entry for a check, waiting for the others
-    FAILED = "failed"  # its check failed (the error says why)
-    PASSED = "passed"  # issued a request without being a member of any of its groups
+    WAITING = "waiting"
+    FAILED = "failed"
+    PASSED = "passed"
 
 
 # ---------------------------------------------------------------------- what goes through the store
 @dataclass(frozen=True)
 class Asked:
-    """What one rank asked for: its agreement and the member list it computed (None: it is in no
-    group of the request)."""
+    """What one rank asked for, and the member list it computed (None: in no group of the request)."""
 
     agreement: Agreement
     members: Optional[str]
@@ -226,8 +197,7 @@ class Asked:
 
 @dataclass(frozen=True)
 class Entry:
-    """A member's entry in a check: the epoch it read, what it asked for, and a digest of that
-    (equal digests: equal requests)."""
+    """A member's entry in a check: the epoch it read, what it asked for, and that request's digest."""
 
     epoch: int
     digest: str
@@ -244,8 +214,7 @@ class LastState:
     epoch: int
     asked: Asked
     error: str = ""
-    # Failed because ranks went different ways (not a timeout or torch error, after which a rank
-    # may retry the same request): it will not come back to this check.
+    # Failed because ranks diverged (not a timeout or torch error): it will not retry this check.
     diverged: bool = False
 
     @property
@@ -267,10 +236,9 @@ class Verdict:
 
 @dataclass(frozen=True)
 class StepOutcome:
-    """How a world step's start or end came out: ``failed`` the rank that failed it (None: none
-    did), with its error; ``lost`` the participants heard lost while the others waited (they stop
-    waiting for them); ``timed_out`` the participant whose timeout passed first while it waited
-    (every participant then names who had not come). None of them: every participant got there.
+    """How a world step's start or end came out: ``failed`` the rank that failed it, with its error;
+    ``lost`` the participants heard lost meanwhile; ``timed_out`` the participant whose timeout
+    passed first. None of them: every participant got there.
 
     Example::
 
@@ -286,11 +254,10 @@ class StepOutcome:
 
 @dataclass(frozen=True)
 class Arrival:
-    """What a rank brings to a recovery round: the training step it can resume from (None: not
-    said), why it came (``"recover"`` after a failure, ``"grow"`` to grow the job, ``"wait"`` a
-    spare or a rank offering itself), the member lists of the communicators it aborted to get out
-    of a collective (they are broken for every member), and the digest of its job's recovery
-    settings (ranks that disagree on them would plan apart: the leader refuses the round).
+    """What a rank brings to a recovery round: the step it can resume from, why it came
+    (``"recover"``, ``"grow"`` or ``"wait"``), the member lists of the communicators it aborted
+    (broken for every member), and its recovery settings' digest (the leader refuses a round whose
+    ranks disagree on them).
 
     Example::
 
@@ -307,17 +274,11 @@ class Arrival:
 
 @dataclass(frozen=True)
 class FailureVerdict:
-    """How one recovery round of a job ended its wait, as every participant reads it: the ranks
-    found failed (with why, one line each), the ranks outside the job that came to offer
-    themselves (``offered``), the step to resume from (the least any participant said), whether
-    some participant came to grow the job (``grow``) or after a failure (``recovering``), and the
-    ranks that aborted their communicators to come (``aborted_by``, as ``(first, count)`` runs:
-    every abortable group one of them is in is broken). ``abandoned`` non-empty: a participant gave
-    up (its deadline passed, or the participants disagree on the job's settings), and the recovery
-    ends in an error on every participant. ``board_read``: how many entries of the job's board the
-    leader had read when it decided (every rank of the job lost in them is failed; a loss it did
-    not read is in a later entry). ``decided_by``: the leader that decided it. Its size grows with
-    the failures and offers, not with the job: every participant reads it.
+    """How one recovery round ended its wait: the failed ranks (one reason line each), the ranks
+    that ``offered`` themselves, the least step any participant can resume from, and the ranks
+    that aborted their communicators (``aborted_by``, ``(first, count)`` runs). ``abandoned``
+    non-empty: the recovery ends in an error on every participant. ``board_read``: the board
+    entries the leader had read when it decided. Sized by failures and offers, never by the job.
 
     Example::
 
@@ -341,14 +302,10 @@ class FailureVerdict:
 
 @dataclass(frozen=True)
 class JobRecord:
-    """A job's placement as its latest committed round left it: the grid's shape and placement
-    (rank map runs), its spares and the step to resume from. ``gone``: why each rank the job lost
-    was counted out (one line each, every round so far), for a rank that learns late.
-    ``board_from``: the entry of the job's board the next recovery reads from, the committing
-    round's ``FailureVerdict.board_read``: no rank this record counts on is lost in the entries
-    before it (the round counted out every rank they say is lost, and a rank that offers itself to
-    this record says so in a later entry), so a recovery's first look at the board costs the same
-    however many entries the job's earlier recoveries left on it.
+    """A job's placement as its latest committed round left it: shape, rank map runs, spares and
+    resume step. ``gone``: why each lost rank was counted out, for a rank that learns late.
+    ``board_from``: the board entry the next recovery reads from (the committing round's
+    ``board_read``), so reading the board never costs more as earlier recoveries pile entries up.
 
     Example::
 
@@ -369,10 +326,9 @@ class JobRecord:
 
 @dataclass(frozen=True)
 class JobState:
-    """A resilient job's one record in the store: the recovery ``round`` now open (or next), the
-    placement its latest committed round left (None: none committed), and the ranks that offer
-    themselves to it, each with the generation of the record it offers itself to. Opening a round
-    reads it (one request); the round that commits writes it once, advancing the round with it.
+    """A resilient job's one record in the store: the open (or next) ``round``, the committed
+    placement (None: none yet) and the ``(rank, generation)`` offers. The committing round writes
+    it once, advancing ``round`` with it.
 
     Example::
 
@@ -395,9 +351,8 @@ class JobState:
 
 
 class EventKind(str, enum.Enum):
-    """What a job's board says: a rank was lost, a rank counted out offers itself again, a
-    recovery round was opened (by a survivor after a failure, or to grow the job), or a meeting
-    of the job's ranks was decided (its outcome, which they hear instead of reading the store)."""
+    """What a job's board says: a rank was lost or is back, a recovery round opened, or a meeting's
+    outcome was decided (heard here instead of read from the store)."""
 
     LOST = "lost"
     BACK = "back"
@@ -407,11 +362,8 @@ class EventKind(str, enum.Enum):
 
 @dataclass(frozen=True)
 class BoardEvent:
-    """One event of a job's board, which every rank's monitor waits on (an entry of the board holds
-    one, or several published together, :func:`encode_events`): ``rank`` lost (with ``reason``),
-    back, round ``number`` opened (``reason``: why its first arrival came), or the outcome at store
-    key ``key`` decided as ``value`` (``rank``: who decided it). ``by``: the rank that published it
-    (a lost rank's own monitor, or the one watching it).
+    """One event of a job's board: ``rank`` lost (with ``reason``) or back, round ``number`` opened,
+    or the outcome at ``key`` decided as ``value`` (``rank``: who decided). ``by``: its publisher.
 
     Example::
 
@@ -453,14 +405,12 @@ def decode(cls: type[R], raw: Union[bytes, str]) -> R:
         >>> decode(Verdict, b'{"message": "", "outcome": "ok"}')
         Verdict(outcome=<CheckOutcome.OK: 'ok'>, message='')
     """
-    text = raw.decode() if isinstance(raw, bytes) else raw
-    record: R = _build(cls, json.loads(text))
+    record: R = _build(cls, json.loads(raw.decode() if isinstance(raw, bytes) else raw))
     return record
 
 
 def encode_events(events: Sequence[BoardEvent]) -> str:
-    """The text of one entry of a job's board: one event as its record, several published together
-    (a node's ranks found lost at one look) as a list of them.
+    """The text of one board entry: one event as its record, several published together as a list.
 
     Example::
 

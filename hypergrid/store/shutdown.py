@@ -1,9 +1,8 @@
 """Every thread hypergrid starts is ended before the interpreter tears itself down.
 
-CPython ends daemon threads still running at exit by ``pthread_exit`` when one takes the GIL back
-during finalization (Python 3.11 to 3.13). A thread in a store call takes it back in pybind11's
-``noexcept`` ``gil_scoped_release`` destructor, so the unwinding ends in ``std::terminate`` and
-the finished job dies with SIGABRT. So each thread is registered as a :class:`Service`, and one
+CPython 3.11-3.13 ends a daemon thread that takes the GIL back during finalization by
+``pthread_exit``; in a store call that happens in pybind11's ``noexcept`` destructor, so the
+finished job dies with SIGABRT. Each thread is registered as a :class:`Service`, and one
 ``atexit`` hook, run while the interpreter is whole, stops them all and waits for each, bounded.
 
 Example::
@@ -29,8 +28,7 @@ __all__ = ["Service", "register", "unregister", "stop_all", "STOP_WAIT_S"]
 
 logger = logging.getLogger(__name__)
 
-#: How long the exit hook waits for all services together (a store call comes back well within
-#: it unless the store's host is gone, and then the process leaves anyway).
+#: How long the exit hook waits for all services together (past it, the process leaves anyway).
 STOP_WAIT_S = 10.0
 
 
@@ -76,7 +74,7 @@ def stop_all(timeout_s: float = STOP_WAIT_S) -> None:
     for service in services:
         try:
             service.stop()
-        except Exception as exc:  # one service failing to stop must not keep the others running
+        except Exception as exc:  # one failing must not keep the others running
             logger.debug("stopping %s: %s", service.name, exc)
     end = time.monotonic() + timeout_s
     for service in services:

@@ -1,17 +1,10 @@
 """A client of torch's TCPStore that needs no torch: the monitor process's connection to the store.
 
-A rank's monitor (:mod:`hypergrid.liveness.monitor`) is a process of its own so that a paused
-interpreter cannot stop its heartbeat; importing torch would cost it 216 MB (torch 2.13, CPU
-build) to 523 MB (torch 2.15, CUDA build) of memory of its own, against 12 MB for a bare Python.
-So it speaks the store's wire protocol itself, the few messages it needs, exactly as torch's own
-client frames them (read off torch 2.13.0 and 2.15.0 clients talking to both of torch's servers,
-the libuv one and the classic one): one byte naming the query, strings and byte strings as a
-little-endian 64-bit length and the bytes, numbers as little-endian 64-bit integers, and every
-key behind a ``/``, as torch's client puts it, so that both reach the same keys. A connection
-opens as torch's does, with the validation number and a ping the server echoes; a store that
-does not echo it is refused at once, naming its address, rather than misread later.
-``tests/test_control_tcpstore.py`` checks every message against the installed torch's server and
-client.
+A rank's monitor process would pay 200-500 MB of memory to import torch (12 MB bare), so it
+speaks the few messages it needs exactly as torch's client frames them (one query byte, lengths
+and numbers as little-endian 64-bit integers, every key behind a ``/``), for both of torch's
+servers. A store that does not echo the opening ping is refused at once, naming its address.
+``tests/test_control_plane.py`` checks these messages against the installed torch.
 
 Example, against a server of torch's (here started by torch in this process)::
 
@@ -43,11 +36,9 @@ _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
 _DELETE_KEY, _APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 8, 9, 10, 12, 13
 _MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
-#: How long one try at a connection waits for the ping's echo before it connects again. torch's
-#: servers take a new connection seconds late now and then: they look the new client's address up
-#: by name on the thread that answers every client, and a resolver that leaves the query
-#: unanswered holds the whole store for its timeout (5 s; here one lookup in about 50, the peer
-#: being ``::ffff:127.0.0.1`` on a dual-stack listener). A try made again would only queue behind it.
+#: How long one try waits for the ping's echo before connecting again. torch's servers resolve a new
+#: client's name on the thread that answers everyone, so a slow resolver holds the store for 5 s:
+#: a sooner try would only queue behind it.
 _PING_TRY_S = 10.0
 _READY = 0
 
@@ -66,15 +57,13 @@ def _string(data: bytes) -> bytes:
 
 class WireStore:
     """One connection to a TCPStore server; every call waits for its answer up to :attr:`timeout_s`.
-
-    ``requests``, ``bytes_sent`` and ``bytes_received`` count what crossed it (for the
-    control-plane benchmark, and to check the monitor's cost).
-    """
+    ``requests``, ``bytes_sent`` and ``bytes_received`` count what crossed it."""
 
     def __init__(self, sock: socket.socket, address: tuple[str, int], timeout_s: float) -> None:
         self.address = address
         self._sock = sock
-        self._timeout_s = timeout_s
+        #: How long each call waits for its answer (a wait given its own time excepted).
+        self.timeout_s = timeout_s
         self.requests = 0
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -83,9 +72,7 @@ class WireStore:
     @classmethod
     def connect(cls, host: str, port: int, *, timeout_s: float, call_timeout_s: Optional[float] = None) -> WireStore:
         """Open a connection within ``timeout_s`` and check that the store answers as torch's
-        TCPStore does. Its calls then wait up to ``call_timeout_s`` each (default: ``timeout_s``;
-        :attr:`timeout_s` changes it): how long a connection may take to open is not how long its
-        calls may take (a store that takes a new connection in a second may answer a call late).
+        TCPStore does. Its calls then wait up to ``call_timeout_s`` each (default: ``timeout_s``).
 
         Raises:
             OSError: nothing accepts connections at ``host:port`` within ``timeout_s``.
@@ -100,9 +87,8 @@ class WireStore:
             store = cls(sock, (host, port), max(0.05, min(deadline - time.monotonic(), _PING_TRY_S)))
             nonce = (os.getpid() * 7919 + attempt) & 0xFFFFFFFF
             try:
-                # As torch's client: the validation number, then a ping the server echoes, each a
-                # message of its own (a store host may take the two in one read and lose the ping;
-                # torch's client then connects again, and so does this one).
+                # Two messages, as torch's client sends them: a host may read both at once and lose
+                # the ping, and then (as torch's client) this one connects again.
                 store._send(struct.pack("<BI", _VALIDATE, _MAGIC))
                 store._send(struct.pack("<BI", _PING, nonce))
                 echoed = struct.unpack("<I", store._recv(4))[0]
@@ -117,20 +103,10 @@ class WireStore:
                 store.close()
                 raise StoreProtocolError(f"the store at {host}:{port} answered a ping with {echoed}, not {nonce}: "
                                          f"it does not speak torch's TCPStore protocol")
-            store._timeout_s = timeout_s if call_timeout_s is None else call_timeout_s
+            store.timeout_s = timeout_s if call_timeout_s is None else call_timeout_s
             store.requests = 1
             return store
 
-    @property
-    def timeout_s(self) -> float:
-        """How long each call waits for its answer (a wait given its own time excepted)."""
-        return self._timeout_s
-
-    @timeout_s.setter
-    def timeout_s(self, seconds: float) -> None:
-        self._timeout_s = seconds
-
-    # ------------------------------------------------------------------ the bytes
     def fileno(self) -> int:
         return self._sock.fileno()
 
@@ -141,23 +117,23 @@ class WireStore:
             pass
 
     def _send(self, data: bytes) -> None:
-        self._sock.settimeout(self._timeout_s)
+        self._sock.settimeout(self.timeout_s)
         try:
             self._sock.sendall(data)
         except TimeoutError as exc:
-            raise StoreTimeout(f"the store at {self._where()} took more than {self._timeout_s:g} s to take a "
+            raise StoreTimeout(f"the store at {self._where()} took more than {self.timeout_s:g} s to take a "
                                f"request") from exc
         self.requests += 1
         self.bytes_sent += len(data)
 
     def _recv(self, size: int) -> bytes:
-        self._sock.settimeout(self._timeout_s)
+        self._sock.settimeout(self.timeout_s)
         chunks, got = [], 0
         while got < size:
             try:
                 chunk = self._sock.recv(size - got)
             except TimeoutError as exc:
-                raise StoreTimeout(f"the store at {self._where()} did not answer within {self._timeout_s:g} s") from exc
+                raise StoreTimeout(f"the store at {self._where()} did not answer within {self.timeout_s:g} s") from exc
             if not chunk:
                 raise StoreProtocolError(f"the store at {self._where()} closed the connection")
             chunks.append(chunk)
@@ -176,15 +152,13 @@ class WireStore:
     def _key(key: str) -> bytes:
         return _string(("/" + key).encode())
 
-    # ------------------------------------------------------------------ the calls
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter at ``key`` (made at 0); its new value. ``add(key, 0)`` reads it."""
         self._send(bytes([_ADD]) + self._key(key) + struct.pack("<q", amount))
         return int(struct.unpack("<q", self._recv(8))[0])
 
     def add_many(self, keys: Sequence[str], amount: int) -> list[int]:
-        """:meth:`add` ``amount`` to each of ``keys``, the requests sent together: one round trip
-        (a node's leader reads its node's watched counters so), one request each."""
+        """:meth:`add` ``amount`` to each of ``keys`` in one round trip (one request each)."""
         if not keys:
             return []
         self._send(b"".join(bytes([_ADD]) + self._key(key) + struct.pack("<q", amount) for key in keys))
@@ -192,7 +166,7 @@ class WireStore:
         return [int(struct.unpack("<q", self._recv(8))[0]) for _ in keys]
 
     def set(self, key: str, value: bytes) -> None:
-        """Set ``key`` (no answer comes back: torch's client does not wait for one either)."""
+        """Set ``key`` (no answer comes back)."""
         self._send(bytes([_SET]) + self._key(key) + _string(value))
 
     def append(self, key: str, value: bytes) -> None:
@@ -216,29 +190,27 @@ class WireStore:
         return self._recv(1)[0] == _READY
 
     def get(self, key: str, *, within_s: Optional[float] = None) -> bytes:
-        """``key``'s value, waiting until it is set (up to ``within_s``, else the connection's
-        timeout), as torch's client does: a wait, then the get.
+        """``key``'s value, waiting until it is set (up to ``within_s``, else the connection's timeout).
 
         Raises:
             StoreTimeout: ``key`` was not set in time.
         """
-        seconds = self._timeout_s if within_s is None else within_s
+        seconds = self.timeout_s if within_s is None else within_s
         if not self.wait([key], seconds):
             raise StoreTimeout(f"{key!r} was not set within {seconds:g} s")
         self._send(bytes([_GET]) + self._key(key))
         return self._recv_bytes()
 
     def read(self, key: str) -> bytes:
-        """The value of ``key``, known to be set (a wait for it was answered): one request, where
-        :meth:`get` makes two. torch's servers answer a key that is not set with an empty value
-        (the libuv one) or drop the connection (the classic one), so nothing else may call it."""
+        """The value of ``key``, known to be set, in one request where :meth:`get` makes two. For an
+        unset key torch's servers answer empty (libuv) or drop the connection (classic)."""
         self._send(bytes([_GET]) + self._key(key))
         return self._recv_bytes()
 
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
-        """The values of ``keys``, waiting (up to the timeout) until all are set, as torch's client does."""
-        if not self.wait(keys, self._timeout_s):
-            raise StoreTimeout(f"{len(keys)} keys were not all set within {self._timeout_s:g} s")
+        """The values of ``keys``, waiting (up to the timeout) until all are set."""
+        if not self.wait(keys, self.timeout_s):
+            raise StoreTimeout(f"{len(keys)} keys were not all set within {self.timeout_s:g} s")
         self._send(bytes([_MULTI_GET]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
         return [self._recv_bytes() for _ in keys]
 
@@ -253,11 +225,9 @@ class WireStore:
             return False
         return self._waited(answer)
 
-    # ------------------------------------------------------------------ a wait left pending
     def start_wait(self, keys: Sequence[str]) -> None:
-        """Ask the store to answer once every key is set, and return at once: the answer (one
-        byte) comes when it comes; :meth:`finish_wait` reads it once :meth:`fileno` is readable.
-        A pending wait costs the store nothing until the keys are set, and the client no request."""
+        """Ask the store to answer once every key is set, and return at once: :meth:`finish_wait`
+        reads the answer once :meth:`fileno` is readable. A pending wait costs the store nothing."""
         if self._waiting:
             raise StoreProtocolError("a wait is already pending on this connection")
         self._send(bytes([_WAIT]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
@@ -272,7 +242,7 @@ class WireStore:
         return self._waited(self._recv(1))
 
     def cancel_wait(self) -> None:
-        """Withdraw the pending wait (its keys may have been set meanwhile: that answer is read too)."""
+        """Withdraw the pending wait (reading its answer too if the keys were set meanwhile)."""
         if not self._waiting:
             return
         self._send(bytes([_CANCEL_WAIT]))
