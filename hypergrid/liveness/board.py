@@ -71,6 +71,7 @@ def put_entry(store: BoardWriter, channel: JobChannel, payload: bytes, first: in
     """
     index = first
     while (held := store.compare_set(channel.board_slot(index), b"", payload)) != payload:
+        # Its publisher may have ended between its compare_set and its set: wake its waiters.
         store.set(channel.board_slot(index), held)
         index += 1
     store.set(channel.board_slot(index), payload)
@@ -104,7 +105,7 @@ def claim_slot(store: BoardWriter, channel: JobChannel, events: Sequence[BoardEv
         held = store.compare_set(channel.board_slot(index), b"", payload)
         if held == payload:
             break
-        store.set(channel.board_slot(index), held)
+        store.set(channel.board_slot(index), held)  # wake its waiters, as above
         for event in decode_events(held):
             if event.kind is EventKind.LOST:
                 on_board.add(event.rank)

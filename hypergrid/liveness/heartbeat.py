@@ -95,6 +95,8 @@ class Heartbeat:
 
     # ------------------------------------------------------------------ the monitor process
     def _start_monitor(self) -> subprocess.Popen:
+        # A session of its own: a launcher ending the rank's process group must not end the monitor
+        # that publishes that end.
         proc = subprocess.Popen(
             [sys.executable, "-S", "-c", _BOOT, _PACKAGE_ROOT, json.dumps(asdict(self.config))],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True, start_new_session=True)

@@ -5,7 +5,7 @@ of its own, with no torch, so that nothing the rank's interpreter does (a GIL he
 stops it. Every interval a node's monitors make two store requests per rank, whatever the job's
 size: each beats from a thread of its own (a late store cannot make it look silent), and the
 node's relay delegate reads the counters its node's ranks watch in the ring and publishes the
-losses of one look as one board entry; a follower takes the node's watch over from a stuck one.
+losses of one look as one board entry; a follower takes the node's watch over from a stuck delegate.
 
 The rank's end is seen from outside (a ``pidfd``, else its parent pid every 0.1 s) and published at
 once; a hang only after ``progress_timeout_s`` with no tick from its interpreter; ``bye`` marks the
@@ -79,7 +79,7 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """The job a monitor serves: its board's channel, its ranks as ``(first, count)`` runs, the ranks per node."""
+    """The job a monitor serves: its board's channel, its ranks as ``(first, count)`` runs, its ``gpus_per_node``."""
 
     channel: JobChannel
     runs: tuple[tuple[int, int], ...]
@@ -371,7 +371,7 @@ class RankMonitor:
             return
         channel, index = job.spec.channel, job.next_event
         try:
-            if not board.waiting:
+            if not board.waiting:  # nothing asked yet: ask (answered at once where the entry is there)
                 board.start_wait([channel.board_slot(index)])
                 return
             board.finish_wait()

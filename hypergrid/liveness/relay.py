@@ -4,7 +4,8 @@ Were each monitor to wait on the board itself, every entry would cost the store 
 requests per rank (some 260,000 requests for eight entries at 16,384 ranks). So the monitors of
 one node elect a *delegate* by binding the node's abstract Unix socket name (:func:`elect`: no file
 to clean up, released when its holder ends; another user's process is neither followed nor
-accepted), which keeps the node's one wait and hands each entry to the others over that socket.
+accepted). The delegate keeps the node's one wait on the board and hands each entry to the
+others over that socket.
 
 Every relayed entry carries its board index and a new follower is told the delegate's position
 first, so a follower that missed entries reads them from the store itself: none is lost or seen

@@ -1,7 +1,8 @@
 """Who watches whom: a ring over a job's ranks in which every rank's watcher is on another node,
 and, where the job has more than a few nodes, on a node far from it.
 
-Each rank watches its *successor*, one heartbeat per rank and interval. The ring visits local
+Each rank's *successor* is watched on its behalf (by its node's delegate, or its own monitor
+alone), one heartbeat per rank and interval. The ring visits local
 index 0 of every node, then local 1 of every node, and so on, so that a node lost whole, monitors
 and all, has each of its ranks watched from a node still there. The nodes are visited with the
 job's two halves interleaved (with ``h = ceil(K / 2)`` of ``K`` nodes: the first, the ``h``-th, the

@@ -1,11 +1,12 @@
 """A monitor's watch: the heartbeat counters it reads, and when a counter's silence means a loss.
 
-A watcher reads, in one round trip per look, the counters of the ranks its starts watch
+A watcher (a node's delegate for its node's ranks, a monitor alone for its own rank) reads at
+each look, in one round trip, the counters of the ranks those watch
 (:meth:`~hypergrid.liveness.ring.Ring.watched_from`). A counter that stood still over ``stale_beats``
 looks and intervals of the watcher's own clock (no clocks are compared across hosts) means its
 rank's node, or monitor, is gone. Silence is judged on what the store answered, not on how long it
 took. Past a rank lost or departed, the watch walks on to the next one; the counters walked to are
-read together, one round trip per step of the longest walk, never one per rank.
+read together, one round trip per hop of the longest walk, never one per rank.
 
 Example, a watcher of rank 1 whose counter stands still (the reads given)::
 
@@ -38,7 +39,8 @@ class Watched:
     """What a watcher saw of one counter."""
 
     value: int
-    #: The earliest its last beat may have come: the look before the one that first found ``value``.
+    #: The earliest its last beat may have come: the look before the one that first found ``value``,
+    #: or that first look where there was none before it.
     since: float
     #: When a look first found ``value``: the latest its last beat may have come.
     first_seen: float

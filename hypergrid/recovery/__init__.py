@@ -48,7 +48,7 @@ def recover(job: ResilientJob, *, failed: Optional[Sequence[int]] = None, timeou
 
 def grow(job: ResilientJob, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
          gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-    """The job grown back towards its made size (:meth:`ResilientJob.grow`). Example, with no process
+    """The job grown back towards the size it was made with (:meth:`ResilientJob.grow`). Example, with no process
     group (nobody to grow with)::
 
         >>> from hypergrid import HyperCommGrid

@@ -82,7 +82,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
         while True:
             rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound), ahead=job.record)
             if board is None:
-                # From the latest commit's entry (no job rank is lost before it), heard before the leader looks.
+                # From the latest commit's entry (no job rank is lost before it); heard before this rank
+                # arrives, so before the leader looks.
                 board = board_view(job.channel, plane, rnd.record.board_from if rnd.record else 0)
                 if beat is not None:
                     board.hear_from(beat)
@@ -216,8 +217,8 @@ def _end_rebuild(rnd: RecoveryRound, board: BoardView, outcome: StepOutcome) -> 
 
 
 def _rebuild_outcome(rnd: RecoveryRound, board: BoardView, fallback_s: float) -> StepOutcome:
-    """How the round's rebuild ended, for a participant outside the new placement (at the deadline
-    this rank ends it)."""
+    """How the round's rebuild ended, for a participant outside the new placement: heard or read
+    until the deadline, when this rank ends it unless an outcome stands."""
     rebuild = rnd.keys.rebuild(REBUILD_LABEL)
     raw = meeting.wait_outcome(rnd.store, rebuild, rnd.store.remaining(), board if board.hearing else None, fallback_s)
     if raw is None:

@@ -62,7 +62,7 @@ class ResilientJob:
     next_round: int = 0  #: the first recovery round this rank has not taken part in
     step: Optional[int] = None
     timeout: timedelta = DEFAULT_TIMEOUT  #: :meth:`recover`'s default
-    collective_timeout: Optional[timedelta] = None  #: the longest of the job's: how long a live rank is waited for
+    collective_timeout: Optional[timedelta] = None  #: the longest collective timeout: how long a live rank is waited for
     made_shape: tuple[int, ...] = ()  #: the shape the job was made with, what :meth:`grow` returns to
     settings: RecoverySettings = dataclasses.field(default_factory=RecoverySettings)
     #: How long this rank's part of the latest rounds-based recovery took (None: none yet).
@@ -175,7 +175,8 @@ class ResilientJob:
     @property
     def world(self) -> Optional[dist.ProcessGroup]:
         """A group over the grid's ranks in the grid's order, for code that would use the default group
-        (which counts spares and lost ranks); made on first use, None outside the grid. Example, as
+        (which counts spares and lost ranks); made on first use, by every rank of the grid alike, None
+        outside the grid. Example, as
         rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -199,7 +200,7 @@ class ResilientJob:
     @property
     def replica_group(self) -> Optional[dist.ProcessGroup]:
         """This rank's group along ``settings.replica_dim``: the peers that hold the same state. Made on
-        first use, None outside the grid; ValueError where ``replica_dim`` is not a dim of the grid.
+        first use, by every rank of the grid alike, None outside the grid; ValueError where ``replica_dim`` is not a dim of the grid.
         Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -221,7 +222,8 @@ class ResilientJob:
     @property
     def copy_group(self) -> Optional[dist.ProcessGroup]:
         """Like :attr:`world` but a communicator of its own, for partner copies: over NCCL it is another
-        stream, so a copy in flight does not hold back the step's collectives. Made on first use.
+        stream, so a copy in flight does not hold back the step's collectives. Made on first use,
+        by every rank of the grid alike.
         Example, as rank 1 of a 6-rank job on torch's fake backend (ranks 4 and 5 spares)::
 
             >>> from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -330,7 +332,7 @@ class ResilientJob:
 
     def grow(self, *, timeout: Optional[timedelta] = None, step: Optional[int] = None,
              gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
-        """Add replicas of waiting spares back along the replica dim, up to the made size; every rank of
+        """Add replicas of waiting spares back along the replica dim, up to the size it was made with; every rank of
         the grid calls it at the same point, while the spares wait in :meth:`wait_as_spare`. Example,
         with no process group (nobody to grow with)::
 

@@ -88,7 +88,8 @@ def recovery_strategy(strategy: str) -> str:
 
 
 def world_grid(layout: GridLayout) -> HyperCommGrid:
-    """A grid of one dim, ``world``, over ``layout``'s ranks in order: the default group's stand-in.
+    """A grid of one dim, ``world``, over ``layout``'s ranks in order, whose one group (made among
+    its members only) stands in for the default group (:attr:`ResilientJob.world`).
 
     >>> world_grid(GridLayout((2, 2), ("tp", "dp"), rank_offset=4)).ranks("world", rank=5)
     [4, 5, 6, 7]
@@ -99,7 +100,8 @@ def world_grid(layout: GridLayout) -> HyperCommGrid:
 
 
 def job_grid(layout: GridLayout) -> HyperCommGrid:
-    """A grid over ``layout``'s ranks and dims for the job's own groups beside the user's.
+    """A grid over ``layout``'s ranks and dims for the job's own groups beside the user's (made among
+    their members only, ``strategy="fresh"``).
 
     >>> job_grid(GridLayout((2, 2), ("tp", "dp"))).ranks("dp", rank=1)
     [1, 3]

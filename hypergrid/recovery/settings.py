@@ -1,4 +1,4 @@
-"""A resilient job's settings, set once: node size, the replica dim and the recovery's timings.
+"""A resilient job's settings, set once: ``gpus_per_node``, the replica dim and the recovery's timings.
 
 Every rank must plan a recovery alike, so the settings are one frozen value carried in every
 arrival and compared by the round's leader: ranks whose settings differ end the round with an error.
@@ -24,7 +24,7 @@ from ..layout.checks import as_int
 
 __all__ = ["RecoverySettings", "DEFAULT_GPUS_PER_NODE"]
 
-#: Ranks per node where neither the job nor torchrun's LOCAL_WORLD_SIZE says.
+#: ``gpus_per_node`` where neither the job nor torchrun's LOCAL_WORLD_SIZE says.
 DEFAULT_GPUS_PER_NODE = 8
 
 
@@ -38,14 +38,14 @@ class RecoverySettings:
     """How a resilient job recovers; the same on every rank of it. ``gpus_per_node`` defaults to
     torchrun's ``LOCAL_WORLD_SIZE``, else 8; timings are in seconds."""
 
-    gpus_per_node: int = field(default_factory=_launcher_node_size)  #: a lost node's ranks go to a spare node
-    replica_dim: str = "dp"  #: whose replicas are dropped when spares run out, and grown back
+    gpus_per_node: int = field(default_factory=_launcher_node_size)  #: ranks per node: a lost node's go to a spare node
+    replica_dim: str = "dp"  #: the dim whose replicas are dropped when spares run out, and grown back
     leader_look_s: float = 0.1  #: how often the round's leader looks
-    leader_quiet_s: float = 4.0  #: how long its beat may stand still before another takes over
-    arrival_margin_s: float = 5.0  #: past the longest collective timeout, for a live rank to arrive
+    leader_quiet_s: float = 4.0  #: how long the leader's beat may stand still before another takes over
+    arrival_margin_s: float = 5.0  #: how long past the longest collective timeout a live rank may take to arrive
     outcome_fallback_s: float = 30.0  #: how long a wait that hears the board goes without reading the store
     spare_slice_s: float = 30.0  #: how long a spare blocks at a time
-    probe_s: float = 10.0  #: one probe of a group
+    probe_s: float = 10.0  #: how long one probe of a group may take
 
     def __post_init__(self) -> None:
         number = as_int(self.gpus_per_node, "gpus_per_node")

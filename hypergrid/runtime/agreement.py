@@ -4,7 +4,8 @@ torch's group constructors block until every member arrives; a member that built
 asked in another order, or died leaves the others waiting for the full timeout with no hint of
 who or why. So the members first meet in a *check* in the job's store, named by what they share:
 their member set and an *epoch* the store counts for it. The lowest member, the *decider*, reads
-every entry and posts one verdict; every member acts on that verdict. The invariant:
+every entry and decides the check's verdict (a follower decides a timeout where its decider is
+silent); every member acts on the verdict that stands. The invariant:
 
     An epoch is advanced only once every member has read it, or once its check has failed for
     every member that reads its verdict, and before its verdict is posted. So two members read
@@ -277,7 +278,7 @@ def _await_members(check: Check, timeout: timedelta) -> dict[int, Entry]:
     looks at the absent once (:func:`~hypergrid.runtime.diagnosis.judge_absent`)."""
     until = _waiting_until(check, timeout)
     slices = _slices(_FIRST_LOOK_S)
-    counted = False
+    counted = False  # once counted, the complete key is set and a wait returns at once: sleep instead
     while True:
         seconds = min(next(slices), until - time.monotonic())
         arrived: Optional[set[int]] = None
@@ -350,8 +351,9 @@ def _follow(check: Check, timeout: timedelta) -> None:
 
 def explain_creation_failure(label: str, members: Sequence[int], agreement: Optional[Agreement],
                              check_id: Optional[CheckId]) -> str:
-    """After torch failed to create an agreed group: the members that never reported failing too
-    (they died or hang inside torch); empty when nothing can be said.
+    """After torch failed to create an agreed group: marks this rank failed in the check, waits
+    briefly for the others to mark theirs, and names those that did not (they died or hang inside
+    torch); empty when nothing can be said.
 
     Example::
 

@@ -112,11 +112,12 @@ def failed_step(store: StoreClient) -> Optional[tuple[WorldStep, StepOutcome]]:
 
 def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]] = None,
                 attempt: Optional[str] = None) -> Optional[WorldStep]:
-    """Every rank of the world (or of ``ranks``) starts ``label`` together; returns the step.
+    """Every rank of the world (or of ``ranks``) starts ``label`` together; returns the world step.
 
-    After the start all have read the step's epoch, so its end is named alike on all; a rank that
-    does not arrive within ``timeout`` fails the start on every rank that did, naming it. With
-    ``attempt`` (a name all of ``ranks`` hold, a round's keys) the step starts at once.
+    After the start all have read the world step's epoch, so its end is named alike on all; a rank
+    that does not arrive within ``timeout`` fails the start on every rank that did, naming it.
+    ``attempt``: a name all of ``ranks`` hold and no other world step of theirs will (a round's
+    keys): the world step starts at once, with no meeting.
 
     Example::
 
@@ -211,7 +212,8 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
 
 def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: Optional[RecoveryScope],
             at: Optional[Meeting] = None) -> bytes:
-    """The standing outcome at ``at`` (the step's end by default); a round's step tells the board."""
+    """The standing outcome at ``at`` (the world step's end by default); at the end of a world step
+    named by its round, the rank whose proposal stands tells the board."""
     at = step.end if at is None else at
     encoded = encode(proposal).encode()
     standing = meeting.decide(store, at, encoded)
@@ -221,7 +223,7 @@ def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: O
 
 
 def _outcome(store: StoreClient, step: WorldStep, at: Meeting) -> StepOutcome:
-    """The outcome at ``at`` (the step's start or end), decided by whoever learns it first: the last
+    """The outcome at ``at`` (the world step's start or end), decided by whoever learns it first: the last
     participant counted, one that failed, one whose deadline passed, or, inside a recovery, a loss.
     Raises :class:`~hypergrid.errors.GroupTimeoutError` where participants were lost."""
     scope = current_scope()

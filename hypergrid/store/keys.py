@@ -117,8 +117,8 @@ def last_state_key(rank: int) -> str:
 @dataclass(frozen=True)
 class WorldStepKeys:
     """The world steps of one set of participants (empty: the whole world): their epoch counter,
-    ``cleaned`` (the first epoch whose keys may remain) and each step's start and end meetings. A
-    step named by an attempt (a recovery round) has only an end, under that name.
+    ``cleaned`` (the first epoch whose keys may remain) and each world step's start and end meetings.
+    A world step named by an attempt (a recovery round) has only an end, under that name.
 
     Example::
 
@@ -184,7 +184,7 @@ class RoundKeys:
         return Meeting(f"{self.base}/arrivals")
 
     def rebuild(self, label: str) -> Meeting:
-        """The round's rebuild end (a world step named by the round)."""
+        """The end of the round's rebuild (a world step named by the round): the round's end."""
         return WorldStepKeys.attempt_end(self.base, label)
 
 

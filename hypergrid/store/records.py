@@ -277,8 +277,8 @@ class FailureVerdict:
     """How one recovery round ended its wait: the failed ranks (one reason line each), the ranks
     that ``offered`` themselves, the least step any participant can resume from, and the ranks
     that aborted their communicators (``aborted_by``, ``(first, count)`` runs). ``abandoned``
-    non-empty: the recovery ends in an error on every participant. ``board_read``: the board
-    entries the leader had read when it decided. Sized by failures and offers, never by the job.
+    non-empty: the recovery ends in an error on every participant. ``board_read``: how many board
+    entries the leader had read when it decided (every job rank lost in them is failed). Sized by failures and offers, never by the job.
 
     Example::
 
@@ -305,7 +305,7 @@ class JobRecord:
     """A job's placement as its latest committed round left it: shape, rank map runs, spares and
     resume step. ``gone``: why each lost rank was counted out, for a rank that learns late.
     ``board_from``: the board entry the next recovery reads from (the committing round's
-    ``board_read``), so reading the board never costs more as earlier recoveries pile entries up.
+    ``board_read``; no rank this record counts on is lost in the entries before it), so reading the board never costs more as earlier recoveries pile entries up.
 
     Example::
 
@@ -352,7 +352,7 @@ class JobState:
 
 class EventKind(str, enum.Enum):
     """What a job's board says: a rank was lost or is back, a recovery round opened, or a meeting's
-    outcome was decided (heard here instead of read from the store)."""
+    outcome was decided (which the ranks hear from the board instead of reading the store)."""
 
     LOST = "lost"
     BACK = "back"

@@ -1,8 +1,8 @@
 """Every thread hypergrid starts is ended before the interpreter tears itself down.
 
 CPython 3.11-3.13 ends a daemon thread that takes the GIL back during finalization by
-``pthread_exit``; in a store call that happens in pybind11's ``noexcept`` destructor, so the
-finished job dies with SIGABRT. Each thread is registered as a :class:`Service`, and one
+``pthread_exit``; in a store call that happens in pybind11's ``noexcept`` ``gil_scoped_release``
+destructor, so the unwinding calls ``std::terminate`` and the finished job dies with SIGABRT. Each thread is registered as a :class:`Service`, and one
 ``atexit`` hook, run while the interpreter is whole, stops them all and waits for each, bounded.
 
 Example::
