@@ -24,11 +24,11 @@ Measured, per size:
   ``--connections`` ranks share a waits' connection, taking turns; what a turn that ran out cost
   is reported apart, as re-waits).
 
-Beside it, the design it replaced ("scan": every rank adds to its heartbeat and reads up to 1,024
+Beside it, the naive design ("scan": every rank adds to its heartbeat and reads up to 1,024
 other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
 the same client.
 
-Each node's monitors elect a relay leader (:mod:`hypergrid.liveness.relay`, abstract Unix
+Each node's monitors elect a relay delegate (:mod:`hypergrid.liveness.relay`, abstract Unix
 sockets, within a worker as on a host), which alone has a board connection and waits on the
 board, and hands each event to the node's other monitors: the store's work of delivering an
 event is two requests per node, and each loss's line says how many the board's waits made.
@@ -126,14 +126,14 @@ def _worker(spec: dict) -> None:
         return
 
     received: dict[int, dict[int, float]] = {}  # victim -> rank -> when it heard
-    by_leaders: dict[int, dict[int, float]] = {}  # the same, for the ranks whose monitor waits on the board
+    by_delegates: dict[int, dict[int, float]] = {}  # the same, for the ranks whose monitor waits on the board
     monitors: dict[int, Any] = {}
     selector = selectors.DefaultSelector()
     registered: dict[int, set[int]] = {}  # rank -> its monitor's descriptors in the selector
 
     def sync(rank: int) -> None:
         """Keep the selector on what ``rank``'s monitor reads, after anything it did: its relay
-        may have changed (a new leader), and a socket it closed may have come back under the same
+        may have changed (a new delegate), and a socket it closed may have come back under the same
         number, which epoll forgot with the old one: every one of its descriptors anew."""
         for fd in registered.pop(rank, set()):
             try:
@@ -147,14 +147,14 @@ def _worker(spec: dict) -> None:
             selector.register(fd, selectors.EVENT_READ, rank)
 
     halted: set[int] = set()
-    boards: list[Any] = []  # every board connection a relay leader opened, closed ones too: their requests count
+    boards: list[Any] = []  # every board connection a relay delegate opened, closed ones too: their requests count
 
     def board_connection(timeout_s: float) -> Any:
         boards.append(WireStore.connect(host, port, timeout_s=600.0))
         return boards[-1]
 
     if ring:
-        # Each rank's monitor as in a cluster: its node's monitors elect a relay leader, which
+        # Each rank's monitor as in a cluster: its node's monitors elect a relay delegate, which
         # alone opens a board connection and waits on the board, and hands the events on.
         channel = JobChannel(spec["namespace"], "bench", 0)
         job = JobSpec(channel, ((0, n),), NODE)
@@ -162,8 +162,8 @@ def _worker(spec: dict) -> None:
             def hear(event: Any, rank: int = rank) -> None:
                 if event.kind.value == "lost":
                     received.setdefault(event.rank, {}).setdefault(rank, time.time())
-                    if monitors[rank].board is not None:  # its node's relay leader: the store's delivery
-                        by_leaders.setdefault(event.rank, {}).setdefault(rank, time.time())
+                    if monitors[rank].board is not None:  # its node's relay delegate: the store's delivery
+                        by_delegates.setdefault(event.rank, {}).setdefault(rank, time.time())
 
             monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
                                   now=time.monotonic(), connect=_first_then_new(beat_conn[rank // share], board_connection))
@@ -264,7 +264,7 @@ def _worker(spec: dict) -> None:
                     for v in victims:
                         heard = received.get(v, {})
                         times = [heard[r] for r in live if r in heard]
-                        leads = [t for r, t in by_leaders.get(v, {}).items() if r not in halted]
+                        leads = [t for r, t in by_delegates.get(v, {}).items() if r not in halted]
                         out[v] = [len(times), len(live), max(times) if times else None, max(leads) if leads else None]
                     print(json.dumps(out), flush=True)
                 elif word == "round":
@@ -689,18 +689,18 @@ class _BoardClock(threading.Thread):
 
 class Detection(NamedTuple):
     """One loss, in seconds from the death (None: not within the limit): on the board, heard by
-    every node's relay leader (the store's delivery), heard by every rank (and the relays' hop,
+    every node's relay delegate (the store's delivery), heard by every rank (and the relays' hop,
     and the simulation's handling of it by each simulated monitor in turn); and the requests the
     board's waits made meanwhile (the store's work of delivering it)."""
 
     published: Optional[float]
-    leaders: Optional[float]
+    delegates: Optional[float]
     everyone: Optional[float]
     board_requests: Optional[int]
 
 
 def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[int], limit_s: float) -> Detection:
-    """How long ``command`` (die/halt) of ``victims`` took to reach the board, the leaders and every rank."""
+    """How long ``command`` (die/halt) of ``victims`` took to reach the board, the delegates and every rank."""
     before = sum(r["board_requests"] for r in workers.ask("counters"))
     killed = time.time()
     workers.send(f"{command} {' '.join(map(str, victims))}" if command == "halt" else f"die {victims[0]}")
@@ -711,10 +711,10 @@ def _detect(workers: Workers, clock: _BoardClock, command: str, victims: list[in
         if any(sum(r[str(v)][0] for r in reports) < sum(r[str(v)][1] for r in reports) for v in victims):
             continue
         last = max(r[str(v)][2] for r in reports for v in victims if r[str(v)][2] is not None)
-        leaders = max(r[str(v)][3] for r in reports for v in victims if r[str(v)][3] is not None)
+        delegates = max(r[str(v)][3] for r in reports for v in victims if r[str(v)][3] is not None)
         published = [clock.published[v] for v in victims if v in clock.published]
         spent = sum(r["board_requests"] for r in workers.ask("counters")) - before
-        return Detection(max(published) - killed if len(published) == len(victims) else None, leaders - killed,
+        return Detection(max(published) - killed if len(published) == len(victims) else None, delegates - killed,
                          last - killed, spent)
     return Detection(None, None, None, None)
 
@@ -723,8 +723,8 @@ def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict
     """Only the board's delivery, at ``n`` ranks: one simulated monitor per node (so each leads its
     node's relay, with a board connection of its own), no ticks. A node's 8 losses published back
     to back, in 8 entries (as 8 watchers of their own publish them, where there is no relay) and
-    in 2 (the most a node's leader needs: its ranks' last beats came within an interval, so they
-    are found at one look or two). For each, the time until every leader has all 8, the store's
+    in 2 (the most a node's delegate needs: its ranks' last beats came within an interval, so they
+    are found at one look or two). For each, the time until every delegate has all 8, the store's
     CPU meanwhile (this process's: it runs nothing else but the polling), and the board's
     requests."""
     from hypergrid.store.keys import JobChannel
@@ -736,7 +736,7 @@ def _delivery(host: str, port: int, n: int, count: int, interval: float) -> dict
     workers = Workers(spec, count)
     channel = JobChannel(spec["namespace"], "bench", 0)
     conn = WireStore.connect(host, port, timeout_s=30.0)
-    results: dict = {"leaders": n // NODE}
+    results: dict = {"delegates": n // NODE}
     for entries in (NODE, 2):
         victims = [n + entries * NODE + i for i in range(NODE)]  # ranks nobody hosts, new for each layout
         before = sum(r["board_requests"] for r in workers.ask("counters"))
@@ -896,7 +896,7 @@ def main() -> None:
     parser.add_argument("--monitor-cost", type=float, default=0.0, metavar="SECONDS",
                         help="only measure real monitors' memory and CPU over SECONDS (a 4-rank gloo job)")
     parser.add_argument("--delivery", action="store_true",
-                        help="only the board's delivery of a node's 8 losses to one relay leader per node")
+                        help="only the board's delivery of a node's 8 losses to one relay delegate per node")
     parser.add_argument("--connections", type=int, default=1024,
                         help="simulated ranks share connections past this many per kind (see the module)")
     args = parser.parse_args()
@@ -934,7 +934,7 @@ def main() -> None:
         if not args.only_round:
             started = time.monotonic()
             workers = Workers(spec, args.workers)
-            print(f"ring {n}: {n // share} beats connections and {n // NODE} relay leaders' board connections made in "
+            print(f"ring {n}: {n // share} beats connections and {n // NODE} relay delegates' board connections made in "
                   f"{time.monotonic() - started:.0f} s", flush=True)
             steady = _steady(workers, n, args.interval, args.steady, host, port)
             print(f"ring {n}: steady {steady}", flush=True)
@@ -982,7 +982,7 @@ def _table(rows: list, interval: float) -> None:
         print(f"| {design} | {n:,} | {s['req_rank_interval']:.2f} | {s['bytes_rank_interval']:.0f} | {s['req_s']:,.0f} | "
               f"{s['bytes_s']:,.0f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
     print()
-    print("Losses: on the board / every node's relay leader had it / every simulated rank had it (seconds from the "
+    print("Losses: on the board / every node's relay delegate had it / every simulated rank had it (seconds from the "
           "death), and the requests the board's waits made meanwhile.")
     print()
     print(f"| ranks | rank 0 dies | rank 1,500 dies | the last rank dies | a node of 8 lost | {RACK_LABEL} | one recovery "
@@ -1018,7 +1018,7 @@ def _loss_cell(detect: dict, label: str) -> str:
     show = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
     seen = detect[label]
     spent = seen.board_requests if seen.board_requests is not None else "-"
-    return f"{show(seen.published)} / {show(seen.leaders)} / {show(seen.everyone)} s ({spent} board requests)"
+    return f"{show(seen.published)} / {show(seen.delegates)} / {show(seen.everyone)} s ({spent} board requests)"
 
 if __name__ == "__main__":
     if len(sys.argv) > 2 and sys.argv[1] == "--worker":
