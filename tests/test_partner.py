@@ -230,7 +230,7 @@ def test_a_copy_cut_short_by_a_failure_counts_only_where_it_arrived_whole():
 
     def in_flight(header_bytes: bytes, buffer: torch.Tensor) -> Sending:
         incoming = {2: (torch.frombuffer(bytearray(header_bytes), dtype=torch.uint8), buffer)}
-        return Sending([_Pending(), _Pending()], [2, 2], incoming, None, [])
+        return Sending([_Pending(), _Pending()], incoming, None, [])
 
     (copy,) = in_flight(header, payload.clone()).arrived().values()
     assert (copy.rank, copy.step) == (2, 4) and torch.equal(copy.buffer, payload)

@@ -20,7 +20,6 @@ Example: ranks 0-5 on nodes of 2 (node 0: 0, 1; node 1: 2, 3; node 2: 4, 5)::
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Sequence
 from typing import Optional
 
@@ -92,7 +91,6 @@ class PartnerCopies:
     def __init__(self, gpus_per_node: int) -> None:
         self.gpus_per_node = gpus_per_node
         self.copies: dict[int, list[Snapshot]] = {}
-        self.exchange_s: list[float] = []  # each exchange's time on this rank, for the record
         self._free: list[torch.Tensor] = []  # buffers of copies let go, reused by the next ones
         self._one_node: Optional[tuple[int, ...]] = None  # the placement a warning was given for
         self._sending: Optional[Sending] = None  # the exchange in flight
@@ -113,10 +111,9 @@ class PartnerCopies:
                 self._one_node = tuple(ranks)
                 logger.warning("rank %d: no partner copies on this placement: %s", dist.get_rank(), one_node)
             return
-        start, rank = time.perf_counter(), dist.get_rank()
+        rank = dist.get_rank()
         sources = [source for source, holder in partners.items() if holder == rank and source != rank]
         self._sending = start_sending([(partners[rank], snapshot)], sources, group, buffer=self._buffer)
-        self.exchange_s.append(time.perf_counter() - start)
 
     def finish(self) -> None:
         """Wait for the copies in flight and keep them (raises where a peer failed on the way)."""
@@ -124,10 +121,8 @@ class PartnerCopies:
         self._abandoned.clear()  # a gate or a restore on a new group since: the old ones are gone
         if sending is None:
             return
-        start = time.perf_counter()
         for source, copy in sending.wait().items():
             self.keep(source, copy)
-        self.exchange_s[-1] += time.perf_counter() - start
 
     def salvage(self) -> None:
         """After a failure: keep the copies in flight that arrived whole, let the others go."""

@@ -123,9 +123,9 @@ class Sending:
     ones already received (:meth:`arrived`) where the sending was cut short by a failure (then
     keep this object until its group is gone: the backend may still write into its buffers)."""
 
-    def __init__(self, works: list[Any], peers: list[int], incoming: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    def __init__(self, works: list[Any], incoming: dict[int, tuple[torch.Tensor, torch.Tensor]],
                  buffer: Optional[Callable[[int], torch.Tensor]], keep: list[torch.Tensor]) -> None:
-        self._works, self._peers, self._incoming = works, peers, incoming  # peers[i]: operation i's
+        self._works, self._incoming = works, incoming
         self._buffer, self._keep = buffer, keep  # keep: what is sent, alive until it is gone
 
     def wait(self) -> dict[int, Snapshot]:
@@ -207,7 +207,7 @@ def start_sending(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int]
     for peer, (header_in, payload_in) in incoming.items():
         ops += [dist.P2POp(dist.irecv, tensor, peer, group) for tensor in (header_in, payload_in) if tensor.numel()]
     works = list(dist.batch_isend_irecv(ops)) if ops else []
-    return Sending(works, [op.peer for op in ops], incoming, buffer, keep)
+    return Sending(works, incoming, buffer, keep)
 
 
 def relay(plan: RelayPlan, held: Mapping[int, Snapshot], wanted: Mapping[Path, Region],
