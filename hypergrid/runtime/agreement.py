@@ -30,7 +30,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from datetime import timedelta
 from typing import Optional
 
@@ -142,10 +142,7 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
         check = Check.opened(store, label, members, agreement)
         try:
             _arrive(check)
-            if check.rank == check.decider:
-                _lead(check, timeout)
-            else:
-                _follow(check, timeout)
+            (_lead if check.rank == check.decider else _follow)(check, timeout)
         except (GridMismatchError, GroupTimeoutError) as exc:
             _leave_failed(check, exc)
             raise
@@ -186,8 +183,7 @@ def _leave_failed(check: Check, exc: BaseException) -> None:
 
 def _decide(check: Check, proposed: Verdict, root_cause: Optional[str] = None) -> None:
     """Make ``proposed`` the check's one verdict unless another came first; act on the one that stands."""
-    raw = check.store.compare_set(check.meeting.outcome, "", encode(proposed))
-    standing = decode(Verdict, raw)
+    standing = decode(Verdict, check.store.compare_set(check.meeting.outcome, "", encode(proposed)))
     _act_on(standing, root_cause if standing == proposed else None)
 
 
@@ -196,23 +192,6 @@ def _act_on(verdict: Verdict, root_cause: Optional[str] = None) -> None:
         return
     error = GroupTimeoutError if verdict.outcome is CheckOutcome.TIMEOUT else GridMismatchError
     raise error(verdict.message, root_cause=root_cause)
-
-
-def _poll(deadline: float, ready: Callable[[], bool], diagnose: Callable[[], None]) -> bool:
-    """Call ``ready`` with a growing pause until it is True or ``deadline`` passes; diagnose now and then."""
-    pause = 0.002
-    next_diagnosis = time.monotonic() + 0.25
-    while True:
-        if ready():
-            return True
-        now = time.monotonic()
-        if now >= deadline:
-            return False
-        if now >= next_diagnosis:
-            diagnose()
-            next_diagnosis = now + 0.5
-        time.sleep(min(pause, max(0.0, deadline - now)))
-        pause = min(pause * 2, 0.1)
 
 
 def _waiting_until(check: Check, timeout: timedelta) -> float:
@@ -240,18 +219,12 @@ def _slices(first: float) -> Iterator[float]:
     length = first
     while True:
         yield length
-        length = min(2 * length, _slice_cap())
+        length = min(2 * length, WATCH_SLICE_S if watching_now() else _SLICE_S)
 
 
-def _slice_cap() -> float:
-    return WATCH_SLICE_S if watching_now() else _SLICE_S
-
-
-def _arrived(check: Check, known: bool = True) -> set[int]:
-    """The members in the check's list of arrivals (``known`` False: the decider may have deleted it)."""
-    if known:
-        return {int(r) for r in check.store.get(check.meeting.lines).decode().split()}
-    return {int(r) for r in meeting.lines(check.store, check.meeting)}
+def _arrived(check: Check) -> set[int]:
+    """The members in the check's list of arrivals, read by the decider, whose own arrival made it."""
+    return {int(r) for r in check.store.get(check.meeting.lines).decode().split()}
 
 
 def _lead(check: Check, timeout: timedelta) -> None:
@@ -263,10 +236,9 @@ def _lead(check: Check, timeout: timedelta) -> None:
                 f"hypergrid: ranks disagree on {check.where()}, so it was not created:\n  {format_differences(diffs)}"
                 + concurrency_hint(diffs)
             )
-    except GroupTimeoutError as exc:
-        _decide(check, Verdict(CheckOutcome.TIMEOUT, str(exc)), exc.root_cause)
-    except GridMismatchError as exc:
-        _decide(check, Verdict(CheckOutcome.MISMATCH, str(exc)), exc.root_cause)
+    except (GroupTimeoutError, GridMismatchError) as exc:
+        outcome = CheckOutcome.TIMEOUT if isinstance(exc, GroupTimeoutError) else CheckOutcome.MISMATCH
+        _decide(check, Verdict(outcome, str(exc)), exc.root_cause)
     # Advance before saying yes, so no member can read this epoch again for its next request.
     advance_epoch(check.store, check.keys.epoch, check.epoch)
     _decide(check, Verdict(CheckOutcome.OK, ""))
@@ -281,21 +253,20 @@ def _await_members(check: Check, timeout: timedelta) -> dict[int, Entry]:
     counted = False  # once counted, the complete key is set and a wait returns at once: sleep instead
     while True:
         seconds = min(next(slices), until - time.monotonic())
-        arrived: Optional[set[int]] = None
-        if not counted:
-            counted = complete = check.store.wait([check.meeting.complete], seconds)
-        else:
+        if counted:
             # Counted but a member missing: one left an earlier call in this check and came again.
             time.sleep(max(0.0, seconds))
             arrived = _arrived(check)
             complete = set(check.members) <= arrived
+        else:
+            counted = complete = check.store.wait([check.meeting.complete], seconds)
+            if not complete:
+                arrived = _arrived(check)
         if complete:
             entries = entries_of(check, check.members)
             if len(entries) == len(check.members):
                 return entries
             arrived = set(entries)
-        if arrived is None:
-            arrived = _arrived(check)
         absent = [r for r in check.members if r not in arrived]
         if time.monotonic() >= until:
             raise GroupTimeoutError(_timeout_message(check, absent, timeout))
@@ -313,11 +284,11 @@ def _follow(check: Check, timeout: timedelta) -> None:
     # A decider that died or went another way decides nothing: between slices the follower looks
     # at it alone, and at the deadline proposes a timeout itself unless a verdict stands.
     until = _waiting_until(check, timeout)
-    slices = _slices(_SLICE_S)
-    leader_came = leader_lost = False
+    leader_came = False
+    message: Optional[str] = None  # the timeout this follower proposes
     try:
-        while True:
-            raw = check.store.get_within(check.meeting.outcome, min(next(slices), until - time.monotonic()))
+        for length in _slices(_SLICE_S):
+            raw = check.store.get_within(check.meeting.outcome, min(length, until - time.monotonic()))
             if raw is not None:
                 _act_on(decode(Verdict, raw))
                 return
@@ -327,25 +298,20 @@ def _follow(check: Check, timeout: timedelta) -> None:
             if not leader_came:
                 judge_absent(check, [check.decider])
             elif lost_among([check.decider]):
-                leader_lost = True
+                message = (
+                    f"hypergrid: {check.where()} cannot be created: its decider, rank {check.decider}, was lost "
+                    f"(the job's board says so) after it arrived, before it decided; the others stop waiting for it")
                 break
     except GridMismatchError as exc:
         _decide(check, Verdict(CheckOutcome.MISMATCH, str(exc)), exc.root_cause)
         return
-    if leader_lost:
-        _decide(check, Verdict(CheckOutcome.TIMEOUT, (
-            f"hypergrid: {check.where()} cannot be created: its decider, rank {check.decider}, was lost (the job's "
-            f"board says so) after it arrived, before it decided; the others stop waiting for it")))
-        return
-    present = _arrived(check, known=False)
-    missing = [r for r in check.members if r not in present]
-    if missing:
-        message = _timeout_message(check, missing, timeout)
-    else:
-        message = (
+    if message is None:
+        # The decider may have deleted the list of arrivals by now: read it only if it is there.
+        present = {int(r) for r in meeting.lines(check.store, check.meeting)}
+        missing = [r for r in check.members if r not in present]
+        message = _timeout_message(check, missing, timeout) if missing else (
             f"hypergrid: {check.where()}: every member arrived, but its decider, rank {check.decider}, did not "
-            f"answer within the timeout ({timeout.total_seconds():g} s); {last_states(check, [check.decider])}"
-        )
+            f"answer within the timeout ({timeout.total_seconds():g} s); {last_states(check, [check.decider])}")
     _decide(check, Verdict(CheckOutcome.TIMEOUT, message))
 
 
@@ -364,20 +330,22 @@ def explain_creation_failure(label: str, members: Sequence[int], agreement: Opti
         return ""
     store = job_store(time.monotonic() + _FAILURE_GRACE_S)
     check = Check(store, label, sorted(members), agreement, dist.get_rank(), check_id)
+    pause = 0.002  # between two looks, doubling up to 0.1 s
     try:
         store.set(last_state_key(check.rank), encode(check.last_state(State.FAILED, "torch failed to create the group")))
-        silent: list[int] = []
-
-        def everyone_reported() -> bool:
-            silent.clear()
+        while True:
+            silent = []
             for r in check.members[:64]:
                 last = read_last(store, r)
                 if last is None or (last.members, last.epoch, last.state) != (check_id.members, check_id.epoch, State.FAILED):
                     silent.append(r)
-            return not silent
-
-        if _poll(store.deadline, everyone_reported, lambda: None):
-            return ""
+            if not silent:
+                return ""
+            now = time.monotonic()
+            if now >= store.deadline:
+                break
+            time.sleep(min(pause, store.deadline - now))
+            pause = min(pause * 2, 0.1)
     except (dist.DistError, StoreUnresponsiveError):
         return (
             "the job's store stopped answering too: the process hosting it (rank 0 with 'env://' or "

@@ -101,8 +101,7 @@ def entries_of(check: Check, ranks: list[int]) -> dict[int, Entry]:
 
 def judge_absent(check: Check, absent: list[int]) -> None:
     """Raise now if an absent member can never arrive; otherwise it is late, and waited for."""
-    lost = lost_among(absent)
-    if lost:
+    if lost := lost_among(absent):
         raise GroupTimeoutError(
             f"hypergrid: {check.where()} cannot be created: ranks {describe_ranks(lost)} were lost (the job's board "
             f"says so) while the others waited for them"
@@ -212,10 +211,9 @@ def _wait_chain(check: Check, holder: int, state: LastState,
 
 def _shown_members(state: LastState) -> list[int]:
     """The members of ``state``'s check, where its summary lists them whole (groups of up to 16)."""
-    text = state.shown
-    if not text.startswith("["):
+    if not state.shown.startswith("["):
         return []  # a larger group is shown summarised: not followed
-    return [int(x) for x in text.strip("[]").split(",") if x.strip()]
+    return [int(x) for x in state.shown.strip("[]").split(",") if x.strip()]
 
 
 def _in_check(store: StoreClient, state: LastState, rank: int) -> bool:

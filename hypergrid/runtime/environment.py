@@ -132,9 +132,8 @@ def agreement_possible() -> bool:
     """
     if not dist.is_available() or not dist.is_initialized():
         return False
-    if str(dist.get_backend()).lower() == "fake":
-        return False  # one simulated rank: there is nobody to agree with
-    return default_store() is not None
+    # The fake backend simulates one rank: there is nobody to agree with.
+    return str(dist.get_backend()).lower() != "fake" and default_store() is not None
 
 
 def job_store(deadline: float) -> StoreClient:

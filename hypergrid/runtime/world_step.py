@@ -133,15 +133,14 @@ def world_start(label: str, *, timeout: timedelta, ranks: Optional[Sequence[int]
         return WorldStep(label, 0, members, attempt=attempt)
     store = job_store(time.monotonic() + timeout.total_seconds())
     try:
-        keys = WorldStepKeys.of(members)
-        step = WorldStep(label, int(store.add(keys.epoch, 0)), members)
+        step = WorldStep(label, int(store.add(WorldStepKeys.of(members).epoch, 0)), members)
         if meeting.arrive(store, step.start, step.size).completes:
             meeting.decide(store, step.start, encode(StepOutcome(None)))
         outcome = _outcome(store, step, step.start)
         if outcome.timed_out is None:
             return step
         missing = meeting.roll_call(store, step.start, dist.get_rank(), step.participants())
-        advance_epoch(store, keys.epoch, step.epoch)
+        advance_epoch(store, step.keys.epoch, step.epoch)
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise GroupCreationError(
             f"hypergrid: {label}: the job's store stopped answering at the start ({type(exc).__name__}: "
@@ -171,7 +170,7 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
     end, rank, scope = step.end, dist.get_rank(), current_scope()
     try:
         if error is not None:
-            _decide(store, step, StepOutcome(rank, one_line(f"{type(error).__name__}: {error}", 1200)), scope)
+            _decide(store, step, StepOutcome(rank, one_line(f"{type(error).__name__}: {error}", 1200)), scope, end)
             _end_epoch(store, step)
             return
         if meeting.arrive(store, end, step.size).completes:
@@ -184,7 +183,7 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
                     if scope.hearing:
                         scope.publish(end.outcome, success)
             else:
-                _decide(store, step, StepOutcome(None), scope)
+                _decide(store, step, StepOutcome(None), scope, end)
                 _drop_old_steps(store, step)
         outcome = _outcome(store, step, end)
         if outcome.timed_out is not None:
@@ -211,10 +210,9 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
 
 
 def _decide(store: StoreClient, step: WorldStep, proposal: StepOutcome, scope: Optional[RecoveryScope],
-            at: Optional[Meeting] = None) -> bytes:
-    """The standing outcome at ``at`` (the world step's end by default); at the end of a world step
+            at: Meeting) -> bytes:
+    """The standing outcome at ``at`` (the world step's start or end); at the end of a world step
     named by its round, the rank whose proposal stands tells the board."""
-    at = step.end if at is None else at
     encoded = encode(proposal).encode()
     standing = meeting.decide(store, at, encoded)
     if standing == encoded and at == step.end and step.attempt and scope is not None and scope.hearing:
