@@ -61,11 +61,9 @@ def initialize_placed(spares: Sequence[int], *, ranks: Optional[Sequence[int]] =
     resolved = resolve_strategy(strategy).value
     grids = None
     if rank in members:
-        grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=resolved,
-                            check_agreement=check_agreement, timeout=_timeout(config),
-                            participants=None if len(members) == world else members)
-        ps._set_global_memory_buffer()
-        set_active(grids)
+        grids = _made_current(build_state(plan, rank=rank, share_groups=share_groups, strategy=resolved,
+                                          check_agreement=check_agreement, timeout=_timeout(config),
+                                          participants=None if len(members) == world else members))
     return config, plan.dense, grids, resolved
 
 
@@ -93,12 +91,9 @@ def rebuild_megatron(config: MegatronConfig, recovery: RecoveryPlan, members: Se
     reset_parallel_state()
     if rank not in members:
         return None
-    grids = build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
-                        check_agreement=check_agreement, timeout=_timeout(new_config),
-                        participants=members, label=label, step_timeout=step_timeout, attempt=attempt)
-    ps._set_global_memory_buffer()
-    set_active(grids)
-    return grids
+    return _made_current(build_state(plan, rank=rank, share_groups=share_groups, strategy=strategy,
+                                     check_agreement=check_agreement, timeout=_timeout(new_config),
+                                     participants=members, label=label, step_timeout=step_timeout, attempt=attempt))
 
 
 def activate_megatron(grids: Optional[MegatronGrids]) -> None:
@@ -123,8 +118,14 @@ def activate_megatron(grids: Optional[MegatronGrids]) -> None:
         return
     grids.check_alive()
     _fill_parallel_state(grids)
+    _made_current(grids)
+
+
+def _made_current(grids: MegatronGrids) -> MegatronGrids:
+    """``grids``, now what ``parallel_state`` answers for (with a global memory buffer of its own)."""
     ps._set_global_memory_buffer()
     set_active(grids)
+    return grids
 
 
 def _timeout(config: MegatronConfig) -> timedelta:

@@ -125,11 +125,8 @@ def abort_all(groups: Sequence[dist.ProcessGroup]) -> int:
     >>> abort_all([])
     0
     """
-    targets = [pg for pg in groups if can_abort(pg)]
     with _pass:
-        for pg in targets:
-            abort_group(pg)
-    return len(targets)
+        return sum(abort_group(pg) is not None for pg in groups)
 
 
 class CollectiveWatch:

@@ -182,7 +182,7 @@ def attempt(job: Any, rnd: RecoveryRound, verdict: FailureVerdict, deadline: flo
             rnd.commit(new_record)
         return True, after(job, plan, verdict, job.state, new_record), ""
     new_state: Any = None
-    if rank in set(plan.new.ranks):
+    if plan.new.contains(rank):
         try:
             new_state = build(job, plan, verdict, deadline, attempt=rnd.keys.base,
                               scope=_RebuildScope(board, rnd, new_record, float(job.settings.outcome_fallback_s)))

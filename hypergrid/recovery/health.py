@@ -87,8 +87,8 @@ def broken_groups(groups: Sequence[dist.ProcessGroup], *, participants: Sequence
         outcome = _wait(store, pool, ranks, hearing, scope)
     except (dist.DistError, StoreUnresponsiveError) as exc:
         raise RecoveryError(f"hypergrid: the job's store did not answer while checking groups: {exc}") from exc
-    if outcome is None or "lost" in outcome:
-        lost = outcome["lost"] if outcome is not None else []
+    if "lost" in outcome:
+        lost = outcome["lost"]
         raise RecoveryError(
             f"hypergrid: ranks {describe_ranks(ranks)} did not all report which groups still work within "
             f"{timeout.total_seconds():g} s" + (f": ranks {describe_ranks(lost)} were lost" if lost else ""))
@@ -105,8 +105,8 @@ def _decide(store: StoreClient, pool: Meeting, proposal: str, hearing: Optional[
 
 
 def _wait(store: StoreClient, pool: Meeting, ranks: list[int], hearing: Optional[RecoveryScope],
-          scope: Optional[RecoveryScope]) -> Optional[dict[str, Any]]:
-    """The pool's outcome, heard or read (a loss decides it); None at the deadline."""
+          scope: Optional[RecoveryScope]) -> dict[str, Any]:
+    """The pool's outcome, heard or read (a loss decides it); none lost (``{"lost": []}``) at the deadline."""
     with contextlib.ExitStack() as alarm:
         if hearing is not None:
             def lost(ranks_lost: list[int]) -> None:
@@ -121,4 +121,4 @@ def _wait(store: StoreClient, pool: Meeting, ranks: list[int], hearing: Optional
             gone = lost_among(ranks) if hearing is None and store.remaining() > 0 else []
             if gone:
                 return {"lost": gone}
-    return None
+    return {"lost": []}

@@ -94,9 +94,7 @@ def world_grid(layout: GridLayout) -> HyperCommGrid:
     >>> world_grid(GridLayout((2, 2), ("tp", "dp"), rank_offset=4)).ranks("world", rank=5)
     [4, 5, 6, 7]
     """
-    world = dist.get_world_size() if dist.is_initialized() else layout.rank_offset + layout.size
-    return HyperCommGrid([layout.size], ["world"], rank_offset=layout.rank_offset, rank_map=layout.rank_map,
-                         world_size=world, strategy="fresh")
+    return job_grid(dataclasses.replace(layout, shape=(layout.size,), dim_names=("world",)))
 
 
 def job_grid(layout: GridLayout) -> HyperCommGrid:
@@ -140,8 +138,7 @@ def evict_broken(members: list[int], aborted_by: AbstractSet[int], timeout: time
                            probe_s=probe_s)
     for pg in candidates:
         if tuple(dist.get_process_group_ranks(pg)) in broken:
-            if can_abort(pg):
-                abort_group(pg)  # a probe left in flight would hold the communicator's stream
+            abort_group(pg)  # where it can be: a probe left in flight would hold the communicator's stream
             REGISTRY.evict(pg)
 
 

@@ -48,8 +48,7 @@ class GridRecipe:
 
     def longest_timeout(self) -> Optional[timedelta]:
         """The longest collective timeout among the groups it makes (None: no group)."""
-        timeouts = [effective_timeout(made.options) for made in self.made]
-        return max(timeouts) if timeouts else None
+        return max((effective_timeout(made.options) for made in self.made), default=None)
 
 
 @dataclass(frozen=True)
@@ -86,5 +85,5 @@ def longest_collective(timeout: Optional[timedelta]) -> timedelta:
     >>> longest_collective(timedelta(seconds=30))     # no process group
     datetime.timedelta(seconds=30)
     """
-    candidates = [t for t in (timeout, default_group_timeout() if dist.is_initialized() else None) if t is not None]
-    return max(candidates) if candidates else DEFAULT_TIMEOUT
+    known = (t for t in (timeout, default_group_timeout() if dist.is_initialized() else None) if t is not None)
+    return max(known, default=DEFAULT_TIMEOUT)

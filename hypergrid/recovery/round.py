@@ -34,7 +34,7 @@ import dataclasses
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Optional
@@ -116,8 +116,8 @@ class _Waiting:
     """One participant's state while it waits for a round's verdict."""
 
     rank: int
-    members: Sequence[int]
-    offered: Sequence[int]
+    domain: list[int]  # ascending, as are the offers outside it
+    offers: list[int]
     since: float
     leader_since: float
     leader: int = _UNKNOWN
@@ -147,7 +147,7 @@ class RecoveryRound:
         """This rank's view of the job's open round: one request. ``ahead``: this rank's record, written
         where the store's is older (the closer of the round that committed it ended first)."""
         store = store or plane.client(deadline)
-        try:
+        with _store_answering("open a recovery round"):
             state, raw = read_state(channel, store)
             if ahead is not None and ahead.generation > state.generation:
                 logger.warning("hypergrid: the job's record in the store is behind this rank's (generation %d, not "
@@ -155,8 +155,6 @@ class RecoveryRound:
                 state = _change_state(channel, store, raw, lambda s: _committed(s, s.round, ahead))
                 state, raw = read_state(channel, store)
             return cls(channel, plane, state.round, store, state, raw)
-        except (dist.DistError, StoreUnresponsiveError) as exc:
-            raise _store_failed("open a recovery round", exc) from exc
 
     @property
     def keys(self) -> RoundKeys:
@@ -183,7 +181,7 @@ class RecoveryRound:
         absent rank is waited for. Raises ExcludedByRecovery where this rank is in the failed set,
         RecoveryError where the round was abandoned or the store stopped answering."""
         store, rank, now = self.store, arrival.rank, time.monotonic()
-        waiting = _Waiting(rank, domain, offers, now, now)
+        waiting = _Waiting(rank, sorted(set(domain)), sorted(set(offers) - set(domain)), now, now)
         try:
             place = meeting.arrive(store, self.keys.arrivals, len(domain) + len(offers), encode(arrival), awaited=True)
             if place.number <= _CONTENDERS:
@@ -193,19 +191,16 @@ class RecoveryRound:
             if place.number == 1:  # the round is open: communicators are aborted, and who leads is known
                 board.publish_event(BoardEvent(EventKind.ROUND, rank, arrival.reason, number=self.number, by=rank,
                                                value=str(waiting.leader)), store)
-            while True:
+            verdict = None
+            while verdict is None:
                 verdict = (self._lead(waiting, board, bound_s, settings) if waiting.leader == rank
                            else self._follow(waiting, board, settings))
-                if verdict is not None:
-                    break
         except StoreUnresponsiveError as exc:
             if store.remaining() > 0:
                 raise _store_failed("agree on who failed", exc) from exc
             self.abandon(f"rank {rank} reached its deadline before the participants agreed on who failed", board)
-            try:
+            with _store_answering("read the round's verdict"):
                 verdict = decode(FailureVerdict, self.store.get(self.keys.verdict))
-            except (dist.DistError, StoreUnresponsiveError) as read_exc:
-                raise _store_failed("read the round's verdict", read_exc) from read_exc
         except dist.DistError as exc:
             raise _store_failed("agree on who failed", exc) from exc
         return _checked(verdict, rank, self.name)
@@ -231,14 +226,12 @@ class RecoveryRound:
             store.set(self.keys.wake, "")
             waiting.woke_spares = True
         store.add(self.keys.leader_beat, 1)
-        domain = sorted(set(waiting.members))
-        offers = sorted(set(waiting.offered) - set(domain))
-        size = len(domain) + len(offers)
+        size = len(waiting.domain) + len(waiting.offers)
         closing = store.remaining() <= ABANDON_MARGIN_S + settings.leader_look_s
         # Read first: a loss published before this rank began to hear is on the board only.
         lost = board.lost if hearing and waiting.looked else board.refresh(store)
         waiting.looked = True
-        missing = sum(1 for r in lost if _among(domain, r) or _among(offers, r))
+        missing = sum(1 for r in lost if _among(waiting.domain, r) or _among(waiting.offers, r))
         waited = time.monotonic() - waiting.since
         if hearing and not missing and waited < bound_s and not closing:
             complete = store.wait([self.keys.arrivals.complete], min(max(settings.leader_look_s, 1.0),
@@ -252,7 +245,7 @@ class RecoveryRound:
             waiting.arrivals, waiting.read_at = {a.rank: a for a in arrivals}, count
             if hearing:
                 lost = board.refresh(store)  # how far it read: the next recovery reads on from there
-        proposal = decide(RoundView(self.number, domain, waiting.arrivals, lost, waited, offers,
+        proposal = decide(RoundView(self.number, waiting.domain, waiting.arrivals, lost, waited, waiting.offers,
                                     board_read=board.seen), bound_s=bound_s, remaining_s=store.remaining())
         if proposal is None:
             if not hearing or missing:
@@ -324,12 +317,10 @@ class RecoveryRound:
 
     def commit(self, record: JobRecord) -> None:
         """Record the job this round left and close the round, in one compare-and-set."""
-        try:
+        with _store_answering("record the recovered job"):
             self.store.extend(2.0)
             self.state = _change_state(self.channel, self.store, self.raw_state,
                                        lambda s: _committed(s, self.number, record))
-        except (dist.DistError, StoreUnresponsiveError) as exc:
-            raise _store_failed("record the recovered job", exc) from exc
 
     def close(self) -> None:
         """Advance the job's round past this one (idempotent: whoever comes first)."""
@@ -370,19 +361,26 @@ def _store_failed(what: str, exc: BaseException) -> RecoveryError:
                          f"({type(exc).__name__}: {one_line(str(exc), 200)})")
 
 
+@contextlib.contextmanager
+def _store_answering(what: str) -> Iterator[None]:
+    """Raise :func:`_store_failed` for ``what`` where the store does not answer in the block."""
+    try:
+        yield
+    except (dist.DistError, StoreUnresponsiveError) as exc:
+        raise _store_failed(what, exc) from exc
+
+
 def offer(channel: JobChannel, plane: ControlPlane, rank: int) -> int:
     """Offer ``rank`` (counted out earlier, fit again) to the job: the next round that commits waits
     for it and takes it as a spare. Returns the current generation (0: none committed)."""
     store = plane.client(time.monotonic() + 30.0)
-    try:
+    with _store_answering("offer this rank"):
         board_view(channel, plane).publish_event(BoardEvent(EventKind.BACK, rank, "it offers itself again", by=rank),
                                                  store)
         _, raw = read_state(channel, store)
         state = _change_state(channel, store, raw, lambda s: dataclasses.replace(
             s, offers=s.offers + ((rank, s.generation),)))
         return state.generation
-    except (dist.DistError, StoreUnresponsiveError) as exc:
-        raise _store_failed("offer this rank", exc) from exc
 
 
 def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedelta, slice_s: float = 30.0,
@@ -391,7 +389,7 @@ def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedel
     its spares or ``timeout`` passes (False): a blocking store wait of ``slice_s`` at a time, no CPU."""
     end = time.monotonic() + timeout.total_seconds()
     store = plane.client(end + 5.0)
-    try:
+    with _store_answering("wait for a recovery"):
         while True:
             state, _ = read_state(channel, store)
             left = end - time.monotonic()
@@ -403,17 +401,13 @@ def wait_for_round(channel: JobChannel, plane: ControlPlane, *, timeout: timedel
                 return False
             if woken:
                 return True
-    except (dist.DistError, StoreUnresponsiveError) as exc:
-        raise _store_failed("wait for a recovery", exc) from exc
 
 
 def release_spares(channel: JobChannel, plane: ControlPlane) -> None:
     """Tell the spares in :func:`wait_for_round` that the job is over (they return False at once);
     any rank may call it, any number of times."""
     store = plane.client(time.monotonic() + 30.0)
-    try:
+    with _store_answering("release the spares"):
         store.set(channel.released, "1")
         state, _ = read_state(channel, store)
         store.set(channel.round(state.round).wake, "")
-    except (dist.DistError, StoreUnresponsiveError) as exc:
-        raise _store_failed("release the spares", exc) from exc

@@ -66,8 +66,8 @@ class RecoverySettings:
         >>> RecoverySettings(gpus_per_node=2, replica_dim="pp").describe()[:40]
         'gpus_per_node=2 replica_dim=pp leader_lo'
         """
-        return " ".join(f"{f.name}={getattr(self, f.name):g}" if isinstance(getattr(self, f.name), float)
-                        else f"{f.name}={getattr(self, f.name)}" for f in dataclasses.fields(self))
+        return " ".join(f"{name}={value:g}" if isinstance(value, float) else f"{name}={value}"
+                        for name, value in dataclasses.asdict(self).items())
 
     def with_call(self, call: str, **given: Any) -> RecoverySettings:
         """These settings, where ``given`` (a call's arguments, None where not given) agrees with them.
