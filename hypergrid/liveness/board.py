@@ -29,14 +29,14 @@ import contextlib
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from typing import Any, Optional, Protocol, Union
 
 from ..errors import StoreUnresponsiveError
 from ..store.keys import JobChannel
 from ..store.records import BoardEvent, EventKind, decode_events, encode_events
 
-__all__ = ["BoardView", "BoardWriter", "claim_slot", "put_entry"]
+__all__ = ["BoardView", "BoardWriter", "claim_slot", "put_entry", "note_losses"]
 
 #: How many decided outcomes a view remembers (a recovery waits on a few at a time).
 _OUTCOMES_KEPT = 64
@@ -97,7 +97,7 @@ def claim_slot(store: BoardWriter, channel: JobChannel, events: Sequence[BoardEv
         >>> [e.rank for e in decode_events(store[channel.board_slot(1)])], claim_slot(store, channel, lost(8, 9, by=2), 0)
         ([9], None)
     """
-    on_board: set[int] = set()
+    on_board: dict[int, str] = {}
     left = list(events)
     index = first
     while True:
@@ -106,17 +106,29 @@ def claim_slot(store: BoardWriter, channel: JobChannel, events: Sequence[BoardEv
         if held == payload:
             break
         store.set(channel.board_slot(index), held)  # wake its waiters, as above
-        for event in decode_events(held):
-            if event.kind is EventKind.LOST:
-                on_board.add(event.rank)
-            elif event.kind is EventKind.BACK:
-                on_board.discard(event.rank)
+        note_losses(on_board, decode_events(held))
         left = [e for e in left if not (e.kind is EventKind.LOST and e.rank in on_board)]
         if not left:
             return None
         index += 1
     store.set(channel.board_slot(index), payload)
     return index
+
+
+def note_losses(lost: dict[int, str], events: Iterable[BoardEvent]) -> None:
+    """Mark in ``lost`` the ranks ``events`` lose, with why, and unmark those a BACK brings back.
+
+    Example::
+
+        >>> lost = {3: "its process ended"}
+        >>> note_losses(lost, [BoardEvent(EventKind.LOST, 5, "stale"), BoardEvent(EventKind.BACK, 3)]); lost
+        {5: 'stale'}
+    """
+    for event in events:
+        if event.kind is EventKind.LOST:
+            lost[event.rank] = event.reason
+        elif event.kind is EventKind.BACK:
+            lost.pop(event.rank, None)
 
 
 class BoardView:
@@ -232,13 +244,8 @@ class BoardView:
         next slot is filled; the count lags a publisher that ended between its slot and its count)."""
         store = store or self._store()
         while store.check([self.channel.board_slot(self.seen)]):
-            events = decode_events(store.get(self.channel.board_slot(self.seen)))
+            note_losses(self.lost, decode_events(store.get(self.channel.board_slot(self.seen))))
             self.seen += 1
-            for event in events:
-                if event.kind is EventKind.LOST:
-                    self.lost[event.rank] = event.reason
-                elif event.kind is EventKind.BACK:
-                    self.lost.pop(event.rank, None)
         return self.lost
 
     def lost_among(self, ranks: Collection[int]) -> list[int]:

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Optional
 from ..store.records import BoardEvent, decode
 from ..store.shutdown import register
 from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
-from .poll import readable
+from .poll import read_lines, readable
 
 if TYPE_CHECKING:
     from .plane import ControlPlane
@@ -122,13 +122,12 @@ class Heartbeat:
         return self._thread.is_alive() and not self._stopping.is_set()
 
     def _send(self, line: str) -> None:
-        with self._lock:
+        # A failed write: the monitor ended, and the thread starts another.
+        with self._lock, contextlib.suppress(BrokenPipeError, ValueError, OSError):
             stdin = self._proc.stdin
-            if stdin is None:
-                return
-            with contextlib.suppress(BrokenPipeError, ValueError, OSError):  # the monitor ended: the thread restarts it
-                stdin.write(line.encode() + b"\n")
-                stdin.flush()
+            assert stdin is not None  # started with stdin=PIPE, never unset
+            stdin.write(line.encode() + b"\n")
+            stdin.flush()
 
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec) -> None:
@@ -168,16 +167,13 @@ class Heartbeat:
                 return
             if out.fileno() not in ready:
                 continue
-            chunk = _read_some(out.fileno())
-            if chunk is None:
-                continue
-            if not chunk:
+            lines, inbox = read_lines(out.fileno(), inbox)
+            if lines is None:
                 self._restart()
                 inbox = b""
                 continue
-            lines, _, inbox = (inbox + chunk).rpartition(b"\n")
-            for line in lines.split(b"\n") if lines else []:
-                self._heard(line.decode())
+            for line in lines:
+                self._heard(line)
 
     def _heard(self, line: str) -> None:
         word, _, rest = line.partition(" ")
@@ -255,13 +251,6 @@ def _read_line(fd: int, timeout_s: float) -> Optional[str]:
             return None
         data += chunk
     return data.decode().strip()
-
-
-def _read_some(fd: int) -> Optional[bytes]:
-    try:
-        return os.read(fd, 65536)
-    except BlockingIOError:
-        return None
 
 
 _current: Optional[Heartbeat] = None

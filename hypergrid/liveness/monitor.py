@@ -47,8 +47,9 @@ from typing import Optional
 from ..store.keys import DEPARTED, JobChannel, beat_key, socket_name
 from ..store.records import BoardEvent, EventKind, decode_events, encode
 from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
-from .board import claim_slot
+from .board import claim_slot, note_losses
 from .link import STORE_ERRORS, StoreLink
+from .poll import read_lines
 from .relay import NodeRelay, hold
 from .ring import Ring, from_runs
 from .watch import Watch, Watched
@@ -255,20 +256,15 @@ class RankMonitor:
                 self._delegate_spec, self._delegate_watched = told["spec"], told["watched"]
             self._catch_up(job, item.index)
             if item.payload is not None and item.index == job.next_event:
-                job.next_event += 1
-                self._deliver_entry(item.payload)
+                self._take_entry(job, item.payload)
 
     def _catch_up(self, job: _Job, position: int) -> None:
         """Read from the store, a get each, the entries before ``position`` this monitor missed (a change
         of delegate, a restart); a delegate hands each to its followers too."""
         while job.next_event < position:
-            index = job.next_event
-            payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(index)))
+            payload = self.link.call(functools.partial(_get, key=job.spec.channel.board_slot(job.next_event)))
             assert payload is not None
-            job.next_event += 1
-            if self.relay is not None:
-                self.relay.send(index, payload.decode())
-            self._deliver_entry(payload)
+            self._take_entry(job, payload.decode())
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
@@ -381,12 +377,14 @@ class RankMonitor:
             self._drop_board()
             self._open_board()
             return
-        job.next_event += 1
-        if self.relay is not None:
-            self.relay.send(index, payload.decode())
-        self._deliver_entry(payload)
+        self._take_entry(job, payload.decode())
 
-    def _deliver_entry(self, payload: bytes | str) -> None:
+    def _take_entry(self, job: _Job, payload: str) -> None:
+        """Take in the job's next entry, read or relayed; a delegate hands it to its followers (a
+        follower's relay has none)."""
+        if self.relay is not None:
+            self.relay.send(job.next_event, payload)
+        job.next_event += 1
         for event in decode_events(payload):
             self.deliver(event)
         if self.job is not None and self._reached is not None:
@@ -397,10 +395,7 @@ class RankMonitor:
         job = self.job
         if job is None:
             return
-        if event.kind is EventKind.LOST:
-            job.lost[event.rank] = event.reason
-        elif event.kind is EventKind.BACK:
-            job.lost.pop(event.rank, None)
+        note_losses(job.lost, [event])
         self._forward(event)
 
     # ------------------------------------------------------------------ the end
@@ -453,12 +448,9 @@ class _ParentPipe:
 
 def _parent_watch(pid: int) -> Optional[int]:
     """A file descriptor that becomes readable when process ``pid`` ends (None: not on this system)."""
-    opener = getattr(os, "pidfd_open", None)
-    if opener is None:
-        return None
     try:
-        return int(opener(pid))
-    except OSError:
+        return int(os.pidfd_open(pid))
+    except (AttributeError, OSError):  # AttributeError: no pidfd_open (not Linux)
         return None
 
 
@@ -490,8 +482,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             if parent is None and os.getppid() != config.parent_pid:  # no pidfd: reparented means ended
                 monitor.parent_ended()
                 return 0
-            board = monitor.readers()
-            readers = [fd for fd in (parent, stdin) if fd is not None] + board
+            readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
             wait_s = max(0.0, next_tick - time.monotonic())
             ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
                                         wait_s if parent is not None else min(wait_s, 0.1))
@@ -503,13 +494,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     monitor.on_ready(fd)
             out.flush()
             if stdin is not None and stdin in ready:
-                chunk = os.read(stdin, 65536)
-                if not chunk:
+                lines, inbox = read_lines(stdin, inbox)
+                if lines is None:
                     stdin = None  # its end is seen by its pid
                     continue
-                lines, _, inbox = (inbox + chunk).rpartition(b"\n")
-                for line in lines.split(b"\n") if lines else []:
-                    if _handle(monitor, line.decode(), time.monotonic()):
+                for line in lines:
+                    if _handle(monitor, line, time.monotonic()):
                         return 0
     except (StoreTimeout, StoreProtocolError, OSError) as exc:
         out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "

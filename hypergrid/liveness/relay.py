@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from ..store.keys import socket_name
+from .poll import read_lines
 
 __all__ = ["NodeRelay", "Relayed", "elect", "hold", "socket_name"]
 
@@ -251,16 +252,13 @@ class NodeRelay:
         if self.upstream is None:
             return []
         try:
-            chunk = self.upstream.recv(65536)
-        except BlockingIOError:
-            return []
-        except OSError:
-            chunk = b""
-        if not chunk:
+            lines, self._inbox = read_lines(self.upstream.fileno(), self._inbox)
+        except OSError:  # a connection reset: gone too
+            lines = None
+        if lines is None:
             return None
-        lines, _, self._inbox = (self._inbox + chunk).rpartition(b"\n")
         heard = []
-        for line in lines.decode().split("\n") if lines else []:
+        for line in lines:
             word, _, rest = line.partition(" ")
             if word == "at":
                 position, _, state = rest.partition(" ")

@@ -80,11 +80,7 @@ class Ring:
         if gpus_per_node < 1:
             raise ValueError(f"gpus_per_node must be a positive number of ranks, got {gpus_per_node}")
         ordered = array("q", sorted(set(ranks)))
-        nodes = array("q")
-        for rank in ordered:
-            if not nodes or nodes[-1] != rank // gpus_per_node:
-                nodes.append(rank // gpus_per_node)
-        return cls(ordered, gpus_per_node, nodes)
+        return cls(ordered, gpus_per_node, array("q", sorted({rank // gpus_per_node for rank in ordered})))
 
     def __len__(self) -> int:
         return len(self.ranks)
