@@ -116,8 +116,8 @@ class _Waiting:
     """One participant's state while it waits for a round's verdict."""
 
     rank: int
-    domain: list[int]  # ascending, as are the offers outside it
-    offers: list[int]
+    members: Sequence[int]
+    offered: Sequence[int]
     since: float
     leader_since: float
     leader: int = _UNKNOWN
@@ -181,7 +181,7 @@ class RecoveryRound:
         absent rank is waited for. Raises ExcludedByRecovery where this rank is in the failed set,
         RecoveryError where the round was abandoned or the store stopped answering."""
         store, rank, now = self.store, arrival.rank, time.monotonic()
-        waiting = _Waiting(rank, sorted(set(domain)), sorted(set(offers) - set(domain)), now, now)
+        waiting = _Waiting(rank, domain, offers, now, now)
         try:
             place = meeting.arrive(store, self.keys.arrivals, len(domain) + len(offers), encode(arrival), awaited=True)
             if place.number <= _CONTENDERS:
@@ -226,12 +226,14 @@ class RecoveryRound:
             store.set(self.keys.wake, "")
             waiting.woke_spares = True
         store.add(self.keys.leader_beat, 1)
-        size = len(waiting.domain) + len(waiting.offers)
+        domain = sorted(set(waiting.members))  # the leader's alone: a follower never needs it sorted
+        offers = sorted(set(waiting.offered) - set(domain))
+        size = len(domain) + len(offers)
         closing = store.remaining() <= ABANDON_MARGIN_S + settings.leader_look_s
         # Read first: a loss published before this rank began to hear is on the board only.
         lost = board.lost if hearing and waiting.looked else board.refresh(store)
         waiting.looked = True
-        missing = sum(1 for r in lost if _among(waiting.domain, r) or _among(waiting.offers, r))
+        missing = sum(1 for r in lost if _among(domain, r) or _among(offers, r))
         waited = time.monotonic() - waiting.since
         if hearing and not missing and waited < bound_s and not closing:
             complete = store.wait([self.keys.arrivals.complete], min(max(settings.leader_look_s, 1.0),
@@ -245,7 +247,7 @@ class RecoveryRound:
             waiting.arrivals, waiting.read_at = {a.rank: a for a in arrivals}, count
             if hearing:
                 lost = board.refresh(store)  # how far it read: the next recovery reads on from there
-        proposal = decide(RoundView(self.number, waiting.domain, waiting.arrivals, lost, waited, waiting.offers,
+        proposal = decide(RoundView(self.number, domain, waiting.arrivals, lost, waited, offers,
                                     board_read=board.seen), bound_s=bound_s, remaining_s=store.remaining())
         if proposal is None:
             if not hearing or missing:
