@@ -171,16 +171,23 @@ class StoreClient:
             ...     "late", 5.0, meanwhile=lambda: ticks.append(1), every_s=0.1), len(ticks) >= 1
             (b'1', True)
         """
+        seconds = min(seconds, self.remaining())
+        if seconds <= 0:
+            return None
 
-        def getting(store: Any, timeout: timedelta) -> Optional[bytes]:
+        def getting(store: Any) -> Optional[bytes]:
             previous = store.timeout
-            store.set_timeout(timeout)
+            store.set_timeout(_store_timeout(seconds))
             try:
                 return cast(bytes, store.get(key))
+            except RuntimeError as exc:
+                if is_network_error(exc):
+                    raise
+                return None  # not set in time
             finally:
                 store.set_timeout(previous)
 
-        return self._bounded("get", getting, seconds, None, meanwhile, every_s)
+        return self._call("get", getting, seconds + ANSWER_SLACK_S, meanwhile, every_s)
 
     def set(self, key: str, value: str | bytes) -> None:
         self._call("set", lambda store: store.set(key, value))
@@ -208,31 +215,21 @@ class StoreClient:
 
     def wait(self, keys: list[str], seconds: float) -> bool:
         """Block until every key is set, for at most ``seconds`` (False: they were not)."""
-
-        def waiting(store: Any, timeout: timedelta) -> bool:
-            store.wait(keys, timeout)
-            return True
-
-        return self._bounded("wait", waiting, seconds, False)
-
-    def _bounded(self, what: str, fn: Callable[[Any, timedelta], R], seconds: float, missed: R,
-                 meanwhile: Optional[Callable[[], None]] = None, every_s: float = 1.0) -> R:
-        """``fn(store, timeout)``, a blocking call given at most ``seconds`` (never past the deadline);
-        ``missed`` where that time ran out first."""
         seconds = min(seconds, self.remaining())
         if seconds <= 0:
-            return missed
+            return False
 
-        def bounded(store: Any) -> R:
+        def waiting(store: Any) -> bool:
             try:
-                return fn(store, _store_timeout(seconds))
+                store.wait(keys, _store_timeout(seconds))
             except RuntimeError as exc:
                 if is_network_error(exc):
                     raise
-                return missed  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
+                return False  # ran out (DistStoreError; a FileStore raises a plain RuntimeError)
+            return True
 
-        # A call that runs out is normal; one that does not come back at all is the store.
-        return self._call(what, bounded, seconds + ANSWER_SLACK_S, meanwhile, every_s)
+        # A wait that runs out is normal; one that does not come back at all is the store.
+        return self._call("wait", waiting, seconds + ANSWER_SLACK_S)
 
 
 def _store_timeout(seconds: float) -> timedelta:

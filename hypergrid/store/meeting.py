@@ -72,16 +72,18 @@ def wait_outcome(store: StoreClient, meeting: Meeting, seconds: float, hearing: 
     """The meeting's outcome once decided, waiting at most ``seconds`` and never past the store's
     deadline (None: not by then). With ``hearing``, the store is looked at every ``fallback_s`` of
     silence too, in case the decider ended before telling."""
+    end = time.monotonic() + max(0.0, min(seconds, store.remaining()))
     if hearing is None:
-        return store.get_within(meeting.outcome, seconds)  # bounded by the deadline itself
-    end = time.monotonic() + min(seconds, store.remaining())
-    while (left := end - time.monotonic()) > 0:
+        return store.get_within(meeting.outcome, max(0.0, end - time.monotonic()))
+    while True:
+        left = end - time.monotonic()
+        if left <= 0:
+            return None
         value = hearing.heard(meeting.outcome, min(left, fallback_s))
         if value is not None:
             return value
         if time.monotonic() < end and store.check([meeting.outcome]):
             return store.get(meeting.outcome)
-    return None
 
 
 def lines(store: StoreClient, meeting: Meeting) -> list[str]:

@@ -26,7 +26,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any, Optional, TypeVar, Union, cast, get_args, get_origin, get_type_hints
+from typing import Any, Optional, TypeVar, Union, get_args, get_origin, get_type_hints
 
 from ..layout.describe import describe_ranks
 from .keys import members_digest
@@ -126,9 +126,10 @@ class Agreement:
 
     def fields(self) -> dict[str, Any]:
         """Flat ``section.name`` -> JSON value, for comparing and for messages."""
-        out: dict[str, Any] = {f"{section}.{name}": item
-                               for section, record in (("grid", self.grid), ("request", self.request))
-                               for name, item in json.loads(json.dumps(asdict(record), default=str)).items()}
+        out: dict[str, Any] = {}
+        for section, value in (("grid", asdict(self.grid)), ("request", asdict(self.request))):
+            for name, item in value.items():
+                out[f"{section}.{name}"] = json.loads(json.dumps(item, default=str))
         out["request.position"] = self.position.index
         return out
 
@@ -187,7 +188,7 @@ class Asked:
 
     def fields(self) -> dict[str, Any]:
         """Flat ``section.name`` -> value, the member list included, for comparing and messages."""
-        return {**self.agreement.fields(), "request.members": self.members}
+        return dict(self.agreement.fields(), **{"request.members": self.members})
 
     @property
     def label(self) -> str:
@@ -404,7 +405,8 @@ def decode(cls: type[R], raw: Union[bytes, str]) -> R:
         >>> decode(Verdict, b'{"message": "", "outcome": "ok"}')
         Verdict(outcome=<CheckOutcome.OK: 'ok'>, message='')
     """
-    return cast(R, _build(cls, json.loads(raw)))
+    record: R = _build(cls, json.loads(raw.decode() if isinstance(raw, bytes) else raw))
+    return record
 
 
 def encode_events(events: Sequence[BoardEvent]) -> str:
@@ -423,7 +425,7 @@ def encode_events(events: Sequence[BoardEvent]) -> str:
 
 def decode_events(raw: Union[bytes, str]) -> list[BoardEvent]:
     """The events of one entry of a job's board, as :func:`encode_events` wrote it."""
-    value = json.loads(raw)
+    value = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
     return [_build(BoardEvent, item) for item in value] if isinstance(value, list) else [_build(BoardEvent, value)]
 
 
@@ -449,4 +451,6 @@ def _build(kind: Any, value: Any) -> Any:
     return value
 
 
-_hints = functools.cache(get_type_hints)
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return get_type_hints(cls)

@@ -22,7 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["Service", "register", "unregister", "stop_all", "STOP_WAIT_S"]
 
@@ -39,7 +39,7 @@ class Service:
     name: str
     stop: Callable[[], None]
     join: Callable[[float], None]
-    stopped: bool = False
+    stopped: bool = field(default=False)
 
 
 _lock = threading.Lock()

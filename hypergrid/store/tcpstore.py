@@ -128,17 +128,18 @@ class WireStore:
 
     def _recv(self, size: int) -> bytes:
         self._sock.settimeout(self.timeout_s)
-        data = bytearray()
-        while len(data) < size:
+        chunks, got = [], 0
+        while got < size:
             try:
-                chunk = self._sock.recv(size - len(data))
+                chunk = self._sock.recv(size - got)
             except TimeoutError as exc:
                 raise StoreTimeout(f"the store at {self._where()} did not answer within {self.timeout_s:g} s") from exc
             if not chunk:
                 raise StoreProtocolError(f"the store at {self._where()} closed the connection")
-            data += chunk
+            chunks.append(chunk)
+            got += len(chunk)
         self.bytes_received += size
-        return bytes(data)
+        return b"".join(chunks)
 
     def _recv_bytes(self) -> bytes:
         (size,) = struct.unpack("<Q", self._recv(8))
@@ -153,7 +154,8 @@ class WireStore:
 
     def add(self, key: str, amount: int) -> int:
         """Add ``amount`` to the counter at ``key`` (made at 0); its new value. ``add(key, 0)`` reads it."""
-        return self.add_many([key], amount)[0]
+        self._send(bytes([_ADD]) + self._key(key) + struct.pack("<q", amount))
+        return int(struct.unpack("<q", self._recv(8))[0])
 
     def add_many(self, keys: Sequence[str], amount: int) -> list[int]:
         """:meth:`add` ``amount`` to each of ``keys`` in one round trip (one request each)."""
@@ -196,7 +198,8 @@ class WireStore:
         seconds = self.timeout_s if within_s is None else within_s
         if not self.wait([key], seconds):
             raise StoreTimeout(f"{key!r} was not set within {seconds:g} s")
-        return self.read(key)
+        self._send(bytes([_GET]) + self._key(key))
+        return self._recv_bytes()
 
     def read(self, key: str) -> bytes:
         """The value of ``key``, known to be set, in one request where :meth:`get` makes two. For an
