@@ -23,7 +23,7 @@ from ..layout.checks import as_int, check_timeout
 from ..layout.describe import describe_ranks
 from ..layout.replan import RecoveryPlan
 from ..liveness.heartbeat import running_heartbeat, start_heartbeat
-from ..liveness.plane import control_plane
+from ..liveness.plane import ControlPlane, control_plane
 from ..runtime.environment import agreement_possible
 from ..runtime.modes import job_setup
 from ..store.keys import JobChannel
@@ -210,8 +210,10 @@ class ResilientJob:
             [1, 3]
             >>> job.destroy(); dist.destroy_process_group()
         """
+        if not dist.is_initialized() or not self.in_grid:
+            return None
         dim = self.settings.replica_dim
-        if dim not in self.layout.dim_names and dist.is_initialized() and self.in_grid:
+        if dim not in self.layout.dim_names:
             raise ValueError(f"the job's replica_dim {dim!r} is not a dim of its grid {list(self.layout.dim_names)}; "
                              f"set RecoverySettings(replica_dim=...) to the dim along which state is replicated")
         return self._own_group("_replicas", job_grid, dim, group_desc="HYPERGRID_JOB_REPLICAS")
@@ -351,7 +353,22 @@ class ResilientJob:
             >>> job.wait_as_spare(timeout=timedelta(seconds=0.1)) is job
             True
         """
-        return self._wait_as_spare("wait_as_spare", timeout, recovery_timeout, gpus_per_node, replica_dim)
+        timeout, recovery_timeout, plane = self._spare_args("wait_as_spare", timeout, recovery_timeout,
+                                                            gpus_per_node, replica_dim)
+        job = self
+        if plane is None or job.channel is None:
+            return job  # nobody to recover with: a simulated rank, or no process group
+        end = time.monotonic() + timeout.total_seconds()
+        while not job.in_grid:
+            left = end - time.monotonic()
+            if left <= 0 or not wait_for_round(job.channel, plane, timeout=timedelta(seconds=left),
+                                                  slice_s=job.settings.spare_slice_s, first=job.next_round):
+                return job.as_stored()
+            try:
+                job = run_rounds(job, recovery_timeout, None, "wait")
+            except (RecoveryError, RecoveryRefused) as exc:
+                logger.info("rank %d: a recovery this spare took part in failed; waiting on: %s", dist.get_rank(), exc)
+        return job
 
     def offer(self, *, timeout: timedelta = DEFAULT_TIMEOUT, recovery_timeout: Optional[timedelta] = None,
               gpus_per_node: Optional[int] = None, replica_dim: Optional[str] = None) -> ResilientJob:
@@ -362,38 +379,28 @@ class ResilientJob:
             >>> job.offer(timeout=timedelta(seconds=0.1)) is job
             True
         """
-        return self._wait_as_spare("offer", timeout, recovery_timeout, gpus_per_node, replica_dim)
-
-    def _wait_as_spare(self, call: str, timeout: timedelta, recovery_timeout: Optional[timedelta],
-                       gpus_per_node: Optional[int], replica_dim: Optional[str]) -> ResilientJob:
-        """:meth:`wait_as_spare`, or :meth:`offer` (``call``): an offer is made again before each wait
-        until a round takes this rank; then it waits as a spare does."""
-        timeout = _checked_timeout("timeout", timeout)
-        recovery_timeout = _checked_timeout("recovery_timeout", recovery_timeout or self.timeout)
-        self.settings.with_call(call, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
-        plane, channel = control_plane(), self.channel
-        if plane is None or channel is None:
-            return self  # nobody to recover with: a simulated rank, or no process group
-        job, offering = self, call == "offer"
-        end = time.monotonic() + timeout.total_seconds()
-        # An offering rank's own job may still place it in the grid: the job went on without it.
-        while offering or not job.in_grid:
-            if offering and time.monotonic() < end:
-                offer(channel, plane, dist.get_rank())
-            left = end - time.monotonic()
-            if left <= 0 or not wait_for_round(channel, plane, timeout=timedelta(seconds=left),
-                                               slice_s=job.settings.spare_slice_s, first=job.next_round):
+        timeout, recovery_timeout, plane = self._spare_args("offer", timeout, recovery_timeout,
+                                                            gpus_per_node, replica_dim)
+        if plane is None or self.channel is None:
+            return self
+        rank, end = dist.get_rank(), time.monotonic() + timeout.total_seconds()
+        job, channel = self, self.channel
+        while time.monotonic() < end:
+            offer(channel, plane, rank)
+            if not wait_for_round(channel, plane, timeout=timedelta(seconds=end - time.monotonic()),
+                                  slice_s=self.settings.spare_slice_s, first=job.next_round):
                 return job.as_stored()
             try:
-                job, offering = run_rounds(job, recovery_timeout, None, "wait"), False
+                job = run_rounds(job, recovery_timeout, None, "wait")
             except ExcludedByRecovery:
-                if not offering:
-                    raise
-                # the job moved on before this offer was seen: offer again
+                continue  # the job moved on before this offer was seen: offer again
             except (RecoveryError, RecoveryRefused) as exc:
-                logger.info("rank %d: a recovery this rank took part in failed; %s: %s", dist.get_rank(),
-                            "offering again" if offering else "waiting on", exc)
-        return job
+                logger.info("rank %d: a recovery this rank offered itself to failed; offering again: %s",
+                            dist.get_rank(), exc)
+                continue
+            left = timedelta(seconds=max(0.001, end - time.monotonic()))
+            return job.wait_as_spare(timeout=left, recovery_timeout=recovery_timeout)
+        return job.as_stored()
 
     def as_stored(self) -> ResilientJob:
         """This job as the store's latest committed record has it (without a store, as it is). Example,
@@ -458,6 +465,14 @@ class ResilientJob:
                 raise ValueError(f"step must be >= 0, got {step}")
         self.settings.with_call(call, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
         return timeout, step
+
+    def _spare_args(self, call: str, timeout: timedelta, recovery_timeout: Optional[timedelta],
+                    gpus_per_node: Optional[int], replica_dim: Optional[str]
+                    ) -> tuple[timedelta, timedelta, Optional[ControlPlane]]:
+        timeout = _checked_timeout("timeout", timeout)
+        recovery_timeout = _checked_timeout("recovery_timeout", recovery_timeout or self.timeout)
+        self.settings.with_call(call, gpus_per_node=gpus_per_node, replica_dim=replica_dim)
+        return timeout, recovery_timeout, control_plane()
 
 
 def _checked_timeout(name: str, value: object) -> timedelta:

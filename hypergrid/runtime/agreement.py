@@ -142,7 +142,10 @@ def check_agreement(label: str, members: Sequence[int], agreement: Agreement, *,
         check = Check.opened(store, label, members, agreement)
         try:
             _arrive(check)
-            (_lead if check.rank == check.decider else _follow)(check, timeout)
+            if check.rank == check.decider:
+                _lead(check, timeout)
+            else:
+                _follow(check, timeout)
         except (GridMismatchError, GroupTimeoutError) as exc:
             _leave_failed(check, exc)
             raise
