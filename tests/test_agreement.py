@@ -143,10 +143,10 @@ def test_agreeing_ranks_create_every_group():
 
 @pytest.mark.gloo
 def test_re_creating_groups_does_not_grow_the_store():
-    # Entries are per member set, overwritten by later rounds; a verdict is per round, and its
-    # leader deletes it when the same members meet again; the epoch and the mark of what was
+    # Entries are per member set, overwritten by later checks; a verdict is per check, and its
+    # decider deletes it when the same members meet again; the epoch and the mark of what was
     # deleted are one key each per member set: four create/destroy cycles leave as many keys in
-    # the store as the first one (a key per round kept would grow with every cycle).
+    # the store as the first one (a key per check kept would grow with every cycle).
     for per_cycle in run_gloo(_job_store_keys_over_cycles, 4, timeout=90, pg_timeout_s=TIMEOUT_S):
         assert per_cycle[0], per_cycle
         assert all(len(keys) == len(per_cycle[0]) for keys in per_cycle), per_cycle
@@ -238,7 +238,7 @@ if __name__ == "__main__":  # prints the failure timings quoted in the project n
 
 
 def test_what_members_publish_stays_short_for_large_groups():
-    # The leader reads every member's entry: an entry must not hold the whole member list.
+    # The decider reads every member's entry: an entry must not hold the whole member list.
     from hypergrid.layout.describe import members_fingerprint
 
     big = members_fingerprint(range(0, 2_000_000, 2))

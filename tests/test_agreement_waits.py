@@ -107,7 +107,7 @@ class _Group:
         return self._stores[rank]
 
     def wait_arrived(self, ranks: list[int], timeout_s: float = 30.0) -> None:
-        """Until every one of ``ranks`` has published its entry (this store is fresh: in round 0)."""
+        """Until every one of ``ranks`` has published its entry (this store is fresh: in epoch 0)."""
         from hypergrid.store.keys import MemberSetKeys
 
         keys = MemberSetKeys.of(self.members)
@@ -180,7 +180,7 @@ def test_a_wait_for_a_late_member_costs_each_waiting_rank_a_few_requests_a_slice
 
     group = _Group(monkeypatch, size)
     late = group.members[-1]
-    # The leader comes once the others on time are there (so that its looks find the late member
+    # The decider comes once the others on time are there (so that its looks find the late member
     # alone absent, however slowly this machine starts 64 threads), the late member 7 s after it.
     threads = [group.arrive(r) for r in group.members[1:-1]]
     group.wait_arrived(group.members[1:-1])
@@ -191,21 +191,21 @@ def test_a_wait_for_a_late_member_costs_each_waiting_rank_a_few_requests_a_slice
     assert not failed, failed[:2]
     assert len(group.outcomes) == size, group.outcomes
 
-    # Measured on 2 cores, 7 s late: the leader 68 requests (75 keys at 4 members, 195 at 64), a
-    # follower 23 to 25; when the waits polled, the leader made 260 requests at 4 members (565
+    # Measured on 2 cores, 7 s late: the decider 68 requests (75 keys at 4 members, 195 at 64), a
+    # follower 23 to 25; when the waits polled, the decider made 260 requests at 4 members (565
     # keys) and 22,433 to 23,007 at 64 (71,678 to 72,117 keys), a follower 67 to 73.
-    leader, follower = group.counts[0], group.counts[1]
+    decider, follower = group.counts[0], group.counts[1]
     # The slices each waited through, from how long its wait lasted (a loaded machine starts the
     # late member later: more slices, each as cheap).
-    leader_slices = _slices(group.outcomes[0][2], agreement._FIRST_LOOK_S, WATCH_SLICE_S)
+    decider_slices = _slices(group.outcomes[0][2], agreement._FIRST_LOOK_S, WATCH_SLICE_S)
     follower_slices = _slices(group.outcomes[1][2], agreement._SLICE_S, WATCH_SLICE_S)
-    # Arriving and ending a round are a handful of requests each, whatever the size; the leader
+    # Arriving and ending a check are a handful of requests each, whatever the size; the decider
     # reads every member's entry once (a check and a multi_get), when all have arrived. A slice
-    # costs the leader its wait, the list of arrivals, a look at the board and the late member's
+    # costs the decider its wait, the list of arrivals, a look at the board and the late member's
     # last state (checked: it has none); a follower its blocking get and a look at the board.
     fixed = 12
-    assert leader["requests"] <= fixed + 5 * leader_slices, (leader, leader_slices)
-    assert leader["keys"] <= fixed + 2 * size + 5 * leader_slices, (leader, leader_slices)
+    assert decider["requests"] <= fixed + 5 * decider_slices, (decider, decider_slices)
+    assert decider["keys"] <= fixed + 2 * size + 5 * decider_slices, (decider, decider_slices)
     assert follower["requests"] <= fixed + 2 * follower_slices, (follower, follower_slices)
     assert follower["keys"] <= fixed + 2 * follower_slices, (follower, follower_slices)
 

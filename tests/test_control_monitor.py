@@ -229,12 +229,12 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
         until(lambda: all(len(_sockets(beat.pid)) >= 2 for beat in beats) and len(holders()) == 1)
         publish(7, "first")
         until(lambda: all(len(heard[r]) == 1 for r in range(3)))
-        leader = holders()[0]
-        killed = beats[leader].pid
+        delegate = holders()[0]
+        killed = beats[delegate].pid
         os.kill(killed, signal.SIGKILL)  # its rank's heartbeat starts another monitor, which joins again
         # The new monitor has its job once it holds a socket besides its beats connection: the
         # board's (it leads) or its node's relay (it follows).
-        until(lambda: beats[leader].pid != killed and len(_sockets(beats[leader].pid)) >= 2 and len(holders()) == 1)
+        until(lambda: beats[delegate].pid != killed and len(_sockets(beats[delegate].pid)) >= 2 and len(holders()) == 1)
         publish(8, "second")
         until(lambda: all(len(heard[r]) >= 2 for r in range(3)))
         time.sleep(0.5)  # an event heard twice would come now

@@ -266,7 +266,7 @@ def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_count
     assert "its last beat came 4.0-7.0 s ago" in sim.heard[1][0].reason
 
 
-def test_a_node_lost_whole_is_published_by_the_leader_of_the_node_before_in_one_entry_per_look(server):
+def test_a_node_lost_whole_is_published_by_the_delegate_of_the_node_before_in_one_entry_per_look(server):
     sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches for node 0: ranks 8-15
     sim.tick(0.0)
     sim.halt(8, 9, 10, 11)  # half of node 1 made its last beat at 0.0, after rank 0 looked
@@ -304,7 +304,7 @@ def test_consecutive_nodes_lost_together_are_each_watched_from_a_node_still_ther
     assert board.add(sim.channel.board_count(), 0) == 3  # one entry per lost node
 
 
-def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_ranks(server):
+def test_a_delegate_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_ranks(server):
     sim = _Sim(server, 16, node=8, runs=((0, 6), (8, 8)), first=(6,))  # 6 and 7: spares on node 0
     assert sim.monitors[6].relay.delegates and not sim.monitors[0].relay.delegates
     sim.tick(0.0)
@@ -317,7 +317,7 @@ def test_a_leader_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_s_
     assert sim.monitors[6].job.ring.watched_from(5) == [13, 14, 15]
 
 
-def test_a_new_leader_continues_the_watch_of_the_last_one_so_a_loss_is_not_published_later(server):
+def test_a_new_delegate_continues_the_watch_of_the_last_one_so_a_loss_is_not_published_later(server):
     sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches for node 0: ranks 8-15
     sim.tick(0.0)
     sim.tick(1.0)
@@ -333,7 +333,7 @@ def test_a_new_leader_continues_the_watch_of_the_last_one_so_a_loss_is_not_publi
     assert sorted((e.rank, e.by) for e in sim.heard[3] if e.rank >= 8) == [(r, delegate) for r in range(8, 16)]
 
 
-def test_a_monitor_told_of_a_recovery_its_leader_was_not_told_of_watches_for_itself(server):
+def test_a_monitor_told_of_a_recovery_its_delegate_was_not_told_of_watches_for_itself(server):
     sim = _Sim(server, 16, node=8, runs=((0, 15),))  # rank 15 not in the job yet
     grown = JobSpec(sim.channel, ((0, 16),), 8)  # the job grows to rank 15: rank 0, hung, is not told
     for rank in range(1, 16):
@@ -415,7 +415,7 @@ def test_each_event_costs_a_monitor_waiting_on_the_board_two_requests_however_ma
     assert sim.monitors[1].job.lost == {1: "third"}
 
 
-def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_leader_when_theirs_goes(server):
+def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_delegate_when_theirs_goes(server):
     sim = _Sim(server, 8, node=4)
     assert [r for r, m in sim.monitors.items() if m.board is not None] == [0, 4]  # one per node
     sim.tick(0.0)
@@ -430,7 +430,7 @@ def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_leader_w
         assert [(e.rank, e.reason) for e in sim.heard[rank]] == [(0, "its process ended"), (6, "its process ended")], rank
 
 
-def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_once(server):
+def test_a_follower_behind_its_new_delegate_reads_what_it_missed_from_the_store_once(server):
     sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
     sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))  # nobody has read it yet
     sim.monitors[0].detach()  # the delegate goes before it read it
@@ -450,7 +450,7 @@ def test_a_follower_behind_its_new_leader_reads_what_it_missed_from_the_store_on
         assert [(e.rank, e.reason) for e in sim.heard[rank]] == [(7, "first"), (8, "second")], rank
 
 
-def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_after_the_staleness_bound(server):
+def test_a_follower_whose_delegate_is_alive_but_silent_waits_on_the_board_itself_after_the_staleness_bound(server):
     sim = _Sim(server, 2, node=2)  # one node: 0 leads, 1 follows
     sim.halted.add(0)  # rank 0's monitor is stuck: its sockets open, nothing read, sent or beaten
     follower = sim.monitors[1]
@@ -464,7 +464,7 @@ def test_a_follower_whose_leader_is_alive_but_silent_waits_on_the_board_itself_a
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
 
 
-def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_again_at_its_next_tick(server):
+def test_a_delegate_elected_while_the_board_cannot_be_reached_beats_on_and_tries_again_at_its_next_tick(server):
     import socket
 
     silent = socket.socket()
@@ -494,7 +494,7 @@ def test_a_leader_elected_while_the_board_cannot_be_reached_beats_on_and_tries_a
     silent.close()
 
 
-def test_a_leader_elected_as_its_predecessor_s_rank_ended_hears_that_entry_before_any_new_connection(server):
+def test_a_delegate_elected_as_its_predecessor_s_rank_ended_hears_that_entry_before_any_new_connection(server):
     """A node's delegate whose rank ends publishes the loss and leaves; the follower elected in its
     place reads the entry on the connection it has, not on the board's new one, which the store
     may take seconds to answer (torch's server looks every new client's address up by name)."""

@@ -1,4 +1,4 @@
-"""Rounds named by what members share: legal programs that no per-process count may knock out of step.
+"""Agreement checks named by what members share: legal programs that no per-process count may knock out of step.
 
 4-rank gloo jobs on loopback. Each scenario is a sequence that is legal but leaves ranks with
 different histories (some sat outside a partial grid, one made groups of one rank alone, one failed
@@ -216,7 +216,7 @@ def test_identical_grids_created_by_crossed_threads_both_succeed_everywhere():
 
 def test_different_grids_created_by_crossed_threads_fail_alike_everywhere():
     results = run_gloo(_crossed_threads, WORLD, False, timeout=180)
-    # Even ranks ask for A's tp where odd ranks ask for B's over the same members: every such round
+    # Even ranks ask for A's tp where odd ranks ask for B's over the same members: every such check
     # fails for all its members with the same error, in both threads, on every rank.
     assert results == [{"A": "GridMismatchError", "B": "GridMismatchError"}] * WORLD, results
 
@@ -262,7 +262,7 @@ def test_destroy_during_a_creation_leaks_nothing():
 
 
 # ---------------------------------------------------------------------------- deadlines
-def _dead_leader(rank: int, world: int, timeout_s: float) -> tuple:
+def _dead_decider(rank: int, world: int, timeout_s: float) -> tuple:
     import os
 
     from hypergrid import HyperCommGrid
@@ -270,13 +270,13 @@ def _dead_leader(rank: int, world: int, timeout_s: float) -> tuple:
     grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=timeout_s))
     grid.create_pg("tp")
     if rank == 1:
-        os._exit(17)  # the leader of dp's group {1, 3} dies before asking for it
+        os._exit(17)  # the decider of dp's group {1, 3} dies before asking for it
     return timed_outcome(lambda: grid.create_pg("dp"))
 
 
-def test_a_follower_whose_leader_died_learns_it_within_the_timeout():
+def test_a_follower_whose_decider_died_learns_it_within_the_timeout():
     timeout_s = 10.0
-    results = run_gloo(_dead_leader, WORLD, timeout_s, timeout=180, pg_timeout_s=60.0, expect_failure=True)
+    results = run_gloo(_dead_decider, WORLD, timeout_s, timeout=180, pg_timeout_s=60.0, expect_failure=True)
     assert results[1][0] == "dead"
     kind, message, seconds = results[3][1]
     assert kind == "GroupTimeoutError" and ("rank 1" in message or "[1]" in message), results[3]
@@ -323,9 +323,9 @@ def _frozen_store_host(rank: int, world: int) -> tuple:
     job_store = agreement.default_store()
     if rank == 0:
         hosted = dist.TCPStore("127.0.0.1", 0, world, is_master=True, wait_for_workers=False)
-        job_store.set("rounds/port", str(hosted.port))
+        job_store.set("checks/port", str(hosted.port))
     else:
-        port = int(job_store.get("rounds/port").decode())
+        port = int(job_store.get("checks/port").decode())
         hosted = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=timedelta(seconds=120))
     agreement.default_store = lambda: hosted
     grid = HyperCommGrid([2, 2], ["tp", "dp"], timeout=timedelta(seconds=6))
