@@ -280,7 +280,7 @@ def test_a_follower_whose_decider_died_learns_it_within_the_timeout():
     assert results[1][0] == "dead"
     kind, message, seconds = results[3][1]
     assert kind == "GroupTimeoutError" and ("rank 1" in message or "[1]" in message), results[3]
-    # Measured: 10.0 s. It used to be the timeout plus max(2 s, 10%): past the job's timeout.
+    # Measured: 10.0 s, the timeout itself (not the timeout plus a grace of max(2 s, 10%), past the job's).
     assert seconds < timeout_s + 1.5, f"rank 3 learned after {seconds:.1f} s, the timeout is {timeout_s} s"
     assert results[0][1][0] == "ok" and results[2][1][0] == "ok", results
 
@@ -349,7 +349,7 @@ def test_a_frozen_store_host_is_reported_as_such_within_the_timeout():
         assert status == "ok" and kind == "GroupCreationError", results[rank]
         assert "did not answer" in message and "'dp'" in message, message
         assert "has likely exited" not in message and "leader" not in message, message  # no false cause
-        # Measured: 6.0 s. It used to take 40-80 s, and blamed the leader or an exited host.
+        # Measured: 6.0 s, the timeout; the store's host is named, not the decider or an exited host.
         assert seconds < 6.0 + 4.0, f"rank {rank} learned after {seconds:.1f} s, the timeout is 6 s"
 
 
