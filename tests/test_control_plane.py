@@ -452,7 +452,8 @@ def test_a_follower_behind_its_new_delegate_reads_what_it_missed_from_the_store_
 
 def test_a_follower_whose_delegate_is_alive_but_silent_waits_on_the_board_itself_after_the_staleness_bound(server):
     sim = _Sim(server, 2, node=2)  # one node: 0 leads, 1 follows
-    sim.halted.add(0)  # rank 0's monitor is stuck: its sockets open, nothing read, sent or beaten
+    sim.tick(0.0)  # both beat once
+    sim.halted.add(0)  # then rank 0's monitor is stuck: its sockets open, nothing read, sent or beaten
     follower = sim.monitors[1]
     for now in range(1, 7):
         sim.tick(float(now))

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..store.records import BoardEvent, decode
 from ..store.shutdown import register
-from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, JobSpec, MonitorConfig
+from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .poll import read_lines, readable
 
 if TYPE_CHECKING:
@@ -54,8 +54,6 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 #: The monitor's command: no site packages, this hypergrid first on its path.
 _BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.liveness.monitor import main; "
          "sys.exit(main())")
-#: How long a new monitor may take to reach the store and say it is ready.
-START_TIMEOUT_S = 60.0
 #: How many of the board's latest events a heartbeat keeps for a listener that comes late.
 RECENT_EVENTS = 256
 

@@ -22,7 +22,9 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
     >>> monitor = RankMonitor(config, forward=seen.append, now=0.0)
     >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), gpus_per_node=1)
     >>> monitor.attach(job)
-    >>> for second in range(6):                                     # rank 1 never beats: after 5
+    >>> monitor.tick(now=0.0); server.add("ns/beat/1", 1)                # rank 1 beats once
+    1
+    >>> for second in range(1, 7):                                  # then never again: after 5
     ...     monitor.tick(now=float(second))                        # seconds of standing still, it is gone
     >>> monitor.on_board(); [(e.kind.value, e.rank, e.by) for e in seen]
     [('lost', 1, 0)]
@@ -54,12 +56,16 @@ from .relay import NodeRelay, hold
 from .ring import Ring, from_runs
 from .watch import Watch, Watched
 
-__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS"]
+__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS",
+           "START_TIMEOUT_S"]
 
 #: How long a rank's interpreter may make no progress before it counts as hung (minutes: pauses of seconds are routine).
 DEFAULT_PROGRESS_TIMEOUT_S = 180.0
 #: How many heartbeat intervals a counter may stand still before its rank counts as gone.
 STALE_BEATS = 5
+#: How long a new monitor may take to reach the store and say it is ready: a counter that never beat
+#: is given this much more before its rank counts as gone.
+START_TIMEOUT_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +131,7 @@ class RankMonitor:
         self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
                               give_up_s=config.connect_timeout_s, beat_key=beat_key(config.namespace, config.rank),
                               interval_s=config.interval_s)
-        self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats)
+        self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats, START_TIMEOUT_S)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
         self._names: tuple[str, int] = ("", 0)  # names the node's relay and watch: the board, the node

@@ -4,7 +4,9 @@ A watcher (a node's delegate for its node's ranks, a monitor alone for its own r
 each look, in one round trip, the counters of the ranks those watch
 (:meth:`~hypergrid.liveness.ring.Ring.watched_from`). A counter that stood still over ``stale_beats``
 looks and intervals of the watcher's own clock (no clocks are compared across hosts) means its
-rank's node, or monitor, is gone. Silence is judged on what the store answered, not on how long it
+rank's node, or monitor, is gone. A counter that never moved (0: its monitor has not beaten yet) is
+given ``start_s`` more, the time a rank's monitor may take to start: ranks start their monitors
+seconds apart on a loaded host, and a watcher that looks first must not count the late ones out. Silence is judged on what the store answered, not on how long it
 took. Past a rank lost or departed, the watch walks on to the next one; the counters walked to are
 read together, one round trip per hop of the longest walk, never one per rank.
 
@@ -17,6 +19,14 @@ Example, a watcher of rank 1 whose counter stands still (the reads given)::
     []
     >>> [(e.rank, e.by) for e in watch.look(lambda ranks: [7] * len(ranks), ring, [0], {}, watched, now=5.0)]
     [(1, 0)]
+
+A counter still at 0 (never beaten) is lost only past the start bound as well::
+
+    >>> watch, watched = Watch(me=0, interval_s=1.0, stale_beats=5, start_s=60.0), {}
+    >>> [watch.look(lambda ranks: [0] * len(ranks), ring, [0], {}, watched, now=float(t)) for t in range(65)][-1]
+    []
+    >>> [e.reason for e in watch.look(lambda ranks: [0] * len(ranks), ring, [0], {}, watched, now=65.0)]
+    ['it never beat in the 65.0 s this watcher looked (a monitor may take 60 s to start, and a counter that stands still 5 s is lost): its rank never started its monitor, or its node is gone']
 """
 
 from __future__ import annotations
@@ -51,11 +61,13 @@ class Watched:
 
 @dataclass(frozen=True)
 class Watch:
-    """Rank ``me``'s rule of silence (``stale_beats`` intervals of ``interval_s``), applied at each :meth:`look`."""
+    """Rank ``me``'s rule of silence (``stale_beats`` intervals of ``interval_s``; ``start_s`` more for a
+    counter that never beat), applied at each :meth:`look`."""
 
     me: int
     interval_s: float
     stale_beats: int
+    start_s: float = 0.0
 
     def look(self, read: Callable[[Sequence[int]], Sequence[int]], ring: Ring, starts: Sequence[int],
              lost: Collection[int], watched: dict[int, Watched], now: float) -> list[BoardEvent]:
@@ -104,16 +116,25 @@ class Watch:
                 # From the earliest the last beat may have come, so a rank is published within the bound.
                 # The looks count the intervals; the clock only guards against looks that came too fast,
                 # with half an interval of slack (else a bound met to the microsecond costs an interval).
-                if seen.looks >= self.stale_beats and now - seen.since >= stale_after - self.interval_s / 2:
-                    found.append(BoardEvent(EventKind.LOST, candidate, (
-                        f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} "
-                        f"s ago (the bound is {stale_after:g} s): its node, or its monitor, is gone"), by=me))
+                # A counter at 0 never beat: its monitor may still be starting, so its bound is longer.
+                bound = stale_after if value > 0 else stale_after + self.start_s
+                if seen.looks >= self.stale_beats and now - seen.since >= bound - self.interval_s / 2:
+                    found.append(BoardEvent(EventKind.LOST, candidate, self._reason(seen, now), by=me))
                     candidate = following
                     continue
             # Alive: the next rank has a watcher of its own, unless on this one's node (lost with it).
             if not ring.run_goes_on(candidate, following, start):
                 return
             candidate = following
+
+    def _reason(self, seen: Watched, now: float) -> str:
+        stale_after = self.stale_beats * self.interval_s
+        if seen.value == 0:
+            return (f"it never beat in the {now - seen.since:.1f} s this watcher looked (a monitor may take "
+                    f"{self.start_s:g} s to start, and a counter that stands still {stale_after:g} s is lost): its "
+                    f"rank never started its monitor, or its node is gone")
+        return (f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} s ago "
+                f"(the bound is {stale_after:g} s): its node, or its monitor, is gone")
 
     # ------------------------------------------------------------------ between delegates
     @staticmethod
