@@ -80,13 +80,16 @@ class Sampler:
         self.position = state["position"]
 
 
-def _setup(job: Any) -> Any:
+def _setup(job: Any, ddp: bool = False) -> Any:
+    """``ddp``: the model wrapped in torch's DistributedDataParallel over the grid's dp group."""
     import hypergrid
 
     grid = job.state
     tp_rank = grid.ranks("tp").index(dist.get_rank())
     torch.manual_seed(2024 + tp_rank)  # dropout alike along dp, as Megatron-Core seeds it
-    model = ParallelMLP(tp_rank)
+    model: torch.nn.Module = ParallelMLP(tp_rank)
+    if ddp:
+        model = torch.nn.parallel.DistributedDataParallel(model, process_group=grid.get_pg("dp"))
     optimizer = torch.optim.Adam(model.parameters(), lr=0.05)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
     return hypergrid.TrainingState(model, optimizer, scheduler=scheduler, sampler=Sampler())
@@ -109,7 +112,8 @@ def train_step(state: Any, tp: Any, dp: Any, dp_rank: int, *, die: bool = False)
     if die:
         os.kill(os.getpid(), signal.SIGKILL)
     loss.backward()
-    average_gradients(model, dp)
+    if not isinstance(model, torch.nn.parallel.DistributedDataParallel):  # DDP averages them in its backward
+        average_gradients(model, dp)
     optimizer.step()
     optimizer.zero_grad()
     state.objects["scheduler"].step()
@@ -124,9 +128,12 @@ def _one_step(job: Any, state: Any, step: int, *, kill: Optional[tuple[list[int]
 
 def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Optional[tuple[list[int], int]],
            start: Optional[int], save_at: Optional[int], folder: str, *, kill_on_joining: Optional[int] = None,
-           freeze: Optional[tuple[int, int, float]] = None, grow_every: Optional[int] = None) -> dict:
+           freeze: Optional[tuple[int, int, float]] = None, grow_every: Optional[int] = None, ddp: bool = False,
+           group_timeout_s: Optional[float] = None) -> dict:
     """``kill``: (ranks, step) SIGKILLed mid-step; ``kill_on_joining``: a spare SIGKILLed as it takes a
-    position; ``freeze``: (rank, step, seconds) SIGSTOPped mid-step, then let run again."""
+    position; ``freeze``: (rank, step, seconds) SIGSTOPped mid-step, then let run again; ``ddp``: the
+    model in DistributedDataParallel over dp; ``group_timeout_s``: the grid's groups' timeout (else the
+    default group's)."""
     import hypergrid
 
     hypergrid.start_heartbeat(interval_s=0.5, progress_timeout_s=4.0)  # frozen past it: hung
@@ -135,14 +142,15 @@ def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Opt
     if freeze is not None and rank == 0:
         threading.Thread(target=_freezer, args=(store, freeze), daemon=True).start()
     grid = hypergrid.HyperCommGrid([TP, len(ranks) // TP], ["tp", "dp"])
-    grid.create_pg("tp")
-    grid.create_pg("dp")
+    timeout = {} if group_timeout_s is None else {"timeout": timedelta(seconds=group_timeout_s)}
+    grid.create_pg("tp", **timeout)
+    grid.create_pg("dp", **timeout)
     job = hypergrid.ResilientJob.of_grid(grid, spares=spares, timeout=timedelta(seconds=30),
                                          settings=hypergrid.RecoverySettings(gpus_per_node=2, replica_dim="dp"))
     def setup(job: Any) -> Any:
         if dist.get_rank() == kill_on_joining:
             os.kill(os.getpid(), signal.SIGKILL)
-        state = _setup(job)
+        state = _setup(job, ddp)
         if start is not None:  # a job started on this placement from a saved state
             position = list(job.layout.ranks).index(dist.get_rank())
             state.restore(torch.load(Path(folder) / f"{position}.pt", weights_only=False))
@@ -159,6 +167,8 @@ def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Opt
             store.wait(["frozen_at"], timedelta(seconds=60))
             while time.time() < float(store.get("frozen_at").decode()) + freeze[2] + 3 * COLLECTIVE_S:
                 time.sleep(0.2)
+        if kill is not None and rank == kill[0][0] and step == kill[1]:
+            store.set("killed_at", repr(time.time()))  # a moment before it dies, after its forward
         if save_at is not None and step == save_at:
             position = list(job.layout.ranks).index(dist.get_rank())
             torch.save(state.capture(step), Path(folder) / f"{position}.pt")
@@ -173,7 +183,11 @@ def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Opt
     return {"in_grid": True, "ranks": list(run.job.layout.ranks), "losses": run.losses,
             "position": list(run.job.layout.ranks).index(rank),
             "records": [(r.kind, r.plan, r.failed_step, r.resumed_step, r.describe()) for r in records],
-            "saved": saved}
+            "saved": saved, "wrapped": [type(m).__name__ for m in run.state.models],
+            # When the first rank killed died (seconds since the epoch) and, for each recovery, when this
+            # rank's first step after it was done: the time from a kill to every rank's first step.
+            "killed_at": float(store.get("killed_at").decode()) if store.check(["killed_at"]) else None,
+            "stepped_at": [r.seen_at + r.total_s for r in records]}
 
 
 def _freezer(store: Any, freeze: tuple[int, int, float]) -> None:

@@ -244,7 +244,27 @@ class ResilientJob:
         if grid is None:
             grid = grid_of(self.layout)
             object.__setattr__(self, field, grid)
-        return grid.get_or_create_pg(dims, **options)
+        return grid.get_or_create_pg(dims, timeout=self.group_timeout, **options)
+
+    @property
+    def group_timeout(self) -> timedelta:
+        """The collective timeout of the job's own groups (:attr:`world`, :attr:`replica_group` and
+        :attr:`copy_group`): the longest of the groups the job makes (its grid's ``create_pg`` timeouts,
+        Megatron's ``distributed_timeout_minutes``), not the default group's, which on gloo is 30 minutes
+        unless set. A rank lost where nobody can abort (gloo) costs its peers at most this long in them.
+        Example, as rank 0 of a 4-rank job on torch's fake backend::
+
+            >>> from torch.testing._internal.distributed.fake_pg import FakeStore
+            >>> dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=4)
+            >>> grid = HyperCommGrid([2, 2], ["tp", "dp"])
+            >>> _ = grid.create_pg("tp", timeout=timedelta(seconds=20))
+            >>> _ = grid.create_pg("dp", timeout=timedelta(seconds=20))
+            >>> job = ResilientJob.of_grid(grid, settings=RecoverySettings(gpus_per_node=2))
+            >>> job.group_timeout, dist.get_process_group_ranks(job.world)
+            (datetime.timedelta(seconds=20), [0, 1, 2, 3])
+            >>> grid.destroy(); dist.destroy_process_group()
+        """
+        return self.recipe.longest_timeout() or longest_collective(None)
 
     def let_go_job_groups(self) -> None:
         """Destroy the groups of :attr:`world`, :attr:`replica_group` and :attr:`copy_group`."""

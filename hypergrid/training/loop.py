@@ -38,17 +38,21 @@ that comes back at the same step ``retries`` times with nobody lost is the user'
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, SnapshotCorrupted
 from ..grid import HyperCommGrid
@@ -197,7 +201,7 @@ class _Trainer:
         self._restored_at = 0.0
         self.partners: Optional[PartnerCopies] = None
         self.loader: Optional[Loader] = None
-        self.zeros: list[tuple[ZeroRedundancyOptimizer, tuple[str, ...], Optional[str]]] = []
+        self.on_groups: list[_OnGroup] = []  # the ZeRO optimizers and DDP models made over the grid's groups
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainingRun:
@@ -238,14 +242,16 @@ class _Trainer:
         self.result.job, self.result.state, self.result.step = self.job, self.state, self.step
         return self.result
 
-    def _take_position(self, job: ResilientJob) -> None:
-        """Build this rank's state on ``job``'s groups (at the start, or taking a position)."""
-        state = self.setup(job)
+    def _take_position(self, job: ResilientJob, *, mid_job: bool = False) -> None:
+        """Build this rank's state on ``job``'s groups (at the start, or ``mid_job``: taking a position,
+        or on a new shape; a snapshot is restored into it next, so its DDP skips its start's collectives)."""
+        with _ddp_without_init_sync() if mid_job else contextlib.nullcontext():
+            state = self.setup(job)
         if not isinstance(state, TrainingState):
             raise TypeError(f"setup must return a hypergrid TrainingState, got {type(state).__name__}")
         _check_on_job(state, job)
         self.state = state
-        self.zeros = _zero_groups(state, job.state)
+        self.on_groups = _on_groups(state, job.state)
 
     def _checkpoint(self) -> None:
         """The gate, then this step's snapshot. The ranks of the grid meet (one all-reduce of one
@@ -312,9 +318,9 @@ class _Trainer:
     def _carry_over(self, before: ResilientJob, job: ResilientJob) -> bool:
         """This rank's state onto ``job``'s groups: its DeviceMeshes and FSDP2 modules refreshed in
         place where the grid kept its shape; where it did not (a replica dropped or grown back),
-        built again by ``setup`` (the snapshot is restored into it next). A ZeRO optimizer made over
-        one of the grid's groups is pointed at the new grid's group of the same dims. Returns
-        whether the state was built again."""
+        built again by ``setup`` (the snapshot is restored into it next), as it is where a DDP
+        model's group changed or a ZeRO optimizer's changed size; a ZeRO optimizer otherwise is pointed
+        at the new grid's group of the same dims. Returns whether the state was built again."""
         old, new = before.state, job.state
         if not isinstance(old, HyperCommGrid) or not isinstance(new, HyperCommGrid) or old is new:
             return False  # a Megatron job: parallel_state is filled anew, and is read each step
@@ -322,18 +328,19 @@ class _Trainer:
             refreshed = refresh_meshes(old, new)
         except MeshShapeChangedError as changed:
             logger.info("rank %d: building the state again on the new grid: %s", dist.get_rank(), changed)
-            self._take_position(job)
+            self._take_position(job, mid_job=True)
             return True
         if refreshed:
             assert self.state is not None
             for model in self.state.models:
                 refresh_fully_shard(model)
-        groups = [new.get_pg(dims, view=view) for _, dims, view in self.zeros]
-        if any(dist.get_world_size(g) != zero.world_size for (zero, _, _), g in zip(self.zeros, groups)):
-            self._take_position(job)  # ZeRO's partition follows its group's size: made again
+        groups = [new.get_pg(made.dims, view=made.view) for made in self.on_groups]
+        if any(made.made_again_on(group) for made, group in zip(self.on_groups, groups)):
+            self._take_position(job, mid_job=True)
             return True
-        for (zero, _, _), group in zip(self.zeros, groups):  # ZeRO broadcasts its shards over its own group
-            zero.process_group, zero.rank, zero.global_rank = group, dist.get_rank(group), dist.get_rank()
+        for made, group in zip(self.on_groups, groups):  # ZeRO broadcasts its shards over its own group
+            if isinstance(zero := made.user, ZeroRedundancyOptimizer):
+                zero.process_group, zero.rank, zero.global_rank = group, dist.get_rank(group), dist.get_rank()
         return False
 
     def _wait_outside(self, wait: Callable[..., ResilientJob], *, failed_step: Optional[int]) -> None:
@@ -341,12 +348,13 @@ class _Trainer:
         self.state, self.committed, self.previous = None, None, None
         if self.partners is not None:
             self.partners.clear()  # copies of a placement this rank has left
+        _warm_up()
         job = wait(timeout=self.wait_timeout)
         self.job = job
         if not job.in_grid:
             return
         seen_at, seen = time.time(), time.monotonic()
-        self._take_position(job)
+        self._take_position(job, mid_job=True)
         last = job.last
         self.restoring = _Restoring(
             kind="joined", plan=last.describe() if last is not None else "joined",
@@ -545,15 +553,69 @@ def _check_on_job(state: TrainingState, job: ResilientJob) -> None:
 
 
 
-def _zero_groups(state: TrainingState, grid: Any) -> list[tuple[ZeroRedundancyOptimizer, tuple[str, ...], Optional[str]]]:
-    """Each ZeRO optimizer of ``state`` made over one of ``grid``'s groups, with that group's dims
-    and view: after a recovery that keeps the grid's shape (and so each rank's partition) it is
-    pointed at the new grid's group of those dims (a changed shape builds the state again)."""
+@dataclass(frozen=True)
+class _OnGroup:
+    """A ZeRO optimizer or a DDP model of the state, made over the grid's group of ``dims`` (in ``view``)."""
+
+    user: Union[ZeroRedundancyOptimizer, DistributedDataParallel]
+    dims: tuple[str, ...]
+    view: Optional[str]
+
+    def made_again_on(self, group: Optional[dist.ProcessGroup]) -> bool:
+        """Whether the state is built again for ``group``, the new grid's group of these dims: a ZeRO
+        whose group changed size (its partition follows the size), a DDP whose group changed at all.
+        DDP is wrapped anew by ``setup`` (its options and buckets the user's, no collective at its
+        start) on every rank of the changed group alike: re-pointing its reducer in place
+        (``_update_process_group``) after a backward cut short by the failure gave gradients that
+        differ from a run with no failure."""
+        if isinstance(self.user, ZeroRedundancyOptimizer):
+            return dist.get_world_size(group) != self.user.world_size
+        return self.user.process_group is not group
+
+
+def _on_groups(state: TrainingState, grid: Any) -> list[_OnGroup]:
+    """Each ZeRO optimizer and DDP model of ``state`` made over one of ``grid``'s groups, with that
+    group's dims and view: after a recovery, the new grid's group of those dims is found by them
+    (:meth:`_OnGroup.made_again_on`)."""
     if not isinstance(grid, HyperCommGrid):
         return []
+    users: list[Union[ZeroRedundancyOptimizer, DistributedDataParallel]] = [
+        o for o in state.optimizers if isinstance(o, ZeroRedundancyOptimizer)]
+    users += [m for m in state.models if isinstance(m, DistributedDataParallel)]
+    made_groups = grid.made_groups()
     found = []
-    for zero in state.optimizers:
-        if isinstance(zero, ZeroRedundancyOptimizer):
-            found += [(zero, m.dims, m.view) for m in grid.made_groups()
-                      if grid.get_pg(m.dims, view=m.view) is zero.process_group][:1]
+    for user in users:
+        found += [_OnGroup(user, m.dims, m.view) for m in made_groups
+                  if grid.get_pg(m.dims, view=m.view) is user.process_group][:1]
     return found
+
+
+@contextlib.contextmanager
+def _ddp_without_init_sync() -> Iterator[None]:
+    """DDP made in here skips the collectives of its start (a check of every member's parameter
+    shapes, a broadcast of the first member's parameters over its group): a rank that takes a
+    position makes its DDP while the other members, who do not run ``setup`` again, never join
+    them, and the snapshot restored right after gives what the broadcast would have."""
+    made = DistributedDataParallel.__init__
+    signature = inspect.signature(made)
+    if "init_sync" not in signature.parameters:
+        yield
+        return
+
+    def without_init_sync(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
+        bound = signature.bind(self, *args, **kwargs)
+        bound.arguments["init_sync"] = False
+        made(*bound.args, **bound.kwargs)
+
+    DistributedDataParallel.__init__ = without_init_sync  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        DistributedDataParallel.__init__ = made  # type: ignore[method-assign]
+
+
+def _warm_up() -> None:
+    """What a rank outside the grid can do before it is given a position: the imports that a first
+    optimizer step makes lazily (``torch._dynamo``: seconds of CPU), so that a recovery onto it does
+    not wait for them."""
+    importlib.import_module("torch._dynamo")
