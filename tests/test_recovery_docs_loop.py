@@ -1,8 +1,9 @@
 """The training loop of docs/recovery.md, as written there, through a node's loss.
 
 The code block of docs/recovery.md that defines ``setup``, ``step`` and ``main`` is read from the
-docs and run in each gloo rank, with the tensor-parallel MLP, the sampler and the seeding of
-tests/test_training.py as the user's ``build_model``, ``DataPosition`` and ``forward_backward``.
+docs and run in each gloo rank, with the tensor-parallel MLP of tests/test_training.py (dropout
+drawn from torch's generator) as the user's ``build_model`` and random tensors as its
+``dataset``; the docs' own code wraps the model in DDP, seeds the generator and samples the data.
 Ranks 0-3 hold tp 2 x dp 2, ranks 4 and 5 are a spare node; node 1 (ranks 2 and 3) is SIGKILLed
 after its forward in step 3. On every rank of the grid, every step's loss is bit-equal to that of
 the same job run with no failure.
@@ -29,6 +30,21 @@ DOCS = Path(__file__).resolve().parents[1] / "docs" / "recovery.md"
 STEPS, KILL_STEP = 6, 3
 
 
+class _DiesInItsForward(model.ParallelMLP):
+    """The MLP, whose rank SIGKILLs itself after the forward of step ``die_at`` (None: never)."""
+
+    def __init__(self, tp_rank: int, die_at: Any) -> None:
+        super().__init__(tp_rank)
+        self.die_at, self.forwards = die_at, 0
+
+    def forward(self, x: torch.Tensor, tp: Any) -> torch.Tensor:
+        out = super().forward(x, tp)
+        if self.forwards == self.die_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        self.forwards += 1
+        return out
+
+
 def docs_loop(kill: bool) -> dict:
     """The namespace the docs' code block that defines ``main`` leaves, read from the docs, with
     the user's pieces it names."""
@@ -36,22 +52,15 @@ def docs_loop(kill: bool) -> dict:
     code = next(b for b in blocks if "def main(" in b and "def setup(" in b)
 
     def build_model(grid: Any) -> torch.nn.Module:
-        tp_rank = grid.ranks("tp").index(dist.get_rank())
-        torch.manual_seed(2024 + tp_rank)  # dropout alike along dp
-        return model.ParallelMLP(tp_rank)
+        die_at = KILL_STEP if kill and dist.get_rank() in (2, 3) else None
+        return _DiesInItsForward(grid.ranks("tp").index(dist.get_rank()), die_at)
 
-    def forward_backward(mlp: torch.nn.Module, data: model.Sampler, grid: Any) -> float:
-        tp, dp = grid.get_pg("tp"), grid.get_pg("dp")
-        x, y = data.batch(grid.ranks("dp").index(dist.get_rank()))
-        loss = torch.nn.functional.mse_loss(mlp(x, tp), y)
-        if kill and dist.get_rank() in (2, 3) and data.position == KILL_STEP + 1:
-            os.kill(os.getpid(), signal.SIGKILL)
-        loss.backward()
-        model.average_gradients(mlp, dp)
-        return loss.item()
+    def dataset() -> torch.utils.data.Dataset:
+        gen = torch.Generator().manual_seed(5)
+        return torch.utils.data.TensorDataset(torch.randn(48, model.DIM, generator=gen),
+                                              torch.randn(48, model.DIM, generator=gen))
 
-    namespace: dict = {"build_model": build_model, "forward_backward": forward_backward,
-                       "DataPosition": model.Sampler}
+    namespace: dict = {"build_model": build_model, "dataset": dataset}
     exec(compile(code, str(DOCS), "exec"), namespace)
     return namespace
 

@@ -19,6 +19,12 @@ forward in step ``KILL_STEP``.
   peer waits as a spare, it offers itself once it runs again, and the grid grows back: from
   the growth on, the losses are bit-equal to those of a job started there from the state every
   position had.
+
+Each of these runs twice: the model as it is (its gradients averaged over dp by the step), and in
+torch's ``DistributedDataParallel`` over the grid's dp group, built in ``setup`` (DDP averages
+them). With DDP the second loss runs with the default group's timeout at gloo's 30 minutes and the
+grid's groups' at 6 s: the survivors wait for the spare that died in its ``setup`` in the job's
+own groups no longer than the grid's groups' timeout.
 """
 
 from __future__ import annotations
@@ -126,7 +132,7 @@ def _one_step(job: Any, state: Any, step: int, *, kill: Optional[tuple[list[int]
     return train_step(state, grid.get_pg("tp"), grid.get_pg("dp"), grid.ranks("dp").index(dist.get_rank()), die=die)
 
 
-def _train(rank: int, world: int, ranks: list[int], spares: list[int], kill: Optional[tuple[list[int], int]],
+def _train_on(rank: int, world: int, ranks: list[int], spares: list[int], kill: Optional[tuple[list[int], int]],
            start: Optional[int], save_at: Optional[int], folder: str, *, kill_on_joining: Optional[int] = None,
            freeze: Optional[tuple[int, int, float]] = None, grow_every: Optional[int] = None, ddp: bool = False,
            group_timeout_s: Optional[float] = None) -> dict:
@@ -204,10 +210,22 @@ def _by_position(results: list) -> dict[int, dict]:
     return {v["position"]: v for v in results if v["in_grid"]}
 
 
-def test_a_node_lost_mid_step_with_a_spare_node_trains_on_bit_equal(tmp_path):
-    reference = run_gloo(_train, 6, [0, 1, 2, 3], [4, 5], None, None, None, str(tmp_path), timeout=240,
+WRAPS = pytest.mark.parametrize("ddp", [False, True], ids=["plain", "ddp"])
+
+
+def _from_kill_to_first_steps(members: dict[int, dict]) -> str:
+    """For the test's output: seconds from the kill to each rank's first step after each recovery."""
+    killed = next(v["killed_at"] for v in members.values() if v["killed_at"] is not None)
+    return ", ".join(f"rank {rank}: " + "/".join(f"{t - killed:.2f}" for t in v["stepped_at"])
+                     for rank, v in sorted(members.items()))
+
+
+@WRAPS
+def test_a_node_lost_mid_step_with_a_spare_node_trains_on_bit_equal(tmp_path, ddp):
+    train_job = functools.partial(_train_on, ddp=ddp)
+    reference = run_gloo(train_job, 6, [0, 1, 2, 3], [4, 5], None, None, None, str(tmp_path), timeout=240,
                          pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
-    results = run_gloo(_train, 6, [0, 1, 2, 3], [4, 5], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
+    results = run_gloo(train_job, 6, [0, 1, 2, 3], [4, 5], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
                        pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
     assert results[2][0] == "dead" and results[3][0] == "dead", results[2:4]
     expected = _by_position(reference)
@@ -224,16 +242,21 @@ def test_a_node_lost_mid_step_with_a_spare_node_trains_on_bit_equal(tmp_path):
         want = expected[value["position"]]["losses"]
         steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
         assert {s: losses[s] for s in steps} == {s: want[s] for s in steps}, (rank, losses, want)
+        assert value["wrapped"] == ["DistributedDataParallel" if ddp else "ParallelMLP"], value["wrapped"]
+    print(f"\n{'DDP' if ddp else 'plain'}, node 1 lost, a spare node: from the kill to each rank's first step "
+          f"(s): {_from_kill_to_first_steps(members)}")
 
 
-def test_a_node_lost_with_no_spare_shrinks_and_trains_as_a_job_started_there(tmp_path):
+@WRAPS
+def test_a_node_lost_with_no_spare_shrinks_and_trains_as_a_job_started_there(tmp_path, ddp):
+    train_job = functools.partial(_train_on, ddp=ddp)
     # The state every position holds at the step the job resumes from, taken by a run with no failure.
-    run_gloo(_train, 4, [0, 1, 2, 3], [], None, None, KILL_STEP, str(tmp_path), timeout=240,
+    run_gloo(train_job, 4, [0, 1, 2, 3], [], None, None, KILL_STEP, str(tmp_path), timeout=240,
              pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
-    results = run_gloo(_train, 4, [0, 1, 2, 3], [], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
+    results = run_gloo(train_job, 4, [0, 1, 2, 3], [], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
                        pg_timeout_s=COLLECTIVE_S, expect_failure=True, leave_at_once=True)
     assert results[2][0] == "dead" and results[3][0] == "dead", results[2:4]
-    fresh = run_gloo(_train, 2, [0, 1], [], None, KILL_STEP, None, str(tmp_path), timeout=240,
+    fresh = run_gloo(train_job, 2, [0, 1], [], None, KILL_STEP, None, str(tmp_path), timeout=240,
                      pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
     for rank in (0, 1):
         status, value = results[rank]
@@ -243,14 +266,22 @@ def test_a_node_lost_with_no_spare_shrinks_and_trains_as_a_job_started_there(tmp
         assert plan.startswith("shrink: replicas holding ranks [2, 3] dropped"), plan
         after = {s: loss for s, loss in value["losses"].items() if s >= KILL_STEP}
         assert after == {s: fresh[rank]["losses"][s] for s in range(KILL_STEP, STEPS)}, (rank, after, fresh[rank])
+    print(f"\n{'DDP' if ddp else 'plain'}, node 1 lost, no spare (dp 2 -> 1): from the kill to each rank's first "
+          f"step (s): {_from_kill_to_first_steps({r: results[r][1] for r in (0, 1)})}")
 
 
-def test_a_second_loss_while_the_first_is_recovered_goes_to_the_next_spare_node(tmp_path):
-    reference = run_gloo(_train, 4, [0, 1, 2, 3], [], None, None, None, str(tmp_path), timeout=240,
+@pytest.mark.parametrize("ddp, default_timeout_s", [(False, COLLECTIVE_S), (True, 1800.0)],
+                         ids=["plain", "ddp-default-group-30-min"])
+def test_a_second_loss_while_the_first_is_recovered_goes_to_the_next_spare_node(tmp_path, ddp, default_timeout_s):
+    # With DDP, the default group's timeout is gloo's default and the grid's groups' 6 s: the survivors
+    # wait for the spare that died in its setup in the job's own groups (job.world) no longer than
+    # the grid's groups' timeout.
+    train_job = functools.partial(_train_on, ddp=ddp)
+    reference = run_gloo(train_job, 4, [0, 1, 2, 3], [], None, None, None, str(tmp_path), timeout=240,
                          pg_timeout_s=COLLECTIVE_S, leave_at_once=True)
-    results = run_gloo(functools.partial(_train, kill_on_joining=4), 8, [0, 1, 2, 3], [4, 5, 6, 7],
-                       ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S,
-                       expect_failure=True, leave_at_once=True)
+    results = run_gloo(functools.partial(train_job, kill_on_joining=4, group_timeout_s=COLLECTIVE_S), 8, [0, 1, 2, 3],
+                       [4, 5, 6, 7], ([2, 3], KILL_STEP), None, None, str(tmp_path), timeout=300,
+                       pg_timeout_s=default_timeout_s, expect_failure=True, leave_at_once=True)
     assert [results[r][0] for r in (2, 3, 4)] == ["dead"] * 3, results
     expected = _by_position(reference)
     members = {rank: v for rank, (status, v) in enumerate(results) if status == "ok" and v["in_grid"]}
@@ -261,11 +292,16 @@ def test_a_second_loss_while_the_first_is_recovered_goes_to_the_next_spare_node(
         steps = range(KILL_STEP, STEPS) if rank >= 4 else range(STEPS)
         want = expected[value["position"]]["losses"]
         assert {s: value["losses"][s] for s in steps} == {s: want[s] for s in steps}, (rank, value["losses"], want)
+    print(f"\n{'DDP' if ddp else 'plain'}, node 1 lost, then the spare taking rank 2's place (grid's groups: a "
+          f"{COLLECTIVE_S:g} s timeout, the default group's {default_timeout_s:g} s): from the kill to each rank's "
+          f"first step (s): {_from_kill_to_first_steps(members)}")
 
 
-def test_a_rank_frozen_is_counted_out_offers_itself_and_is_grown_back(tmp_path):
+@WRAPS
+def test_a_rank_frozen_is_counted_out_offers_itself_and_is_grown_back(tmp_path, ddp):
+    train_job = functools.partial(_train_on, ddp=ddp)
     grow_at = 4
-    results = run_gloo(functools.partial(_train, freeze=(3, 2, 10.0), grow_every=grow_at), 4, [0, 1, 2, 3], [],
+    results = run_gloo(functools.partial(train_job, freeze=(3, 2, 10.0), grow_every=grow_at), 4, [0, 1, 2, 3], [],
                        None, None, grow_at, str(tmp_path), timeout=300, pg_timeout_s=COLLECTIVE_S, expect_failure=True,
                        leave_at_once=True)
     members = {rank: v for rank, (status, v) in enumerate(results) if status == "ok" and v["in_grid"]}
@@ -274,7 +310,7 @@ def test_a_rank_frozen_is_counted_out_offers_itself_and_is_grown_back(tmp_path):
     assert kinds[0] == ["shrink", "grow"] and kinds[1] == ["shrink", "grow"], kinds
     assert kinds[2] == ["joined"] and kinds[3] == ["joined"], kinds
     assert all(v["saved"] == [grow_at] for v in members.values()), members
-    fresh = _by_position(run_gloo(_train, 4, [0, 1, 2, 3], [], None, grow_at, None, str(tmp_path), timeout=240,
+    fresh = _by_position(run_gloo(train_job, 4, [0, 1, 2, 3], [], None, grow_at, None, str(tmp_path), timeout=240,
                                   pg_timeout_s=COLLECTIVE_S, leave_at_once=True))
     for rank, value in members.items():
         after = {s: loss for s, loss in value["losses"].items() if s >= grow_at}

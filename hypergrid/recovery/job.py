@@ -45,6 +45,11 @@ class ResilientJob:
     or :class:`~hypergrid.megatron.MegatronGrids` (None outside the grid), ``step`` where every rank
     resumes after the latest recovery.
 
+    ``layout`` is the grid's placement now: ``layout.ranks`` in position order, ``layout.coords(rank)``
+    a rank's coordinates along ``layout.dim_names``. Key a rank's data, logs and files by its position
+    or coordinates (which a rank taking its place inherits), not by its global rank. The job's own
+    groups (:attr:`world`, :attr:`replica_group`, :attr:`copy_group`) wait :attr:`group_timeout`.
+
     >>> job = ResilientJob(GridLayout((2, 2), ("tp", "dp")), (4,), GridRecipe(("tp", "dp"), None, "auto",
     ...                    None, True, (), ()), None)
     >>> job.domain, job.made_shape

@@ -102,7 +102,18 @@ def train(job: ResilientJob, setup: Setup, step: Step, *, steps: int, first_step
     ``RecoverySettings.replica_dim`` to the dim along which state is replicated, or to a name
     the grid does not have where none is). ``loader(job, state) -> step``: called on every rank
     of the grid where a position's state survived nowhere (it and its copy lost together, or a
-    copy that failed its digest); the job resumes from the step it returns.
+    copy that failed its digest); the job resumes from the step it returns. A loader, or a
+    checkpoint saved inside ``step``, uses ``job.world`` as its process group (the default group
+    counts the spares and the lost ranks too).
+
+    ``setup`` runs on a rank as it takes a position (at the start, or a spare later), and again on
+    a rank whose state cannot be carried onto the new groups: DeviceMeshes on a grid that changed
+    shape, a DDP model whose group changed, a ZeRO optimizer whose group changed size. There, a
+    ``DistributedDataParallel`` it makes skips its start's collectives (the snapshot is restored
+    into it next), so nobody who does not run ``setup`` has to join them. Draws from torch's
+    generator (dropout) must be alike along the replica dim: seed by the other coordinates, never
+    by the global rank. When training ends, the spares are released: their ``train`` returns with
+    ``run.job.in_grid`` False.
 
     Example, as the one rank of a job with nobody to lose (a rank of a real job calls the same)::
 
