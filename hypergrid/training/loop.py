@@ -39,20 +39,17 @@ that comes back at the same step ``retries`` times with nobody lost is the user'
 from __future__ import annotations
 
 import contextlib
-import importlib
-import inspect
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Optional, TypeVar, Union
+from typing import Any, Optional, TypeVar
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, SnapshotCorrupted
 from ..grid import HyperCommGrid
@@ -63,6 +60,7 @@ from .records import RecoveryRecord
 from .regions import Held, Placement, RelayPlan, Wanted, plan_relay, plan_whole, table_of
 from .state import Snapshot, TrainingState
 from .transfer import collective_device, relay
+from .wrapped import OnGroup, ddp_without_init_sync, on_groups, warm_up
 
 __all__ = ["train", "TrainingRun", "Setup", "Step", "Loader"]
 
@@ -212,7 +210,7 @@ class _Trainer:
         self._restored_at = 0.0
         self.partners: Optional[PartnerCopies] = None
         self.loader: Optional[Loader] = None
-        self.on_groups: list[_OnGroup] = []  # the ZeRO optimizers and DDP models made over the grid's groups
+        self.on_groups: list[OnGroup] = []  # the ZeRO optimizers and DDP models made over the grid's groups
 
     # ------------------------------------------------------------------ the loop
     def run(self) -> TrainingRun:
@@ -256,13 +254,13 @@ class _Trainer:
     def _take_position(self, job: ResilientJob, *, mid_job: bool = False) -> None:
         """Build this rank's state on ``job``'s groups (at the start, or ``mid_job``: taking a position,
         or on a new shape; a snapshot is restored into it next, so its DDP skips its start's collectives)."""
-        with _ddp_without_init_sync() if mid_job else contextlib.nullcontext():
+        with ddp_without_init_sync() if mid_job else contextlib.nullcontext():
             state = self.setup(job)
         if not isinstance(state, TrainingState):
             raise TypeError(f"setup must return a hypergrid TrainingState, got {type(state).__name__}")
         _check_on_job(state, job)
         self.state = state
-        self.on_groups = _on_groups(state, job.state)
+        self.on_groups = on_groups(state, job.state)
 
     def _checkpoint(self) -> None:
         """The gate, then this step's snapshot. The ranks of the grid meet (one all-reduce of one
@@ -359,7 +357,7 @@ class _Trainer:
         self.state, self.committed, self.previous = None, None, None
         if self.partners is not None:
             self.partners.clear()  # copies of a placement this rank has left
-        _warm_up()
+        warm_up()
         job = wait(timeout=self.wait_timeout)
         self.job = job
         if not job.in_grid:
@@ -561,72 +559,3 @@ def _check_on_job(state: TrainingState, job: ResilientJob) -> None:
                     raise ValueError(f"model {index}'s parameter {name!r} lives on a DeviceMesh over ranks {outside} "
                                      f"outside the job's grid {sorted(ranks)}: build the model on the job's groups "
                                      f"(hypergrid.device_mesh(job.state, ...))")
-
-
-
-@dataclass(frozen=True)
-class _OnGroup:
-    """A ZeRO optimizer or a DDP model of the state, made over the grid's group of ``dims`` (in ``view``)."""
-
-    user: Union[ZeroRedundancyOptimizer, DistributedDataParallel]
-    dims: tuple[str, ...]
-    view: Optional[str]
-
-    def made_again_on(self, group: Optional[dist.ProcessGroup]) -> bool:
-        """Whether the state is built again for ``group``, the new grid's group of these dims: a ZeRO
-        whose group changed size (its partition follows the size), a DDP whose group changed at all.
-        DDP is wrapped anew by ``setup`` (its options and buckets the user's, no collective at its
-        start) on every rank of the changed group alike: re-pointing its reducer in place
-        (``_update_process_group``) after a backward cut short by the failure gave gradients that
-        differ from a run with no failure."""
-        if isinstance(self.user, ZeroRedundancyOptimizer):
-            return dist.get_world_size(group) != self.user.world_size
-        return self.user.process_group is not group
-
-
-def _on_groups(state: TrainingState, grid: Any) -> list[_OnGroup]:
-    """Each ZeRO optimizer and DDP model of ``state`` made over one of ``grid``'s groups, with that
-    group's dims and view: after a recovery, the new grid's group of those dims is found by them
-    (:meth:`_OnGroup.made_again_on`)."""
-    if not isinstance(grid, HyperCommGrid):
-        return []
-    users: list[Union[ZeroRedundancyOptimizer, DistributedDataParallel]] = [
-        o for o in state.optimizers if isinstance(o, ZeroRedundancyOptimizer)]
-    users += [m for m in state.models if isinstance(m, DistributedDataParallel)]
-    made_groups = grid.made_groups()
-    found = []
-    for user in users:
-        found += [_OnGroup(user, m.dims, m.view) for m in made_groups
-                  if grid.get_pg(m.dims, view=m.view) is user.process_group][:1]
-    return found
-
-
-@contextlib.contextmanager
-def _ddp_without_init_sync() -> Iterator[None]:
-    """DDP made in here skips the collectives of its start (a check of every member's parameter
-    shapes, a broadcast of the first member's parameters over its group): a rank that takes a
-    position makes its DDP while the other members, who do not run ``setup`` again, never join
-    them, and the snapshot restored right after gives what the broadcast would have."""
-    made = DistributedDataParallel.__init__
-    signature = inspect.signature(made)
-    if "init_sync" not in signature.parameters:
-        yield
-        return
-
-    def without_init_sync(self: DistributedDataParallel, *args: Any, **kwargs: Any) -> None:
-        bound = signature.bind(self, *args, **kwargs)
-        bound.arguments["init_sync"] = False
-        made(*bound.args, **bound.kwargs)
-
-    DistributedDataParallel.__init__ = without_init_sync  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        DistributedDataParallel.__init__ = made  # type: ignore[method-assign]
-
-
-def _warm_up() -> None:
-    """What a rank outside the grid can do before it is given a position: the imports that a first
-    optimizer step makes lazily (``torch._dynamo``: seconds of CPU), so that a recovery onto it does
-    not wait for them."""
-    importlib.import_module("torch._dynamo")
