@@ -42,22 +42,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Optional, TypeVar
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
-from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused, SnapshotCorrupted
+from ..errors import ExcludedByRecovery, RecoveryError, RecoveryRefused
 from ..grid import HyperCommGrid
+from ..layout import GridLayout
 from ..mesh import MeshShapeChangedError, refresh_fully_shard, refresh_meshes
 from ..recovery import ResilientJob, grow, recover
 from .partner import PartnerCopies, partner_map
 from .records import RecoveryRecord
-from .regions import Held, Placement, RelayPlan, Wanted, plan_relay, plan_whole, table_of
+from .regions import Held, Placement, RelayPlan, Wanted
+from .restore import GroupExchange, first_corrupted, gathered, plan_from_reports, plan_own_part
+from .routes import Routes
 from .state import Snapshot, TrainingState
 from .transfer import collective_device, relay
 from .wrapped import OnGroup, ddp_without_init_sync, on_groups, warm_up
@@ -190,6 +193,9 @@ class _Restoring:
     rollback: bool = True  # False: a growth at a committed step, where the survivors' state is current
     rebuilt: bool = False  # this rank's state was built again by setup (it holds nothing yet)
     restored_s: Optional[float] = None
+    placed_before: Optional[GridLayout] = None  # where the snapshots restored from were taken
+    plan_bytes: Optional[int] = None  # what this rank received to plan its own part
+    plan_peers: Optional[int] = None
 
 
 class _Trainer:
@@ -322,7 +328,8 @@ class _Trainer:
             plan=last.describe() if last is not None and job.recoveries != before.recoveries else "nobody lost",
             target=job.step if job.step is not None else self._latest() or 0, failed_step=failed_step,
             seen_at=seen_at, seen=seen, agreed_s=times.agreed_s if times else None,
-            rebuilt_s=times.rebuilt_s if times else None, rebuilt=rebuilt)
+            rebuilt_s=times.rebuilt_s if times else None, rebuilt=rebuilt,
+            placed_before=last.old if last is not None and job.recoveries != before.recoveries else job.layout)
 
     def _carry_over(self, before: ResilientJob, job: ResilientJob) -> bool:
         """This rank's state onto ``job``'s groups: its DeviceMeshes and FSDP2 modules refreshed in
@@ -368,7 +375,8 @@ class _Trainer:
         self.restoring = _Restoring(
             kind="joined", plan=last.describe() if last is not None else "joined",
             target=job.step if job.step is not None else 0, failed_step=failed_step, seen_at=seen_at, seen=seen,
-            agreed_s=None, rebuilt_s=job.times.rebuilt_s if job.times else None, rebuilt=True)
+            agreed_s=None, rebuilt_s=job.times.rebuilt_s if job.times else None, rebuilt=True,
+            placed_before=last.old if last is not None else None)
 
     def _grow(self) -> None:
         seen_at, seen = time.time(), time.monotonic()
@@ -384,7 +392,8 @@ class _Trainer:
         self.restoring = _Restoring(
             kind="grow", plan=last.describe() if last is not None else "grow", target=self.step, failed_step=None,
             seen_at=seen_at, seen=seen, agreed_s=grown.times.agreed_s if grown.times else None,
-            rebuilt_s=grown.times.rebuilt_s if grown.times else None, rollback=False, rebuilt=rebuilt)
+            rebuilt_s=grown.times.rebuilt_s if grown.times else None, rollback=False, rebuilt=rebuilt,
+            placed_before=last.old if last is not None else before.layout)
         self._restore()
 
     def _restore(self) -> None:
@@ -405,40 +414,21 @@ class _Trainer:
                                                  for s in (self.previous, self.committed) if s is not None}
         for copy in self.partners.held() if self.partners is not None else ():
             mine[(copy.rank if copy.rank is not None else -1, copy.step)] = copy
-        wanted = Wanted(rank, placement.coords, state.regions(placement))
-        held = [Held(rank, source, step, source != rank, s.coords, s.regions) for (source, step), s in mine.items()]
-        # First the tables' names alone: where every rank's state is the whole of a snapshot held
-        # at the recovery's step (no shape changed), nothing more is reported.
-        named = _gathered((_by_table(wanted), [_by_table(h) for h in held]), world)
-        plan = plan_whole([w for w, _ in named], [h for _, hs in named for h in hs], restoring.target)
-        if plan is None or plan.step != restoring.target:
-            reports = _gathered((wanted, held), world)
-            plan = plan_relay([w for w, _ in reports], [h for _, hs in reports for h in hs], restoring.target,
-                              job.settings.replica_dim)
-            if plan.missing:
-                self._load_or_refuse(self._describe_missing(plan, [h for _, hs in reports for h in hs]))
+        wanted = state.regions(placement)
+        done = None
+        if world is not None and restoring.placed_before is not None:
+            routes = Routes(restoring.placed_before, job.layout, job.settings.replica_dim,
+                            job.settings.gpus_per_node if self.partners is not None else None)
+            done = plan_own_part(routes, wanted, mine, restoring.target, GroupExchange(world))
+        if done is not None:
+            plan, ours, moved = done.plan, done.held, done.moved
+            restoring.plan_bytes, restoring.plan_peers = done.traffic.bytes_in, len(done.traffic.peers)
+        else:
+            reported = self._plan_from_reports(Wanted(rank, placement.coords, wanted), mine)
+            if reported is None:
                 return
-        used = sorted({p.source for p in plan.parts if p.holder == rank}
-                      | {source for holder, source in plan.templates.values() if holder == rank})
-        problem: Optional[SnapshotCorrupted] = None
-        for source in used:
-            what = (f"rank {rank}'s own snapshot" if source == rank
-                    else f"the copy of rank {source}'s snapshot held by rank {rank}")
-            try:
-                mine[(source, plan.step)].verify(what=what)
-            except SnapshotCorrupted as corrupted:
-                problem = corrupted
-                break
-        found = [p for p in _gathered(problem, world) if p is not None]  # every rank learns of any, and acts alike
-        if found:
-            if self.loader is None:
-                job.release_spares()
-                raise found[0]
-            logger.error("rank %d: %s", rank, found[0])
-            self._load_or_refuse(str(found[0]))
-            return
-        ours = {source: s for (source, step), s in mine.items() if step == plan.step}
-        own = relay(plan, ours, wanted.regions, world) if world is not None else ours[rank]
+            plan, ours, moved = reported
+        own = relay(plan, ours, wanted, world) if world is not None else ours[rank]
         untouched = own is ours.get(rank) and not restoring.rebuilt
         if restoring.rollback or not untouched or own.step != self.step:
             state.restore(own, verify=False)
@@ -449,11 +439,34 @@ class _Trainer:
             own = state.capture(plan.step, digests=self.partners is not None, placement=placement)
         self.committed, self.previous, self.step = own, None, plan.step
         restoring.target = plan.step
-        moved = any(p.holder != p.receiver for p in plan.parts) or any(
-            holder != receiver for receiver, (holder, _) in plan.templates.items())
         if self.partners is not None and moved:  # copies of the new placement before its first step
             self.partners.start(own, job.layout.ranks, job.copy_group)
         self._restored()
+
+    def _plan_from_reports(self, wanted: Wanted, mine: dict[tuple[int, int], Snapshot]
+                           ) -> Optional[tuple[RelayPlan, dict[int, Snapshot], bool]]:
+        """The plan from every rank's report, where some rank could not derive its own part: the
+        plan, the snapshots of its step this rank holds, and whether anything moves; None where
+        the job went on from a loader's checkpoint instead (or raises: nothing to resume from)."""
+        restoring, job, rank, world = self.restoring, self.job, dist.get_rank(), self.job.world
+        assert restoring is not None
+        held = [Held(rank, source, step, source != rank, s.coords, s.regions) for (source, step), s in mine.items()]
+        plan, everyone = plan_from_reports(wanted, held, restoring.target, job.settings.replica_dim, world)
+        if plan.missing:
+            self._load_or_refuse(self._describe_missing(plan, everyone))
+            return None
+        ours = {source: s for (source, step), s in mine.items() if step == plan.step}
+        found = [p for p in gathered(first_corrupted(plan, ours, rank), world) if p is not None]
+        if found:  # every rank learns of any, and acts alike
+            if self.loader is None:
+                job.release_spares()
+                raise found[0]
+            logger.error("rank %d: %s", rank, found[0])
+            self._load_or_refuse(str(found[0]))
+            return None
+        moved = any(p.holder != p.receiver for p in plan.parts) or any(
+            holder != receiver for receiver, (holder, _) in plan.templates.items())
+        return plan, ours, moved
 
     def _restored(self) -> None:
         restoring = self.restoring
@@ -504,7 +517,7 @@ class _Trainer:
         step = self.loader(job, state)
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise TypeError(f"loader must return the step its checkpoint is of (an int >= 0), got {step!r}")
-        steps = _gathered(step, job.world)
+        steps = gathered(step, job.world)
         if len(set(steps)) > 1:
             raise RecoveryError(f"hypergrid: the loader returned different steps on the grid's ranks: {steps}")
         self.committed = state.capture(step, digests=self.partners is not None, placement=self._placement())
@@ -524,28 +537,11 @@ class _Trainer:
         record = RecoveryRecord(kind=done.kind, plan=done.plan, rank=dist.get_rank(), failed_step=done.failed_step,
                                 resumed_step=done.target, seen_at=done.seen_at, agreed_s=done.agreed_s,
                                 rebuilt_s=done.rebuilt_s, restored_s=max(0.0, done.restored_s or 0.0),
-                                first_step_s=first_step)
+                                first_step_s=first_step, plan_bytes=done.plan_bytes, plan_peers=done.plan_peers)
         self.result.records.append(record)
         logger.info("%s", record.describe())
         if self.on_recovery is not None:
             self.on_recovery(record)
-
-
-_Report = TypeVar("_Report", Held, Wanted)
-
-
-def _by_table(report: _Report) -> _Report:
-    """``report`` with its regions left out and named by their table: 16 bytes, not one line a tensor."""
-    return replace(report, regions={}, table=table_of(report.regions))
-
-
-def _gathered(value: Any, world: Optional[dist.ProcessGroup]) -> list[Any]:
-    """``value`` from every rank of ``world`` (just this rank's where there is no other)."""
-    if world is None or dist.get_world_size(world) == 1:
-        return [value]
-    values: list[Any] = [None] * dist.get_world_size(world)
-    dist.all_gather_object(values, value, group=world)
-    return values
 
 
 def _check_on_job(state: TrainingState, job: ResilientJob) -> None:

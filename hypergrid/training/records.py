@@ -30,7 +30,9 @@ class RecoveryRecord:
     placement's groups were made (``rebuilt_s``), until the state of ``resumed_step`` was back
     (``restored_s``), until the first step after it was done (``first_step_s``: None where
     training ended first). ``agreed_s`` and ``rebuilt_s`` are None where the rank did not take
-    part in the rounds (it was given a position while waiting).
+    part in the rounds (it was given a position while waiting). ``plan_bytes``: what this rank
+    received to plan its own part of the restore (the blocks of state not counted), from
+    ``plan_peers`` ranks; None where the plan was made from every rank's report.
     """
 
     kind: str
@@ -43,6 +45,8 @@ class RecoveryRecord:
     rebuilt_s: Optional[float]
     restored_s: float
     first_step_s: Optional[float] = None
+    plan_bytes: Optional[int] = None
+    plan_peers: Optional[int] = None
 
     @property
     def total_s(self) -> float:

@@ -36,16 +36,16 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from ..layout import GridLayout
 
 __all__ = ["Region", "Placement", "Held", "Wanted", "Part", "RelayPlan", "plan_relay", "plan_whole", "region_of",
-           "block_of", "table_of"]
+           "block_of", "table_of", "chunk"]
 
 #: A leaf's place in a state dict: the keys and list indices that lead to it.
 Path = tuple[Any, ...]
@@ -57,13 +57,17 @@ Coords = tuple[tuple[str, int], ...]
 class Region:
     """A tensor of a rank's state as a block of a global tensor: the global tensor is the one of
     that path in ``context``, of ``global_shape``; the block starts at ``offsets`` and has
-    ``shape`` (``dtype``: the tensor's, which every block of it must share)."""
+    ``shape`` (``dtype``: the tensor's, which every block of it must share). ``sharding``: how
+    the block follows from the placement, each ``(tensor dim, grid dim)`` chunked along that grid
+    dim as torch's ``Shard`` chunks it (``()``: the whole tensor; None: not told by the placement,
+    as for a ``_StridedShard`` or a ZeRO partition)."""
 
     context: Coords
     global_shape: tuple[int, ...]
     offsets: tuple[int, ...]
     shape: tuple[int, ...]
     dtype: torch.dtype
+    sharding: Optional[tuple[tuple[int, str], ...]] = None
 
     @property
     def volume(self) -> int:
@@ -124,7 +128,7 @@ def region_of(tensor: torch.Tensor, placement: Placement, contexts: Optional[dic
 
         >>> place = Placement(GridLayout((2,), ("dp",)), rank=0, replica_dim="dp")
         >>> region_of(torch.zeros(3, 2), place)
-        Region(context=(), global_shape=(3, 2), offsets=(0, 0), shape=(3, 2), dtype=torch.float32)
+        Region(context=(), global_shape=(3, 2), offsets=(0, 0), shape=(3, 2), dtype=torch.float32, sharding=())
     """
     if isinstance(tensor, DTensor):
         mesh = tensor.device_mesh
@@ -134,9 +138,69 @@ def region_of(tensor: torch.Tensor, placement: Placement, contexts: Optional[dic
             if contexts is not None:
                 contexts[id(mesh)] = context
         chunk = tensor.__create_chunk_list__()[0]
-        return Region(context, tuple(tensor.shape), tuple(chunk.offsets), tuple(chunk.sizes), tensor.dtype)
+        found = Region(context, tuple(tensor.shape), tuple(chunk.offsets), tuple(chunk.sizes), tensor.dtype)
+        return replace(found, sharding=_sharding_of(tensor, found, placement))
     shape = tuple(tensor.shape)
-    return Region(placement.context(None), shape, (0,) * len(shape), shape, tensor.dtype)
+    return Region(placement.context(None), shape, (0,) * len(shape), shape, tensor.dtype, sharding=())
+
+
+def _sharding_of(tensor: DTensor, region: Region, placement: Placement) -> Optional[tuple[tuple[int, str], ...]]:
+    """Each ``Shard`` placement of ``tensor`` as (tensor dim, the grid dim its mesh dim runs
+    along), where every mesh dim it shards over runs along one whole grid dim in order and the
+    chunks that makes are the tensor's own (checked against ``region``); else None."""
+    mesh = tensor.device_mesh
+    me = mesh.get_coordinate()
+    if me is None:
+        return None
+    layout, found = placement.layout, []
+    for mesh_dim, kind in enumerate(tensor.placements):
+        if isinstance(kind, Replicate):
+            continue
+        if type(kind) is not Shard:  # _StridedShard, Partial: not a plain chunk of the placement
+            return None
+        line = mesh.mesh[tuple(me[:mesh_dim]) + (slice(None),) + tuple(me[mesh_dim + 1:])].tolist()
+        along = _grid_dim_along(layout, line)
+        if along is None:
+            return None
+        found.append((kind.dim % tensor.dim(), along))
+    if len({tensor_dim for tensor_dim, _ in found}) != len(found):
+        return None  # two mesh dims over one tensor dim
+    coords = dict(zip(layout.dim_names, layout.coords(placement.rank)))
+    offsets, shape = [0] * len(region.global_shape), list(region.global_shape)
+    for tensor_dim, grid_dim in found:
+        offsets[tensor_dim], shape[tensor_dim] = chunk(shape[tensor_dim], layout.dim_size(grid_dim), coords[grid_dim])
+    if (tuple(offsets), tuple(shape)) != (region.offsets, region.shape) and region.volume:
+        return None
+    return tuple(found)
+
+
+def chunk(rows: int, parts: int, index: int) -> tuple[int, int]:
+    """(offset, size) of chunk ``index`` of ``rows`` split over ``parts`` as torch's ``Shard`` splits
+    them: ``ceil(rows / parts)`` each, the last ones shorter or empty (an empty one at ``rows``).
+
+    Example::
+
+        >>> [chunk(10, 4, i) for i in range(4)], chunk(3, 4, 3)
+        ([(0, 3), (3, 3), (6, 3), (9, 1)], (3, 0))
+    """
+    full = -(-rows // parts)
+    start = full * index
+    if start >= rows:
+        return rows, 0
+    return start, min(rows, start + full) - start
+
+
+def _grid_dim_along(layout: GridLayout, line: Sequence[int]) -> Optional[str]:
+    """The one grid dim that ``line`` (a mesh dim's ranks through this rank) runs along, from 0 to
+    its size in order; None where it runs along none or several."""
+    if not all(layout.contains(rank) for rank in line):
+        return None
+    coords = [layout.coords(rank) for rank in line]
+    varying = [i for i in range(len(layout.shape)) if len({c[i] for c in coords}) > 1]
+    if len(varying) != 1 or layout.shape[varying[0]] != len(line):
+        return None
+    i = varying[0]
+    return layout.dim_names[i] if [c[i] for c in coords] == list(range(len(line))) else None
 
 
 def block_of(tensor: torch.Tensor, region: Region, offsets: Sequence[int], shape: Sequence[int]) -> torch.Tensor:

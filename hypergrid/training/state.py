@@ -31,7 +31,7 @@ import random
 import sys
 import zlib
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -303,6 +303,8 @@ class TrainingState:
             if region is None or region.dtype != tensor.dtype or (
                     not isinstance(tensor, DTensor) and region.shape != tuple(tensor.shape)):
                 region = cache[path] = region_of(tensor, placement, contexts)
+                if path[0] == "optimizer" and any(isinstance(o, ZeroRedundancyOptimizer) for o in self.optimizers):
+                    region = cache[path] = replace(region, sharding=None)  # which rank's partition: not placed
             found[path] = region
         return found
 

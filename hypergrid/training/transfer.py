@@ -27,7 +27,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .regions import Region, RelayPlan, block_of
+from .regions import Part, Region, RelayPlan, block_of
 from .state import Path, Snapshot, buffer_for, view_of
 
 __all__ = ["share_snapshot", "send_snapshots", "start_sending", "Sending", "relay", "collective_device", "packed", "unpacked"]
@@ -212,7 +212,8 @@ def start_sending(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int]
 
 def relay(plan: RelayPlan, held: Mapping[int, Snapshot], wanted: Mapping[Path, Region],
           group: dist.ProcessGroup) -> Snapshot:
-    """Carry out ``plan`` on this rank (every rank of ``group`` calls it with the same plan): send
+    """Carry out ``plan`` on this rank (every rank of ``group`` calls it, each with a plan that
+    holds at least its own part: the blocks and template it receives, and those it sends): send
     the blocks it holds to the ranks that need them, one snapshot per receiver, and build its own
     state (``wanted``: its live state's regions) from the blocks it receives and holds. ``held``:
     the snapshots of ``plan.step`` this rank holds, by their source rank. Returns this rank's
@@ -238,38 +239,44 @@ def relay(plan: RelayPlan, held: Mapping[int, Snapshot], wanted: Mapping[Path, R
         got = send_snapshots(sends, [holder] if holder != rank else [], group)
         return held[origin] if holder == rank else got[holder]
     outgoing: dict[int, Snapshot] = {}
-    mine: list[tuple[int, Any]] = []
-    for index, part in enumerate(plan.parts):
+    mine: list[Part] = []
+    for part in plan.parts:
         if part.holder == rank and part.receiver != rank:
             source = held[part.source]
             block = block_of(source.tensors[part.path], source.regions[part.path], part.offsets, part.shape)
-            outgoing.setdefault(part.receiver, Snapshot(plan.step, rank=part.source)).tensors[(index,)] = block
+            outgoing.setdefault(part.receiver, Snapshot(plan.step, rank=part.source)).tensors[_key(part)] = block
         elif part.receiver == rank:
-            mine.append((index, part))
+            mine.append(part)
     for receiver, (holder, source_rank) in plan.templates.items():
         if holder == rank and receiver != rank:
             sent, source = outgoing.setdefault(receiver, Snapshot(plan.step, rank=source_rank)), held[source_rank]
             sent.values, sent.rng, sent.objects = source.values, source.rng, source.objects
     template = plan.templates[rank]
-    senders = sorted({part.holder for _, part in mine if part.holder != rank} | ({template[0]} - {rank}))
+    senders = sorted({part.holder for part in mine if part.holder != rank} | ({template[0]} - {rank}))
     got = send_snapshots(sorted(outgoing.items(), key=lambda item: item[0]), senders, group)
     own = held.get(rank)
     if own is not None and template == (rank, rank) and len(mine) == len(wanted) and all(
             (part.holder, part.source) == (rank, rank) and own.regions.get(part.path) == wanted[part.path]
-            for _, part in mine):
+            for part in mine):
         return own
     built = Snapshot(plan.step, rank=rank)
     built.tensors = {path: torch.empty(region.shape, dtype=region.dtype) for path, region in wanted.items()}
-    for index, part in mine:
+    for part in mine:
         if part.holder == rank:
             source = held[part.source]
             block = block_of(source.tensors[part.path], source.regions[part.path], part.offsets, part.shape)
         else:
-            block = got[part.holder].tensors[(index,)]
+            block = got[part.holder].tensors[_key(part)]
         block_of(built.tensors[part.path], wanted[part.path], part.offsets, part.shape).copy_(block)
     model = held[template[1]] if template[0] == rank else got[template[0]]
     built.values, built.rng, built.objects = model.values, model.rng, model.objects
     return built
+
+
+def _key(part: Part) -> tuple[Any, ...]:
+    """A block's name in the snapshot that carries it, alike on its holder and its receiver (each
+    may hold only its own part of the plan)."""
+    return (part.source, part.offsets, *part.path)
 
 
 def _run(ops: list[dist.P2POp]) -> None:
