@@ -332,3 +332,13 @@ def test_the_restore_benchmark_plans_one_ranks_part_at_any_size_with_what_it_rec
         small, large = rows[(64, kind)], rows[(8192, kind)]
         assert 0 < large["bytes_in"] < 3 * small["bytes_in"], (kind, small, large)
         assert large["peers"] <= 32, large
+
+
+def test_a_survivor_whose_live_tensors_are_not_its_snapshots_makes_every_rank_fall_back_alike():
+    """Its keepers would derive from the snapshot's tensors, it from its live ones: an exchange where
+    one side waits for a word the other never sends. So nobody plans its own part."""
+    old, new = _placements("replace", 2, 4, 2)
+    world = _World(Routes(old, new, "none", 2), "none", "fsdp")
+    world.wanted[5] = {**world.wanted[5], ("extra",): Region((("tp", 1), ("dp", 2)), (2,), (0,), (2,), torch.float64,
+                                                            sharding=())}
+    assert set(_restore_all(world).values()) == {None}

@@ -133,8 +133,13 @@ class OwnPart:
         # Only snapshots taken on the old placement count: a source's own coordinates there.
         self.held = {key: kept for key, kept in held.items()
                      if old.contains(key[0]) and tuple(kept.coords) == _coords(old, key[0])}
-        if old.contains(rank) and not any(source == rank for source, _ in self.held):
-            raise NotDerivable(f"rank {rank} holds no snapshot of its place {_coords(old, rank)} in the old grid")
+        if old.contains(rank):
+            own = [kept for (source, _), kept in sorted(self.held.items()) if source == rank]
+            if not own:
+                raise NotDerivable(f"rank {rank} holds no snapshot of its place {_coords(old, rank)} in the old grid")
+            if set(own[-1].regions) != set(wanted):  # its keepers derive from the snapshot's tensors
+                strange = sorted(set(own[-1].regions) ^ set(wanted), key=repr)[:3]
+                raise NotDerivable(f"rank {rank}'s live state and its snapshot hold different tensors ({strange})")
         self.needs: list[Need] = routes.needs(rank, wanted)
         self.template_sources = routes.template_sources(rank)
         self.heard_from = routes.asks(rank, self.needs)
