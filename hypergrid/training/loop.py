@@ -397,14 +397,12 @@ class _Trainer:
         self._restore()
 
     def _restore(self) -> None:
-        """Every rank of the grid at the recovery's step. Each says which regions its live state is
-        made of and which snapshots it holds (its own, and its partners' copies), first by the
-        tables' names alone (:func:`~hypergrid.training.regions.plan_whole`: a rank that took a
-        position takes a replica peer's snapshot or the copy of the rank it replaced, whole), and
-        where that does not serve the recovery's step, region by region
-        (:func:`~hypergrid.training.regions.plan_relay`: where the sharded dim's size changed, every
-        rank's new shards are cut from the old ones). All derive the same plan, every holder
-        checks the digests of what it sends from, and snapshots and blocks travel point to point
+        """Every rank of the grid at the recovery's step. Each plans only its own part
+        (:func:`~hypergrid.training.restore.plan_own_part`: whom it asks for each block of its live
+        state and who asks it, from the placements before and after, the partner ring and the
+        blocks' sharding; fixed-size all-reduces for the step and the flags); where some rank
+        cannot, every rank plans from every rank's report (:meth:`_plan_from_reports`), which also
+        names what is missing or corrupted. Snapshots and blocks travel point to point
         (:func:`~hypergrid.training.transfer.relay`)."""
         restoring, job, state = self.restoring, self.job, self.state
         assert restoring is not None and state is not None
@@ -464,9 +462,7 @@ class _Trainer:
             logger.error("rank %d: %s", rank, found[0])
             self._load_or_refuse(str(found[0]))
             return None
-        moved = any(p.holder != p.receiver for p in plan.parts) or any(
-            holder != receiver for receiver, (holder, _) in plan.templates.items())
-        return plan, ours, moved
+        return plan, ours, plan.moves
 
     def _restored(self) -> None:
         restoring = self.restoring

@@ -283,6 +283,12 @@ class RelayPlan:
     missing: tuple[str, ...] = ()
     whole: bool = False
 
+    @property
+    def moves(self) -> bool:
+        """Whether any block or template of the plan goes from one rank to another."""
+        return any(p.holder != p.receiver for p in self.parts) or any(
+            holder != receiver for receiver, (holder, _) in self.templates.items())
+
 
 def plan_whole(wanted: Sequence[Wanted], held: Sequence[Held], target: int) -> Optional[RelayPlan]:
     """The plan where every rank's state is the whole of a snapshot someone holds (its table

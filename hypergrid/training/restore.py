@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..errors import SnapshotCorrupted
 from .regions import Coords, Held, Part, Path, Region, RelayPlan, Wanted, plan_relay, plan_whole, table_of
 from .routes import Need, NotDerivable, Routes
-from .transfer import collective_device
+from .transfer import collective_device, wait_all
 
 __all__ = ["OwnPart", "Answer", "Request", "OwnPlan", "Traffic", "Exchange", "GroupExchange", "plan_own_part", "plan_from_reports",
            "first_corrupted"]
@@ -239,12 +239,12 @@ class GroupExchange:
         out = {peer: pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL) for peer, value in sends.items()}
         sizes_out = {peer: torch.tensor([len(data)], dtype=torch.int64, device=device) for peer, data in out.items()}
         sizes_in = {peer: torch.zeros(1, dtype=torch.int64, device=device) for peer in receives}
-        _wait([dist.P2POp(dist.isend, size, peer, group) for peer, size in sizes_out.items()]
+        wait_all([dist.P2POp(dist.isend, size, peer, group) for peer, size in sizes_out.items()]
               + [dist.P2POp(dist.irecv, size, peer, group) for peer, size in sizes_in.items()])
         incoming = {peer: torch.empty(int(size.item()), dtype=torch.uint8, device=device)
                     for peer, size in sizes_in.items()}
         outgoing = {peer: torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device) for peer, data in out.items()}
-        _wait([dist.P2POp(dist.isend, data, peer, group) for peer, data in outgoing.items()]
+        wait_all([dist.P2POp(dist.isend, data, peer, group) for peer, data in outgoing.items()]
               + [dist.P2POp(dist.irecv, data, peer, group) for peer, data in incoming.items()])
         self.traffic.bytes_in += sum(8 + data.numel() for data in incoming.values())
         return {peer: pickle.loads(data.cpu().numpy().tobytes()) for peer, data in incoming.items()}  # noqa: S301
@@ -283,9 +283,7 @@ def plan_own_part(routes: Routes, wanted: Mapping[Path, Region], held: Mapping[t
     plan = part.plan(step, parts, template, exchange.swap(requests, sorted(part.owed)))
     ours = {source: s for (source, at), s in part.held.items() if at == step}
     problem = failed or _unheld(plan, ours, rank) or first_corrupted(plan, ours, rank)
-    moved = any(p.holder != p.receiver for p in plan.parts) or any(
-        holder != receiver for receiver, (holder, _) in plan.templates.items())
-    flags = exchange.agreed_max([int(problem is not None), int(moved)])
+    flags = exchange.agreed_max([int(problem is not None), int(plan.moves)])
     if flags[0]:
         if problem is not None:
             logger.info("rank %d: the restore is planned from every rank's report: %s", rank, problem)
@@ -365,9 +363,3 @@ def gathered(value: Any, group: Optional[dist.ProcessGroup]) -> list[Any]:
 
 def _coords(layout: Any, rank: int) -> Coords:
     return tuple(zip(layout.dim_names, layout.coords(rank)))
-
-
-def _wait(ops: list[dist.P2POp]) -> None:
-    if ops:
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()

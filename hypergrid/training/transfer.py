@@ -30,7 +30,8 @@ import torch.distributed as dist
 from .regions import Part, Region, RelayPlan, block_of
 from .state import Path, Snapshot, buffer_for, view_of
 
-__all__ = ["share_snapshot", "send_snapshots", "start_sending", "Sending", "relay", "collective_device", "packed", "unpacked"]
+__all__ = ["share_snapshot", "send_snapshots", "start_sending", "Sending", "relay", "collective_device", "packed", "unpacked",
+           "wait_all"]
 
 
 def share_snapshot(snapshot: Optional[Snapshot], *, source: int, group: dist.ProcessGroup) -> Snapshot:
@@ -189,7 +190,7 @@ def start_sending(sends: Sequence[tuple[int, Snapshot]], receives: Sequence[int]
     sizes_out = [torch.tensor([len(header), payload.numel()], dtype=torch.int64, device=device)
                  for _, header, payload in outgoing]
     sizes_in = {peer: torch.empty(2, dtype=torch.int64, device=device) for peer in receives}
-    _run([dist.P2POp(dist.isend, size, peer, group) for size, (peer, _, _) in zip(sizes_out, outgoing)]
+    wait_all([dist.P2POp(dist.isend, size, peer, group) for size, (peer, _, _) in zip(sizes_out, outgoing)]
          + [dist.P2POp(dist.irecv, size, peer, group) for peer, size in sizes_in.items()])
     incoming: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for peer, size in sizes_in.items():
@@ -279,7 +280,8 @@ def _key(part: Part) -> tuple[Any, ...]:
     return (part.source, part.offsets, *part.path)
 
 
-def _run(ops: list[dist.P2POp]) -> None:
+def wait_all(ops: list[dist.P2POp]) -> None:
+    """Run ``ops`` (point-to-point operations) as one batch and wait for every one."""
     if ops:
         for work in dist.batch_isend_irecv(ops):
             work.wait()
