@@ -29,7 +29,9 @@ def main() -> None:
     config = json.loads(sys.argv[1])
     log = open(config["log"], "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (open for the process's life)
     # The plane as a rank's would be, given by address (no store object: nothing here uses one).
-    plane = SimpleNamespace(namespace=config["namespace"], store=None, address=(config["host"], config["port"]))
+    # ``reached``: the store is there (the test made it), as a rank's own connection to it would prove.
+    plane = SimpleNamespace(namespace=config["namespace"], store=None, address=(config["host"], config["port"]),
+                            reached=True)
     beat = Heartbeat(plane, config["rank"], interval_s=config["interval"], progress_timeout_s=600.0,  # type: ignore[arg-type]
                      stale_beats=5)
 

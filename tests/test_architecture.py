@@ -53,7 +53,7 @@ LAYERS = {
 #: and a rank's monitor process imports the store room and its own modules with no torch.
 PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console",
         "app.argtypes", "store", "liveness.ring", "liveness.relay", "liveness.monitor", "liveness.watch",
-        "liveness.link", "liveness.board",
+        "liveness.link", "liveness.board", "liveness.node", "liveness.config", "liveness.process",
         "liveness.poll", "recovery.quorum")
 
 #: The only modules that may touch torch's private names: c10d's, DeviceMesh's, and the state a

@@ -27,7 +27,7 @@ import pytest
 import torch.distributed as dist
 
 from hypergrid.liveness.board import put_entry
-from hypergrid.store.keys import JobChannel, beat_key, socket_name
+from hypergrid.store.keys import JobChannel, node_beat_key, socket_name
 from hypergrid.store.records import BoardEvent, EventKind, decode_events, encode_events
 from hypergrid.store.tcpstore import WireStore
 from tests.store_proxy import StoreProxy
@@ -112,11 +112,12 @@ class _Job:
         return time.monotonic()
 
     def settle(self) -> None:
-        """Every rank's monitor started and beating, and every node's delegate elected."""
+        """Every rank's monitor started, and every node's delegate elected and beating."""
         self.until(lambda: all(self.monitors(r) for r in range(self.count)), 120, "every monitor started")
-        self.until(lambda: all(self.direct.add(beat_key(self.namespace, r), 0) >= 2 for r in range(self.count))
-                   and all(self.delegate(n) is not None for n in range(self.count // NODE)), 60,
-                   "every monitor beating and every node's delegate elected")
+        nodes = range(self.count // NODE)
+        self.until(lambda: all(self.direct.add(node_beat_key(self.namespace, n, NODE), 0) >= 2 for n in nodes)
+                   and all(self.delegate(n) is not None for n in nodes), 60,
+                   "every node's delegate elected and beating")
 
     # ------------------------------------------------------------------ what the test does
     def publish(self, event: BoardEvent) -> int:

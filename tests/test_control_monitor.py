@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hypergrid.liveness.heartbeat import Heartbeat, start_heartbeat
 from hypergrid.liveness.plane import ControlPlane
-from hypergrid.store.keys import JobChannel, beat_key
+from hypergrid.store.keys import JobChannel, node_beat_key
 from hypergrid.store.records import BoardEvent, decode_events
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +70,7 @@ def test_a_rank_killed_is_published_by_its_monitor_which_then_leaves():
     assert proc.returncode == -9
     events = _board(store, namespace)
     assert [(e.kind.value, e.rank, e.reason, e.by) for e in events] == [("lost", 0, "its process ended", 0)]
-    assert store.add(beat_key(namespace, 0), 0) < 0  # marked as left: its watcher reports nothing more
+    assert store.add(node_beat_key(namespace, 0, 1), 0) < 0  # marked as left: its watcher reports nothing more
     assert _gone(monitor)
 
 
@@ -78,7 +78,7 @@ def test_a_rank_that_releases_its_job_leaves_cleanly_nobody_s_loss():
     store, namespace, monitor, proc, _ = _run("bye")
     assert proc.returncode == 0
     assert _board(store, namespace) == []
-    assert store.add(beat_key(namespace, 0), 0) < 0 and _gone(monitor)
+    assert store.add(node_beat_key(namespace, 0, 1), 0) < 0 and _gone(monitor)
 
 
 def test_a_rank_exiting_while_its_job_counts_on_it_is_published():
@@ -95,7 +95,7 @@ def test_a_rank_holding_the_gil_beats_on_and_is_not_taken_for_lost():
     store, namespace, _monitor, proc, _ = _run("gil", "--progress", "10", "--hold", "4")
     assert proc.returncode == 0
     assert _board(store, namespace) == []
-    assert store.add(beat_key(namespace, 0), 0) < 0  # it left cleanly afterwards
+    assert store.add(node_beat_key(namespace, 0, 1), 0) < 0  # it left cleanly afterwards
 
 
 def test_a_rank_held_past_its_progress_timeout_is_published_as_hung_once():
@@ -215,7 +215,7 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
         store.set(channel.board_slot(index), encode(BoardEvent(EventKind.LOST, rank, reason, by=rank)))
 
     def holders() -> list[int]:
-        return [rank for rank, beat in enumerate(beats) if _store_connections(beat.pid, store.port) == 3]  # beats, reads, board
+        return [rank for rank, beat in enumerate(beats) if _store_connections(beat.pid, store.port) == 2]  # calls, board
 
     def until(check, seconds: float = 15.0) -> None:
         end = time.monotonic() + seconds
@@ -224,17 +224,17 @@ def test_a_node_s_monitor_processes_share_one_wait_on_the_board_and_elect_again_
             time.sleep(0.05)
 
     try:
-        # Every monitor has its job once it holds a socket besides its beats connection: the
-        # board's (it leads) or its node's relay (it follows); one of them holds the board's.
-        until(lambda: all(len(_sockets(beat.pid)) >= 2 for beat in beats) and len(holders()) == 1)
+        # Every monitor has its job once it holds a socket: the store's (it leads) or its node's
+        # relay (it follows); one of them holds the board's.
+        until(lambda: all(len(_sockets(beat.pid)) >= 1 for beat in beats) and len(holders()) == 1)
         publish(7, "first")
         until(lambda: all(len(heard[r]) == 1 for r in range(3)))
         delegate = holders()[0]
         killed = beats[delegate].pid
         os.kill(killed, signal.SIGKILL)  # its rank's heartbeat starts another monitor, which joins again
-        # The new monitor has its job once it holds a socket besides its beats connection: the
-        # board's (it leads) or its node's relay (it follows).
-        until(lambda: beats[delegate].pid != killed and len(_sockets(beats[delegate].pid)) >= 2 and len(holders()) == 1)
+        # The new monitor has its job once it holds a socket: the store's (it leads) or its node's
+        # relay (it follows).
+        until(lambda: beats[delegate].pid != killed and len(_sockets(beats[delegate].pid)) >= 1 and len(holders()) == 1)
         publish(8, "second")
         until(lambda: all(len(heard[r]) >= 2 for r in range(3)))
         time.sleep(0.5)  # an event heard twice would come now

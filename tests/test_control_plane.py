@@ -19,11 +19,12 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
+from hypergrid.liveness.board import put_entry
 from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
 from hypergrid.liveness.ring import Ring, as_runs, from_runs
 from hypergrid.liveness.watch import Watch
 from hypergrid.recovery.quorum import RoundView, decide
-from hypergrid.store.keys import DEPARTED, JobChannel, beat_key
+from hypergrid.store.keys import DEPARTED, JobChannel, node_beat_key
 from hypergrid.store.records import Arrival, BoardEvent, EventKind, decode_events, encode_events
 from hypergrid.store.tcpstore import StoreProtocolError, WireStore
 
@@ -203,7 +204,7 @@ class _Sim:
         led included), nobody marks them as left."""
         for rank in ranks:
             self.halted.add(rank)
-            self.monitors[rank].detach()
+            self.monitors[rank].close()
 
     def tick(self, now):
         for rank, monitor in self.monitors.items():
@@ -234,55 +235,51 @@ class _Sim:
         return all({e.rank for e in self.heard[r] if e.kind is EventKind.LOST} >= set(victims) for r in live)
 
 
-def test_a_successor_that_stops_beating_is_published_once_after_the_staleness_bound(server):
-    sim = _Sim(server, 4, node=2)  # the ring: 0 -> 2 -> 1 -> 3 -> 0
-    sim.tick(0.0)  # rank 0 looked at rank 2's counter before rank 2 beat
-    sim.halt(2)  # rank 2's monitor is gone (its node, or only it)
-    for now in (1.0, 2.0, 3.0, 4.0):  # at 1.0 rank 0 sees the one beat rank 2 made, after its look at 0.0
+def test_a_rank_whose_monitor_falls_silent_on_a_live_node_is_published_once_by_its_node_s_delegate(server):
+    sim = _Sim(server, 4, node=2)  # node 1: rank 2 leads, rank 3 follows
+    sim.tick(0.0)  # rank 3 says it is alive
+    sim.halt(3)  # then its monitor is gone (its rank may live on: nobody watches it now)
+    for now in (1.0, 2.0, 3.0, 4.0):
         sim.tick(now)
-        assert not any(sim.heard[r] for r in (0, 1, 3)), now  # no beat for less than 5 s, maybe
-    sim.tick(5.0)  # the beat came after 0.0: 5 s ago at most, and at least 4 (it was there at 1.0)
-    events = [e for r in (0, 1, 3) for e in sim.heard[r]]
-    assert {(e.kind, e.rank, e.by) for e in events} == {(EventKind.LOST, 2, 0)}, events  # by its watcher
-    assert len(sim.heard[1]) == 1 and "its last beat came 4.0-5.0 s ago (the bound is 5 s)" in sim.heard[1][0].reason
+        assert not any(sim.heard[r] for r in (0, 1, 2)), now  # silent for less than 5 s
+    sim.tick(5.0)
+    events = [e for r in (0, 1, 2) for e in sim.heard[r]]
+    assert {(e.kind, e.rank, e.by) for e in events} == {(EventKind.LOST, 3, 2)}, events  # by its delegate
+    assert len(sim.heard[1]) == 1 and "the last word came 5.0 s ago (the bound is 5 s)" in sim.heard[1][0].reason
     sim.tick(6.0)
-    assert len(sim.heard[1]) == 1  # published once; rank 0 now watches rank 2's successor
+    assert len(sim.heard[1]) == 1  # published once
 
 
 def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_counter_stand_still_first(server):
-    sim = _Sim(server, 4, node=2)  # the ring: 0 -> 2 -> 1 -> 3 -> 0
+    sim = _Sim(server, 4, node=2)  # nodes 0 (ranks 0, 1) and 1 (ranks 2, 3) watch each other
     sim.tick(0.0)
     for now in (1.0, 2.0):  # rank 0's monitor makes no look at 1.0 and 2.0 (its host is overloaded)
         for rank in (1, 2, 3):
             sim.monitors[rank].tick(now=now)
     sim.drain()
-    sim.halt(2)  # its last beat came just before 2.0, after rank 0's look at 0.0
+    sim.halt(2, 3)  # node 1's last beat came just before 2.0, after rank 0's look at 0.0
     sim.tick(3.0)  # rank 0 sees that beat: it came 1-3 s ago
     for now in (4.0, 5.0, 6.0):
         sim.tick(now)
         assert not sim.heard[1], now  # its beat came 4-6 s ago by 6.0, but rank 0 looked at it only 4 times
     sim.tick(7.0)
-    assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 2, 0)]
+    assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 2, 0), (EventKind.LOST, 3, 0)]
     assert "its last beat came 4.0-7.0 s ago" in sim.heard[1][0].reason
 
 
-def test_a_node_lost_whole_is_published_by_the_delegate_of_the_node_before_in_one_entry_per_look(server):
-    sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches for node 0: ranks 8-15
+def test_a_node_lost_whole_is_published_by_the_delegate_of_the_node_before_it_in_one_entry(server):
+    sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches node 1: ranks 8-15
     sim.tick(0.0)
-    sim.halt(8, 9, 10, 11)  # half of node 1 made its last beat at 0.0, after rank 0 looked
-    sim.tick(1.0)
-    sim.halt(12, 13, 14, 15)  # the other half at 1.0: node 1 is gone, monitors and all
+    sim.halt(*range(8, 16))  # node 1 is gone, monitors and all, its last beat at 0.0, after rank 0 looked
     assert all(sim.monitors[r].job.watched == {} for r in range(1, 8))  # node 0's followers read nothing
-    for now in (2.0, 3.0, 4.0):
+    for now in (1.0, 2.0, 3.0, 4.0):
         sim.tick(now)
         assert not any(sim.heard[r] for r in range(8)), now
-    sim.tick(5.0)  # the first half's last beats came 4-5 s ago
-    assert all({e.rank for e in sim.heard[r]} == {8, 9, 10, 11} for r in range(8))
-    sim.tick(6.0)  # the second half's
+    sim.tick(5.0)  # its last beat came 4-5 s ago
     assert all([e.rank for e in sim.heard[r]] == list(range(8, 16)) for r in range(8))
     assert {e.by for e in sim.heard[3]} == {0}
     board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
-    assert board.add(sim.channel.board_count(), 0) == 2  # two entries for the node's eight losses
+    assert board.add(sim.channel.board_count(), 0) == 1  # one entry for the node's eight losses
 
 
 def test_consecutive_nodes_lost_together_are_each_watched_from_a_node_still_there(server):
@@ -311,42 +308,48 @@ def test_a_delegate_whose_own_rank_is_not_in_the_job_still_watches_for_its_node_
     sim.halt(*range(8, 16))
     for now in (1.0, 2.0, 3.0, 4.0, 5.0):
         sim.tick(now)
-    # The successors of 0-5, and 14 and 15 with them: node 0 has no local 6 or 7, so the ring goes
-    # 13 -> 14 -> 15 on node 1; they are read with 13, not one bound after another from node 1.
     assert sorted((e.rank, e.by) for e in sim.heard[0]) == [(r, 6) for r in range(8, 16)]
-    assert sim.monitors[6].job.ring.watched_from(5) == [13, 14, 15]
 
 
 def test_a_new_delegate_continues_the_watch_of_the_last_one_so_a_loss_is_not_published_later(server):
-    sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches for node 0: ranks 8-15
+    sim = _Sim(server, 16, node=8)  # node 0's delegate (rank 0) watches node 1: ranks 8-15
     sim.tick(0.0)
     sim.tick(1.0)
-    sim.halt(*range(8, 16))  # node 1's last beats came just after 1.0
-    sim.tick(2.0)  # rank 0 sees them: it tells its followers what it saw, after its look
+    sim.halt(*range(8, 16))  # node 1's last beat came just after 1.0
+    sim.tick(2.0)  # rank 0 sees it: it tells its followers what it saw, after its look
     sim.halt(0)  # and is killed: its followers elect another delegate
     sim.drain()
     for now in (3.0, 4.0, 5.0):
         sim.tick(now)
         assert not any(e.rank >= 8 for e in sim.heard[3]), now
     delegate = next(r for r in range(1, 8) if sim.monitors[r].relay.delegates)
-    sim.tick(6.0)  # 5 s after the look before the last beats, as rank 0 would have published them
+    sim.tick(6.0)  # 5 s after the look before the last beat, as rank 0 would have published them
     assert sorted((e.rank, e.by) for e in sim.heard[3] if e.rank >= 8) == [(r, delegate) for r in range(8, 16)]
+    for now in (7.0, 8.0):  # rank 0's monitor, heard by the last delegate, is silent: published by the new one
+        sim.tick(now)
+    assert [(e.rank, e.by) for e in sim.heard[3] if e.rank == 0] == [(0, delegate)]
 
 
 def test_a_monitor_told_of_a_recovery_its_delegate_was_not_told_of_watches_for_itself(server):
-    sim = _Sim(server, 16, node=8, runs=((0, 15),))  # rank 15 not in the job yet
-    grown = JobSpec(sim.channel, ((0, 16),), 8)  # the job grows to rank 15: rank 0, hung, is not told
+    sim = _Sim(server, 16, node=8, runs=((0, 8),))  # node 1 (ranks 8-15) not in the job yet
+    grown = JobSpec(sim.channel, ((0, 16),), 8)  # the job grows by node 1: rank 0, hung, is not told
     for rank in range(1, 16):
         sim.monitors[rank].attach(grown)
-    assert sim.monitors[0].relay.delegates and sim.monitors[0].job.ring.successor(7) == 0  # its old ring
-    sim.tick(0.0)  # rank 0 takes its followers in, and tells them its spec from 1.0 on
-    sim.halt(15)  # its new watcher is the same local index on node 0: rank 7, in the grown ring
-    for now in range(1, 7):
+    assert sim.monitors[0].relay.delegates and len(sim.monitors[0].job.nodes) == 1  # its old ring: nobody to watch
+    sim.tick(0.0)  # rank 0 takes its followers in
+    sim.tick(1.0)  # and tells them its spec: they watch for the node from 2.0 on
+    sim.tick(2.0)
+    sim.halt(*range(8, 16))  # node 1 is lost: in the grown ring, node 0 watches it
+    for now in range(3, 7):
         sim.tick(float(now))
-        assert sim.heard[3] == [], now  # rank 7 has looked since 2.0: its first look saw no beat come
+        assert sim.heard[3] == [], now
     sim.tick(7.0)
-    assert [(e.rank, e.by) for e in sim.heard[3]] == [(15, 7)]
-    assert sim.monitors[9].job.watched == {}  # node 1's followers have their delegate's ring: they read nothing
+    assert sorted(e.rank for e in sim.heard[3]) == list(range(8, 16))
+    assert {e.by for e in sim.heard[3]} <= set(range(1, 8))  # by node 0's monitors that were told
+    board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    losses = [e.rank for i in range(board.add(sim.channel.board_count(), 0))
+              for e in decode_events(board.get(sim.channel.board_slot(i)))]
+    assert sorted(losses) == list(range(8, 16))  # each once, however many of them watched
 
 
 def test_a_publisher_that_ends_between_its_two_requests_leaves_no_slot_that_blocks_the_board(server):
@@ -362,15 +365,21 @@ def test_a_publisher_that_ends_between_its_two_requests_leaves_no_slot_that_bloc
     assert raw.add(sim.channel.board_count(), 0) == 1
 
 
-def test_a_rank_that_left_cleanly_is_nobody_s_loss_and_its_watcher_moves_on(server):
-    sim = _Sim(server, 4, node=2)
+def test_ranks_that_left_cleanly_are_nobody_s_loss_and_a_node_left_whole_is_marked_departed(server):
+    sim = _Sim(server, 6, node=2)  # nodes 0, 1, 2; node 1: rank 2 leads, rank 3 follows
     sim.tick(0.0)
-    sim.monitors[2].depart()
+    sim.monitors[2].depart()  # the delegate leaves first: it tells rank 3, which leads the node now
     sim.halted.add(2)
-    for now in range(1, 12):
+    sim.drain()
+    sim.tick(1.0)
+    assert sim.monitors[3].relay.delegates
+    sim.monitors[3].depart()  # the node's last monitor: it marks the node departed
+    sim.halted.add(3)
+    for now in range(2, 12):
         sim.tick(float(now))
-    assert not any(sim.heard[r] for r in (0, 1, 3))
-    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key(sim.channel.namespace, 2), 0) < 0
+    assert not any(sim.heard[r] for r in (0, 1, 4, 5))
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(
+        node_beat_key(sim.channel.namespace, 1, 2), 0) < 0
     assert DEPARTED < 0
 
 
@@ -432,8 +441,10 @@ def test_a_node_s_monitors_keep_one_wait_on_the_board_and_elect_another_delegate
 
 def test_a_follower_behind_its_new_delegate_reads_what_it_missed_from_the_store_once(server):
     sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
-    sim.monitors[1].publish(BoardEvent(EventKind.LOST, 7, "first", by=1))  # nobody has read it yet
-    sim.monitors[0].detach()  # the delegate goes before it read it
+    sim.drain()  # the delegate takes its followers in: "at 0"
+    raw = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    put_entry(raw, sim.channel, encode_events([BoardEvent(EventKind.LOST, 7, "first", by=9)]).encode(), 0)
+    sim.monitors[0].close()  # the delegate goes before it read it
     follower, late = sim.monitors[1], sim.monitors[2]
     follower.on_ready(follower.readers()[0])  # end of file: it leads now, reads event 0, waits on the board
     assert follower.board is not None and follower.job.next_event == 1
@@ -450,19 +461,21 @@ def test_a_follower_behind_its_new_delegate_reads_what_it_missed_from_the_store_
         assert [(e.rank, e.reason) for e in sim.heard[rank]] == [(7, "first"), (8, "second")], rank
 
 
-def test_a_follower_whose_delegate_is_alive_but_silent_waits_on_the_board_itself_after_the_staleness_bound(server):
-    sim = _Sim(server, 2, node=2)  # one node: 0 leads, 1 follows
-    sim.tick(0.0)  # both beat once
+def test_a_stuck_delegate_is_published_by_the_standby_and_its_followers_wait_on_the_board_themselves(server):
+    sim = _Sim(server, 2, node=2)  # one node: 0 leads, 1 follows (and stands by)
+    sim.tick(0.0)  # the delegate takes its follower in
+    sim.tick(1.0)  # and tells it whom it heard, itself among them
     sim.halted.add(0)  # then rank 0's monitor is stuck: its sockets open, nothing read, sent or beaten
     follower = sim.monitors[1]
-    for now in range(1, 7):
+    board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    for now in range(2, 8):
         sim.tick(float(now))
         assert follower.board is None, now  # still counting on its delegate for the board
-        assert (0 in follower.job.watched) is (now >= 3), now  # not for the watch after two quiet ticks
-    sim.tick(7.0)  # seven ticks without a word from its delegate: it waits on the board itself
-    assert follower.board is not None and sim.heard[1] == []
-    sim.tick(8.0)  # rank 0's counter stood still over its looks from 3.0 on, 5 s: published, and heard
+        assert (board.add(sim.channel.board_count(), 0) == 1) is (now >= 6), now  # the stuck one, once
+    sim.tick(8.0)  # seven ticks without a word from its delegate: it waits on the board itself
+    assert follower.board is not None
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
+    assert "said nothing for 5 intervals" in sim.heard[1][0].reason
 
 
 def test_a_delegate_elected_while_the_board_cannot_be_reached_beats_on_and_tries_again_at_its_next_tick(server):
@@ -485,12 +498,13 @@ def test_a_delegate_elected_while_the_board_cannot_be_reached_beats_on_and_tries
     assert delegate.board is not None and follower.board is None
     follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
     delegate.detach()
-    follower.on_ready(follower.readers()[0])  # end of file: it leads, and cannot connect within 0.5 s
+    while not follower.relay.delegates:  # its position, then the end of file: it leads, and cannot connect within 0.5 s
+        follower.on_ready(follower.readers()[0])
     assert follower.relay.delegates and follower.board is None
     follower.tick(now=1.0)
-    follower.tick(now=2.0)  # it tries again at each tick, and beats meanwhile
+    follower.tick(now=2.0)  # it tries again at each tick, and beats for the node meanwhile
     assert follower.board is None
-    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(beat_key(channel.namespace, 1), 0) == 2
+    assert WireStore.connect("127.0.0.1", server.port, timeout_s=5).add(node_beat_key(channel.namespace, 0, 2), 0) == 2
     follower.close()
     silent.close()
 
@@ -518,8 +532,9 @@ def test_a_delegate_elected_as_its_predecessor_s_rank_ended_hears_that_entry_bef
     delegate, follower = monitor(0), monitor(1)
     assert delegate.board is not None and follower.board is None
     follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
-    delegate.parent_ended()  # rank 0 ended: its monitor published it and left, nothing relayed
-    follower.on_ready(follower.readers()[0])  # end of file: it leads, its board connection not made
+    delegate.parent_ended()  # rank 0 ended: its monitor published it and left, nothing relayed but "at 0"
+    while not follower.relay.delegates:  # its position, then the end of file: it leads, its board connection not made
+        follower.on_ready(follower.readers()[0])
     assert follower.relay.delegates and follower.board is None
     assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]
     follower.config = dataclasses.replace(follower.config, port=server.port)  # the store takes connections again

@@ -7,7 +7,7 @@ per rank is the same at 8 ranks and at 100,000. Importing the package imports no
 Example: the monitor process needs no torch::
 
     >>> import subprocess, sys
-    >>> code = "import sys, hypergrid.liveness.monitor; print('torch' in sys.modules)"
+    >>> code = "import sys, hypergrid.liveness.process; print('torch' in sys.modules)"
     >>> subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip()
     'False'
 """

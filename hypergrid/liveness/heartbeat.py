@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from ..store.records import BoardEvent, decode
 from ..store.shutdown import register
-from .monitor import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
+from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .poll import read_lines, readable
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 #: The directory holding this hypergrid package: the monitor runs the same.
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])
 #: The monitor's command: no site packages, this hypergrid first on its path.
-_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.liveness.monitor import main; "
+_BOOT = ("import sys; sys.path.insert(0, sys.argv.pop(1)); from hypergrid.liveness.process import main; "
          "sys.exit(main())")
 #: How many of the board's latest events a heartbeat keeps for a listener that comes late.
 RECENT_EVENTS = 256
@@ -73,8 +73,11 @@ class Heartbeat:
         self.progress_timeout_s = progress_timeout_s
         self.stale_beats = stale_beats
         self.plane = plane
+        # Where this process reaches the store itself, so can its monitor: only its node's delegate
+        # connects, and no rank opens a connection for nothing at the start (a storm at 1,000 ranks).
         self.config = MonitorConfig(plane.address[0], plane.address[1], plane.namespace, rank, interval_s,
-                                    stale_beats, progress_timeout_s, parent_pid=os.getpid())
+                                    stale_beats, progress_timeout_s, parent_pid=os.getpid(),
+                                    check_store=not getattr(plane, "reached", False))
         self.job: Optional[JobSpec] = None
         #: The attached job's board position this rank has had every entry before: where a restarted
         #: monitor starts reading (None: not told yet).

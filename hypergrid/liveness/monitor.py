@@ -1,18 +1,26 @@
-"""A rank's monitor: the process that beats for it, watches for its node, and publishes losses.
+"""A rank's monitor: the process that speaks for it on its node, and its node's delegate's work.
 
 Each rank of a resilient job runs one (:func:`hypergrid.start_heartbeat`): a process in a session
 of its own, with no torch, so that nothing the rank's interpreter does (a GIL held, a SIGSTOP)
-stops it. Every interval a node's monitors make two store requests per rank, whatever the job's
-size: each beats from a thread of its own (a late store cannot make it look silent), and the
-node's relay delegate reads the counters its node's ranks watch in the ring and publishes the
-losses of one look as one board entry; a follower takes the node's watch over from a stuck delegate.
+stops it. A node's monitors elect a delegate (:mod:`~hypergrid.liveness.relay`), and only it talks
+to the store, for the whole node: every interval it beats the node's counter and reads the counters
+of the nodes its node watches in the ring of nodes (two requests per node, whatever the job's
+size), hears its node's monitors over the node's socket (each says every interval that it is alive:
+:mod:`~hypergrid.liveness.node`), keeps the node's one wait on the board and hands each entry on.
+A node whose counter stands still is lost whole, its ranks in one entry; a rank whose monitor
+falls silent on a live node is published by the delegate. A follower hands what it would publish
+to its delegate (and to the next one, until it is on the board); one follower stands by with a
+connection made, and takes the watch over once the delegate is quiet for two intervals (frozen:
+its keep-alive comes from a thread of its own, so a store that answers late does not make it quiet).
 
 The rank's end is seen from outside (a ``pidfd``, else its parent pid every 0.1 s) and published at
-once; a hang only after ``progress_timeout_s`` with no tick from its interpreter; ``bye`` marks the
-rank :data:`~hypergrid.store.keys.DEPARTED`. A late store is waited for up to ``connect_timeout_s``,
-and a monitor started again resumes at the board position its rank was last told.
+once; a hang only after ``progress_timeout_s`` with no tick from its interpreter; ``bye`` leaves the
+node cleanly (its last monitor marks the node :data:`~hypergrid.store.keys.DEPARTED`). A late store
+is waited for up to ``connect_timeout_s``, and a monitor started again resumes at the board position
+its rank was last told.
 
-Example, one rank's monitor against a store of torch's, its parent played by this process::
+Example, one rank's monitor against a store of torch's, its parent played by this process: the
+job's other node (node 1) beats once, then never again::
 
     >>> import torch.distributed as dist
     >>> from hypergrid.store.keys import JobChannel
@@ -22,7 +30,7 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
     >>> monitor = RankMonitor(config, forward=seen.append, now=0.0)
     >>> job = JobSpec(JobChannel("ns", "job", 0), ((0, 2),), gpus_per_node=1)
     >>> monitor.attach(job)
-    >>> monitor.tick(now=0.0); server.add("ns/beat/1", 1)                # rank 1 beats once
+    >>> monitor.tick(now=0.0); server.add("ns/node/1/1", 1)          # node 1 beats once
     1
     >>> for second in range(1, 7):                                  # then never again: after 5
     ...     monitor.tick(now=float(second))                        # seconds of standing still, it is gone
@@ -33,93 +41,58 @@ Example, one rank's monitor against a store of torch's, its parent played by thi
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import hashlib
 import json
-import os
-import select
-import signal
 import socket
-import sys
-import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Optional
 
-from ..store.keys import DEPARTED, JobChannel, beat_key, socket_name
-from ..store.records import BoardEvent, EventKind, decode_events, encode
-from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
+from ..store.keys import DEPARTED, JobChannel, node_beat_key, socket_name
+from ..store.records import BoardEvent, EventKind, decode_events, encode_events
+from ..store.tcpstore import StoreProtocolError, WireStore
 from .board import claim_slot, note_losses
+from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .link import STORE_ERRORS, StoreLink
-from .poll import read_lines
+from .node import NodeRanks
 from .relay import NodeRelay, hold
 from .ring import Ring, from_runs
 from .watch import Watch, Watched
 
-__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "main", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS",
-           "START_TIMEOUT_S"]
-
-#: How long a rank's interpreter may make no progress before it counts as hung (minutes: pauses of seconds are routine).
-DEFAULT_PROGRESS_TIMEOUT_S = 180.0
-#: How many heartbeat intervals a counter may stand still before its rank counts as gone.
-STALE_BEATS = 5
-#: How long a new monitor may take to reach the store and say it is ready: a counter that never beat
-#: is given this much more before its rank counts as gone.
-START_TIMEOUT_S = 60.0
-
-
-@dataclass(frozen=True)
-class MonitorConfig:
-    """What a monitor needs: the store's address and namespace, its rank, its timing, and how long
-    the store may take to connect or answer before the monitor gives it up."""
-
-    host: str
-    port: int
-    namespace: str
-    rank: int
-    interval_s: float = 1.0
-    stale_beats: int = STALE_BEATS
-    progress_timeout_s: float = DEFAULT_PROGRESS_TIMEOUT_S
-    connect_timeout_s: float = 30.0
-    parent_pid: int = 0
-
-
-@dataclass(frozen=True)
-class JobSpec:
-    """The job a monitor serves: its board's channel, its ranks as ``(first, count)`` runs, its ``gpus_per_node``."""
-
-    channel: JobChannel
-    runs: tuple[tuple[int, int], ...]
-    gpus_per_node: int
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @functools.cached_property
-    def digest(self) -> str:
-        """A short digest: a node's monitors compare theirs (one not told of a recovery watches an older ring)."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
-
-    @classmethod
-    def from_json(cls, text: str) -> JobSpec:
-        raw = json.loads(text)
-        return cls(JobChannel(**raw["channel"]), tuple((int(a), int(b)) for a, b in raw["runs"]), int(raw["gpus_per_node"]))
+__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS", "START_TIMEOUT_S"]
 
 
 @dataclass
 class _Job:
     spec: JobSpec
     ring: Ring
+    #: The ring of the job's nodes: a node's delegate reads the counters of the nodes its node watches.
+    nodes: Ring
+    #: The next entry of the board to take in (-1: not known yet; a follower learns it from its delegate).
     next_event: int
     lost: dict[int, str] = field(default_factory=dict)
+    #: What this monitor saw of the counters of the nodes it watches, by node.
     watched: dict[int, Watched] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, spec: JobSpec, next_event: int, lost: Optional[dict[int, str]] = None) -> _Job:
+        ring = Ring.of(from_runs(spec.runs), spec.gpus_per_node)
+        return cls(spec, ring, Ring.of(ring.nodes, 1), next_event, dict(lost or {}))
+
+    def lost_nodes(self) -> set[int]:
+        """The nodes all of whose ranks in the job are lost (a watch walks past them)."""
+        size = self.spec.gpus_per_node
+        counted = Counter(rank // size for rank in self.lost if rank in self.ring)
+        return {node for node, count in counted.items() if count >= len(self.ring.on_node(node))}
 
 
 class RankMonitor:
     """One rank's monitor, driven by a loop: :meth:`tick` every interval, :meth:`on_ready` when one of
-    :meth:`readers` is readable, :meth:`progress` on the rank's ticks, :meth:`parent_ended` at its end.
-    ``forward`` gets every event of the board; ``reached`` the board's position after each entry.
-    :meth:`tick` beats too, unless ``link.start_beats()`` runs the beats on a thread of their own."""
+    :meth:`readers` is readable, :meth:`progress` on the rank's ticks, :meth:`parent_ended` at its end,
+    and :meth:`keep_alive` every interval from a thread (a delegate's word to its node, whatever the
+    store does). ``forward`` gets every event of the board; ``reached`` the board's position after each entry."""
 
     def __init__(self, config: MonitorConfig, *, forward: Callable[[BoardEvent], None], now: float,
                  connect: Optional[Callable[[float], WireStore]] = None,
@@ -129,25 +102,35 @@ class RankMonitor:
         self._reached = reached
         # ``connect``: a caller hosting many monitors (or a proxy in front of the store) gives its own.
         self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
-                              give_up_s=config.connect_timeout_s, beat_key=beat_key(config.namespace, config.rank),
-                              interval_s=config.interval_s)
-        self._watch_rule = Watch(config.rank, config.interval_s, config.stale_beats, START_TIMEOUT_S)
+                              give_up_s=config.connect_timeout_s)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
-        self._names: tuple[str, int] = ("", 0)  # names the node's relay and watch: the board, the node
-        self._watch_lock: Optional[socket.socket] = None  # held: this follower watches for the node
+        self.node_ranks: Optional[NodeRanks] = None  # a delegate's: what its node's monitors said
+        self._names: tuple[str, int] = ("", 0)  # names the node's relay and standby: the board, the node
+        self._standby: Optional[socket.socket] = None  # held: this follower stands by to watch for the node
         self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
-        # What the delegate last told: its spec's digest, and the counters it watched (taken over on a change).
-        self._delegate_spec: Optional[str] = None
-        self._delegate_watched: Optional[list[list[float]]] = None
+        self._told: dict = {}  # what the delegate last told: its spec's digest, its watch, whom it heard
+        self._state = ""  # what this delegate tells its node's monitors at each keep-alive
+        self._unconfirmed: list[BoardEvent] = []  # handed to the delegate to publish, not yet on the board
+        self._leaving = False
         self.job: Optional[_Job] = None
+        self.now = now
         self.last_progress = now
         self.hung_published = False
         self.closed = False
 
-    def _read(self, ranks: Sequence[int]) -> list[int]:
-        """The heartbeat counters of ``ranks``, in one round trip."""
-        keys = [beat_key(self.config.namespace, r) for r in ranks]
+    @property
+    def node(self) -> int:
+        """This rank's node in the attached job (0 with none)."""
+        return self.config.rank // self.job.spec.gpus_per_node if self.job is not None else 0
+
+    def _node_key(self, node: int) -> str:
+        assert self.job is not None
+        return node_beat_key(self.config.namespace, node, self.job.spec.gpus_per_node)
+
+    def _read(self, nodes: Sequence[int]) -> list[int]:
+        """The heartbeat counters of ``nodes``, in one round trip."""
+        keys = [self._node_key(n) for n in nodes]
         read = self.link.call(lambda store: store.add_many(keys, 0))
         assert read is not None
         return read
@@ -155,44 +138,68 @@ class RankMonitor:
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec, first: Optional[int] = None) -> None:
         """Serve ``spec``'s job (the same job again: its ranks changed), reading its board from entry
-        ``first`` (a monitor started again) or else from the board's count."""
+        ``first`` (a monitor started again), else from its delegate's position or the board's count."""
         if self.job is not None and self.job.spec.channel == spec.channel:
-            self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), self.job.next_event, self.job.lost)
+            self.job = _Job.of(spec, self.job.next_event, self.job.lost)
             return
-        self._leave_board()
-        if first is None:
-            first = self.link.call(lambda store: store.add(spec.channel.board_count(), 0))
-            assert first is not None
-        self.job = _Job(spec, Ring.of(from_runs(spec.runs), spec.gpus_per_node), first)
-        if self._reached is not None:
-            self._reached(spec.channel, first)
+        self._leave_board(say=True)
+        self.job = _Job.of(spec, -1 if first is None else first)
+        if first is not None:
+            self._tell_reached(self.job)
         self._join_board(first=True)
 
     def detach(self) -> None:
         """Serve no job (the rank left it)."""
+        self._leave_board(say=True)
         self.job = None
-        self._leave_board()
+
+    def _tell_reached(self, job: _Job) -> None:
+        if self._reached is not None and job.next_event >= 0:
+            self._reached(job.spec.channel, job.next_event)
 
     def _join_board(self, first: bool = False) -> None:
-        """Be the node's delegate (and wait on the board), or follow it; ``first``: as the job is attached."""
+        """Be the node's delegate or follow it; ``first``: as the job is attached (a store that cannot
+        be reached is then an error)."""
         job = self.job
         assert job is not None
-        node = self.config.rank // max(1, job.spec.gpus_per_node)
-        self._names = (f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}", node)
+        self._names = (f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}", self.node)
         self.relay = NodeRelay.join(socket_name("relay", *self._names))
         self._delegate_quiet = 0
-        self._delegate_spec = None
         if self.relay.delegates:
-            self._open_board(fatal=first)
+            self._delegate(fatal=first)
+            return
+        self.relay.tell(f"hi {self.config.rank}")
+        if self._unconfirmed:
+            self.relay.tell("pub " + encode_events(self._unconfirmed))
 
-    def _open_board(self, fatal: bool = False) -> None:
+    def _delegate(self, fatal: bool = False) -> None:
+        """Serve the node: beat for it, watch for it, wait on the board for it, hear its monitors."""
+        job, relay = self.job, self.relay
+        assert job is not None and relay is not None
+        self._release_standby()
+        if relay.listener is not None:
+            self.node_ranks = NodeRanks(self.config.rank, self.config.interval_s, self.config.stale_beats,
+                                        START_TIMEOUT_S, self.now)
+            self.node_ranks.adopt(self._told.get("heard", ()), self._told.get("left", ()), self.now)
+        known = job.next_event >= 0
+        if not known:  # told nothing by a delegate: from the board's count
+            count = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
+            assert count is not None
+            job.next_event = count
+            self._tell_reached(job)
+        self._open_board(fatal=fatal, catch_up=known and not fatal)
+        pending, self._unconfirmed = self._unconfirmed, []
+        if pending:
+            self.publish(*pending)
+
+    def _open_board(self, fatal: bool = False, catch_up: bool = True) -> None:
         """Connect to the board and wait on its next entry; unless ``fatal``, a failed connection is tried
         again at the next tick. A monitor taking the board over mid-job first catches up on the connection
         it has: torch's server resolves each new client's name on the thread that answers everyone (a
         dropped DNS query holds it 5 s), and the entry (often its rank's own end) must not wait for that."""
         job = self.job
         assert job is not None
-        if not fatal:
+        if catch_up:
             published = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
             assert published is not None
             self._catch_up(job, published)
@@ -214,18 +221,34 @@ class RankMonitor:
             self.board = None
 
     def _go_alone(self) -> None:
-        """Stop counting on the node's delegate (silent for the staleness bound): wait on the board itself."""
+        """Stop counting on the node's delegate (silent for the staleness bound): serve the node alone."""
         assert self.relay is not None
         self.relay.close()
         self.relay = NodeRelay(None, None)
-        self._open_board()
+        self._delegate()
 
-    def _leave_board(self) -> None:
-        if self.relay is not None:
-            self.relay.close()
+    def _leave_board(self, say: bool = False) -> None:
+        """Leave the node's relay; ``say``: cleanly (a follower tells its delegate; a delegate tells its
+        followers, or with none marks the node departed, nobody's loss)."""
+        relay, job = self.relay, self.job
+        if relay is not None and say and job is not None:
+            while relay.accept(position=job.next_event):  # those still waiting hear it leave too
+                pass
+            if not relay.delegates:
+                relay.tell(f"bye {self.config.rank}")
+            elif relay.followers and self.node_ranks is not None:
+                self.node_ranks.leave(self.config.rank)
+                told = {**self.node_ranks.told(), "heard": sorted(self.node_ranks.heard)}
+                relay.keep_alive(job.next_event, json.dumps({"spec": job.spec.digest, **told}, separators=(",", ":")))
+            elif self.link.connected or self.node in job.nodes:
+                with contextlib.suppress(*STORE_ERRORS):
+                    self.link.call(lambda store: store.add(self._node_key(self.node), DEPARTED), again=False)
+        if relay is not None:
+            relay.close()
             self.relay = None
+        self.node_ranks = None
         self._drop_board()
-        self._release_watch()
+        self._release_standby()
 
     def readers(self) -> list[int]:
         """The descriptors :meth:`on_ready` handles: the board's wait, the relay's."""
@@ -242,9 +265,20 @@ class RankMonitor:
         elif relay.listener is not None and fd == relay.listener.fileno():
             relay.accept(position=self.job.next_event)
         elif relay.delegates:
-            relay.follower_ready(fd)
+            self._from_follower(relay.follower_ready(fd))
         else:
             self._on_relayed(relay)
+
+    def _from_follower(self, lines: Sequence[str]) -> None:
+        """What a monitor of the node said: it is alive, it leaves, or it hands over events to publish."""
+        for line in lines:
+            word, _, rest = line.partition(" ")
+            if word in ("hi", "alive") and self.node_ranks is not None:
+                self.node_ranks.hear(int(rest), self.now)
+            elif word == "bye" and self.node_ranks is not None:
+                self.node_ranks.leave(int(rest))
+            elif word == "pub":
+                self.publish(*decode_events(rest))
 
     def _on_relayed(self, relay: NodeRelay) -> None:
         """The node's delegate sent entries (or its position), or went: then elect again."""
@@ -257,9 +291,14 @@ class RankMonitor:
             return
         self._delegate_quiet = 0
         for item in heard:
-            if item.payload is None and item.state:
-                told = json.loads(item.state)
-                self._delegate_spec, self._delegate_watched = told["spec"], told["watched"]
+            if item.payload is None:
+                if item.state:
+                    self._told = json.loads(item.state)
+                if job.next_event < 0:
+                    job.next_event = item.index
+                    self._tell_reached(job)
+            if job.next_event < 0:
+                continue
             self._catch_up(job, item.index)
             if item.payload is not None and item.index == job.next_event:
                 self._take_entry(job, item.payload)
@@ -274,22 +313,28 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ every interval
     def tick(self, *, now: float) -> None:
-        """Beat (unless on a thread), look at the watched ranks, and judge the rank's own progress."""
-        if not self.link.beating:
-            self.link.beat()
-        job = self.job
+        """Speak to the node (a follower), beat and look at the watched nodes (the node's watcher), and
+        judge the rank's own progress."""
+        self.now = now
+        job, relay = self.job, self.relay
         if job is None:
             return
-        relay = self.relay
-        if relay is not None and relay.delegates:
-            if self.board is None:
-                self._open_board()
-            self._keep_alive(job)  # before its reads too: however late the store answers them
-        elif relay is not None:
+        if relay is not None and not relay.delegates:
             self._delegate_quiet += 1
+            relay.tell(f"alive {self.config.rank}")
+            if self._delegate_quiet == self.config.stale_beats and self._standby is not None:
+                self._publish_frozen(job)
             if self._delegate_quiet > self.config.stale_beats + 1:
                 self._go_alone()
-        self._watch(job, now)
+            elif self._standby is None:
+                self._stand_by()
+        elif self.board is None:
+            self._open_board()
+        if self._watches(job):
+            self._keep_alive(job)  # before its calls too: however late the store answers them
+            self._watch(job, now)
+        else:
+            job.watched.clear()
         self._keep_alive(job)  # after the watch: what it saw now
         quiet = now - self.last_progress
         if quiet >= self.config.progress_timeout_s and not self.hung_published:
@@ -304,52 +349,83 @@ class RankMonitor:
         self.last_progress = now
         self.hung_published = False
 
-    def _keep_alive(self, job: _Job) -> None:
-        """A delegate tells its followers its position, its spec's digest and what it saw of its counters."""
-        relay = self.relay
-        if relay is not None and relay.delegates and relay.followers:
-            state = {"spec": job.spec.digest, "watched": Watch.state(job.watched)}
-            relay.keep_alive(job.next_event, json.dumps(state, separators=(",", ":")))
-
-    def _starts(self, job: _Job) -> list[int]:
-        """The ranks whose watched ranks this monitor reads: the whole node's for a delegate (so a node
-        lost whole takes one or two entries, not one per rank) or for the follower holding the watch
-        name once its delegate is quiet; its own for a monitor alone or whose spec differs."""
-        me, ring, relay = self.config.rank, job.ring, self.relay
-        mine = [me] if me in ring else []
-        if relay is None:
-            return mine
-        node = ring.on_node(me // ring.gpus_per_node)
-        if relay.delegates and relay.listener is not None:
-            self._release_watch()
-            return node
-        if self._delegate_spec not in (None, job.spec.digest):
-            return mine
-        if not relay.delegates and self._delegate_quiet <= 2:
-            self._release_watch()
-            return []
-        if self._watch_lock is None:
+    def _stand_by(self) -> bool:
+        """Be the follower that takes the node's watch over from a quiet delegate, if none is, its
+        connection made now (a frozen delegate's node is beaten for within the bound); whether it is
+        (True too where no name can be held: each on its own)."""
+        if self._standby is None:
             try:
-                self._watch_lock = hold(socket_name("watch", *self._names))
-            except OSError:  # no names to hold here: on its own
-                return mine
-        return node if self._watch_lock is not None else []
+                self._standby = hold(socket_name("watch", *self._names))
+            except OSError:  # no names to hold here
+                return True
+            if self._standby is None:
+                return False
+        if not self.link.connected:
+            with contextlib.suppress(*STORE_ERRORS):
+                self.link.open(self.config.interval_s)
+        return True
 
-    def _release_watch(self) -> None:
-        if self._watch_lock is not None:
-            self._watch_lock.close()
-            self._watch_lock = None
+    def _publish_frozen(self, job: _Job) -> None:
+        """The standby publishes its delegate's rank, silent for the staleness bound: its monitor is stopped."""
+        rank = self._told.get("me")
+        if isinstance(rank, int) and rank in job.ring and rank not in job.lost:
+            bound = self.config.stale_beats * self.config.interval_s
+            self.publish(BoardEvent(EventKind.LOST, rank, (
+                f"its monitor, its node's delegate, said nothing for {self._delegate_quiet} intervals (the bound is "
+                f"{bound:g} s): its monitor is stopped"), by=self.config.rank))
+
+    def _release_standby(self) -> None:
+        if self._standby is not None:
+            self._standby.close()
+            self._standby = None
+
+    def _watches(self, job: _Job) -> bool:
+        """Whether this monitor beats and watches for its node: its delegate does (or one alone); the
+        standby once the delegate is quiet for two ticks; one told of a recovery its delegate was not
+        (it watches in its own ring), each on its own where no name can be held."""
+        relay = self.relay
+        if relay is None or relay.listener is not None:
+            return True
+        if relay.upstream is None:  # gone alone (its delegate quiet): the standby among them
+            return self._stand_by()
+        if self._told.get("spec") not in (None, job.spec.digest):
+            return True
+        return self._delegate_quiet > 2 and self._stand_by()
+
+    def _keep_alive(self, job: _Job) -> None:
+        """A delegate tells its followers its position, its spec's digest, its watch and whom it heard."""
+        relay = self.relay
+        if relay is None or not relay.delegates or relay.listener is None:
+            return
+        state = {"spec": job.spec.digest, "watched": Watch.state(job.watched),
+                 **(self.node_ranks.told() if self.node_ranks is not None else {})}
+        self._state = json.dumps(state, separators=(",", ":"))
+        if relay.followers:
+            relay.keep_alive(job.next_event, self._state)
+
+    def keep_alive(self) -> None:
+        """A delegate's word to its node, from a thread of the monitor's own: a store that answers late
+        holds up the delegate's calls, and must not make its followers take it for a frozen one."""
+        relay, job, state = self.relay, self.job, self._state
+        if relay is not None and job is not None and state and relay.delegates and relay.listener is not None:
+            relay.keep_alive(job.next_event, state)
 
     def _watch(self, job: _Job, now: float) -> None:
-        """Read the counters this monitor watches, and publish those found lost in one entry."""
-        starts = self._starts(job)
-        if len(job.ring) < 2 or not starts:
-            job.watched.clear()
+        """Beat for the node, read the counters of the nodes it watches, hear what the node's monitors
+        said, and publish those found lost in one entry."""
+        node = self.node
+        if node not in job.nodes:
             return
-        told, self._delegate_watched = self._delegate_watched, None
-        Watch.take_over(job.watched, told, job.ring)
-        self.link.watching()
-        found = self._watch_rule.look(self._read, job.ring, starts, job.lost, job.watched, now)
+        self.link.beat(self._node_key(node))
+        Watch.take_over(job.watched, self._told.pop("watched", None), job.nodes)
+        found: list[BoardEvent] = []
+        if len(job.nodes) > 1:
+            rule = Watch(node, self.config.interval_s, self.config.stale_beats, START_TIMEOUT_S)
+            for gone in rule.look(self._read, job.nodes, [node], job.lost_nodes(), job.watched, now):
+                found += [BoardEvent(EventKind.LOST, rank, gone.reason, by=self.config.rank)
+                          for rank in job.ring.on_node(gone.rank) if rank not in job.lost]
+        if self.node_ranks is not None:
+            found += self.node_ranks.silent([r for r in job.ring.on_node(node) if r not in job.lost], now)
         for event in found:
             job.lost[event.rank] = event.reason
         if found:
@@ -357,11 +433,16 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ the board
     def publish(self, *events: BoardEvent) -> None:
-        """Put ``events`` on the job's board in one entry (less the losses it has already), then count it."""
-        job = self.job
-        if job is None:
+        """Put ``events`` on the job's board in one entry (less the losses it has already), then count it;
+        a follower hands them to its delegate, and again to the next one until they are on the board."""
+        job, relay = self.job, self.relay
+        if job is None or not events:
             return
-        channel, first = job.spec.channel, job.next_event
+        if relay is not None and not relay.delegates and self._delegate_quiet <= 2:
+            self._unconfirmed.extend(events)
+            relay.tell("pub " + encode_events(list(events)))
+            return
+        channel, first = job.spec.channel, max(0, job.next_event)
         if self.link.call(lambda store: claim_slot(store, channel, events, first)) is not None:
             self.link.call(lambda store: store.add(channel.board_count(), 1), again=False)
 
@@ -391,10 +472,16 @@ class RankMonitor:
         if self.relay is not None:
             self.relay.send(job.next_event, payload)
         job.next_event += 1
-        for event in decode_events(payload):
+        events = decode_events(payload)
+        if self._unconfirmed:
+            self._unconfirmed = [e for e in self._unconfirmed if not any(
+                (x.kind, x.rank) == (e.kind, e.rank) for x in events)]
+        for event in events:
             self.deliver(event)
-        if self.job is not None and self._reached is not None:
-            self._reached(self.job.spec.channel, self.job.next_event)
+        if self.job is not None:
+            self._tell_reached(self.job)
+        if self._leaving and not self._unconfirmed:
+            self.depart()
 
     def deliver(self, event: BoardEvent) -> None:
         """Take in one event of the job's board and forward it to the rank."""
@@ -406,133 +493,33 @@ class RankMonitor:
 
     # ------------------------------------------------------------------ the end
     def parent_ended(self, reason: str = "its process ended") -> None:
-        """The rank's process is gone (or going while the job counts on it): publish it, mark it left."""
+        """The rank's process is gone (or going while the job counts on it): publish it, mark it left
+        (a follower once its delegate put it on the board)."""
         if not self.closed:
             self.publish(BoardEvent(EventKind.LOST, self.config.rank, reason, by=self.config.rank))
             self.depart()
 
     def depart(self) -> None:
-        """Mark the rank as left (nobody counts it lost) and stop."""
-        if not self.closed:
-            self.link.stop_beats()
-            self.link.call(lambda store: store.add(beat_key(self.config.namespace, self.config.rank), DEPARTED))
-            self.close()
+        """Mark the rank as left (nobody counts it lost) and stop, once what this monitor handed its
+        delegate to publish is on the board."""
+        if self.closed:
+            return
+        self._leaving = True
+        if self._unconfirmed and self.relay is not None and not self.relay.delegates:
+            return  # the entry that has them closes it (or it publishes them alone, then closes)
+        self._leave_board(say=True)
+        self.close()
 
     def close(self) -> None:
+        """Stop at once, saying nothing (as a killed monitor would)."""
         self.closed = True
         self.link.close()
-        self._leave_board()
+        if self.relay is not None:
+            self.relay.close()
+            self.relay = None
+        self._drop_board()
+        self._release_standby()
 
 
 def _get(store: WireStore, key: str) -> bytes:
     return store.get(key)
-
-
-class _ParentPipe:
-    """Lines to the rank's stdout pipe, never blocking: a rank holding the GIL reads nothing meanwhile."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        os.set_blocking(fd, False)
-        self.pending = b""
-
-    def send(self, line: str) -> None:
-        self.pending += line.encode() + b"\n"
-        self.flush()
-
-    def flush(self) -> None:
-        while self.pending:
-            try:
-                sent = os.write(self.fd, self.pending)
-            except BlockingIOError:
-                return
-            except OSError:  # the rank is gone: nobody to tell
-                self.pending = b""
-                return
-            self.pending = self.pending[sent:]
-
-
-def _parent_watch(pid: int) -> Optional[int]:
-    """A file descriptor that becomes readable when process ``pid`` ends (None: not on this system)."""
-    try:
-        return int(os.pidfd_open(pid))
-    except (AttributeError, OSError):  # AttributeError: no pidfd_open (not Linux)
-        return None
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The monitor process (``main()`` with a JSON :class:`MonitorConfig` argument), started by the heartbeat."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    config = MonitorConfig(**json.loads(args[0]))
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C ends the rank, which ends this
-    out = _ParentPipe(sys.stdout.fileno())
-    try:
-        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic(),
-                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}"))
-    except (OSError, StoreProtocolError) as exc:
-        out.send(f"error the monitor could not reach the job's store at {config.host}:{config.port}: "
-                 f"{type(exc).__name__}: {exc}")
-        return 2
-    parent = _parent_watch(config.parent_pid)
-    stdin: Optional[int] = sys.stdin.fileno()
-    inbox = b""
-    next_tick = time.monotonic()
-    out.send("ready")
-    monitor.link.start_beats()
-    try:
-        while True:
-            now = time.monotonic()
-            if now >= next_tick:
-                monitor.tick(now=now)
-                next_tick = now + config.interval_s
-            if parent is None and os.getppid() != config.parent_pid:  # no pidfd: reparented means ended
-                monitor.parent_ended()
-                return 0
-            readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
-            wait_s = max(0.0, next_tick - time.monotonic())
-            ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
-                                        wait_s if parent is not None else min(wait_s, 0.1))
-            if parent is not None and parent in ready:
-                monitor.parent_ended()
-                return 0
-            for fd in ready:
-                if fd in monitor.readers():  # the one before may have closed it (a new delegate)
-                    monitor.on_ready(fd)
-            out.flush()
-            if stdin is not None and stdin in ready:
-                lines, inbox = read_lines(stdin, inbox)
-                if lines is None:
-                    stdin = None  # its end is seen by its pid
-                    continue
-                for line in lines:
-                    if _handle(monitor, line, time.monotonic()):
-                        return 0
-    except (StoreTimeout, StoreProtocolError, OSError) as exc:
-        out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "
-                 f"{exc}")
-        return 3
-
-
-def _handle(monitor: RankMonitor, line: str, now: float) -> bool:
-    """One line from the rank; True when the monitor is done."""
-    word, _, rest = line.partition(" ")
-    if word == "p":
-        monitor.progress(now=now)
-    elif word == "job":
-        monitor.attach(JobSpec.from_json(rest))
-    elif word == "resume":
-        first, _, spec = rest.partition(" ")
-        monitor.attach(JobSpec.from_json(spec), first=int(first))
-    elif word == "detach":
-        monitor.detach()
-    elif word == "bye":
-        monitor.depart()
-        return True
-    elif word == "gone":
-        monitor.parent_ended(rest or "its process ended")
-        return True
-    return False
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -44,6 +44,11 @@ class ControlPlane:
     store: Any
     address: Optional[tuple[str, int]]
 
+    @property
+    def reached(self) -> bool:
+        """Whether this process reaches the store at ``address`` (a TCPStore of its own): so can its monitor."""
+        return self.address is not None and isinstance(self.store, dist.TCPStore)
+
     def client(self, deadline: float) -> StoreClient:
         """The root store over this thread's own connection, calls bounded by ``deadline``."""
         return StoreClient(deadline, base=self.store)

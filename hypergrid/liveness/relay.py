@@ -12,6 +12,8 @@ first, so a follower that missed entries reads them from the store itself: none 
 twice. A follower whose delegate goes reads end-of-file and elects again; one that hears nothing
 for the staleness bound (a stuck delegate), or has no abstract sockets (not Linux), waits on the
 board itself; one too far behind (its socket full) is dropped and catches up the same way.
+Followers speak too, a line at a time (:meth:`NodeRelay.tell`): that they are alive, what they
+would publish, that they leave; the delegate reads them (:meth:`NodeRelay.follower_ready`).
 
 Example, two monitors of one node in this process::
 
@@ -26,6 +28,10 @@ Example, two monitors of one node in this process::
     >>> second.receive()                                           # doctest: +NORMALIZE_WHITESPACE
     [Relayed(index=3, payload=None, state=''), Relayed(index=3, payload='{"kind": "lost"}', state=''),
      Relayed(index=4, payload=None, state='what it watches')]
+    >>> second.tell("alive 1")                                     # followers speak too
+    True
+    >>> first.follower_ready(next(iter(first.followers)))
+    ['alive 1']
     >>> first.close(); second.receive() is None                   # the delegate left: elect again
     True
     >>> second.close(); third = NodeRelay.join(address); third.delegates
@@ -39,6 +45,7 @@ import errno
 import os
 import socket
 import struct
+import threading
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -160,13 +167,16 @@ class Relayed:
 
 
 class NodeRelay:
-    """One monitor's end of its node's relay: the delegate's listener and followers, or a follower's upstream."""
+    """One monitor's end of its node's relay: the delegate's listener and followers, or a follower's
+    upstream. A delegate's keep-alive may come from a thread of its own: the followers are kept under a lock."""
 
     def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket]) -> None:
         self.listener = listener
         self.upstream = upstream
         self.followers: dict[int, socket.socket] = {}
         self._inbox = b""
+        self._said: dict[int, bytes] = {}  # what each follower sent, short of a whole line
+        self._lock = threading.RLock()
 
     @classmethod
     def join(cls, address: bytes) -> NodeRelay:
@@ -180,10 +190,11 @@ class NodeRelay:
         return self.upstream is None
 
     def readers(self) -> list[int]:
-        """The descriptors to watch: the listener and the followers (to see them go), or the upstream."""
+        """The descriptors to watch: the listener and the followers (their lines, their end), or the upstream."""
         if self.upstream is not None:
             return [self.upstream.fileno()]
-        return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
+        with self._lock:
+            return ([self.listener.fileno()] if self.listener is not None else []) + list(self.followers)
 
     # ------------------------------------------------------------------ the delegate's side
     def accept(self, position: int) -> bool:
@@ -192,7 +203,7 @@ class NodeRelay:
             return False
         try:
             conn, _ = self.listener.accept()
-        except (BlockingIOError, InterruptedError):
+        except (BlockingIOError, InterruptedError, OSError):
             return False
         try:
             if not _same_user(conn):
@@ -201,8 +212,9 @@ class NodeRelay:
         except OSError:
             conn.close()
             return True
-        self.followers[conn.fileno()] = conn
-        self._send_to(conn, f"at {position}\n".encode())
+        with self._lock:
+            self.followers[conn.fileno()] = conn
+            self._send_to(conn, f"at {position}\n".encode())
         return True
 
     def send(self, index: int, payload: str) -> None:
@@ -211,30 +223,35 @@ class NodeRelay:
         while self.accept(position=index):
             pass
         line = f"ev {index} {payload}\n".encode()
-        for conn in list(self.followers.values()):
-            self._send_to(conn, line)
+        with self._lock:
+            for conn in list(self.followers.values()):
+                self._send_to(conn, line)
 
     def keep_alive(self, position: int, state: str = "") -> None:
         """Tell every follower the delegate's position and one-line ``state`` (every interval)."""
         if "\n" in state:
             raise ValueError(f"a relayed state is one line, got {state!r}")
         line = (f"at {position} {state}\n" if state else f"at {position}\n").encode()
-        for conn in list(self.followers.values()):
-            self._send_to(conn, line)
+        with self._lock:
+            for conn in list(self.followers.values()):
+                self._send_to(conn, line)
 
-    def follower_ready(self, fd: int) -> None:
-        """A follower's connection is readable: followers send nothing, so it went."""
-        conn = self.followers.get(fd)
-        if conn is None:
-            return
-        try:
-            data = conn.recv(1, socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return
-        except OSError:
-            data = b""
-        if not data:
-            self._drop(conn)
+    def follower_ready(self, fd: int) -> list[str]:
+        """A follower's connection is readable: the whole lines it sent (none where it went, or has
+        not ended a line yet)."""
+        with self._lock:
+            conn = self.followers.get(fd)
+            if conn is None:
+                return []
+            try:
+                lines, rest = read_lines(fd, self._said.get(fd, b""))
+            except OSError:
+                lines, rest = None, b""
+            if lines is None:
+                self._drop(conn)
+                return []
+            self._said[fd] = rest
+            return lines
 
     def _send_to(self, conn: socket.socket, line: bytes) -> None:
         try:
@@ -243,10 +260,24 @@ class NodeRelay:
             self._drop(conn)
 
     def _drop(self, conn: socket.socket) -> None:
-        self.followers.pop(conn.fileno(), None)
-        conn.close()
+        with self._lock:
+            fd = conn.fileno()
+            self.followers.pop(fd, None)
+            self._said.pop(fd, None)
+            conn.close()
 
     # ------------------------------------------------------------------ a follower's side
+    def tell(self, line: str) -> bool:
+        """Send the delegate one line (never blocking); False where it could not be sent (the delegate
+        went, or has read nothing for so long that its socket is full)."""
+        if self.upstream is None:
+            return False
+        try:
+            self.upstream.send((line + "\n").encode(), socket.MSG_DONTWAIT)
+        except OSError:
+            return False
+        return True
+
     def receive(self) -> Optional[list[Relayed]]:
         """What the delegate sent (the connection is readable); None when the delegate is gone."""
         if self.upstream is None:
@@ -269,10 +300,12 @@ class NodeRelay:
         return heard
 
     def close(self) -> None:
-        for conn in list(self.followers.values()):
-            conn.close()
-        self.followers.clear()
-        for sock in (self.listener, self.upstream):
-            if sock is not None:
-                sock.close()
-        self.listener = self.upstream = None
+        with self._lock:
+            for conn in list(self.followers.values()):
+                conn.close()
+            self.followers.clear()
+            self._said.clear()
+            for sock in (self.listener, self.upstream):
+                if sock is not None:
+                    sock.close()
+            self.listener = self.upstream = None

@@ -1,16 +1,17 @@
-"""A monitor's watch: the heartbeat counters it reads, and when a counter's silence means a loss.
+"""A node's watch: the heartbeat counters of the nodes it watches, and when a counter's silence means a loss.
 
-A watcher (a node's delegate for its node's ranks, a monitor alone for its own rank) reads at
-each look, in one round trip, the counters of the ranks those watch
+A node's delegate (or a monitor serving its node alone) reads at each look, in one round trip,
+the counters of the nodes its node watches in the ring of the job's nodes
 (:meth:`~hypergrid.liveness.ring.Ring.watched_from`). A counter that stood still over ``stale_beats``
 looks and intervals of the watcher's own clock (no clocks are compared across hosts) means its
-rank's node, or monitor, is gone. A counter that never moved (0: its monitor has not beaten yet) is
+node is gone (every monitor on it). A counter that never moved (0: nobody beat for it yet) is
 given ``start_s`` more, the time a rank's monitor may take to start: ranks start their monitors
-seconds apart on a loaded host, and a watcher that looks first must not count the late ones out. Silence is judged on what the store answered, not on how long it
-took. Past a rank lost or departed, the watch walks on to the next one; the counters walked to are
-read together, one round trip per hop of the longest walk, never one per rank.
+seconds apart on a loaded host, and a watcher that looks first must not count the late ones out.
+Silence is judged on what the store answered, not on how long it took. Past a node lost or
+departed, the watch walks on to the next one; the counters walked to are read together, one round
+trip per hop of the longest walk, never one per node.
 
-Example, a watcher of rank 1 whose counter stands still (the reads given)::
+Example, node 0 watching node 1, whose counter stands still (the reads given)::
 
     >>> from hypergrid.liveness.ring import Ring
     >>> watch, watched = Watch(me=0, interval_s=1.0, stale_beats=5), {}
@@ -26,7 +27,7 @@ A counter still at 0 (never beaten) is lost only past the start bound as well::
     >>> [watch.look(lambda ranks: [0] * len(ranks), ring, [0], {}, watched, now=float(t)) for t in range(65)][-1]
     []
     >>> [e.reason for e in watch.look(lambda ranks: [0] * len(ranks), ring, [0], {}, watched, now=65.0)]
-    ['it never beat in the 65.0 s this watcher looked (a monitor may take 60 s to start, and a counter that stands still 5 s is lost): its rank never started its monitor, or its node is gone']
+    ["its node never beat in the 65.0 s this watcher looked (a monitor may take 60 s to start, and a counter that stands still 5 s is lost): its node's ranks never started their monitors, or its node is gone"]
 """
 
 from __future__ import annotations
@@ -130,11 +131,11 @@ class Watch:
     def _reason(self, seen: Watched, now: float) -> str:
         stale_after = self.stale_beats * self.interval_s
         if seen.value == 0:
-            return (f"it never beat in the {now - seen.since:.1f} s this watcher looked (a monitor may take "
+            return (f"its node never beat in the {now - seen.since:.1f} s this watcher looked (a monitor may take "
                     f"{self.start_s:g} s to start, and a counter that stands still {stale_after:g} s is lost): its "
-                    f"rank never started its monitor, or its node is gone")
-        return (f"its heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} s ago "
-                f"(the bound is {stale_after:g} s): its node, or its monitor, is gone")
+                    f"node's ranks never started their monitors, or its node is gone")
+        return (f"its node's heartbeat stopped: its last beat came {now - seen.first_seen:.1f}-{now - seen.since:.1f} s "
+                f"ago (the bound is {stale_after:g} s): its node is gone, or every monitor on it")
 
     # ------------------------------------------------------------------ between delegates
     @staticmethod

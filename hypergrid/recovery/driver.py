@@ -34,8 +34,8 @@ from ..layout.describe import describe_ranks, one_line
 from ..layout.rank_map import RankMap
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
 from ..liveness.board import BoardView
+from ..liveness.config import JobSpec
 from ..liveness.heartbeat import running_heartbeat
-from ..liveness.monitor import JobSpec
 from ..liveness.plane import control_plane
 from ..liveness.ring import as_runs
 from ..runtime.registry import REGISTRY

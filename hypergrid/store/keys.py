@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = [
     "AGREE_ROOT", "CONTROL_ROOT", "NAMESPACE_TOKEN", "DEPARTED", "members_digest", "Meeting", "MemberSetKeys",
-    "last_state_key", "WorldStepKeys", "health_meeting", "health_epoch", "health_attempt", "beat_key", "RoundKeys",
+    "last_state_key", "WorldStepKeys", "health_meeting", "health_epoch", "health_attempt", "beat_key", "node_beat_key", "RoundKeys",
     "JobChannel", "socket_name",
 ]
 
@@ -166,6 +166,18 @@ def health_attempt(participants: Sequence[int], epoch: int) -> str:
 def beat_key(namespace: str, rank: int) -> str:
     """Where ``rank``'s heartbeat counter lives."""
     return f"{namespace}/beat/{rank}"
+
+
+def node_beat_key(namespace: str, node: int, gpus_per_node: int) -> str:
+    """Where the heartbeat counter of node ``node`` (ranks ``node * gpus_per_node`` on) lives: its
+    delegate beats it for all of the node's ranks.
+
+    Example::
+
+        >>> node_beat_key("hypergrid/control/ab12", 3, 8)
+        'hypergrid/control/ab12/node/8/3'
+    """
+    return f"{namespace}/node/{gpus_per_node}/{node}"
 
 
 @dataclass(frozen=True)

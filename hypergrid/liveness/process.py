@@ -1,0 +1,169 @@
+"""The monitor process: a rank's monitor (:class:`~hypergrid.liveness.monitor.RankMonitor`) driven by
+its loop, started by the rank's heartbeat with its :class:`~hypergrid.liveness.config.MonitorConfig`.
+
+It reads the rank's lines on its stdin (``p`` each interval, ``job``, ``resume``, ``detach``,
+``bye``, ``gone``), sees the rank's end by a ``pidfd`` (else its parent pid every 0.1 s), writes
+the board's events and positions on its stdout, and keeps, on a thread of its own, a delegate's
+word to its node. Once its rank's end is published it stops. It imports no torch.
+
+Example, the process refusing a store nobody listens at (what the rank reads first)::
+
+    >>> import json, socket, subprocess, sys
+    >>> with socket.socket() as probe:
+    ...     probe.bind(("127.0.0.1", 0)); port = probe.getsockname()[1]
+    >>> config = json.dumps({"host": "127.0.0.1", "port": port, "namespace": "ns", "rank": 0,
+    ...                      "connect_timeout_s": 0.5, "check_store": True})
+    >>> done = subprocess.run([sys.executable, "-m", "hypergrid.liveness.process", config], capture_output=True, text=True)
+    >>> done.returncode, done.stdout.startswith("error the monitor could not reach the job's store")
+    (2, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import select
+import signal
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from typing import Optional
+
+from ..store.records import encode
+from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
+from .config import JobSpec, MonitorConfig
+from .monitor import RankMonitor
+from .poll import read_lines
+
+__all__ = ["main"]
+
+
+class _ParentPipe:
+    """Lines to the rank's stdout pipe, never blocking: a rank holding the GIL reads nothing meanwhile."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        os.set_blocking(fd, False)
+        self.pending = b""
+
+    def send(self, line: str) -> None:
+        self.pending += line.encode() + b"\n"
+        self.flush()
+
+    def flush(self) -> None:
+        while self.pending:
+            try:
+                sent = os.write(self.fd, self.pending)
+            except BlockingIOError:
+                return
+            except OSError:  # the rank is gone: nobody to tell
+                self.pending = b""
+                return
+            self.pending = self.pending[sent:]
+
+
+def _parent_watch(pid: int) -> Optional[int]:
+    """A file descriptor that becomes readable when process ``pid`` ends (None: not on this system)."""
+    try:
+        return int(os.pidfd_open(pid))
+    except (AttributeError, OSError):  # AttributeError: no pidfd_open (not Linux)
+        return None
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The monitor process (``main()`` with a JSON :class:`MonitorConfig` argument), started by the heartbeat."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    config = MonitorConfig(**json.loads(args[0]))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C ends the rank, which ends this
+    out = _ParentPipe(sys.stdout.fileno())
+    try:
+        if config.check_store:  # nobody has reached it yet: say so now, not at the first call
+            WireStore.connect(config.host, config.port, timeout_s=config.connect_timeout_s).close()
+        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic(),
+                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}"))
+    except (OSError, StoreProtocolError) as exc:
+        out.send(f"error the monitor could not reach the job's store at {config.host}:{config.port}: "
+                 f"{type(exc).__name__}: {exc}")
+        return 2
+    parent = _parent_watch(config.parent_pid)
+    stdin: Optional[int] = sys.stdin.fileno()
+    inbox = b""
+    next_tick = time.monotonic()
+    ended: Optional[float] = None  # when the rank's end was seen: the monitor stays until it is published
+    out.send("ready")
+    speaking = threading.Event()
+    threading.Thread(target=lambda: _keep_alive(monitor, speaking, config.interval_s), daemon=True,
+                     name="hypergrid-monitor-keep-alive").start()
+    try:
+        while not monitor.closed:
+            now = time.monotonic()
+            if ended is not None and now - ended > config.connect_timeout_s:
+                monitor.close()
+                break
+            if now >= next_tick:
+                monitor.tick(now=now)
+                next_tick = now + config.interval_s
+            if ended is None and parent is None and os.getppid() != config.parent_pid:  # no pidfd: reparented
+                monitor.parent_ended()
+                ended = now
+                continue
+            readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
+            wait_s = max(0.0, next_tick - time.monotonic())
+            ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
+                                        wait_s if parent is not None or ended is not None else min(wait_s, 0.1))
+            if parent is not None and parent in ready:
+                monitor.parent_ended()
+                ended, parent = time.monotonic(), None
+                continue
+            for fd in ready:
+                if fd in monitor.readers():  # the one before may have closed it (a new delegate)
+                    monitor.on_ready(fd)
+            out.flush()
+            if stdin is not None and stdin in ready:
+                lines, inbox = read_lines(stdin, inbox)
+                if lines is None:
+                    stdin = None  # its end is seen by its pid
+                    continue
+                for line in lines:
+                    if _handle(monitor, line, time.monotonic()):
+                        ended = time.monotonic()
+        return 0
+    except (StoreTimeout, StoreProtocolError, OSError) as exc:
+        out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "
+                 f"{exc}")
+        return 3
+    finally:
+        speaking.set()
+
+
+def _keep_alive(monitor: RankMonitor, stop: threading.Event, interval_s: float) -> None:
+    while not stop.wait(interval_s):
+        with contextlib.suppress(OSError, ValueError):
+            monitor.keep_alive()
+
+
+def _handle(monitor: RankMonitor, line: str, now: float) -> bool:
+    """One line from the rank; True when the rank is done (the monitor stays until it has said so)."""
+    word, _, rest = line.partition(" ")
+    if word == "p":
+        monitor.progress(now=now)
+    elif word == "job":
+        monitor.attach(JobSpec.from_json(rest))
+    elif word == "resume":
+        first, _, spec = rest.partition(" ")
+        monitor.attach(JobSpec.from_json(spec), first=int(first))
+    elif word == "detach":
+        monitor.detach()
+    elif word == "bye":
+        monitor.depart()
+        return True
+    elif word == "gone":
+        monitor.parent_ended(rest or "its process ended")
+        return True
+    return False
+
+
+if __name__ == "__main__":
+    sys.exit(main())
