@@ -102,6 +102,7 @@ def _worker(spec: dict) -> None:
 
     host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
     ranks: list[int] = spec["ranks"]
+    simulated = bool(spec.get("followers_simulated"))  # only the nodes' delegates hosted (see --delegates-only)
     groups = sorted({r // share for r in ranks})
     ring = spec["design"] in ("ring", "round")
     # A few at a time per worker: the store (see _host_store) takes thousands a second.
@@ -193,7 +194,8 @@ def _worker(spec: dict) -> None:
         beats connection may be shared with other simulated ranks, and stays)."""
         halted.add(rank)
         sync(rank)
-        monitors[rank].detach()
+        monitors[rank].link.store = None  # its calls' connection may be shared with other simulated ranks: it stays
+        monitors[rank].close()
 
     def run_due_ticks() -> None:
         # Before anything else, and between one rank's board reads and the next: in a cluster no
@@ -206,6 +208,10 @@ def _worker(spec: dict) -> None:
             now = time.monotonic()
             passes["late"] = max(passes["late"], now - due)
             if ring:
+                heard = monitors[rank].node_ranks
+                if simulated and heard is not None:  # what its node's other monitors say over the node's socket
+                    for other in range(rank + 1, rank - rank % NODE + NODE):
+                        heard.hear(other, now)
                 monitors[rank].tick(now=now)
                 monitors[rank].progress(now=now)
             else:
@@ -634,20 +640,40 @@ def _probe(host: str, port: int, seconds: float) -> tuple[float, float]:
     return statistics.median(took), took[int(len(took) * 0.99)]
 
 
-def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str, port: int) -> dict:
+def _store_cpu() -> float:
+    """CPU seconds this process's threads other than the main one have used: the TCPStore server's
+    (nothing else runs beside it here meanwhile: the main thread probes, and is not counted)."""
+    ticks, main, total = os.sysconf("SC_CLK_TCK"), os.getpid(), 0
+    for task in os.listdir(f"/proc/{main}/task"):
+        if int(task) == main:
+            continue
+        try:
+            fields = open(f"/proc/{main}/task/{task}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])
+    return total / ticks
+
+
+def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str, port: int,
+            hosted: Optional[int] = None) -> dict:
+    """The steady state over ``seconds``: requests and bytes per rank (of ``n``) per interval, the
+    store's CPU per second, a probe's gets; passes made per hosted monitor (``hosted``, default ``n``)."""
     workers.send("go")
     time.sleep(3 * interval)
     before = workers.ask("counters")
-    start = time.monotonic()
+    start, cpu = time.monotonic(), _store_cpu()
     median, p99 = _probe(host, port, seconds)
     after = workers.ask("counters")
     elapsed = time.monotonic() - start
+    store_cpu = (_store_cpu() - cpu) / elapsed
     requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
     sent = sum(a["bytes"] - b["bytes"] for a, b in zip(after, before))
     done = sum(a["passes"] - b["passes"] for a, b in zip(after, before))
     return {"req_rank_interval": requests / n / (elapsed / interval), "bytes_rank_interval": sent / n / (elapsed / interval),
             "req_s": requests / elapsed, "bytes_s": sent / elapsed, "probe_ms": (median, p99),
-            "passes": done / n / (elapsed / interval), "late_s": max(a["late"] for a in after),
+            "store_cpu_s_per_s": store_cpu,
+            "passes": done / (hosted or n) / (elapsed / interval), "late_s": max(a["late"] for a in after),
             "dropped": sum(a.get("dropped", 0) for a in after)}
 
 
@@ -897,6 +923,9 @@ def main() -> None:
                         help="only measure real monitors' memory and CPU over SECONDS (a 4-rank gloo job)")
     parser.add_argument("--delivery", action="store_true",
                         help="only the board's delivery of a node's 8 losses to one relay delegate per node")
+    parser.add_argument("--delegates-only", action="store_true",
+                        help="host only each node's delegate (a real monitor), what its node's other monitors "
+                             "say on the node's socket simulated: the store sees what N ranks send")
     parser.add_argument("--connections", type=int, default=1024,
                         help="simulated ranks share connections past this many per kind (see the module)")
     args = parser.parse_args()
@@ -930,13 +959,16 @@ def main() -> None:
         share = max(1, n // args.connections)
         spec = {"host": host, "port": port, "n": n, "interval": args.interval, "namespace": _namespace(),
                 "design": "ring", "share": share}
+        hosted = list(range(0, n, NODE)) if args.delegates_only else list(range(n))
+        if args.delegates_only:
+            spec.update(hosted=hosted, followers_simulated=True)
         steady, detect, workers = None, {}, None
         if not args.only_round:
             started = time.monotonic()
             workers = Workers(spec, args.workers)
-            print(f"ring {n}: {n // share} beats connections and {n // NODE} relay delegates' board connections made in "
+            print(f"ring {n}: {len(hosted)} monitors hosted, {n // NODE} nodes' delegates' connections made in "
                   f"{time.monotonic() - started:.0f} s", flush=True)
-            steady = _steady(workers, n, args.interval, args.steady, host, port)
+            steady = _steady(workers, n, args.interval, args.steady, host, port, len(hosted))
             print(f"ring {n}: steady {steady}", flush=True)
             clock = _BoardClock(host, port, spec["namespace"])
             clock.start()
@@ -946,7 +978,8 @@ def main() -> None:
                          # A rack: consecutive nodes lost at once, each watched from half the job away.
                          (RACK_LABEL, "halt", list(range(9 * NODE, (9 + RACK_NODES) * NODE))))
             chosen = [s for s in scenarios if (s[0] != "rank 1,500 dies" or n >= 2048)
-                      and (s[0] != RACK_LABEL or n >= 4 * RACK_NODES * NODE)]
+                      and (s[0] != RACK_LABEL or n >= 4 * RACK_NODES * NODE)
+                      and (s[1] == "halt" or s[2][0] in hosted)]
             for label, command, victims in chosen if n >= 64 else ():
                 detect[label] = _detect(workers, clock, command, victims, limit_s=60)
                 print(f"ring {n}: {label}: {detect[label]}", flush=True)
@@ -971,16 +1004,16 @@ def main() -> None:
 def _table(rows: list, interval: float) -> None:
     print()
     print("| design | ranks | requests / rank / interval | bytes / rank / interval | store requests/s | store bytes/s | "
-          "plain get meanwhile (median, p99) |")
-    print("|---|---|---|---|---|---|---|")
+          "store CPU s/s | plain get meanwhile (median, p99) |")
+    print("|---|---|---|---|---|---|---|---|")
     for design, n, s, _, _, _ in rows:
         if s is None:
             continue
         behind = "" if s["passes"] >= 0.95 else f" (only {s['passes']:.2f} of the passes due were made)"
         if s.get("dropped"):
             behind += f" ({s['dropped']} ranks' connections reset by the store)"
-        print(f"| {design} | {n:,} | {s['req_rank_interval']:.2f} | {s['bytes_rank_interval']:.0f} | {s['req_s']:,.0f} | "
-              f"{s['bytes_s']:,.0f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
+        print(f"| {design} | {n:,} | {s['req_rank_interval']:.3f} | {s['bytes_rank_interval']:.1f} | {s['req_s']:,.0f} | "
+              f"{s['bytes_s']:,.0f} | {s['store_cpu_s_per_s']:.3f} | {s['probe_ms'][0]:.2f} ms, {s['probe_ms'][1]:.2f} ms{behind} |")
     print()
     print("Losses: on the board / every node's relay delegate had it / every simulated rank had it (seconds from the "
           "death), and the requests the board's waits made meanwhile.")

@@ -7,6 +7,11 @@ and what the store answers goes back at once. ``hold_s`` may change at any momen
 what comes from then on. One thread does it all, with no blocking call (a client that reads
 nothing for a while holds up nobody else).
 
+It can also stall the whole store, as torch's server stalls when a reverse lookup of a new
+client's address goes unanswered on the thread that answers everyone: :meth:`StoreProxy.stall`
+holds every request for a while, and with :attr:`StoreProxy.stall_every` set every that-many-th new
+connection does (``accepted`` counts them).
+
 Example, in front of a TCPStore of torch's::
 
     >>> import time
@@ -54,6 +59,12 @@ class StoreProxy:
     def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = (host, target_port)
         self.hold_s = 0.0
+        #: Every this-many-th new connection stalls the store for ``stall_s`` (0: none does).
+        self.stall_every = 0
+        self.stall_s = 5.0
+        #: How many connections the proxy took in, and when the store answers again after a stall.
+        self.accepted = 0
+        self._stalled_until = 0.0
         #: Bytes the clients sent, and the store answered, through the proxy so far.
         self.sent = self.answered = 0
         self._listener = socket.create_server((host, 0))
@@ -72,12 +83,12 @@ class StoreProxy:
     def _run(self) -> None:
         while not self._stop.is_set():
             now = time.monotonic()
-            while self._held and self._held[0][0] <= now:
+            while self._held and self._held[0][0] <= now and now >= self._stalled_until:
                 _, _, pipe, data = heapq.heappop(self._held)
                 if not pipe.closed:
                     pipe.to_store += data
                     self._flush(pipe, pipe.store)
-            wait = min(0.05, max(0.0, self._held[0][0] - now)) if self._held else 0.05
+            wait = min(0.05, max(0.0, self._held[0][0] - now, self._stalled_until - now)) if self._held else 0.05
             for key, events in self._selector.select(wait):
                 if key.data is None:
                     self._accept()
@@ -103,6 +114,9 @@ class StoreProxy:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         pipe = _Pipe(client, store)
         self._pipes.add(pipe)
+        self.accepted += 1
+        if self.stall_every and self.accepted % self.stall_every == 0:
+            self.stall(self.stall_s)
         self._selector.register(client, selectors.EVENT_READ, (pipe, client))
         self._selector.register(store, selectors.EVENT_READ, (pipe, store))
 
@@ -118,7 +132,7 @@ class StoreProxy:
             return
         if side is pipe.client:
             self.sent += len(data)
-            due = max(time.monotonic() + self.hold_s, pipe.last_due)
+            due = max(time.monotonic() + self.hold_s, pipe.last_due, self._stalled_until)
             pipe.last_due = due
             heapq.heappush(self._held, (due, next(self._order), pipe, data))
         else:
@@ -153,6 +167,10 @@ class StoreProxy:
             except (KeyError, ValueError):
                 pass
             sock.close()
+
+    def stall(self, seconds: float) -> None:
+        """Hold every request, whoever sent it and whenever, until ``seconds`` from now."""
+        self._stalled_until = max(self._stalled_until, time.monotonic() + seconds)  # the loop holds what is due
 
     # ------------------------------------------------------------------ the end
     @property

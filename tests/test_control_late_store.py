@@ -41,11 +41,12 @@ NODE, INTERVAL_S = 8, 1.0
 class _Job:
     """``count`` stand-in ranks serving one job, through a proxy in front of one store."""
 
-    def __init__(self, tmp_path: Path, count: int) -> None:
+    def __init__(self, tmp_path: Path, count: int, stall_every: int = 0) -> None:
         self.count = count
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=60))
         self.proxy = StoreProxy(self.server.port)
+        self.proxy.stall_every = stall_every
         self.namespace = f"hypergrid/late-store/{uuid.uuid4().hex[:12]}"
         self.channel = JobChannel(self.namespace, "job", 0)
         self.direct = WireStore.connect("127.0.0.1", self.server.port, timeout_s=30)  # the test's own, not held
@@ -152,8 +153,8 @@ class _Job:
 def job_of(tmp_path):
     made: list[_Job] = []
 
-    def make(count: int) -> _Job:
-        made.append(_Job(tmp_path, count))
+    def make(count: int, stall_every: int = 0) -> _Job:
+        made.append(_Job(tmp_path, count, stall_every))
         return made[-1]
 
     yield make
@@ -215,3 +216,35 @@ def test_a_node_lost_while_every_request_is_held_400_ms_is_heard_by_all_in_one_o
     assert all(len(job.monitors(r)) == 1 for r in job.live())  # no monitor exited
     print(f"\n{count} ranks, requests held 0.4 s: every survivor heard the node's 8 losses "
           f"{done - killed_at:.1f} s after the kill, in {len(entries)} entries")
+
+
+def test_a_store_stalled_5_s_at_every_50th_new_connection_costs_no_new_connection_no_exit_and_no_false_loss(job_of):
+    # As torch's server stalls on this machine (a reverse lookup of a new client's address left
+    # unanswered for 5 s, about one in 50): 256 ranks (512 processes) start through a store that
+    # stalls 5 s at every 50th new connection. Only the nodes' delegates and one standby per node
+    # connect, so start-up opens O(nodes) connections; then the whole store stalls 5 s: the beats
+    # are late, and nobody reconnects, exits or is counted out; then a rank is killed, and every
+    # rank hears it from its node's delegate, with no new connection either.
+    job = job_of(256, stall_every=50)
+    nodes = job.count // NODE
+    job.settle()
+    time.sleep(2 * INTERVAL_S)
+    opened = job.proxy.accepted
+    assert opened <= 3 * nodes, opened  # a delegate's calls and board wait, and a standby's connection, per node
+    job.proxy.stall(5.0)  # the whole store
+    time.sleep(5.0 + 3 * INTERVAL_S)
+    assert job.proxy.accepted == opened  # no monitor made a connection again, no follower went alone
+    assert job.board() == []  # nobody counted out
+    assert all(len(job.monitors(r)) == 1 for r in range(job.count))  # no monitor exited
+    victim = 5 * NODE + 3
+    killed_at = time.monotonic()
+    job.procs[victim].kill()  # its monitor sees its end, and hands it to its node's delegate
+    job.killed.add(victim)
+    done = job.until(lambda: all(any(kind == "lost" and r == victim for _, kind, r, _, _ in job.heard(rank))
+                                 for rank in job.live()), 30, "every rank heard the kill")
+    time.sleep(2 * INTERVAL_S)
+    assert [e.rank for entry in job.board() for e in entry] == [victim]  # once, and nobody else
+    assert job.proxy.accepted == opened
+    print(f"\n{job.count} ranks, a 5 s stall at every 50th new connection: {opened} connections for {nodes} nodes; "
+          f"a 5 s stall of the whole store cost no connection and no loss; rank {victim}'s kill heard by all "
+          f"{done - killed_at:.2f} s after it")

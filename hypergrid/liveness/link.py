@@ -27,6 +27,7 @@ Example, against a store of torch's::
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Optional, TypeVar
@@ -51,6 +52,7 @@ class StoreLink:
         self.give_up_s = give_up_s
         self.store: Optional[WireStore] = None
         self.closed = False
+        self._opening: Optional[threading.Thread] = None
 
     @property
     def connected(self) -> bool:
@@ -68,10 +70,33 @@ class StoreLink:
             self.store = self.connection(self.give_up_s if within_s is None else within_s)
         return self.store
 
+    def open_soon(self) -> None:
+        """Make the connection on a thread of its own (a follower standing by: its loop must not wait
+        on a store that answers late, or it would fall silent to its node); a failed one is tried
+        again at the next call."""
+        if self.store is not None or (self._opening is not None and self._opening.is_alive()):
+            return
+
+        def run() -> None:
+            try:
+                made = self.connection(self.give_up_s)
+            except STORE_ERRORS:
+                return
+            if self.store is None and not self.closed:
+                self.store = made
+            else:
+                made.close()
+
+        self._opening = threading.Thread(target=run, name="hypergrid-monitor-connect", daemon=True)
+        self._opening.start()
+
     def call(self, call: Callable[[WireStore], _T], again: bool = True) -> Optional[_T]:
         """``call`` on the connection, made again on a new one where it fails, within ``give_up_s``
         (raises past it). ``again=False``: a call not to be made twice (an ``add``) returns None instead."""
         give_up = time.monotonic() + self.give_up_s
+        if self._opening is not None:  # a connection on its way: this one, not another
+            self._opening.join(max(0.0, give_up - time.monotonic()))
+            self._opening = None
         while True:
             store = self.open(max(0.1, give_up - time.monotonic()))
             try:

@@ -360,9 +360,7 @@ class RankMonitor:
                 return True
             if self._standby is None:
                 return False
-        if not self.link.connected:
-            with contextlib.suppress(*STORE_ERRORS):
-                self.link.open(self.config.interval_s)
+        self.link.open_soon()
         return True
 
     def _publish_frozen(self, job: _Job) -> None:
