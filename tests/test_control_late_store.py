@@ -248,3 +248,38 @@ def test_a_store_stalled_5_s_at_every_50th_new_connection_costs_no_new_connectio
     print(f"\n{job.count} ranks, a 5 s stall at every 50th new connection: {opened} connections for {nodes} nodes; "
           f"a 5 s stall of the whole store cost no connection and no loss; rank {victim}'s kill heard by all "
           f"{done - killed_at:.2f} s after it")
+
+
+def test_a_frozen_delegate_is_replaced_before_its_node_goes_stale_and_only_its_own_rank_is_counted_out(job_of):
+    # Node 0's delegate is SIGSTOPped for 10 s (twice the staleness bound): its keep-alive stops,
+    # so the node's standby beats for the node from the third quiet interval on (the node's counter
+    # never stands still for the bound: node 0 is not lost), and publishes the frozen monitor's own
+    # rank once, its monitor silent for the bound, as any rank whose monitor stopped; nobody else.
+    job = job_of(16)
+    job.settle()
+    frozen = job.delegate(0)
+    assert frozen is not None
+    frozen_rank = next(r for r in range(NODE) if job.monitors(r)[-1] == frozen)
+    counter = node_beat_key(job.namespace, 0, NODE)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        seen, stood_still_s, last = job.direct.add(counter, 0), 0.0, time.monotonic()
+        end = last + 10.0
+        while time.monotonic() < end:
+            time.sleep(0.2)
+            value = job.direct.add(counter, 0)
+            if value != seen:
+                seen, last = value, time.monotonic()
+            stood_still_s = max(stood_still_s, time.monotonic() - last)
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    time.sleep(3 * INTERVAL_S)
+    assert stood_still_s < 5 * INTERVAL_S, stood_still_s  # its watchers never saw node 0 stand still for the bound
+    losses = [(e.rank, e.reason) for entry in job.board() for e in entry if e.kind is EventKind.LOST]
+    assert [rank for rank, _ in losses] == [frozen_rank], losses
+    assert "its node's delegate, said nothing" in losses[0][1]
+    assert all(any(kind == "lost" and r == frozen_rank for _, kind, r, _, _ in job.heard(rank))
+               for rank in range(job.count) if rank != frozen_rank)
+    assert all(len(job.monitors(r)) == 1 for r in range(job.count))  # no monitor exited, the frozen one neither
+    print(f"\n16 ranks, node 0's delegate frozen 10 s: node 0's counter stood still {stood_still_s:.1f} s at most; "
+          f"rank {frozen_rank} (the frozen monitor's) counted out once")

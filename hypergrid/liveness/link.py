@@ -9,7 +9,8 @@ a connection that failed is made again, with its call.
 The connection is made at the first call, not before: only a node's delegate (and the one
 follower standing by to replace it) talks to the store, so a job of ``N`` ranks on nodes of ``G``
 opens about ``2 N / G`` connections, not ``N``. A monitor makes its calls one after another, its
-node's beat first (:meth:`StoreLink.beat`).
+node's beat first, with the reads of the nodes it watches in the same message
+(:meth:`StoreLink.beat`: one wake-up of the store's thread per node and interval).
 
 Example, against a store of torch's::
 
@@ -18,8 +19,8 @@ Example, against a store of torch's::
     >>> link = StoreLink(lambda s: WireStore.connect("127.0.0.1", server.port, timeout_s=s), give_up_s=5.0)
     >>> link.connected
     False
-    >>> link.beat("ns/node/8/0"), link.beat("ns/node/8/0"), link.connected
-    (1, 2, True)
+    >>> link.beat("ns/node/8/0"), link.beat("ns/node/8/0", reads=["ns/node/8/1"]), link.connected
+    ([1], [2, 0], True)
     >>> link.call(lambda store: store.add("ns/node/8/0", 0)), link.store.timeout_s
     (2, 5.0)
     >>> link.close()
@@ -29,7 +30,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Optional, TypeVar
 
 from ..store.keys import DEPARTED
@@ -111,19 +112,20 @@ class StoreLink:
                 if not again:
                     return None
 
-    def beat(self, key: str) -> int:
-        """Add 1 to the heartbeat counter at ``key``; its value. A counter marked departed (its node's
-        last monitor left) beats again from 1: a monitor serves the node once more."""
-        value = self.call(lambda store: _beat(store, key))
-        assert value is not None
-        return value
+    def beat(self, key: str, reads: Sequence[str] = ()) -> list[int]:
+        """Add 1 to the heartbeat counter at ``key`` and read the counters at ``reads``, in one message:
+        the beat's value, then theirs. A counter marked departed (its node's last monitor left) beats
+        again from 1: a monitor serves the node once more."""
+        values = self.call(lambda store: store.adds([(key, 1), *((read, 0) for read in reads)]))
+        assert values is not None
+        if values[0] <= 0:
+            again = self.call(lambda store: store.add(key, -DEPARTED))
+            assert again is not None
+            values[0] = again
+        return values
 
     def close(self) -> None:
         self.closed = True
         if self.store is not None:
             self.store.close()
 
-
-def _beat(store: WireStore, key: str) -> int:
-    value = store.add(key, 1)
-    return value if value > 0 else store.add(key, -DEPARTED)

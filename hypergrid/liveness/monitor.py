@@ -414,14 +414,24 @@ class RankMonitor:
         node = self.node
         if node not in job.nodes:
             return
-        self.link.beat(self._node_key(node))
+        beaten = False
+
+        def read(nodes: Sequence[int]) -> list[int]:
+            nonlocal beaten
+            if beaten:  # walking on past a lost node
+                return self._read(nodes)
+            beaten = True  # the node's beat, and its first reads in the same message
+            return self.link.beat(self._node_key(node), [self._node_key(n) for n in nodes])[1:]
+
         Watch.take_over(job.watched, self._told.pop("watched", None), job.nodes)
         found: list[BoardEvent] = []
         if len(job.nodes) > 1:
             rule = Watch(node, self.config.interval_s, self.config.stale_beats, START_TIMEOUT_S)
-            for gone in rule.look(self._read, job.nodes, [node], job.lost_nodes(), job.watched, now):
+            for gone in rule.look(read, job.nodes, [node], job.lost_nodes(), job.watched, now):
                 found += [BoardEvent(EventKind.LOST, rank, gone.reason, by=self.config.rank)
                           for rank in job.ring.on_node(gone.rank) if rank not in job.lost]
+        if not beaten:  # nothing to read: a beat of its own
+            self.link.beat(self._node_key(node))
         if self.node_ranks is not None:
             found += self.node_ranks.silent([r for r in job.ring.on_node(node) if r not in job.lost], now)
         for event in found:

@@ -159,11 +159,16 @@ class WireStore:
 
     def add_many(self, keys: Sequence[str], amount: int) -> list[int]:
         """:meth:`add` ``amount`` to each of ``keys`` in one round trip (one request each)."""
-        if not keys:
+        return self.adds([(key, amount) for key in keys])
+
+    def adds(self, changes: Sequence[tuple[str, int]]) -> list[int]:
+        """:meth:`add` each ``(key, amount)`` of ``changes``, in one message and one round trip (one
+        request each, which the server reads at one wake-up); their new values."""
+        if not changes:
             return []
-        self._send(b"".join(bytes([_ADD]) + self._key(key) + struct.pack("<q", amount) for key in keys))
-        self.requests += len(keys) - 1
-        return [int(struct.unpack("<q", self._recv(8))[0]) for _ in keys]
+        self._send(b"".join(bytes([_ADD]) + self._key(key) + struct.pack("<q", amount) for key, amount in changes))
+        self.requests += len(changes) - 1
+        return [int(struct.unpack("<q", self._recv(8))[0]) for _ in changes]
 
     def set(self, key: str, value: bytes) -> None:
         """Set ``key`` (no answer comes back)."""
