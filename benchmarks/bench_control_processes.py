@@ -40,6 +40,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 NODE = 8
+#: How many stand-in ranks start at a time.
+_WAVE = 64
 
 #: One stand-in rank: its heartbeat (monitor and all) serving the job, each loss it hears logged.
 STAND_IN = """
@@ -54,8 +56,9 @@ log = open(config["log"], "a", buffering=1)
 plane = SimpleNamespace(namespace=config["namespace"], store=None, address=("127.0.0.1", config["port"]), reached=True)
 beat = Heartbeat(plane, config["rank"], interval_s=config["interval"], progress_timeout_s=600.0, stale_beats=5)
 beat.listen("log", lambda e: log.write(f"{time.monotonic():.4f} {e.kind.value} {e.rank}\\n"))
-beat.attach(JobSpec(JobChannel(config["namespace"], "job", 0), ((0, config["ranks"]),), config["node"]))
 log.write(f"monitor {beat.pid}\\n")
+sys.stdin.readline()  # every rank's monitor started: the job begins
+beat.attach(JobSpec(JobChannel(config["namespace"], "job", 0), ((0, config["ranks"]),), config["node"]))
 sys.stdin.read()
 beat.release()
 beat.stop(clean=True)
@@ -108,12 +111,22 @@ class _Job:
         self.namespace = f"hypergrid/bench-processes/{os.getpid()}-{n}"
         self.logs = [folder / f"{rank}.log" for rank in range(n)]
         self.procs = []
-        for rank in range(n):
-            config = {"port": port, "namespace": self.namespace, "rank": rank, "ranks": n, "node": NODE,
-                      "interval": interval, "log": str(self.logs[rank])}
-            self.procs.append(subprocess.Popen([sys.executable, "-S", "-c", STAND_IN, ROOT, json.dumps(config)],
-                                               stdin=subprocess.PIPE, stderr=subprocess.DEVNULL))
         self.killed: set[int] = set()
+        # In waves: 2,048 interpreters starting at once on two cores take minutes, past the minute a
+        # heartbeat gives its monitor to say it is ready (a cluster's hosts start theirs side by side).
+        for first in range(0, n, _WAVE):
+            for rank in range(first, min(n, first + _WAVE)):
+                config = {"port": port, "namespace": self.namespace, "rank": rank, "ranks": n, "node": NODE,
+                          "interval": interval, "log": str(self.logs[rank])}
+                self.procs.append(subprocess.Popen([sys.executable, "-S", "-c", STAND_IN, ROOT, json.dumps(config)],
+                                                   stdin=subprocess.PIPE, stderr=subprocess.DEVNULL))
+            end = time.monotonic() + 300
+            while len(self.monitors()) < len(self.procs) and time.monotonic() < end:
+                time.sleep(0.2)
+        for proc in self.procs:  # the job begins on every rank at once, as after a launcher's rendezvous
+            assert proc.stdin is not None
+            proc.stdin.write(b"go\n")
+            proc.stdin.flush()
 
     def monitors(self) -> dict[int, int]:
         found = {}
@@ -146,7 +159,7 @@ class _Job:
             heard = {r: self.heard(r) for r in range(self.n) if r not in self.killed}
             if all(all(v in h for v in victims) for h in heard.values()):
                 return max(h[v] for h in heard.values() for v in victims), {v for h in heard.values() for v in h}
-            time.sleep(0.2)
+            time.sleep(1.0)  # reading a thousand logs is work of its own on two cores
         return None, set()
 
     def close(self) -> None:
@@ -211,6 +224,14 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
         time.sleep(3 * interval)
         _, heard = job.all_heard(lost, 1)
         false = sorted(heard - {victim, *lost})
+        board = []  # the false losses' reasons, from the board
+        from hypergrid.store.keys import JobChannel
+        from hypergrid.store.records import decode_events
+
+        channel = JobChannel(job.namespace, "job", 0)
+        while probe.check([channel.board_slot(len(board))]):
+            board.append(decode_events(probe.get(channel.board_slot(len(board)))))
+        why = sorted({f"{e.reason[:90]} (by {e.by})" for entry in board for e in entry if e.rank in false})[:5]
         job.close()
         probe.close()
     return {"ranks": n, "settled_s": round(settled, 1), "connections_at_start": len(sockets) - 1,
@@ -222,7 +243,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
                                                         max(1, n - len(nodes)), 3)},
             "kill_heard_by_all_s": round(heard_at - killed_at, 2) if heard_at else None,
             "node_heard_by_all_s": round(node_heard_at - node_killed_at, 2) if node_heard_at else None,
-            "false_losses": false}
+            "false_losses": false, "why_false": why, "board_entries": len(board)}
 
 
 def main() -> None:
