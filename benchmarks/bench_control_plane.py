@@ -88,7 +88,7 @@ def _worker(spec: dict) -> None:
     from concurrent.futures import ThreadPoolExecutor
 
     from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
-    from hypergrid.store.keys import JobChannel, beat_key
+    from hypergrid.store.keys import JobChannel
     from hypergrid.store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
 
     # In a cluster each monitor decodes each event once, on a host of its own, all of them at the
@@ -183,8 +183,8 @@ def _worker(spec: dict) -> None:
 
     def scan(rank: int) -> None:
         conn = beat_conn[rank // share]
-        conn.add(beat_key(spec["namespace"], rank), 1)
-        peers = [beat_key(spec["namespace"], r) for r in range(min(n, 1025)) if r != rank][:1024]
+        conn.add(f"{spec['namespace']}/beat/{rank}", 1)  # the replaced design's own counter per rank
+        peers = [f"{spec['namespace']}/beat/{r}" for r in range(min(n, 1025)) if r != rank][:1024]
         if conn.check(peers):
             conn.multi_get(peers)
         passes["done"] += 1

@@ -9,8 +9,8 @@ Example::
     >>> channel.board_count(), channel.board_slot(3), channel.round(2).verdict
     ('hypergrid/control/ab12/job/f00d/0/events', 'hypergrid/control/ab12/job/f00d/0/event/3', \
 'hypergrid/control/ab12/job/f00d/0/2/verdict')
-    >>> beat_key("hypergrid/control/ab12", 7)
-    'hypergrid/control/ab12/beat/7'
+    >>> node_beat_key("hypergrid/control/ab12", 7, 8)
+    'hypergrid/control/ab12/node/8/7'
     >>> MemberSetKeys.of([3, 1]).meeting(4).outcome
     'hypergrid/agree/1f02f98cf775a9e0ce92/4/outcome'
 """
@@ -25,7 +25,7 @@ from typing import Any
 
 __all__ = [
     "AGREE_ROOT", "CONTROL_ROOT", "NAMESPACE_TOKEN", "DEPARTED", "members_digest", "Meeting", "MemberSetKeys",
-    "last_state_key", "WorldStepKeys", "health_meeting", "health_epoch", "health_attempt", "beat_key", "node_beat_key", "RoundKeys",
+    "last_state_key", "WorldStepKeys", "health_meeting", "health_epoch", "health_attempt", "node_beat_key", "RoundKeys",
     "JobChannel", "socket_name",
 ]
 
@@ -161,11 +161,6 @@ def health_epoch(participants: Sequence[int]) -> str:
 def health_attempt(participants: Sequence[int], epoch: int) -> str:
     """The name of a set of participants' health probe number ``epoch`` outside a recovery round."""
     return f"{AGREE_ROOT}/health/{members_digest(participants)}/{epoch}"
-
-
-def beat_key(namespace: str, rank: int) -> str:
-    """Where ``rank``'s heartbeat counter lives."""
-    return f"{namespace}/beat/{rank}"
 
 
 def node_beat_key(namespace: str, node: int, gpus_per_node: int) -> str:
