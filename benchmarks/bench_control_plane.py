@@ -73,6 +73,8 @@ import threading
 import time
 from typing import Any, NamedTuple, Optional
 
+from store_cpu import server_cpu_s  # benchmarks/store_cpu.py, beside this script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -640,21 +642,6 @@ def _probe(host: str, port: int, seconds: float) -> tuple[float, float]:
     return statistics.median(took), took[int(len(took) * 0.99)]
 
 
-def _store_cpu() -> float:
-    """CPU seconds this process's threads other than the main one have used: the TCPStore server's
-    (nothing else runs beside it here meanwhile: the main thread probes, and is not counted)."""
-    ticks, main, total = os.sysconf("SC_CLK_TCK"), os.getpid(), 0
-    for task in os.listdir(f"/proc/{main}/task"):
-        if int(task) == main:
-            continue
-        try:
-            fields = open(f"/proc/{main}/task/{task}/stat").read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])
-    return total / ticks
-
-
 def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str, port: int,
             hosted: Optional[int] = None) -> dict:
     """The steady state over ``seconds``: requests and bytes per rank (of ``n``) per interval, the
@@ -662,11 +649,11 @@ def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str
     workers.send("go")
     time.sleep(3 * interval)
     before = workers.ask("counters")
-    start, cpu = time.monotonic(), _store_cpu()
+    start, cpu = time.monotonic(), server_cpu_s()
     time.sleep(seconds)  # the store's own CPU, nothing but the ranks' requests to serve
     after = workers.ask("counters")
     elapsed = time.monotonic() - start
-    store_cpu = (_store_cpu() - cpu) / elapsed
+    store_cpu = (server_cpu_s() - cpu) / elapsed
     median, p99 = _probe(host, port, min(seconds, 5.0))  # then a plain get's time meanwhile
     requests = sum(a["requests"] - b["requests"] for a, b in zip(after, before))
     sent = sum(a["bytes"] - b["bytes"] for a, b in zip(after, before))

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from store_cpu import server_cpu_s  # benchmarks/store_cpu.py, beside this script
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
@@ -63,19 +65,6 @@ sys.stdin.read()
 beat.release()
 beat.stop(clean=True)
 """
-
-
-def _store_cpu() -> float:
-    """CPU seconds of this process's threads but the main one: the TCPStore server's."""
-    ticks, main, total = os.sysconf("SC_CLK_TCK"), os.getpid(), 0
-    for task in os.listdir(f"/proc/{main}/task"):
-        if int(task) != main:
-            try:
-                fields = Path(f"/proc/{main}/task/{task}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            total += int(fields[11]) + int(fields[12])
-    return total / ticks
 
 
 def _process_cpu(pid: int) -> float:
@@ -194,13 +183,13 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
             time.sleep(0.5)
         settled = time.monotonic() - started
         time.sleep(3 * interval)
-        sockets, cpu = _server_sockets(port), _store_cpu()
+        sockets, cpu = _server_sockets(port), server_cpu_s()
         pids = job.monitors()
         monitor_cpu = {rank: _process_cpu(pid) for rank, pid in pids.items()}
         start = time.monotonic()
         time.sleep(steady_s)
         elapsed = time.monotonic() - start
-        store_cpu = (_store_cpu() - cpu) / elapsed
+        store_cpu = (server_cpu_s() - cpu) / elapsed
         after = _server_sockets(port)
         shares = {rank: (_process_cpu(pid) - monitor_cpu[rank]) / elapsed * 100 for rank, pid in pids.items()}
         requests = sum(after.get(peer, 0) - sockets.get(peer, 0) for peer in after)  # the probe's: none meanwhile

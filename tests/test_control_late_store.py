@@ -86,12 +86,28 @@ class _Job:
             entries.append(decode_events(self.direct.get(self.channel.board_slot(len(entries)))))
         return entries
 
+    def _sockets(self, kind: str, node: int) -> list[list[str]]:
+        """The lines of /proc/net/unix of node ``node``'s name ``kind`` ("relay": its delegate's listener and
+        each follower it took; "watch": the name its standby holds)."""
+        name = socket_name(kind, f"127.0.0.1:{self.proxy.port}/{self.channel.board_count()}", node)
+        path = "@" + name[1:].decode()
+        return [fields for fields in (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+                if len(fields) >= 8 and fields[7] == path]
+
+    def followers(self, node: int) -> int:
+        """How many of node ``node``'s monitors its delegate took as followers (connected, accepted)."""
+        return sum(1 for fields in self._sockets("relay", node) if fields[3] != "00010000" and fields[5] == "03")
+
     def delegate(self, node: int) -> Optional[int]:
         """The pid of the monitor that holds node ``node``'s relay (listens on its name), if any."""
-        name = socket_name("relay", f"127.0.0.1:{self.proxy.port}/{self.channel.board_count()}", node)
-        path = "@" + name[1:].decode()
-        inodes = {fields[6] for fields in (line.split() for line in Path("/proc/net/unix").read_text().splitlines()[1:])
-                  if len(fields) >= 8 and fields[7] == path and fields[3] == "00010000"}
+        return self._holder(node, {fields[6] for fields in self._sockets("relay", node) if fields[3] == "00010000"})
+
+    def standby(self, node: int) -> Optional[int]:
+        """The pid of node ``node``'s standby (it holds the node's watch name), if any."""
+        return self._holder(node, {fields[6] for fields in self._sockets("watch", node)})
+
+    def _holder(self, node: int, inodes: set[str]) -> Optional[int]:
+        """The pid of node ``node``'s monitor holding one of the sockets ``inodes``, if any."""
         for rank in range(node * NODE, min(self.count, (node + 1) * NODE)):
             pids = self.monitors(rank)
             if rank in self.killed or not pids:
@@ -236,7 +252,10 @@ def test_a_store_stalled_5_s_at_every_50th_new_connection_costs_no_new_connectio
     assert job.proxy.accepted == opened  # no monitor made a connection again, no follower went alone
     assert job.board() == []  # nobody counted out
     assert all(len(job.monitors(r)) == 1 for r in range(job.count))  # no monitor exited
-    victim = 5 * NODE + 3
+    # A follower's rank: a delegate's or standby's end makes its successor connect, by design.
+    served_by = {job.delegate(5), job.standby(5)}
+    assert None not in served_by, served_by
+    victim = next(rank for rank in range(5 * NODE, 6 * NODE) if job.monitors(rank)[-1] not in served_by)
     killed_at = time.monotonic()
     job.procs[victim].kill()  # its monitor sees its end, and hands it to its node's delegate
     job.killed.add(victim)
@@ -281,5 +300,9 @@ def test_a_frozen_delegate_is_replaced_before_its_node_goes_stale_and_only_its_o
     assert all(any(kind == "lost" and r == frozen_rank for _, kind, r, _, _ in job.heard(rank))
                for rank in range(job.count) if rank != frozen_rank)
     assert all(len(job.monitors(r)) == 1 for r in range(job.count))  # no monitor exited, the frozen one neither
+    # Its followers went alone during the freeze; each answered by the delegate once it ran again,
+    # they follow it again (and it counts none of them out: the losses above).
+    job.until(lambda: job.followers(0) == NODE - 1, 10, "node 0's monitors follow their delegate again")
+    assert job.delegate(0) == frozen
     print(f"\n16 ranks, node 0's delegate frozen 10 s: node 0's counter stood still {stood_still_s:.1f} s at most; "
-          f"rank {frozen_rank} (the frozen monitor's) counted out once")
+          f"rank {frozen_rank} (the frozen monitor's) counted out once; its {NODE - 1} followers follow it again")

@@ -12,6 +12,8 @@ falls silent on a live node is published by the delegate. A follower hands what 
 to its delegate (and to the next one, until it is on the board); one follower stands by with a
 connection made, and takes the watch over once the delegate is quiet for two intervals (frozen:
 its keep-alive comes from a thread of its own, so a store that answers late does not make it quiet).
+Followers whose delegate stays quiet past the staleness bound go alone, and follow it again once it
+answers (a delegate frozen, then let run).
 
 The rank's end is seen from outside (a ``pidfd``, else its parent pid every 0.1 s) and published at
 once; a hang only after ``progress_timeout_s`` with no tick from its interpreter; ``bye`` leaves the
@@ -45,9 +47,7 @@ import contextlib
 import functools
 import json
 import socket
-from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Optional
 
 from ..store.keys import DEPARTED, JobChannel, node_beat_key, socket_name
@@ -57,35 +57,11 @@ from .board import claim_slot, note_losses
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
-from .relay import NodeRelay, hold
-from .ring import Ring, from_runs
-from .watch import Watch, Watched
+from .relay import NodeRelay, elect, hold
+from .served import ServedJob
+from .watch import Watch
 
 __all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS", "START_TIMEOUT_S"]
-
-
-@dataclass
-class _Job:
-    spec: JobSpec
-    ring: Ring
-    #: The ring of the job's nodes: a node's delegate reads the counters of the nodes its node watches.
-    nodes: Ring
-    #: The next entry of the board to take in (-1: not known yet; a follower learns it from its delegate).
-    next_event: int
-    lost: dict[int, str] = field(default_factory=dict)
-    #: What this monitor saw of the counters of the nodes it watches, by node.
-    watched: dict[int, Watched] = field(default_factory=dict)
-
-    @classmethod
-    def of(cls, spec: JobSpec, next_event: int, lost: Optional[dict[int, str]] = None) -> _Job:
-        ring = Ring.of(from_runs(spec.runs), spec.gpus_per_node)
-        return cls(spec, ring, Ring.of(ring.nodes, 1), next_event, dict(lost or {}))
-
-    def lost_nodes(self) -> set[int]:
-        """The nodes all of whose ranks in the job are lost (a watch walks past them)."""
-        size = self.spec.gpus_per_node
-        counted = Counter(rank // size for rank in self.lost if rank in self.ring)
-        return {node for node, count in counted.items() if count >= len(self.ring.on_node(node))}
 
 
 class RankMonitor:
@@ -105,6 +81,7 @@ class RankMonitor:
                               give_up_s=config.connect_timeout_s)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
+        self._probe: Optional[NodeRelay] = None  # gone alone: a connection to the node's name, until its holder answers
         self.node_ranks: Optional[NodeRanks] = None  # a delegate's: what its node's monitors said
         self._names: tuple[str, int] = ("", 0)  # names the node's relay and standby: the board, the node
         self._standby: Optional[socket.socket] = None  # held: this follower stands by to watch for the node
@@ -113,7 +90,7 @@ class RankMonitor:
         self._state = ""  # what this delegate tells its node's monitors at each keep-alive
         self._unconfirmed: list[BoardEvent] = []  # handed to the delegate to publish, not yet on the board
         self._leaving = False
-        self.job: Optional[_Job] = None
+        self.job: Optional[ServedJob] = None
         self.now = now
         self.last_progress = now
         self.hung_published = False
@@ -140,10 +117,10 @@ class RankMonitor:
         """Serve ``spec``'s job (the same job again: its ranks changed), reading its board from entry
         ``first`` (a monitor started again), else from its delegate's position or the board's count."""
         if self.job is not None and self.job.spec.channel == spec.channel:
-            self.job = _Job.of(spec, self.job.next_event, self.job.lost)
+            self.job = ServedJob.of(spec, self.job.next_event, self.job.lost)
             return
         self._leave_board(say=True)
-        self.job = _Job.of(spec, -1 if first is None else first)
+        self.job = ServedJob.of(spec, -1 if first is None else first)
         if first is not None:
             self._tell_reached(self.job)
         self._join_board(first=True)
@@ -153,7 +130,7 @@ class RankMonitor:
         self._leave_board(say=True)
         self.job = None
 
-    def _tell_reached(self, job: _Job) -> None:
+    def _tell_reached(self, job: ServedJob) -> None:
         if self._reached is not None and job.next_event >= 0:
             self._reached(job.spec.channel, job.next_event)
 
@@ -177,10 +154,7 @@ class RankMonitor:
         job, relay = self.job, self.relay
         assert job is not None and relay is not None
         self._release_standby()
-        if relay.listener is not None:
-            self.node_ranks = NodeRanks(self.config.rank, self.config.interval_s, self.config.stale_beats,
-                                        START_TIMEOUT_S, self.now)
-            self.node_ranks.adopt(self._told.get("heard", ()), self._told.get("left", ()), self.now)
+        self._hear_node()
         known = job.next_event >= 0
         if not known:  # told nothing by a delegate: from the board's count
             count = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
@@ -191,6 +165,13 @@ class RankMonitor:
         pending, self._unconfirmed = self._unconfirmed, []
         if pending:
             self.publish(*pending)
+
+    def _hear_node(self) -> None:
+        """A delegate with a listener hears its node's monitors, from what the last delegate told."""
+        if self.relay is not None and self.relay.listener is not None:
+            self.node_ranks = NodeRanks(self.config.rank, self.config.interval_s, self.config.stale_beats,
+                                        START_TIMEOUT_S, self.now)
+            self.node_ranks.adopt(self._told.get("heard", ()), self._told.get("left", ()), self.now)
 
     def _open_board(self, fatal: bool = False, catch_up: bool = True) -> None:
         """Connect to the board and wait on its next entry; unless ``fatal``, a failed connection is tried
@@ -227,6 +208,33 @@ class RankMonitor:
         self.relay = NodeRelay(None, None)
         self._delegate()
 
+    def _rejoin(self) -> None:
+        """A monitor gone alone looks for its node's delegate again, each interval: it holds the node's
+        name where nobody does (the frozen delegate ended), else waits on a connection to its holder,
+        which a frozen delegate answers with its position once it runs again (:meth:`_follow_again`)."""
+        if self._probe is not None or self.relay is None:
+            return
+        listener, upstream = elect(socket_name("relay", *self._names))
+        if listener is not None:
+            self.relay.close()
+            self.relay = NodeRelay(listener, None)
+            self._release_standby()
+            self._hear_node()
+        elif upstream is not None:
+            self._probe = NodeRelay(None, upstream)
+
+    def _follow_again(self) -> None:
+        """The node's delegate answered a monitor gone alone: follow it (its board wait is the node's again)."""
+        probe, self._probe = self._probe, None
+        assert probe is not None and self.relay is not None
+        self.relay.close()
+        self.relay, self._delegate_quiet = probe, 0
+        self._drop_board()
+        probe.tell(f"hi {self.config.rank}")
+        if self._unconfirmed:
+            probe.tell("pub " + encode_events(self._unconfirmed))
+        self._on_relayed(probe)
+
     def _leave_board(self, say: bool = False) -> None:
         """Leave the node's relay; ``say``: cleanly (a follower tells its delegate; a delegate tells its
         followers, or with none marks the node departed, nobody's loss)."""
@@ -247,12 +255,19 @@ class RankMonitor:
             relay.close()
             self.relay = None
         self.node_ranks = None
+        self._drop_probe()
         self._drop_board()
         self._release_standby()
+
+    def _drop_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
 
     def readers(self) -> list[int]:
         """The descriptors :meth:`on_ready` handles: the board's wait, the relay's."""
         fds = [self.board.fileno()] if self.board is not None else []
+        fds += self._probe.readers() if self._probe is not None else []
         return fds + (self.relay.readers() if self.relay is not None else [])
 
     def on_ready(self, fd: int) -> None:
@@ -260,6 +275,8 @@ class RankMonitor:
         relay = self.relay
         if self.board is not None and fd == self.board.fileno():
             self.on_board()
+        elif self._probe is not None and fd in self._probe.readers():
+            self._follow_again()
         elif relay is None or self.job is None:
             return
         elif relay.listener is not None and fd == relay.listener.fileno():
@@ -303,7 +320,7 @@ class RankMonitor:
             if item.payload is not None and item.index == job.next_event:
                 self._take_entry(job, item.payload)
 
-    def _catch_up(self, job: _Job, position: int) -> None:
+    def _catch_up(self, job: ServedJob, position: int) -> None:
         """Read from the store, a get each, the entries before ``position`` this monitor missed (a change
         of delegate, a restart); a delegate hands each to its followers too."""
         while job.next_event < position:
@@ -328,8 +345,11 @@ class RankMonitor:
                 self._go_alone()
             elif self._standby is None:
                 self._stand_by()
-        elif self.board is None:
-            self._open_board()
+        else:
+            if relay is not None and relay.listener is None:
+                self._rejoin()
+            if self.board is None:
+                self._open_board()
         if self._watches(job):
             self._keep_alive(job)  # before its calls too: however late the store answers them
             self._watch(job, now)
@@ -363,7 +383,7 @@ class RankMonitor:
         self.link.open_soon()
         return True
 
-    def _publish_frozen(self, job: _Job) -> None:
+    def _publish_frozen(self, job: ServedJob) -> None:
         """The standby publishes its delegate's rank, silent for the staleness bound: its monitor is stopped."""
         rank = self._told.get("me")
         if isinstance(rank, int) and rank in job.ring and rank not in job.lost:
@@ -377,7 +397,7 @@ class RankMonitor:
             self._standby.close()
             self._standby = None
 
-    def _watches(self, job: _Job) -> bool:
+    def _watches(self, job: ServedJob) -> bool:
         """Whether this monitor beats and watches for its node: its delegate does (or one alone); the
         standby once the delegate is quiet for two ticks; one told of a recovery its delegate was not
         (it watches in its own ring), each on its own where no name can be held."""
@@ -390,7 +410,7 @@ class RankMonitor:
             return True
         return self._delegate_quiet > 2 and self._stand_by()
 
-    def _keep_alive(self, job: _Job) -> None:
+    def _keep_alive(self, job: ServedJob) -> None:
         """A delegate tells its followers its position, its spec's digest, its watch and whom it heard."""
         relay = self.relay
         if relay is None or not relay.delegates or relay.listener is None:
@@ -408,7 +428,7 @@ class RankMonitor:
         if relay is not None and job is not None and state and relay.delegates and relay.listener is not None:
             relay.keep_alive(job.next_event, state)
 
-    def _watch(self, job: _Job, now: float) -> None:
+    def _watch(self, job: ServedJob, now: float) -> None:
         """Beat for the node, read the counters of the nodes it watches, hear what the node's monitors
         said, and publish those found lost in one entry."""
         node = self.node
@@ -474,7 +494,7 @@ class RankMonitor:
             return
         self._take_entry(job, payload.decode())
 
-    def _take_entry(self, job: _Job, payload: str) -> None:
+    def _take_entry(self, job: ServedJob, payload: str) -> None:
         """Take in the job's next entry, read or relayed; a delegate hands it to its followers (a
         follower's relay has none)."""
         if self.relay is not None:
@@ -525,6 +545,7 @@ class RankMonitor:
         if self.relay is not None:
             self.relay.close()
             self.relay = None
+        self._drop_probe()
         self._drop_board()
         self._release_standby()
 
