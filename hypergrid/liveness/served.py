@@ -13,6 +13,7 @@ Example, a job of ranks 0-15 on nodes of 8, node 1 lost whole::
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
@@ -41,11 +42,20 @@ class ServedJob:
     @classmethod
     def of(cls, spec: JobSpec, next_event: int, lost: Optional[dict[int, str]] = None) -> ServedJob:
         """``spec``'s job, its board read up to ``next_event``, with the losses ``lost`` known already."""
-        ring = Ring.of(from_runs(spec.runs), spec.gpus_per_node)
-        return cls(spec, ring, Ring.of(ring.nodes, 1), next_event, dict(lost or {}))
+        ring, nodes = _rings(spec.runs, spec.gpus_per_node)
+        return cls(spec, ring, nodes, next_event, dict(lost or {}))
 
     def lost_nodes(self) -> set[int]:
         """The nodes all of whose ranks in the job are lost (a watch walks past them)."""
         size = self.spec.gpus_per_node
         counted = Counter(rank // size for rank in self.lost if rank in self.ring)
         return {node for node, count in counted.items() if count >= len(self.ring.on_node(node))}
+
+
+@functools.lru_cache(maxsize=8)
+def _rings(runs: tuple[tuple[int, int], ...], gpus_per_node: int) -> tuple[Ring, Ring]:
+    """The rings of a job's ranks and of its nodes, made once per job in a process: a ring is a value
+    (frozen, never changed), and a process hosting many monitors (a benchmark's) would otherwise hold
+    a megabyte per monitor at 131,072 ranks."""
+    ring = Ring.of(from_runs(runs), gpus_per_node)
+    return ring, Ring.of(ring.nodes, 1)
