@@ -37,7 +37,8 @@ This machine allows a process 20,000 file descriptors (a hard limit). Past ``--c
 ranks (1,024 by default), every few ranks share one connection for their beats (4 at 16,384
 with ``--connections 4096``): their requests and bytes are counted the same; only the store's
 socket count differs. The board's connections are one per node, as in a cluster. 65,536 ranks do
-not fit.
+not fit with every monitor hosted; with ``--delegates-only`` (one monitor per node hosted, what
+the others say on their node's socket simulated) 131,072 do: 16,384 board connections.
 
 And ``--monitor-cost SECONDS``: real monitor processes of a 4-rank gloo job, their unique set size
 and their share of a core in the steady state, read from /proc.
@@ -53,6 +54,7 @@ Run::
     python benchmarks/bench_control_plane.py                          # 8, 1,024, 4,096, the scan beside
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --connections 4096 --interval 4 --steady 20 --no-round
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --delegates-only --interval 4 --steady 20 --no-round
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
     python benchmarks/bench_control_plane.py --monitor-cost 60
 """
