@@ -149,6 +149,25 @@ def test_a_connection_s_calls_wait_their_own_timeout_not_the_time_it_had_to_open
     assert WireStore.connect("127.0.0.1", server.port, timeout_s=3.0).timeout_s == 3.0  # the same, unless told
 
 
+def test_a_store_stalled_past_a_ping_s_wait_is_waited_for_on_the_same_connection(server, monkeypatch):
+    # A stalled store (a reverse lookup unanswered on its one thread) would queue another lookup for
+    # each new connection: the client pings again on the one it has, and reads every echo, so that
+    # its first call reads its own answer.
+    from hypergrid.store import tcpstore
+    from tests.store_proxy import StoreProxy
+
+    monkeypatch.setattr(tcpstore, "_PING_TRY_S", 0.3)
+    proxy = StoreProxy(server.port)
+    try:
+        proxy.stall(1.5)
+        wire = WireStore.connect("127.0.0.1", proxy.port, timeout_s=10)
+        assert proxy.accepted == 1
+        assert (wire.add("n/stalled", 1), wire.add("n/stalled", 1), wire.get("n/stalled")) == (1, 2, b"2")
+        wire.close()
+    finally:
+        proxy.close()
+
+
 def test_something_that_is_not_a_tcpstore_is_refused_naming_its_address():
     import socket
 

@@ -36,9 +36,10 @@ _VALIDATE, _SET, _COMPARE_SET, _GET, _ADD, _CHECK, _WAIT = 0, 1, 2, 3, 4, 5, 6
 _DELETE_KEY, _APPEND, _MULTI_GET, _CANCEL_WAIT, _PING = 8, 9, 10, 12, 13
 _MAGIC = 0x3C85F7CE
 _STOP_WAITING, _WAIT_CANCELED = 0, 1
-#: How long one try waits for the ping's echo before connecting again. torch's servers resolve a new
-#: client's name on the thread that answers everyone, so a slow resolver holds the store for 5 s:
-#: a sooner try would only queue behind it.
+#: How long one ping waits for its echo before another is sent on the same connection. torch's
+#: servers resolve a new client's name on the thread that answers everyone, so a slow resolver holds
+#: the store for 5 s: a sooner ping would only queue behind it, and a new connection would queue
+#: another lookup behind it (many clients doing so at once keep the store stalled).
 _PING_TRY_S = 10.0
 _READY = 0
 
@@ -49,6 +50,10 @@ class StoreProtocolError(RuntimeError):
 
 class StoreTimeout(TimeoutError):
     """The store did not answer within the connection's timeout."""
+
+
+class _WrongEcho(StoreProtocolError):
+    """A ping answered with what was not pinged: not a TCPStore."""
 
 
 def _string(data: bytes) -> bytes:
@@ -85,27 +90,49 @@ class WireStore:
             sock = socket.create_connection((host, port), timeout=max(0.1, deadline - time.monotonic()))
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             store = cls(sock, (host, port), max(0.05, min(deadline - time.monotonic(), _PING_TRY_S)))
-            nonce = (os.getpid() * 7919 + attempt) & 0xFFFFFFFF
             try:
-                # Two messages, as torch's client sends them: a host may read both at once and lose
-                # the ping, and then (as torch's client) this one connects again.
+                # Two messages, as torch's client sends them: a host may read both at once and leave
+                # the ping unread until more comes (the next ping).
                 store._send(struct.pack("<BI", _VALIDATE, _MAGIC))
-                store._send(struct.pack("<BI", _PING, nonce))
-                echoed = struct.unpack("<I", store._recv(4))[0]
+                store._ping(deadline, (os.getpid() * 7919 + 1000 * attempt) & 0xFFFFFFFF)
+            except _WrongEcho as exc:
+                store.close()
+                raise StoreProtocolError(f"the store at {host}:{port} {exc}: it does not speak torch's TCPStore "
+                                         f"protocol") from None
             except (StoreTimeout, StoreProtocolError, OSError) as exc:
                 store.close()
-                if time.monotonic() + 0.05 < deadline:
+                if time.monotonic() + 0.05 < deadline:  # closed on it: a new connection
                     time.sleep(min(0.05 * attempt, max(0.0, deadline - time.monotonic())))
                     continue
                 raise StoreProtocolError(f"the store at {host}:{port} did not answer a TCPStore's ping within "
-                                         f"{timeout_s:g} s ({attempt} tries): {exc}") from exc
-            if echoed != nonce:
-                store.close()
-                raise StoreProtocolError(f"the store at {host}:{port} answered a ping with {echoed}, not {nonce}: "
-                                         f"it does not speak torch's TCPStore protocol")
+                                         f"{timeout_s:g} s ({attempt} connections): {exc}") from exc
             store.timeout_s = timeout_s if call_timeout_s is None else call_timeout_s
             store.requests = 1
             return store
+
+    def _ping(self, deadline: float, first: int) -> None:
+        """Ping (nonces from ``first``) until the store echoes one, before ``deadline``: each
+        :data:`_PING_TRY_S` without an echo, another ping on this connection. Echoes come in order,
+        so those of the pings sent after the one echoed are read too: none is left for a call."""
+        sent: list[int] = []
+        while True:
+            sent.append((first + len(sent)) & 0xFFFFFFFF)
+            self._send(struct.pack("<BI", _PING, sent[-1]))
+            self.timeout_s = max(0.05, min(deadline - time.monotonic(), _PING_TRY_S))
+            try:
+                echoed = struct.unpack("<I", self._recv(4))[0]
+            except StoreTimeout:
+                if time.monotonic() + 0.05 < deadline:
+                    continue
+                raise
+            if echoed not in sent:
+                raise _WrongEcho(f"answered a ping with {echoed}, not one of {sent}")
+            for later in sent[sent.index(echoed) + 1:]:
+                self.timeout_s = max(0.05, deadline - time.monotonic())
+                echoed = struct.unpack("<I", self._recv(4))[0]
+                if echoed != later:
+                    raise _WrongEcho(f"answered a ping with {echoed}, not {later}")
+            return
 
     def fileno(self) -> int:
         return self._sock.fileno()
