@@ -33,6 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -107,8 +108,9 @@ class _Job:
             for rank in range(first, min(n, first + _WAVE)):
                 config = {"port": port, "namespace": self.namespace, "rank": rank, "ranks": n, "node": NODE,
                           "interval": interval, "log": str(self.logs[rank])}
-                self.procs.append(subprocess.Popen([sys.executable, "-S", "-c", STAND_IN, ROOT, json.dumps(config)],
-                                                   stdin=subprocess.PIPE, stderr=subprocess.DEVNULL))
+                with open(folder / f"{rank}.err", "w") as err:
+                    self.procs.append(subprocess.Popen([sys.executable, "-S", "-c", STAND_IN, ROOT,
+                                                        json.dumps(config)], stdin=subprocess.PIPE, stderr=err))
             end = time.monotonic() + 300
             while len(self.monitors()) < len(self.procs) and time.monotonic() < end:
                 time.sleep(0.2)
@@ -151,6 +153,19 @@ class _Job:
             time.sleep(1.0)  # reading a thousand logs is work of its own on two cores
         return None, set()
 
+    def errors(self, top: int = 5) -> list[tuple[int, str]]:
+        """What the stand-ins and their monitors said on stderr most often (a heartbeat logs a monitor's
+        end and its error there), with how many ranks said it; and how many stand-ins had ended."""
+        said: Counter[str] = Counter()
+        for rank in range(self.n):
+            try:
+                lines = (self.folder / f"{rank}.err").read_text().splitlines()
+            except FileNotFoundError:
+                continue
+            said.update({line.split(": ", 1)[-1][:160] for line in lines if line.strip()})
+        ended = sum(1 for proc in self.procs if proc.poll() is not None)
+        return [(count, line) for line, count in said.most_common(top)] + [(ended, "stand-ins ended")]
+
     def close(self) -> None:
         for proc in self.procs:
             if proc.poll() is None and proc.stdin is not None:
@@ -179,7 +194,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
         while not (len(job.monitors()) == n
                    and all(probe.add(node_beat_key(job.namespace, node, NODE), 0) >= 2 for node in nodes)):
             if time.monotonic() - started > 600:
-                raise RuntimeError(f"{n} ranks: not every node beating within 600 s")
+                raise RuntimeError(f"{n} ranks: not every node beating within 600 s; on stderr: {job.errors()}")
             time.sleep(0.5)
         settled = time.monotonic() - started
         time.sleep(3 * interval)
@@ -221,6 +236,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
         while probe.check([channel.board_slot(len(board))]):
             board.append(decode_events(probe.get(channel.board_slot(len(board)))))
         why = sorted({f"{e.reason[:90]} (by {e.by})" for entry in board for e in entry if e.rank in false})[:5]
+        errors = job.errors()
         job.close()
         probe.close()
     return {"ranks": n, "settled_s": round(settled, 1), "connections_at_start": len(sockets) - 1,
@@ -232,7 +248,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
                                                         max(1, n - len(nodes)), 3)},
             "kill_heard_by_all_s": round(heard_at - killed_at, 2) if heard_at else None,
             "node_heard_by_all_s": round(node_heard_at - node_killed_at, 2) if node_heard_at else None,
-            "false_losses": false, "why_false": why, "board_entries": len(board)}
+            "false_losses": false, "why_false": why, "board_entries": len(board), "stderr": errors}
 
 
 def main() -> None:

@@ -124,6 +124,12 @@ class StoreLink:
             values[0] = again
         return values
 
+    def drop(self) -> None:
+        """Close the calls' connection, if one is made (a follower again needs none): the next call makes another."""
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
     def close(self) -> None:
         self.closed = True
         if self.store is not None:

@@ -230,6 +230,8 @@ class RankMonitor:
         self.relay.close()
         self.relay, self._delegate_quiet = probe, 0
         self._drop_board()
+        if self._standby is None:  # only the node's standby keeps a connection made
+            self.link.drop()
         probe.tell(f"hi {self.config.rank}")
         if self._unconfirmed:
             probe.tell("pub " + encode_events(self._unconfirmed))

@@ -42,7 +42,7 @@ class ServedJob:
     @classmethod
     def of(cls, spec: JobSpec, next_event: int, lost: Optional[dict[int, str]] = None) -> ServedJob:
         """``spec``'s job, its board read up to ``next_event``, with the losses ``lost`` known already."""
-        ring, nodes = _rings(spec.runs, spec.gpus_per_node)
+        ring, nodes = _rings(tuple((int(first), int(count)) for first, count in spec.runs), spec.gpus_per_node)
         return cls(spec, ring, nodes, next_event, dict(lost or {}))
 
     def lost_nodes(self) -> set[int]:

@@ -128,7 +128,7 @@ class WireStore:
             if echoed not in sent:
                 raise _WrongEcho(f"answered a ping with {echoed}, not one of {sent}")
             for later in sent[sent.index(echoed) + 1:]:
-                self.timeout_s = max(0.05, deadline - time.monotonic())
+                self.timeout_s = max(_PING_TRY_S, deadline - time.monotonic())  # the store answers: they come
                 echoed = struct.unpack("<I", self._recv(4))[0]
                 if echoed != later:
                     raise _WrongEcho(f"answered a ping with {echoed}, not {later}")
