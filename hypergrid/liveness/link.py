@@ -132,6 +132,5 @@ class StoreLink:
 
     def close(self) -> None:
         self.closed = True
-        if self.store is not None:
-            self.store.close()
+        self.drop()
 

@@ -57,7 +57,7 @@ from .board import claim_slot, note_losses
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
-from .relay import NodeRelay, elect, hold
+from .relay import NodeRelay, hold
 from .served import ServedJob
 from .watch import Watch
 
@@ -145,9 +145,13 @@ class RankMonitor:
         if self.relay.delegates:
             self._delegate(fatal=first)
             return
-        self.relay.tell(f"hi {self.config.rank}")
+        self._greet(self.relay)
+
+    def _greet(self, relay: NodeRelay) -> None:
+        """A follower's first words to its delegate: it is here, and what it handed on and is not on the board yet."""
+        relay.tell(f"hi {self.config.rank}")
         if self._unconfirmed:
-            self.relay.tell("pub " + encode_events(self._unconfirmed))
+            relay.tell("pub " + encode_events(self._unconfirmed))
 
     def _delegate(self, fatal: bool = False) -> None:
         """Serve the node: beat for it, watch for it, wait on the board for it, hear its monitors."""
@@ -214,14 +218,14 @@ class RankMonitor:
         which a frozen delegate answers with its position once it runs again (:meth:`_follow_again`)."""
         if self._probe is not None or self.relay is None:
             return
-        listener, upstream = elect(socket_name("relay", *self._names))
-        if listener is not None:
+        joined = NodeRelay.join(socket_name("relay", *self._names))
+        if joined.listener is not None:
             self.relay.close()
-            self.relay = NodeRelay(listener, None)
+            self.relay = joined
             self._release_standby()
             self._hear_node()
-        elif upstream is not None:
-            self._probe = NodeRelay(None, upstream)
+        elif joined.upstream is not None:
+            self._probe = joined
 
     def _follow_again(self) -> None:
         """The node's delegate answered a monitor gone alone: follow it (its board wait is the node's again)."""
@@ -232,9 +236,7 @@ class RankMonitor:
         self._drop_board()
         if self._standby is None:  # only the node's standby keeps a connection made
             self.link.drop()
-        probe.tell(f"hi {self.config.rank}")
-        if self._unconfirmed:
-            probe.tell("pub " + encode_events(self._unconfirmed))
+        self._greet(probe)
         self._on_relayed(probe)
 
     def _leave_board(self, say: bool = False) -> None:
