@@ -269,6 +269,29 @@ def test_a_store_stalled_5_s_at_every_50th_new_connection_costs_no_new_connectio
           f"{done - killed_at:.2f} s after it")
 
 
+def test_a_store_stalled_through_the_delegates_first_call_at_attach_sends_no_follower_alone(job_of):
+    # The whole store stalls 9 s as the job's 32 monitors attach: each delegate's first call (the
+    # board's count) waits past its followers' bound for going alone (6 silent intervals). Its
+    # keep-alive thread takes them meanwhile and speaks: none goes alone, which would open two
+    # connections of its own, and every monitor reaches the board once the store answers.
+    job = job_of(32)
+    job.proxy.stall(9.0)
+    stalled_from = time.monotonic()
+    job.settle()
+    time.sleep(2 * INTERVAL_S)
+    nodes = job.count // NODE
+    assert time.monotonic() - stalled_from > 9.0
+    assert job.proxy.accepted <= 3 * nodes, job.proxy.accepted  # a delegate's two and a standby's, per node
+    assert all(job.followers(node) == NODE - 1 for node in range(nodes))
+    assert all(len(job.monitors(r)) == 1 for r in range(job.count))  # no monitor exited
+    assert job.board() == []
+    event = BoardEvent(EventKind.BACK, 3, "a test's entry", by=3)
+    job.publish(event)
+    job.until(lambda: all(any(kind == "back" for _, kind, _, _, _ in job.heard(r)) for r in range(job.count)), 30,
+              "every rank heard the entry")
+    print(f"\n{job.count} ranks attached through a 9 s stall: {job.proxy.accepted} connections for {nodes} nodes")
+
+
 def test_a_frozen_delegate_is_replaced_before_its_node_goes_stale_and_only_its_own_rank_is_counted_out(job_of):
     # Node 0's delegate is SIGSTOPped for 10 s (twice the staleness bound): its keep-alive stops,
     # so the node's standby beats for the node from the third quiet interval on (the node's counter

@@ -163,7 +163,9 @@ class RankMonitor:
         if not known:  # told nothing by a delegate: from the board's count
             count = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
             assert count is not None
-            job.next_event = count
+            with relay.lock:  # a follower the keep-alive thread took meanwhile hears it before any entry
+                job.next_event = count
+                relay.keep_alive(count, self._state)
             self._tell_reached(job)
         self._open_board(fatal=fatal, catch_up=known and not fatal)
         pending, self._unconfirmed = self._unconfirmed, []
@@ -427,10 +429,15 @@ class RankMonitor:
 
     def keep_alive(self) -> None:
         """A delegate's word to its node, from a thread of the monitor's own: a store that answers late
-        holds up the delegate's calls, and must not make its followers take it for a frozen one."""
-        relay, job, state = self.relay, self.job, self._state
-        if relay is not None and job is not None and state and relay.delegates and relay.listener is not None:
-            relay.keep_alive(job.next_event, state)
+        holds up the delegate's calls, and must not make its followers take it for a frozen one. The
+        followers that came meanwhile are taken here too (at attach, before its first call is answered,
+        its position may be unknown, -1: they learn it before any entry)."""
+        relay, job = self.relay, self.job
+        if relay is not None and job is not None and relay.delegates and relay.listener is not None:
+            with relay.lock:
+                while relay.accept(position=job.next_event):
+                    pass
+                relay.keep_alive(job.next_event, self._state)
 
     def _watch(self, job: ServedJob, now: float) -> None:
         """Beat for the node, read the counters of the nodes it watches, hear what the node's monitors

@@ -186,6 +186,12 @@ class NodeRelay:
         return cls(listener, upstream)
 
     @property
+    def lock(self) -> threading.RLock:
+        """Held while followers are taken and told the delegate's position: a delegate that learns its
+        position holds it too, so that no follower is taken between the two and told a stale one."""
+        return self._lock
+
+    @property
     def delegates(self) -> bool:
         return self.upstream is None
 
