@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hypergrid.liveness.board import put_entry
 from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
+from hypergrid.liveness.relay import Role
 from hypergrid.liveness.ring import Ring, as_runs, from_runs
 from hypergrid.liveness.watch import Watch
 from hypergrid.recovery.quorum import RoundView, decide
@@ -495,6 +496,24 @@ def test_a_stuck_delegate_is_published_by_the_standby_and_its_followers_wait_on_
     assert follower.board is not None
     assert [(e.kind, e.rank, e.by) for e in sim.heard[1]] == [(EventKind.LOST, 0, 1)]
     assert "said nothing for 5 intervals" in sim.heard[1][0].reason
+
+
+def test_a_monitor_gone_alone_that_leaves_cleanly_does_not_mark_its_still_served_node_departed(server):
+    sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow (one of them stands by)
+    sim.tick(0.0)
+    sim.tick(1.0)
+    sim.halted.add(0)  # rank 0's monitor is stuck: it still holds the node's name
+    for now in range(2, 9):
+        sim.tick(float(now))
+    followers = [sim.monitors[1], sim.monitors[2]]
+    assert all(m.role is Role.ALONE for m in followers)
+    store = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    node_key = node_beat_key(sim.channel.namespace, 0, 3)
+    for leaving in sorted(followers, key=lambda m: m.names.standby is not None):  # the standby last
+        before = store.add(node_key, 0)
+        leaving.depart()
+        assert leaving.closed
+        assert store.add(node_key, 0) == before > 0  # not marked departed: its node is still served
 
 
 def test_a_delegate_elected_while_the_board_cannot_be_reached_beats_on_and_tries_again_at_its_next_tick(server):

@@ -46,18 +46,17 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
-import socket
 from collections.abc import Callable, Sequence
 from typing import Optional
 
-from ..store.keys import DEPARTED, JobChannel, node_beat_key, socket_name
+from ..store.keys import DEPARTED, JobChannel, node_beat_key
 from ..store.records import BoardEvent, EventKind, decode_events, encode_events
 from ..store.tcpstore import StoreProtocolError, WireStore
 from .board import claim_slot, note_losses
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
-from .relay import NodeRelay, hold
+from .relay import NodeNames, NodeRelay, Role
 from .served import ServedJob
 from .watch import Watch
 
@@ -83,8 +82,7 @@ class RankMonitor:
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
         self._probe: Optional[NodeRelay] = None  # gone alone: a connection to the node's name, until its holder answers
         self.node_ranks: Optional[NodeRanks] = None  # a delegate's: what its node's monitors said
-        self._names: tuple[str, int] = ("", 0)  # names the node's relay and standby: the board, the node
-        self._standby: Optional[socket.socket] = None  # held: this follower stands by to watch for the node
+        self.names = NodeNames("", 0)  # the node's relay and its standby's name (held: this one stands by)
         self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
         self._told: dict = {}  # what the delegate last told: its spec's digest, its watch, whom it heard
         self._state = ""  # what this delegate tells its node's monitors at each keep-alive
@@ -95,6 +93,11 @@ class RankMonitor:
         self.last_progress = now
         self.hung_published = False
         self.closed = False
+
+    @property
+    def role(self) -> Optional[Role]:
+        """What this monitor is to its node now (None: it serves no job, or is between two elections)."""
+        return self.relay.role if self.relay is not None else None
 
     @property
     def node(self) -> int:
@@ -139,10 +142,13 @@ class RankMonitor:
         be reached is then an error)."""
         job = self.job
         assert job is not None
-        self._names = (f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}", self.node)
-        self.relay = NodeRelay.join(socket_name("relay", *self._names))
+        board = f"{self.config.host}:{self.config.port}/{job.spec.channel.board_count()}"
+        if (board, self.node) != (self.names.board, self.names.node):  # electing again on its node: still standing by
+            self.names.release()
+            self.names = NodeNames(board, self.node)
+        self.relay = NodeRelay.join(self.names.relay)
         self._delegate_quiet = 0
-        if self.relay.delegates:
+        if self.relay.role is not Role.FOLLOWER:
             self._delegate(fatal=first)
             return
         self._greet(self.relay)
@@ -157,7 +163,7 @@ class RankMonitor:
         """Serve the node: beat for it, watch for it, wait on the board for it, hear its monitors."""
         job, relay = self.job, self.relay
         assert job is not None and relay is not None
-        self._release_standby()
+        self.names.release()
         self._hear_node()
         known = job.next_event >= 0
         if not known:  # told nothing by a delegate: from the board's count
@@ -174,7 +180,7 @@ class RankMonitor:
 
     def _hear_node(self) -> None:
         """A delegate with a listener hears its node's monitors, from what the last delegate told."""
-        if self.relay is not None and self.relay.listener is not None:
+        if self.role is Role.DELEGATE:
             self.node_ranks = NodeRanks(self.config.rank, self.config.interval_s, self.config.stale_beats,
                                         START_TIMEOUT_S, self.now)
             self.node_ranks.adopt(self._told.get("heard", ()), self._told.get("left", ()), self.now)
@@ -220,11 +226,11 @@ class RankMonitor:
         which a frozen delegate answers with its position once it runs again (:meth:`_follow_again`)."""
         if self._probe is not None or self.relay is None:
             return
-        joined = NodeRelay.join(socket_name("relay", *self._names))
+        joined = NodeRelay.join(self.names.relay)
         if joined.listener is not None:
             self.relay.close()
             self.relay = joined
-            self._release_standby()
+            self.names.release()
             self._hear_node()
         elif joined.upstream is not None:
             self._probe = joined
@@ -236,7 +242,7 @@ class RankMonitor:
         self.relay.close()
         self.relay, self._delegate_quiet = probe, 0
         self._drop_board()
-        if self._standby is None:  # only the node's standby keeps a connection made
+        if self.names.standby is None:  # only the node's standby keeps a connection made
             self.link.drop()
         self._greet(probe)
         self._on_relayed(probe)
@@ -248,12 +254,14 @@ class RankMonitor:
         if relay is not None and say and job is not None:
             while relay.accept(position=job.next_event):  # those still waiting hear it leave too
                 pass
-            if not relay.delegates:
+            if relay.role is Role.FOLLOWER:
                 relay.tell(f"bye {self.config.rank}")
             elif relay.followers and self.node_ranks is not None:
                 self.node_ranks.leave(self.config.rank)
                 told = {**self.node_ranks.told(), "heard": sorted(self.node_ranks.heard)}
                 relay.keep_alive(job.next_event, json.dumps({"spec": job.spec.digest, **told}, separators=(",", ":")))
+            elif relay.role is Role.ALONE and self.names.held_by_another():
+                pass  # gone alone: the node's delegate or standby is still there, and beats for it
             elif self.link.connected or self.node in job.nodes:
                 with contextlib.suppress(*STORE_ERRORS):
                     self.link.call(lambda store: store.add(self._node_key(self.node), DEPARTED), again=False)
@@ -263,7 +271,7 @@ class RankMonitor:
         self.node_ranks = None
         self._drop_probe()
         self._drop_board()
-        self._release_standby()
+        self.names.release()
 
     def _drop_probe(self) -> None:
         if self._probe is not None:
@@ -287,7 +295,7 @@ class RankMonitor:
             return
         elif relay.listener is not None and fd == relay.listener.fileno():
             relay.accept(position=self.job.next_event)
-        elif relay.delegates:
+        elif relay.role is not Role.FOLLOWER:
             self._from_follower(relay.follower_ready(fd))
         else:
             self._on_relayed(relay)
@@ -342,17 +350,17 @@ class RankMonitor:
         job, relay = self.job, self.relay
         if job is None:
             return
-        if relay is not None and not relay.delegates:
+        if relay is not None and relay.role is Role.FOLLOWER:
             self._delegate_quiet += 1
             relay.tell(f"alive {self.config.rank}")
-            if self._delegate_quiet == self.config.stale_beats and self._standby is not None:
+            if self._delegate_quiet == self.config.stale_beats and self.names.standby is not None:
                 self._publish_frozen(job)
             if self._delegate_quiet > self.config.stale_beats + 1:
                 self._go_alone()
-            elif self._standby is None:
+            elif self.names.standby is None:
                 self._stand_by()
         else:
-            if relay is not None and relay.listener is None:
+            if relay is not None and relay.role is Role.ALONE:
                 self._rejoin()
             if self.board is None:
                 self._open_board()
@@ -379,14 +387,10 @@ class RankMonitor:
         """Be the follower that takes the node's watch over from a quiet delegate, if none is, its
         connection made now (a frozen delegate's node is beaten for within the bound); whether it is
         (True too where no name can be held: each on its own)."""
-        if self._standby is None:
-            try:
-                self._standby = hold(socket_name("watch", *self._names))
-            except OSError:  # no names to hold here
-                return True
-            if self._standby is None:
-                return False
-        self.link.open_soon()
+        if not self.names.stand_by():
+            return False
+        if self.names.standby is not None:
+            self.link.open_soon()
         return True
 
     def _publish_frozen(self, job: ServedJob) -> None:
@@ -398,19 +402,14 @@ class RankMonitor:
                 f"its monitor, its node's delegate, said nothing for {self._delegate_quiet} intervals (the bound is "
                 f"{bound:g} s): its monitor is stopped"), by=self.config.rank))
 
-    def _release_standby(self) -> None:
-        if self._standby is not None:
-            self._standby.close()
-            self._standby = None
-
     def _watches(self, job: ServedJob) -> bool:
         """Whether this monitor beats and watches for its node: its delegate does (or one alone); the
         standby once the delegate is quiet for two ticks; one told of a recovery its delegate was not
         (it watches in its own ring), each on its own where no name can be held."""
-        relay = self.relay
-        if relay is None or relay.listener is not None:
+        role = self.role
+        if role in (None, Role.DELEGATE):
             return True
-        if relay.upstream is None:  # gone alone (its delegate quiet): the standby among them
+        if role is Role.ALONE:  # its delegate quiet: the standby among them
             return self._stand_by()
         if self._told.get("spec") not in (None, job.spec.digest):
             return True
@@ -419,7 +418,7 @@ class RankMonitor:
     def _keep_alive(self, job: ServedJob) -> None:
         """A delegate tells its followers its position, its spec's digest, its watch and whom it heard."""
         relay = self.relay
-        if relay is None or not relay.delegates or relay.listener is None:
+        if relay is None or relay.role is not Role.DELEGATE:
             return
         state = {"spec": job.spec.digest, "watched": Watch.state(job.watched),
                  **(self.node_ranks.told() if self.node_ranks is not None else {})}
@@ -433,7 +432,7 @@ class RankMonitor:
         followers that came meanwhile are taken here too (at attach, before its first call is answered,
         its position may be unknown, -1: they learn it before any entry)."""
         relay, job = self.relay, self.job
-        if relay is not None and job is not None and relay.delegates and relay.listener is not None:
+        if relay is not None and job is not None and relay.role is Role.DELEGATE:
             with relay.lock:
                 while relay.accept(position=job.next_event):
                     pass
@@ -477,7 +476,7 @@ class RankMonitor:
         job, relay = self.job, self.relay
         if job is None or not events:
             return
-        if relay is not None and not relay.delegates and self._delegate_quiet <= 2:
+        if relay is not None and relay.role is Role.FOLLOWER and self._delegate_quiet <= 2:
             self._unconfirmed.extend(events)
             relay.tell("pub " + encode_events(list(events)))
             return
@@ -544,7 +543,7 @@ class RankMonitor:
         if self.closed:
             return
         self._leaving = True
-        if self._unconfirmed and self.relay is not None and not self.relay.delegates:
+        if self._unconfirmed and self.role is Role.FOLLOWER:
             return  # the entry that has them closes it (or it publishes them alone, then closes)
         self._leave_board(say=True)
         self.close()
@@ -558,7 +557,7 @@ class RankMonitor:
             self.relay = None
         self._drop_probe()
         self._drop_board()
-        self._release_standby()
+        self.names.release()
 
 
 def _get(store: WireStore, key: str) -> bytes:

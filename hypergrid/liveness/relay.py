@@ -41,6 +41,7 @@ Example, two monitors of one node in this process::
 
 from __future__ import annotations
 
+import enum
 import errno
 import os
 import socket
@@ -53,7 +54,7 @@ from typing import Optional
 from ..store.keys import socket_name
 from .poll import read_lines
 
-__all__ = ["NodeRelay", "Relayed", "elect", "hold", "socket_name"]
+__all__ = ["NodeNames", "NodeRelay", "Relayed", "Role", "elect", "hold", "socket_name"]
 
 #: How long a monitor keeps trying a name whose holder refuses it (closing, or bound and not yet listening).
 _ELECT_S = 0.5
@@ -156,6 +157,72 @@ def _connect(address: bytes) -> socket.socket:
     return upstream
 
 
+class Role(enum.Enum):
+    """What a monitor is to its node, from its end of the node's relay."""
+
+    #: It holds the node's name: it beats, watches and waits on the board for the node, and hears its monitors.
+    DELEGATE = "delegate"
+    #: It hears the node's delegate over the node's socket, and speaks to it.
+    FOLLOWER = "follower"
+    #: On its own: its delegate stayed quiet past the bound (it looks for it again), or no name can be held here.
+    ALONE = "alone"
+
+
+@dataclass
+class NodeNames:
+    """The names a node's monitors meet by on their host, for one board: the relay's (its delegate
+    holds it) and the watch's, which ``standby`` holds where this monitor is the follower standing by.
+
+    Example::
+
+        >>> import uuid
+        >>> names, other = NodeNames(f"doc-{uuid.uuid4()}", 0), None
+        >>> names.stand_by(), names.held_by_another()          # it holds the watch's: nobody else does
+        (True, False)
+        >>> other = NodeNames(names.board, 0); other.stand_by(), other.held_by_another()
+        (False, True)
+        >>> names.release(); other.stand_by()
+        True
+        >>> other.release()
+    """
+
+    board: str
+    node: int
+    standby: Optional[socket.socket] = None
+
+    @property
+    def relay(self) -> bytes:
+        return socket_name("relay", self.board, self.node)
+
+    def stand_by(self) -> bool:
+        """Hold the watch's name if nobody does; whether this monitor stands by (True too where no name
+        can be held: each on its own)."""
+        if self.standby is None:
+            try:
+                self.standby = hold(socket_name("watch", self.board, self.node))
+            except OSError:
+                return True
+        return self.standby is not None
+
+    def held_by_another(self) -> bool:
+        """Whether another monitor holds the relay's name or the watch's (False where no name can be held)."""
+        for kind in ("relay",) if self.standby is not None else ("relay", "watch"):
+            try:
+                held = hold(socket_name(kind, self.board, self.node))
+            except OSError:
+                return False
+            if held is None:
+                return True
+            held.close()
+        return False
+
+    def release(self) -> None:
+        """Stand by no longer."""
+        if self.standby is not None:
+            self.standby.close()
+            self.standby = None
+
+
 @dataclass(frozen=True)
 class Relayed:
     """What a follower hears: the board's entry ``index`` (``payload`` its encoding), or, with no
@@ -194,6 +261,13 @@ class NodeRelay:
     @property
     def delegates(self) -> bool:
         return self.upstream is None
+
+    @property
+    def role(self) -> Role:
+        """What this end makes its monitor: :attr:`Role.ALONE` holds no name and follows nobody."""
+        if self.upstream is not None:
+            return Role.FOLLOWER
+        return Role.DELEGATE if self.listener is not None else Role.ALONE
 
     def readers(self) -> list[int]:
         """The descriptors to watch: the listener and the followers (their lines, their end), or the upstream."""
