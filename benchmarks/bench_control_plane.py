@@ -107,7 +107,8 @@ def _worker(spec: dict) -> None:
     host, port, n, interval, share = spec["host"], spec["port"], spec["n"], spec["interval"], spec["share"]
     ranks: list[int] = spec["ranks"]
     simulated = bool(spec.get("followers_simulated"))  # only the nodes' delegates hosted (see --delegates-only)
-    groups = sorted({r // share for r in ranks})
+    # A round hosts one participant per node (see _round): only theirs need connections.
+    groups = sorted({r // share for r in (_heads(ranks).values() if spec["design"] == "round" else ranks)})
     ring = spec["design"] in ("ring", "round")
     # A few at a time per worker: the store (see _host_store) takes thousands a second.
     def open_connections(count: int) -> list[Any]:
@@ -277,14 +278,6 @@ def _worker(spec: dict) -> None:
                         leads = [t for r, t in by_delegates.get(v, {}).items() if r not in halted]
                         out[v] = [len(times), len(live), max(times) if times else None, max(leads) if leads else None]
                     print(json.dumps(out), flush=True)
-                elif word == "round":
-                    selector.close()
-                    ticks.clear()
-                    for monitor in monitors.values():
-                        monitor.detach()  # their phase is over: the round's waits get connections of their own
-                    waits = open_connections(len(groups))
-                    _round(spec, ranks, beat_conn, {g: waits[i] for i, g in enumerate(groups)}, share, rest)
-                    return
                 elif word == "quit":
                     return
 
@@ -306,27 +299,55 @@ def _lost(rank: int) -> Any:
     return BoardEvent(EventKind.LOST, rank, "its process ended", by=rank)
 
 
+def _heads(ranks: list[int]) -> dict[int, int]:
+    """Each node's hosted participant in a round: its lowest rank among ``ranks``."""
+    heads: dict[int, int] = {}
+    for rank in ranks:
+        heads.setdefault(rank // NODE, rank)
+    return heads
+
+
 def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, share: int, namespace: str) -> None:
-    """Every hosted rank takes part in one recovery round, a thread each, as ``recover`` takes it,
-    from the library's public pieces: the round opened (``RecoveryRound.open``: the job's record,
-    as in a job after its first recovery), the arrival and the verdict (``RecoveryRound.agree``),
-    and the rebuild's end, a meeting named by the round (``hypergrid.store.meeting``) whose last
-    participant decides it, tells the job's board and commits the record, once. The verdict and
-    the rebuild's outcome reach the participants as they reach a rank: through the board, read
-    once per node by the node's delegate (here a thread per node with a board connection of its
-    own, as a monitor's relay), which hands each entry to its node's participants' views
-    (``BoardView.hear``). Timings are the library's defaults (``RecoverySettings()``).
+    """Every hosted rank takes part in one recovery round, as ``recover`` takes it, from the
+    library's public pieces: the round opened (``RecoveryRound.open``: the job's record, as in a
+    job after its first recovery), the arrival and the verdict (``RecoveryRound.agree``), and the
+    rebuild's end, a meeting named by the round whose last participant decides it, tells the job's
+    board and commits the record, once. The job's record read, the arrival and the rebuild's end go
+    through the rank's node (``NodeChannel``): its delegate makes its ranks' calls as one batch
+    (``hypergrid.liveness.calls``). The verdict and the rebuild's outcome reach the participants as
+    they reach a rank: through the board, read once per node by the node's delegate (here a thread
+    per node with a board connection of its own, as a monitor's relay), which hands each entry to
+    its node's participants' views (``BoardView.hear``). Timings are the library's defaults
+    (``RecoverySettings()``).
+
+    Each node's lowest hosted rank is a participant thread running the round's code; its node's
+    other ranks are simulated where only their node's socket would carry what they do: their calls
+    join the hosted one's batch (their own ranks and arrivals), and each hears the verdict from the
+    delegate as the hosted one does. The hosted one is first in its node's arrival batch (the round's
+    first arrival publishes its opening) and last in the rebuild's end (the last counted commits);
+    a simulated rank among the first three arrivals contends for the lead as it would.
 
     A rank with a connection of its own makes its requests and its waits on it, as a rank's store
     client does. Where ranks share one (past ``--connections``), a second one of the group's takes
     their waits, and they take turns on each (in a cluster every rank has its own)."""
-    from hypergrid.liveness.board import BoardView
+    from hypergrid.liveness.board import BoardView, put_entry
+    from hypergrid.liveness.calls import NodeChannel
     from hypergrid.liveness.plane import ControlPlane
     from hypergrid.recovery.round import RecoveryRound
     from hypergrid.recovery.settings import RecoverySettings
     from hypergrid.store import meeting
     from hypergrid.store.keys import JobChannel
-    from hypergrid.store.records import Arrival, JobRecord, JobState, StepOutcome, decode_events, encode
+    from hypergrid.store.records import (
+        Arrival,
+        BoardEvent,
+        EventKind,
+        JobRecord,
+        JobState,
+        StepOutcome,
+        decode_events,
+        encode,
+        encode_events,
+    )
     from hypergrid.store.tcpstore import WireStore
 
     settings = RecoverySettings(gpus_per_node=NODE)
@@ -344,7 +365,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # One connection per rank: its requests and its waits take turns on it, under one lock.
     wait_locks = {g: threading.Lock() for g in board_conns} if share > 1 else locks
     go = threading.Event()
-    parts = _Parts(len(ranks))
+    heads = _heads(ranks)
+    participants = spec["participants"]  # in all workers: the rebuild's end counts them
+    parts = _Parts(len(heads))
     results: list[Any] = []
     errors: list[str] = []
     stores: list[_Bounded] = []
@@ -371,10 +394,15 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                     view.hear(event)
             index += 1
 
+    def arrival(rank: int) -> Arrival:
+        return Arrival(rank, step=1, settings=settings.describe())
+
     def participant(rank: int) -> None:
         group = rank // share
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
                          time.monotonic() + _ROUND_S, shared=share > 1)
+        node = _NodeOfRanks(rank, [r for r in ranks if r // NODE == rank // NODE and r != rank], store,
+                            lambda r: encode(arrival(r)))
         view = BoardView(channel, lambda: store)
         view.hear_from(_Handed(), "the node's delegate")
         views.setdefault(rank // NODE, []).append(view)
@@ -383,16 +411,18 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         go.wait()
         try:
             store.phase = "open"
-            rnd = RecoveryRound.open(channel, plane, store.deadline, store)  # type: ignore[arg-type]
+            rnd = RecoveryRound.open(channel, plane, store.deadline, store,  # type: ignore[arg-type]
+                                     node=NodeChannel(node))
+            node.keys = rnd.keys
             parts.reached("open")
             store.phase = "round"
-            verdict = rnd.agree(range(n), Arrival(rank, step=1, settings=settings.describe()), bound_s=_ROUND_S / 2,
-                                board=view, settings=settings)
+            verdict = rnd.agree(range(n), arrival(rank), bound_s=_ROUND_S / 2, board=view, settings=settings)
             agreed = time.time()
+            node.contend()
             parts.reached("verdict")
             store.phase = "step"
             rebuild = rnd.keys.rebuild("recover")
-            if meeting.arrive(store, rebuild, n).completes:  # type: ignore[arg-type]
+            if rnd.node.arrive(store, rebuild, participants, again=False).completes:
                 done = encode(StepOutcome(None)).encode()
                 if meeting.decide(store, rebuild, done) == done:  # type: ignore[arg-type]
                     view.publish(rebuild.outcome, done, rank)
@@ -411,10 +441,14 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         # The job as its first recovery left it: the round's participants read the record.
         first = JobRecord(1, (n,), ("dp",), ((0, 0, n),), (), step=0, gone=("rank 9: stale",))
         beat_conns[0].set(channel.state, encode(JobState(1, first)).encode())
-    threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in ranks]
+        # The node the round recovers from, lost whole: its ranks on the board, in one entry.
+        lost = encode_events([BoardEvent(EventKind.LOST, r, "its node stopped beating", by=0)
+                              for r in range(LOST_NODE * NODE, (LOST_NODE + 1) * NODE)])
+        put_entry(beat_conns[0], channel, lost.encode(), 0)
+    threads = [threading.Thread(target=participant, args=(rank,), daemon=True) for rank in heads.values()]
     for thread in threads:
         thread.start()
-    for _ in ranks:
+    for _ in heads:
         registered.acquire()
     for node in nodes:
         threading.Thread(target=delegate, args=(node,), daemon=True).start()
@@ -440,6 +474,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "rewaits": sum(store.rewaits for store in stores),
                       "made": {phase: sum(store.made.get(phase, 0) for store in stores)
                                for phase in ("open", "round", "step")},
+                      "by_nodes": {phase: sum(store.by_node.get(phase, 0) for store in stores)
+                                   for phase in ("open", "round", "step")},
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
@@ -487,6 +523,46 @@ class _Handed:
         pass
 
 
+class _NodeOfRanks:
+    """What a round's node calls find at the node's delegate: the hosted participant ``head``'s call,
+    with the same call of each of the node's ``others`` (simulated: their own ranks, their own
+    arrivals from ``arrival``), made as one batch by the library's ``NodeCalls`` and ``answer_batch``.
+    Plays the rank's heartbeat for ``NodeChannel``."""
+
+    running = True
+
+    def __init__(self, head: int, others: list[int], store: _Bounded, arrival: Any) -> None:
+        self.head, self.others, self.store, self.arrival = head, others, store, arrival
+        self.keys: Any = None  # the round's keys, once opened: the simulated ranks' contention for the lead
+        self.contenders: list[int] = []  # simulated ranks among the round's first arrivals
+
+    def contend(self) -> None:
+        """The requests the simulated ranks among the first arrivals make to contend for the lead, made
+        once the verdict stands: a simulated rank cannot lead, so it must not win (the same requests)."""
+        for rank in self.contenders:
+            self.store._on(lambda conn, rank=rank: (conn.set(self.keys.wake, b""), conn.compare_set(
+                self.keys.leader, b"", str(rank).encode())))
+
+    def call(self, call: Any, timeout_s: float) -> Any:
+        import dataclasses
+
+        from hypergrid.liveness.calls import NodeCalls, answer_batch
+
+        call = dataclasses.replace(call, rank=self.head)
+        others = [dataclasses.replace(call, rank=r, line=None if call.line is None else self.arrival(r))
+                  for r in self.others]
+        # The hosted rank first among its node's arrivals, last at the rebuild's end (see _round).
+        ordered = [*others, call] if call.line is None and call.kind.value == "arrive" else [call, *others]
+        calls = NodeCalls()
+        for each in ordered:
+            calls.take(each, lambda answer: None, now=0.0)
+        [batch] = calls.due(members=len(ordered), now=0.0)
+        answers = self.store.for_node(lambda conn: answer_batch(conn, [each for each, _ in batch]))
+        self.contenders += [answer.rank for answer in answers
+                            if call.line is not None and answer.rank != self.head and answer.number <= _CONTENDERS]
+        return next(answer for answer in answers if answer.rank == self.head)
+
+
 class _Bounded:
     """The pure client with the few methods a round's store needs (StoreClient's, over str or bytes values)."""
 
@@ -495,9 +571,21 @@ class _Bounded:
         self.conn, self.lock, self.deadline = conn, lock, deadline
         self.wait_conn, self.wait_lock, self.shared = wait_conn, wait_lock, shared
         self.rewaits = 0
-        #: The participant's own requests (re-waits apart) in each part of the round it is in.
+        #: The participant's own requests (re-waits apart) in each part of the round it is in, and
+        #: its node's delegate's for its node's ranks' calls.
         self.phase = "round"
         self.made: dict[str, int] = {}
+        self.by_node: dict[str, int] = {}
+
+    def for_node(self, call: Any) -> Any:
+        """``call(conn)`` made by the node's delegate (on this connection: the store sees the same
+        requests), counted apart."""
+        with self.lock:
+            before = self.conn.requests
+            try:
+                return call(self.conn)
+            finally:
+                self.by_node[self.phase] = self.by_node.get(self.phase, 0) + self.conn.requests - before
 
     def _on(self, call: Any) -> Any:
         """``call(conn)`` on the requests' connection, its requests counted to the phase."""
@@ -579,6 +667,11 @@ class _Bounded:
                 return got
 
 
+#: The node lost whole before the round (its ranks are not hosted; the board has them), and how
+#: many of the round's first arrivals contend for the lead (hypergrid.recovery.round's).
+LOST_NODE = 1
+_CONTENDERS = 3
+
 #: The simulated round's deadline, and its world step's timeout: thousands of threads per process
 #: on two cores take minutes where a cluster's ranks take seconds.
 _ROUND_S = 1200.0
@@ -593,10 +686,11 @@ class Workers:
 
     def __init__(self, spec: dict, count: int) -> None:
         hosted = spec.get("hosted", list(range(spec["n"])))
-        bounds = [len(hosted) * i // count for i in range(count + 1)]
+        nodes = sorted({rank // NODE for rank in hosted})  # a node's ranks in one worker: its socket is local
+        bounds = [nodes[len(nodes) * i // count] if i < count else nodes[-1] + 1 for i in range(count + 1)]
         self.procs = []
         for i in range(count):
-            part = dict(spec, ranks=hosted[bounds[i]:bounds[i + 1]], hosted=None)
+            part = dict(spec, ranks=[r for r in hosted if bounds[i] <= r // NODE < bounds[i + 1]], hosted=None)
             proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", json.dumps(part)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
             self.procs.append(proc)
@@ -810,6 +904,7 @@ def _round_all(workers: Workers, namespace: str) -> dict:
             "step_seconds": max(steps) - start if steps else None,
             "requests": sum(o["requests"] for o in outs), "rewaits": sum(o["rewaits"] for o in outs),
             "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step")},
+            "by_nodes": {phase: sum(o["by_nodes"][phase] for o in outs) for phase in ("open", "round", "step")},
             "delegate_requests": sum(o["delegate_requests"] for o in outs), "delegates": sum(o["delegates"] for o in outs),
             "bytes": sum(o["bytes"] for o in outs),
             "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
@@ -976,13 +1071,16 @@ def main() -> None:
             clock.close()
         rnd = None
         round_workers = args.round_workers or args.workers
-        if workers is not None and (args.no_round or round_workers != args.workers):
+        if workers is not None:
             workers.close()
             workers = None
         if not args.no_round:
             if workers is None:
                 started = time.monotonic()
-                workers = Workers(dict(spec, design="round"), round_workers)
+                # Node 1 lost whole: every other rank takes part (see _round).
+                participants = [r for r in range(n) if r // NODE != LOST_NODE]
+                workers = Workers(dict(spec, design="round", hosted=participants, participants=len(participants),
+                                       followers_simulated=False), round_workers)
                 print(f"ring {n}: the round's {(2 if share > 1 else 1) * n // share} connections made in "
                       f"{time.monotonic() - started:.0f} s", flush=True)
             rnd = _round_all(workers, _namespace())

@@ -54,7 +54,7 @@ LAYERS = {
 PURE = ("errors", "_lazy", "releases", "layout", "megatron.spec", "planning", "app.launcher", "app.console",
         "app.argtypes", "store", "liveness.ring", "liveness.relay", "liveness.monitor", "liveness.watch",
         "liveness.link", "liveness.board", "liveness.node", "liveness.config", "liveness.process",
-        "liveness.poll", "liveness.served", "recovery.quorum")
+        "liveness.poll", "liveness.served", "liveness.calls", "liveness.progress", "recovery.quorum")
 
 #: The only modules that may touch torch's private names: c10d's, DeviceMesh's, and the state a
 #: recovery rewrites in place (a DeviceMesh's ranks and groups, FSDP2's cached groups).

@@ -24,6 +24,9 @@ from typing import Any, Optional
 import pytest
 import torch.distributed as dist
 
+from hypergrid.store import meeting
+from hypergrid.store.client import StoreClient
+from hypergrid.store.keys import Meeting
 from tests.test_agreement_waits import _Counted
 
 pytestmark = pytest.mark.slow
@@ -74,6 +77,9 @@ class _Scope:
         self.view.publish(key, value)
         for beat in self.step.beats.values():
             beat.forward(BoardEvent(EventKind.DECIDED, -1, key=key, value=value.decode()))
+
+    def arrive(self, store: StoreClient, at: Meeting, size: int) -> meeting.Place:
+        return meeting.arrive(store, at, size)
 
     def succeeded(self, key: str) -> None:
         self.step.succeeded.append(key)

@@ -23,6 +23,7 @@ Example, with no process group::
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import logging
 import math
@@ -33,12 +34,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from ..store.records import BoardEvent, decode
+from ..store.records import BoardEvent, decode, encode
 from ..store.shutdown import register
+from .calls import AnswerKind, NodeAnswer, NodeCall
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .poll import read_lines, readable
 
@@ -87,6 +89,8 @@ class Heartbeat:
         self._listeners: dict[str, Callable[[BoardEvent], None]] = {}
         self._recent: deque[BoardEvent] = deque(maxlen=RECENT_EVENTS)
         self._lock = threading.Lock()
+        self._calls: dict[int, _Waiting] = {}  # the calls sent to the monitor, not answered yet
+        self._call_numbers = itertools.count(1)
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._proc = self._start_monitor()
@@ -152,6 +156,19 @@ class Heartbeat:
             for event in self._recent if replay else ():
                 callback(event)
 
+    def call(self, call: NodeCall, timeout_s: float) -> NodeAnswer:
+        """Have the rank's node make ``call`` with its other ranks' (:mod:`~hypergrid.liveness.calls`): the
+        answer, or :attr:`AnswerKind.UNKNOWN` where none came within ``timeout_s`` (the monitor ended, or
+        its delegate went)."""
+        waiting = _Waiting(replace(call, ident=next(self._call_numbers), rank=self.rank))
+        with self._lock:
+            self._calls[waiting.call.ident] = waiting
+        self._send("call " + encode(waiting.call))
+        waiting.done.wait(timeout_s)
+        with self._lock:
+            self._calls.pop(waiting.call.ident, None)
+        return waiting.answer or NodeAnswer.to(waiting.call, AnswerKind.UNKNOWN)
+
     # ------------------------------------------------------------------ the thread
     def _run(self) -> None:
         next_tick = 0.0
@@ -193,12 +210,23 @@ class Heartbeat:
             job = self.job
             if job is not None and board == job.channel.board_count():
                 self.position = int(position)
+        elif word == "ans":
+            answer = decode(NodeAnswer, rest)
+            with self._lock:
+                waiting = self._calls.pop(answer.ident, None)
+            if waiting is not None:
+                waiting.answer = answer
+                waiting.done.set()
         elif word == "error":
             logger.error("rank %d: heartbeat monitor: %s", self.rank, rest)
 
     def _restart(self) -> None:
         """The monitor ended while this rank runs (killed, or it lost the store): start another."""
         status = self._proc.wait()
+        with self._lock:  # what the monitor was asked went with it
+            lost, self._calls = list(self._calls.values()), {}
+        for waiting in lost:
+            waiting.done.set()
         logger.error("rank %d: its heartbeat monitor ended (status %s); starting another", self.rank, status)
         time.sleep(min(1.0, self.interval_s))
         try:
@@ -238,6 +266,15 @@ class Heartbeat:
         for fd in (self._wake_r, self._wake_w):
             with contextlib.suppress(OSError):
                 os.close(fd)
+
+
+@dataclass
+class _Waiting:
+    """A call sent to the monitor, and its answer once it came."""
+
+    call: NodeCall
+    done: threading.Event = field(default_factory=threading.Event)
+    answer: Optional[NodeAnswer] = None
 
 
 def _read_line(fd: int, timeout_s: float) -> Optional[str]:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import time
 from collections.abc import Callable, Sequence
 from typing import Optional
 
@@ -53,9 +54,11 @@ from ..store.keys import DEPARTED, JobChannel, node_beat_key
 from ..store.records import BoardEvent, EventKind, decode_events, encode_events
 from ..store.tcpstore import StoreProtocolError, WireStore
 from .board import claim_slot, note_losses
+from .calls import NodeCalls
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
+from .progress import RankProgress, frozen_delegate
 from .relay import NodeNames, NodeRelay, Role
 from .served import ServedJob
 from .watch import Watch
@@ -87,11 +90,11 @@ class RankMonitor:
         self._told: dict = {}  # what the delegate last told: its spec's digest, its watch, whom it heard
         self._state = ""  # what this delegate tells its node's monitors at each keep-alive
         self._unconfirmed: list[BoardEvent] = []  # handed to the delegate to publish, not yet on the board
+        self.calls = NodeCalls()  # the node's ranks' calls held for a batch (a delegate), or handed on (a follower)
         self._leaving = False
         self.job: Optional[ServedJob] = None
         self.now = now
-        self.last_progress = now
-        self.hung_published = False
+        self.rank_progress = RankProgress(config.progress_timeout_s, now)
         self.closed = False
 
     @property
@@ -216,6 +219,7 @@ class RankMonitor:
     def _go_alone(self) -> None:
         """Stop counting on the node's delegate (silent for the staleness bound): serve the node alone."""
         assert self.relay is not None
+        self.calls.lose_handed_on()
         self.relay.close()
         self.relay = NodeRelay(None, None)
         self._delegate()
@@ -296,12 +300,14 @@ class RankMonitor:
         elif relay.listener is not None and fd == relay.listener.fileno():
             relay.accept(position=self.job.next_event)
         elif relay.role is not Role.FOLLOWER:
-            self._from_follower(relay.follower_ready(fd))
+            self._from_follower(relay.follower_ready(fd), fd)
         else:
             self._on_relayed(relay)
 
-    def _from_follower(self, lines: Sequence[str]) -> None:
-        """What a monitor of the node said: it is alive, it leaves, or it hands over events to publish."""
+    def _from_follower(self, lines: Sequence[str], fd: int) -> None:
+        """What a monitor of the node (at ``fd``) said: it is alive, it leaves, it hands over events to
+        publish, or its rank's call, answered to it."""
+        relay = self.relay
         for line in lines:
             word, _, rest = line.partition(" ")
             if word in ("hi", "alive") and self.node_ranks is not None:
@@ -310,13 +316,16 @@ class RankMonitor:
                 self.node_ranks.leave(int(rest))
             elif word == "pub":
                 self.publish(*decode_events(rest))
+            elif word == "call" and relay is not None:
+                self.calls.from_follower(rest, relay, fd, now=time.monotonic())
 
     def _on_relayed(self, relay: NodeRelay) -> None:
         """The node's delegate sent entries (or its position), or went: then elect again."""
         job = self.job
         assert job is not None
-        heard = relay.receive()
+        heard = self.calls.answers_taken(relay.receive())
         if heard is None:
+            self.calls.lose_handed_on()
             relay.close()
             self._join_board()
             return
@@ -370,18 +379,13 @@ class RankMonitor:
         else:
             job.watched.clear()
         self._keep_alive(job)  # after the watch: what it saw now
-        quiet = now - self.last_progress
-        if quiet >= self.config.progress_timeout_s and not self.hung_published:
-            self.hung_published = True
-            self.publish(BoardEvent(EventKind.LOST, self.config.rank, (
-                f"it made no progress for {quiet:.0f} s (the progress timeout is "
-                f"{self.config.progress_timeout_s:g} s): its interpreter is stopped, or stuck holding the GIL"),
-                by=self.config.rank))
+        hung = self.rank_progress.hung(self.config.rank, now)
+        if hung is not None:
+            self.publish(hung)
 
     def progress(self, *, now: float) -> None:
         """The rank's interpreter ran (it sent its tick)."""
-        self.last_progress = now
-        self.hung_published = False
+        self.rank_progress.tick(now)
 
     def _stand_by(self) -> bool:
         """Be the follower that takes the node's watch over from a quiet delegate, if none is, its
@@ -395,12 +399,10 @@ class RankMonitor:
 
     def _publish_frozen(self, job: ServedJob) -> None:
         """The standby publishes its delegate's rank, silent for the staleness bound: its monitor is stopped."""
-        rank = self._told.get("me")
-        if isinstance(rank, int) and rank in job.ring and rank not in job.lost:
-            bound = self.config.stale_beats * self.config.interval_s
-            self.publish(BoardEvent(EventKind.LOST, rank, (
-                f"its monitor, its node's delegate, said nothing for {self._delegate_quiet} intervals (the bound is "
-                f"{bound:g} s): its monitor is stopped"), by=self.config.rank))
+        frozen = frozen_delegate(self._told.get("me"), job.ring, job.lost, self._delegate_quiet,
+                                 self.config.stale_beats * self.config.interval_s, self.config.rank)
+        if frozen is not None:
+            self.publish(frozen)
 
     def _watches(self, job: ServedJob) -> bool:
         """Whether this monitor beats and watches for its node: its delegate does (or one alone); the

@@ -31,8 +31,9 @@ import time
 from collections.abc import Sequence
 from typing import Optional
 
-from ..store.records import encode
+from ..store.records import decode, encode
 from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
+from .calls import NodeCall
 from .config import JobSpec, MonitorConfig
 from .monitor import RankMonitor
 from .poll import read_lines
@@ -110,7 +111,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ended = now
                 continue
             readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
-            wait_s = max(0.0, next_tick - time.monotonic())
+            calls_due = monitor.calls.due_at()
+            wait_s = max(0.0, min(next_tick, calls_due + monitor.calls.window_s if calls_due is not None else next_tick)
+                         - time.monotonic())
             ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
                                         wait_s if parent is not None or ended is not None else min(wait_s, 0.1))
             if parent is not None and parent in ready:
@@ -127,8 +130,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     stdin = None  # its end is seen by its pid
                     continue
                 for line in lines:
-                    if _handle(monitor, line, time.monotonic()):
+                    if _handle(monitor, line, time.monotonic(), out):
                         ended = time.monotonic()
+            monitor.calls.make_due(monitor.relay, monitor.link, now=time.monotonic())
         return 0
     except (StoreTimeout, StoreProtocolError, OSError) as exc:
         out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "
@@ -144,11 +148,14 @@ def _keep_alive(monitor: RankMonitor, stop: threading.Event, interval_s: float) 
             monitor.keep_alive()
 
 
-def _handle(monitor: RankMonitor, line: str, now: float) -> bool:
+def _handle(monitor: RankMonitor, line: str, now: float, out: _ParentPipe) -> bool:
     """One line from the rank; True when the rank is done (the monitor stays until it has said so)."""
     word, _, rest = line.partition(" ")
     if word == "p":
         monitor.progress(now=now)
+    elif word == "call":  # made with the node's others (:mod:`.calls`), answered on the rank's pipe
+        monitor.calls.ask(decode(NodeCall, rest), lambda answer: out.send("ans " + encode(answer)), monitor.relay,
+                          now=now)
     elif word == "job":
         monitor.attach(JobSpec.from_json(rest))
     elif word == "resume":

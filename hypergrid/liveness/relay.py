@@ -26,8 +26,9 @@ Example, two monitors of one node in this process::
     True
     >>> first.send(3, '{"kind": "lost"}'); first.keep_alive(4, "what it watches")
     >>> second.receive()                                           # doctest: +NORMALIZE_WHITESPACE
-    [Relayed(index=3, payload=None, state=''), Relayed(index=3, payload='{"kind": "lost"}', state=''),
-     Relayed(index=4, payload=None, state='what it watches')]
+    [Relayed(index=3, payload=None, state='', answer=None),
+     Relayed(index=3, payload='{"kind": "lost"}', state='', answer=None),
+     Relayed(index=4, payload=None, state='what it watches', answer=None)]
     >>> second.tell("alive 1")                                     # followers speak too
     True
     >>> first.follower_ready(next(iter(first.followers)))
@@ -226,11 +227,13 @@ class NodeNames:
 @dataclass(frozen=True)
 class Relayed:
     """What a follower hears: the board's entry ``index`` (``payload`` its encoding), or, with no
-    payload, the delegate's position (the next entry it reads) and its opaque one-line ``state``."""
+    payload, the delegate's position (the next entry it reads) and its opaque one-line ``state``, or
+    the ``answer`` to a call."""
 
     index: int
     payload: Optional[str]
     state: str = ""
+    answer: Optional[str] = None  # else: the answer to a call this follower handed on (:mod:`.calls`)
 
 
 class NodeRelay:
@@ -316,6 +319,13 @@ class NodeRelay:
             for conn in list(self.followers.values()):
                 self._send_to(conn, line)
 
+    def answer(self, fd: int, answer: str) -> None:
+        """Send the follower at ``fd`` the one-line ``answer`` to a call it handed on (gone: nothing)."""
+        with self._lock:
+            conn = self.followers.get(fd)
+            if conn is not None:
+                self._send_to(conn, f"ans {answer}\n".encode())
+
     def follower_ready(self, fd: int) -> list[str]:
         """A follower's connection is readable: the whole lines it sent (none where it went, or has
         not ended a line yet)."""
@@ -377,6 +387,8 @@ class NodeRelay:
             elif word == "ev":
                 index, _, payload = rest.partition(" ")
                 heard.append(Relayed(int(index), payload))
+            elif word == "ans":
+                heard.append(Relayed(-1, None, answer=rest))
         return heard
 
     def close(self) -> None:

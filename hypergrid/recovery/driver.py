@@ -34,12 +34,16 @@ from ..layout.describe import describe_ranks, one_line
 from ..layout.rank_map import RankMap
 from ..layout.replan import RecoveryKind, RecoveryPlan, plan_growth, plan_recovery
 from ..liveness.board import BoardView
+from ..liveness.calls import NodeChannel
 from ..liveness.config import JobSpec
 from ..liveness.heartbeat import running_heartbeat
 from ..liveness.plane import control_plane
 from ..liveness.ring import as_runs
 from ..runtime.registry import REGISTRY
 from ..store import meeting
+from ..store.client import StoreClient
+from ..store.keys import Meeting
+from ..store.meeting import Place
 from ..store.records import Arrival, FailureVerdict, JobRecord, StepOutcome, decode, encode
 from .abort import CollectiveWatch, recovering, take_aborted
 from .rebuild import REBUILD_LABEL, build, let_go, reset_megatron_if, restore
@@ -80,7 +84,8 @@ def run_rounds(job: Any, timeout: timedelta, step: Optional[int], reason: str) -
     board: Optional[BoardView] = None
     with recovering():
         while True:
-            rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound), ahead=job.record)
+            rnd = RecoveryRound.open(job.channel, plane, max(deadline, time.monotonic() + bound), ahead=job.record,
+                                     node=NodeChannel(beat))
             if board is None:
                 # From the latest commit's entry (no job rank is lost before it); heard before this rank
                 # arrives, so before the leader looks.
@@ -162,6 +167,9 @@ class _RebuildScope:
 
     def publish(self, key: str, value: bytes) -> None:
         self.board.publish(key, value, self.rank)
+
+    def arrive(self, store: StoreClient, at: Meeting, size: int) -> Place:
+        return self.rnd.node.arrive(store, at, size, again=False)
 
     def succeeded(self, key: str) -> None:
         if key == self.rnd.keys.rebuild(REBUILD_LABEL).outcome:

@@ -44,6 +44,7 @@ import torch.distributed as dist
 from ..errors import ExcludedByRecovery, RecoveryError, StoreUnresponsiveError
 from ..layout.describe import describe_ranks, one_line
 from ..liveness.board import BoardView
+from ..liveness.calls import NodeChannel
 from ..liveness.plane import ControlPlane, control_plane
 from ..runtime.world_step import world_checkpoint, world_start
 from ..store import meeting
@@ -84,9 +85,10 @@ def board_view(channel: JobChannel, plane: ControlPlane, first: int = 0) -> Boar
     return BoardView(channel, lambda: plane.client(time.monotonic() + 5.0), first)
 
 
-def read_state(channel: JobChannel, store: StoreClient) -> tuple[JobState, bytes]:
-    """The job's record and its bytes as stored (what a change compares with), one request."""
-    raw = store.get_if_set(channel.state)
+def read_state(channel: JobChannel, store: StoreClient, node: Optional[NodeChannel] = None) -> tuple[JobState, bytes]:
+    """The job's record and its bytes as stored (what a change compares with), one request (``node``:
+    one for the node's ranks that read it together)."""
+    raw = store.get_if_set(channel.state) if node is None else node.read(store, channel.state)
     return (decode(JobState, raw), raw) if raw is not None else (JobState(), b"")
 
 
@@ -127,6 +129,8 @@ class _Waiting:
     woke_spares: bool = False
     contends: bool = False  # among the first arrivals, which watch the leader's beat closely
     looked: bool = False  # leading, it has read the board once (then it hears it, where it can)
+    short: bool = False  # the arrivals read were fewer than counted: one counted twice (its node's delegate
+    # went before answering it, and it arrived again), so ``complete`` may stand before the last arrival
 
 
 @dataclass
@@ -140,21 +144,23 @@ class RecoveryRound:
     store: StoreClient
     state: JobState
     raw_state: bytes = b""
+    node: NodeChannel = field(default_factory=NodeChannel)
 
     @classmethod
     def open(cls, channel: JobChannel, plane: ControlPlane, deadline: float, store: Optional[StoreClient] = None,
-             ahead: Optional[JobRecord] = None) -> RecoveryRound:
-        """This rank's view of the job's open round: one request. ``ahead``: this rank's record, written
-        where the store's is older (the closer of the round that committed it ended first)."""
-        store = store or plane.client(deadline)
+             ahead: Optional[JobRecord] = None, node: Optional[NodeChannel] = None) -> RecoveryRound:
+        """This rank's view of the job's open round: one request (``node``: the rank's node, which reads
+        and arrives for its ranks together). ``ahead``: this rank's record, written where the store's is
+        older (the closer of the round that committed it ended first)."""
+        store, node = store or plane.client(deadline), node or NodeChannel()
         with _store_answering("open a recovery round"):
-            state, raw = read_state(channel, store)
+            state, raw = read_state(channel, store, node)
             if ahead is not None and ahead.generation > state.generation:
                 logger.warning("hypergrid: the job's record in the store is behind this rank's (generation %d, not "
                                "%d): the round that committed it is closed now", state.generation, ahead.generation)
                 state = _change_state(channel, store, raw, lambda s: _committed(s, s.round, ahead))
                 state, raw = read_state(channel, store)
-            return cls(channel, plane, state.round, store, state, raw)
+            return cls(channel, plane, state.round, store, state, raw, node)
 
     @property
     def keys(self) -> RoundKeys:
@@ -183,7 +189,7 @@ class RecoveryRound:
         store, rank, now = self.store, arrival.rank, time.monotonic()
         waiting = _Waiting(rank, domain, offers, now, now)
         try:
-            place = meeting.arrive(store, self.keys.arrivals, len(domain) + len(offers), encode(arrival), awaited=True)
+            place = self.node.arrive(store, self.keys.arrivals, len(domain) + len(offers), encode(arrival), awaited=True)
             if place.number <= _CONTENDERS:
                 store.set(self.keys.wake, "")
                 waiting.woke_spares, waiting.contends = True, True
@@ -235,7 +241,7 @@ class RecoveryRound:
         waiting.looked = True
         missing = sum(1 for r in lost if _among(domain, r) or _among(offers, r))
         waited = time.monotonic() - waiting.since
-        if hearing and not missing and waited < bound_s and not closing:
+        if hearing and not missing and waited < bound_s and not closing and not waiting.short:
             complete = store.wait([self.keys.arrivals.complete], min(max(settings.leader_look_s, 1.0),
                                                                       max(0.0, bound_s - waited)))
             count = size if complete else -1
@@ -245,12 +251,13 @@ class RecoveryRound:
             # The whole list only when it may decide: it grows with the round.
             arrivals = (decode(Arrival, line) for line in meeting.lines(store, self.keys.arrivals))
             waiting.arrivals, waiting.read_at = {a.rank: a for a in arrivals}, count
+            waiting.short = len(waiting.arrivals) < count
             if hearing:
                 lost = board.refresh(store)  # how far it read: the next recovery reads on from there
         proposal = decide(RoundView(self.number, domain, waiting.arrivals, lost, waited, offers,
                                     board_read=board.seen), bound_s=bound_s, remaining_s=store.remaining())
         if proposal is None:
-            if not hearing or missing:
+            if not hearing or missing or waiting.short:
                 time.sleep(settings.leader_look_s)
             return None
         return self._propose(dataclasses.replace(proposal, decided_by=waiting.rank), board)

@@ -29,6 +29,10 @@ from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Optional, Protocol
 
+from ..store.client import StoreClient
+from ..store.keys import Meeting
+from ..store.meeting import Place
+
 __all__ = ["RecoveryScope", "watching", "watching_now", "lost_among", "creation_timeout", "WATCH_SLICE_S"]
 
 #: How long a wait inside :func:`watching` that does not hear losses blocks on the store before it
@@ -59,6 +63,11 @@ class RecoveryScope(Protocol):
 
     def publish(self, key: str, value: bytes) -> None:
         """Tell every rank of the job, through the board, that the outcome at ``key`` is ``value``."""
+
+    def arrive(self, store: StoreClient, at: Meeting, size: int) -> Place:
+        """Count this rank in at ``at`` among ``size``, with its node's ranks that arrive together (a
+        count whose fate is unknown is not made again: it fails the meeting, where a double one could
+        end it early)."""
 
     def succeeded(self, key: str) -> None:
         """Called, before telling the others, by the participant whose decision that the step

@@ -173,7 +173,8 @@ def world_checkpoint(step: Optional[WorldStep], error: Optional[BaseException], 
             _decide(store, step, StepOutcome(rank, one_line(f"{type(error).__name__}: {error}", 1200)), scope, end)
             _end_epoch(store, step)
             return
-        if meeting.arrive(store, end, step.size).completes:
+        place = scope.arrive(store, end, step.size) if step.attempt and scope is not None else None
+        if (place or meeting.arrive(store, end, step.size)).completes:
             _end_epoch(store, step)
             if step.attempt and scope is not None:
                 # Committed before anyone hears of it: a rank opening the next round finds the record past this one.

@@ -204,7 +204,7 @@ class StoreClient:
     def add(self, key: str, amount: int) -> int:
         return cast(int, self._call("add", lambda store: store.add(key, amount)))
 
-    def append(self, key: str, value: str) -> None:
+    def append(self, key: str, value: str | bytes) -> None:
         self._call("append", lambda store: store.append(key, value))
 
     def delete_key(self, key: str) -> None:

@@ -27,7 +27,7 @@ from typing import Optional, Protocol, Union
 from .client import StoreClient
 from .keys import Meeting
 
-__all__ = ["Place", "Hearing", "arrive", "decide", "wait_outcome", "lines", "roll_call", "forget"]
+__all__ = ["Place", "Hearing", "arrive", "arrive_together", "decide", "wait_outcome", "lines", "roll_call", "forget"]
 
 #: How long past its deadline a participant waits for the others present to answer the roll call.
 ROLL_CALL_S = 2.0
@@ -53,13 +53,31 @@ def arrive(store: StoreClient, meeting: Meeting, size: int, line: Optional[str] 
            awaited: bool = False) -> Place:
     """Count this participant in among ``size``, ``line`` appended first (the lines never lag the
     count). ``awaited``: someone blocks on the ``complete`` key, which the last arrival sets."""
-    if line is not None:
-        store.append(meeting.lines, line + "\n")
-    number = int(store.add(meeting.count, 1))
-    completes = number == size
-    if completes and awaited:
-        store.set(meeting.complete, "")
-    return Place(number, completes)
+    return arrive_together(store, meeting, size, [line], awaited=awaited)[0]
+
+
+def arrive_together(store: StoreClient, meeting: Meeting, size: int, lines: Sequence[Optional[str]], *,
+                    awaited: bool = False) -> list[Place]:
+    """Count in ``len(lines)`` participants among ``size`` at once (a node's, by its delegate), their
+    lines (None: none) appended first in one request: their places, in order, as if each had arrived
+    in turn. ``store``: a ``StoreClient``, or any store with its ``append``, ``add`` and ``set``.
+
+        >>> import time
+        >>> import torch.distributed as dist
+        >>> store = StoreClient(time.monotonic() + 5, base=dist.HashStore())
+        >>> arrive_together(store, Meeting("m"), 3, ["a", None]), arrive(store, Meeting("m"), 3, "c")
+        ([Place(number=1, completes=False), Place(number=2, completes=False)], Place(number=3, completes=True))
+        >>> lines(store, Meeting("m"))
+        ['a', 'c']
+    """
+    text = "".join(line + "\n" for line in lines if line is not None)
+    if text:
+        store.append(meeting.lines, text.encode())
+    last = int(store.add(meeting.count, len(lines)))
+    places = [Place(number, number == size) for number in range(last - len(lines) + 1, last + 1)]
+    if awaited and any(place.completes for place in places):
+        store.set(meeting.complete, b"")
+    return places
 
 
 def decide(store: StoreClient, meeting: Meeting, proposal: Union[str, bytes]) -> bytes:

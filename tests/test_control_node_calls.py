@@ -1,0 +1,103 @@
+"""A node's ranks' store calls made as one by its delegate (hypergrid/liveness/calls.py): the
+monitors of two nodes of four in this process against a real TCPStore, their relays real sockets.
+
+What a recovery round's participants make (the job's record read, the arrival, the rebuild's end)
+costs the store the same few requests per node however many of the node's ranks ask; the store
+holds what the ranks would have written one by one; a call whose delegate went before answering is
+unknown to its rank, and one a monitor cannot hand on is refused (the rank makes it itself).
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+import pytest
+import torch.distributed as dist
+
+from hypergrid.liveness.calls import AnswerKind, NodeAnswer, NodeCall, NodeChannel
+from hypergrid.liveness.relay import Role
+from hypergrid.store import meeting
+from hypergrid.store.client import StoreClient
+from hypergrid.store.keys import Meeting
+from tests.test_control_plane import _Sim
+
+
+@pytest.fixture
+def server():
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+
+def _requests(sim: _Sim) -> int:
+    """The store requests every monitor's own connection made so far (boards apart)."""
+    return sum(m.link.store.requests for m in sim.monitors.values() if m.link.store is not None)
+
+
+def _ask(sim: _Sim, calls: dict[int, NodeCall]) -> dict[int, NodeAnswer]:
+    """Each rank's monitor is asked its rank's call; the followers' reach their delegates, whose
+    batches are made once due; the answers reach the followers."""
+    answers: dict[int, NodeAnswer] = {}
+    for rank, call in calls.items():
+        monitor = sim.monitors[rank]
+        monitor.calls.ask(call, lambda answer, rank=rank: answers.__setitem__(rank, answer), monitor.relay,
+                          now=time.monotonic())
+    sim.drain(quiet_s=0.2)
+    for rank, monitor in sim.monitors.items():
+        if rank not in sim.halted:
+            monitor.calls.make_due(monitor.relay, monitor.link, now=time.monotonic())
+    sim.drain(quiet_s=0.2)
+    return answers
+
+
+def test_a_node_s_ranks_arrive_and_read_with_one_batch_of_requests_per_node(server):
+    sim = _Sim(server, 8, node=4)
+    sim.tick(0.0)
+    assert sorted(r for r, m in sim.monitors.items() if m.role is Role.DELEGATE) == [0, 4]
+    at = Meeting(f"{sim.channel.namespace}/arrivals")
+    before = _requests(sim)
+    answers = _ask(sim, {rank: NodeCall.arrival(rank, at, 8, f"rank {rank}", awaited=True, ident=rank + 100)
+                         for rank in range(8)})
+    assert _requests(sim) - before == 2 * 2 + 1  # each node's append and add; the complete key, once
+    assert {r: (a.kind, a.ident) for r, a in answers.items()} == {r: (AnswerKind.DONE, r + 100) for r in range(8)}
+    assert sorted(a.number for a in answers.values()) == list(range(1, 9))
+    assert [r for r, a in answers.items() if a.completes] == [max(answers, key=lambda r: answers[r].number)]
+    store = StoreClient(time.monotonic() + 5, base=server)
+    assert sorted(meeting.lines(store, at)) == sorted(f"rank {r}" for r in range(8))
+    assert store.check([at.complete]) and int(store.add(at.count, 0)) == 8
+
+    before = _requests(sim)
+    read = _ask(sim, {rank: NodeCall.read(rank, at.count, ident=rank) for rank in range(8)})
+    assert _requests(sim) - before == 2 and {a.value for a in read.values()} == {"8"}
+
+
+def test_a_call_whose_delegate_went_is_unknown_and_one_that_cannot_be_handed_on_is_refused(server):
+    sim = _Sim(server, 4, node=4)
+    sim.tick(0.0)
+    follower = sim.monitors[1]
+    heard: list[NodeAnswer] = []
+    follower.calls.ask(NodeCall.read(1, "k", ident=7), heard.append, follower.relay, now=time.monotonic())
+    sim.drain(quiet_s=0.2)  # the delegate holds it for the batch of its node's four ranks
+    sim.halt(0)
+    sim.drain(quiet_s=0.2)  # the follower hears its delegate go
+    assert [(a.ident, a.kind) for a in heard] == [(7, AnswerKind.UNKNOWN)]
+
+    alone: list[NodeAnswer] = []
+    sim.monitors[2].calls.ask(NodeCall.read(2, "k", ident=8), alone.append, None, now=time.monotonic())
+    assert [(a.ident, a.kind) for a in alone] == [(8, AnswerKind.REFUSED)]
+
+
+def test_a_rank_with_no_node_to_speak_for_it_makes_its_calls_itself_and_a_lost_end_count_is_not_made_twice(server):
+    store = StoreClient(time.monotonic() + 5, base=server)
+    at = Meeting("alone")
+    assert NodeChannel().arrive(store, at, 2, "rank 0") == meeting.Place(1, False)
+
+    class _Gone:  # a heartbeat whose monitor ended with the call
+        running = True
+
+        def call(self, call: NodeCall, timeout_s: float) -> NodeAnswer:
+            return NodeAnswer.to(call, AnswerKind.UNKNOWN)
+
+    node = NodeChannel(_Gone())
+    assert node.arrive(store, at, 2, "rank 1") == meeting.Place(2, True)  # an arrival is made again
+    assert node.arrive(store, Meeting("end"), 2, again=False) == meeting.Place(0, False)
+    assert int(store.add(Meeting("end").count, 0)) == 0
