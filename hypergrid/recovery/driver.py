@@ -325,7 +325,10 @@ def attach(job: Any, first_round: int) -> None:
         _collective_watch = None
         return
     beat.attach(JobSpec(job.channel, tuple(as_runs(job.domain)), job.settings.gpus_per_node))
-    _collective_watch = CollectiveWatch(job.channel, ranks=job.domain, first_round=first_round, groups=REGISTRY.groups)
+    # The grid's ranks only: a spare is in no communicator, and one released that exits at once
+    # must not abort the collectives of members still at work.
+    _collective_watch = CollectiveWatch(job.channel, ranks=job.layout.ranks, first_round=first_round,
+                                        groups=REGISTRY.groups)
     beat.listen("collective watch", _collective_watch)
 
 

@@ -2,8 +2,10 @@
 
 A job's one record in the store (:class:`~hypergrid.store.records.JobState`) says which round is
 open, the placement the latest committed round left, and who offers itself. With its heartbeat
-running, a participant costs the store four requests at any size (open, arrive, hear the verdict,
-end the rebuild). The first arrivals contend for the lead; a follower whose leader is lost or
+running, a participant hears the verdict and the rebuild's end from the board, and its node's
+delegate reads the record, arrives and ends the rebuild for the node's ranks together
+(:mod:`hypergrid.liveness.calls`): four requests per node at any size, where each rank alone
+would make four. The first arrivals contend for the lead; a follower whose leader is lost or
 quiet takes it.
 
 Example, in a one-rank gloo world over a ``TCPStore``: of the job ``[0, 1]``, rank 1 never comes
