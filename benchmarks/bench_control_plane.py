@@ -379,20 +379,26 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     nodes = sorted({rank // NODE for rank in ranks})
     delegates = {node: WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S) for node in nodes}
 
-    def delegate(node: int) -> None:
-        """The node's one wait on the board, as a relay's delegate keeps it: a pending wait on the
+    def delegates_loop() -> None:
+        """Every node's one wait on the board, as its relay's delegate keeps it: a pending wait on the
         next entry (nothing for the store until it is set), its read, and every entry handed to the
-        node's participants."""
-        conn, index = delegates[node], 0
+        node's participants. One thread for the worker's nodes (a thread each would pass this
+        machine's limit on threads at 131,072 ranks), each node's wait answered in turn."""
+        watching = selectors.DefaultSelector()
+        index = dict.fromkeys(nodes, 0)
+        for node in nodes:
+            delegates[node].start_wait([channel.board_slot(0)])
+            watching.register(delegates[node].fileno(), selectors.EVENT_READ, node)
         while True:
-            key = channel.board_slot(index)
-            conn.start_wait([key])
-            conn.finish_wait()
-            events = decode_events(conn.read(key))
-            for view in views[node]:
-                for event in events:
-                    view.hear(event)
-            index += 1
+            for key, _ in watching.select():
+                node = key.data
+                conn, slot = delegates[node], channel.board_slot(index[node])
+                conn.finish_wait()
+                index[node] += 1
+                events = decode_events(conn.read_then_wait(slot, [channel.board_slot(index[node])]))
+                for view in views[node]:
+                    for event in events:
+                        view.hear(event)
 
     def arrival(rank: int) -> Arrival:
         return Arrival(rank, step=1, settings=settings.describe())
@@ -450,8 +456,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         thread.start()
     for _ in heads:
         registered.acquire()
-    for node in nodes:
-        threading.Thread(target=delegate, args=(node,), daemon=True).start()
+    threading.Thread(target=delegates_loop, daemon=True).start()
     before = (sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns),
               sum(c.requests for c in delegates.values()))
     print("ready", flush=True)

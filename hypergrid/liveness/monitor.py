@@ -498,8 +498,7 @@ class RankMonitor:
                 board.start_wait([channel.board_slot(index)])
                 return
             board.finish_wait()
-            payload = board.read(channel.board_slot(index))
-            board.start_wait([channel.board_slot(index + 1)])
+            payload = board.read_then_wait(channel.board_slot(index), [channel.board_slot(index + 1)])
         except STORE_ERRORS:
             self._drop_board()
             self._open_board()

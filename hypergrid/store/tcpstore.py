@@ -239,6 +239,17 @@ class WireStore:
         self._send(bytes([_GET]) + self._key(key))
         return self._recv_bytes()
 
+    def read_then_wait(self, key: str, keys: Sequence[str]) -> bytes:
+        """:meth:`read` ``key`` (known to be set) and :meth:`start_wait` on ``keys``, in one message: the
+        store takes both at one wake-up (a board's reader, from each entry to the next)."""
+        if self._waiting:
+            raise StoreProtocolError("a wait is already pending on this connection")
+        self._send(bytes([_GET]) + self._key(key)
+                   + bytes([_WAIT]) + struct.pack("<Q", len(keys)) + b"".join(self._key(k) for k in keys))
+        self.requests += 1
+        self._waiting = True
+        return self._recv_bytes()
+
     def multi_get(self, keys: Sequence[str]) -> list[bytes]:
         """The values of ``keys``, waiting (up to the timeout) until all are set."""
         if not self.wait(keys, self.timeout_s):
