@@ -15,14 +15,15 @@ Measured, per size:
   having it and to every other rank having it (rank 0, rank 1,500, the last rank), and from a
   whole node going silent (monitors and all) to the board having all of its ranks (their
   watchers' publication) and to every other rank having them (the delivery as well);
-* one recovery round of every rank as ``recover`` takes it, every participant a thread with its
-  own connection: the round opened (``RecoveryRound.open``, over a committed record, as in a job
-  after its first recovery), the arrival and the verdict (``RecoveryRound.agree``), the rebuild's
-  world step (named by the round, its checkpoint's wait hearing the board), and the round's end,
-  record and close: the time until every participant has the verdict and has ended the step, the
-  store's own CPU time for all of it, and the participants' requests, in all and by part (past
-  ``--connections`` ranks share a waits' connection, taking turns; what a turn that ran out cost
-  is reported apart, as re-waits).
+* one recovery round of every rank as ``recover`` takes it, after node 1 was lost whole: the
+  round opened (``RecoveryRound.open``, over a committed record, as in a job after its first
+  recovery), the arrival and the verdict (``RecoveryRound.agree``), the rebuild's world step (named
+  by the round, its checkpoint's wait hearing the board), and the round's end, record and close,
+  each node's record read, arrivals and end made as one batch by its delegate
+  (``hypergrid.liveness.calls``): one participant thread per node runs the round's code, its
+  node's other ranks' calls joining its batches (see ``_round``). The time until every
+  participant has the verdict and has ended the step, the store's own CPU time for all of it,
+  and the requests, the participants' and their nodes' delegates', in all and by part.
 
 Beside it, the naive design ("scan": every rank adds to its heartbeat and reads up to 1,024
 other ranks' heartbeats every interval, check + multi_get) at the sizes it reaches, modelled with
@@ -45,7 +46,7 @@ and their share of a core in the steady state, read from /proc.
 
 On two cores the simulation itself is the limit past 4,096 ranks: 16,384 monitors' Python does
 not run once a second in four processes (the store keeps up; the workers fall behind), and
-16,384 participant threads of one round in four processes starve one another. The figures in
+thousands of participant threads of one round in four processes starve one another. The figures in
 docs/recovery.md ran 16,384 with a 4 s heartbeat (the per-interval figures do not depend on the
 interval), and its round alone with its threads over 16 processes.
 
@@ -53,7 +54,8 @@ Run::
 
     python benchmarks/bench_control_plane.py                          # 8, 1,024, 4,096, the scan beside
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --connections 4096 --interval 4 --steady 20 --no-round
-    python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16 --connections 16384
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --only-round --round-workers 16
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --delegates-only --interval 4 --steady 20 --no-round
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
     python benchmarks/bench_control_plane.py --monitor-cost 60
