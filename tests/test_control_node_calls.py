@@ -101,3 +101,47 @@ def test_a_rank_with_no_node_to_speak_for_it_makes_its_calls_itself_and_a_lost_e
     assert node.arrive(store, at, 2, "rank 1") == meeting.Place(2, True)  # an arrival is made again
     assert node.arrive(store, Meeting("end"), 2, again=False) == meeting.Place(0, False)
     assert int(store.add(Meeting("end").count, 0)) == 0
+
+
+def test_a_node_s_rank_processes_calls_reach_the_store_through_their_monitor_processes_as_one_batch():
+    import threading
+    import uuid
+
+    from hypergrid.liveness.heartbeat import Heartbeat
+    from hypergrid.liveness.monitor import JobSpec
+    from hypergrid.liveness.plane import ControlPlane
+    from hypergrid.store.keys import JobChannel
+
+    server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
+    plane = ControlPlane(f"hypergrid/calls-test/{uuid.uuid4()}", server, ("127.0.0.1", server.port))
+    channel = JobChannel.of([0, 1, 2], 0, plane.namespace)
+    beats = [Heartbeat(plane, rank, interval_s=1.0, progress_timeout_s=60, stale_beats=5) for rank in range(3)]
+    at = Meeting(f"{plane.namespace}/arrivals")
+    answers: dict[int, NodeAnswer] = {}
+    try:
+        for beat in beats:
+            beat.attach(JobSpec(channel, ((0, 3),), 3))  # one node of three: one delegate, two followers
+        end = time.monotonic() + 30
+        while True:  # until every monitor has its role (a call to one between elections is refused)
+            probe = {r: b.call(NodeCall.read(-1, at.count), 5.0) for r, b in enumerate(beats)}
+            if all(a.kind is AnswerKind.DONE for a in probe.values()):
+                break
+            assert time.monotonic() < end, probe
+            time.sleep(0.2)
+
+        def arrive(rank: int) -> None:
+            answers[rank] = beats[rank].call(NodeCall.arrival(-1, at, 3, f"rank {rank}"), 10.0)
+
+        threads = [threading.Thread(target=arrive, args=(rank,)) for rank in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert {r: (a.kind, a.rank) for r, a in answers.items()} == {r: (AnswerKind.DONE, r) for r in range(3)}
+        assert sorted(a.number for a in answers.values()) == [1, 2, 3]
+        store = StoreClient(time.monotonic() + 5, base=server)
+        assert sorted(meeting.lines(store, at)) == ["rank 0", "rank 1", "rank 2"]
+        assert int(store.add(at.count, 0)) == 3  # each counted once (the batches' cost: the test above)
+    finally:
+        for beat in beats:
+            beat.stop(clean=True)
