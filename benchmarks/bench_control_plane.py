@@ -587,21 +587,19 @@ class _Bounded:
     def for_node(self, call: Any) -> Any:
         """``call(conn)`` made by the node's delegate (on this connection: the store sees the same
         requests), counted apart."""
-        with self.lock:
-            before = self.conn.requests
-            try:
-                return call(self.conn)
-            finally:
-                self.by_node[self.phase] = self.by_node.get(self.phase, 0) + self.conn.requests - before
+        return self._counted(call, self.by_node)
 
     def _on(self, call: Any) -> Any:
         """``call(conn)`` on the requests' connection, its requests counted to the phase."""
+        return self._counted(call, self.made)
+
+    def _counted(self, call: Any, tally: dict[str, int]) -> Any:
         with self.lock:
             before = self.conn.requests
             try:
                 return call(self.conn)
             finally:
-                self.made[self.phase] = self.made.get(self.phase, 0) + self.conn.requests - before
+                tally[self.phase] = tally.get(self.phase, 0) + self.conn.requests - before
 
     def remaining(self) -> float:
         return self.deadline - time.monotonic()
@@ -632,9 +630,9 @@ class _Bounded:
         return self._on(lambda conn: conn.compare_set(key, as_bytes(expected), as_bytes(desired)))
 
     def get_if_set(self, key: str) -> Optional[bytes]:
-        from hypergrid.store.client import StoreClient
+        from hypergrid.store.client import read_if_set
 
-        return StoreClient.get_if_set(self, key)  # type: ignore[arg-type]  (its one compare_set, over ours)
+        return read_if_set(self, key)
 
     def get_within(self, key: str, seconds: float, *, meanwhile: Any = None, every_s: float = 1.0) -> Optional[bytes]:
         # As torch's client: a wait and a get (one blocking get), on the waits' connection. Here on

@@ -48,6 +48,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Optional, Protocol, cast
 
 from ..store import meeting
+from ..store.client import read_if_set
 from ..store.keys import Meeting
 from ..store.records import decode, encode
 from .link import STORE_ERRORS, StoreLink
@@ -62,9 +63,6 @@ BATCH_WINDOW_S = 0.2
 
 #: How long a rank waits for its node's answer at most (a store that answers late holds its delegate).
 CALL_TIMEOUT_S = 15.0
-
-#: The value a compare-and-set that never writes expects (:meth:`StoreClient.get_if_set`'s).
-_ABSENT = b"\x00hypergrid: not set"
 
 
 class CallKind(str, enum.Enum):
@@ -138,8 +136,8 @@ def answer_batch(store: Any, calls: Sequence[NodeCall]) -> list[NodeAnswer]:
     if any(call.batch != first.batch for call in calls):
         raise ValueError(f"a batch's calls are alike, got {[call.batch for call in calls]}")
     if first.kind is CallKind.READ:
-        raw = bytes(store.compare_set(first.key, _ABSENT, _ABSENT))
-        value = None if raw == _ABSENT else raw.decode()
+        raw = read_if_set(store, first.key)
+        value = None if raw is None else raw.decode()
         return [replace(NodeAnswer.to(call, AnswerKind.DONE), value=value) for call in calls]
     places = meeting.arrive_together(store, Meeting(first.key), first.size, [call.line for call in calls],
                                      awaited=first.awaited)
@@ -173,7 +171,7 @@ class NodeCalls:
 
     def due_at(self) -> Optional[float]:
         """When the oldest batch is due at the latest (None: none waits)."""
-        return min((since for since, _ in self._waiting.values()), default=None) if self._waiting else None
+        return min((since + self.window_s for since, _ in self._waiting.values()), default=None)
 
     def due(self, *, members: int, now: float) -> list[list[tuple[NodeCall, Reply]]]:
         """The batches to make now, taken out: those every one of the node's ``members`` asked in, and

@@ -112,8 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 continue
             readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
             calls_due = monitor.calls.due_at()
-            wait_s = max(0.0, min(next_tick, calls_due + monitor.calls.window_s if calls_due is not None else next_tick)
-                         - time.monotonic())
+            wait_s = max(0.0, min(next_tick, next_tick if calls_due is None else calls_due) - time.monotonic())
             ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
                                         wait_s if parent is not None or ended is not None else min(wait_s, 0.1))
             if parent is not None and parent in ready:

@@ -28,7 +28,7 @@ from .keys import last_state_key
 from .records import LastState, decode
 from .shutdown import register
 
-__all__ = ["StoreClient", "read_last", "read_lasts", "read_present", "advance_epoch", "is_network_error"]
+__all__ = ["StoreClient", "read_if_set", "read_last", "read_lasts", "read_present", "advance_epoch", "is_network_error"]
 
 R = TypeVar("R")
 
@@ -40,6 +40,19 @@ ANSWER_SLACK_S = 5.0
 _LEAST_STORE_TIMEOUT = timedelta(milliseconds=1)
 #: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores begins with NUL.
 _ABSENT = b"\x00hypergrid: not set"
+
+
+def read_if_set(store: Any, key: str) -> Optional[bytes]:
+    """``key``'s value in ``store`` (any client with a ``compare_set``: a :class:`StoreClient`, a
+    ``WireStore``), or None where it is not set, in one request: a compare-and-set that never writes.
+
+        >>> import torch.distributed as dist
+        >>> base = dist.HashStore(); base.set("a", "1")
+        >>> read_if_set(base, "a"), read_if_set(base, "b")
+        (b'1', None)
+    """
+    value = bytes(store.compare_set(key, _ABSENT, _ABSENT))
+    return None if value == _ABSENT else value
 
 
 class _Connection:
@@ -154,8 +167,7 @@ class StoreClient:
             >>> store.get_if_set("a"), store.get_if_set("b"), base.check(["b"])
             (b'1', None, False)
         """
-        value = bytes(self.compare_set(key, _ABSENT, _ABSENT))
-        return None if value == _ABSENT else value
+        return read_if_set(self, key)
 
     def get_within(self, key: str, seconds: float, *, meanwhile: Optional[Callable[[], None]] = None,
                    every_s: float = 1.0) -> Optional[bytes]:
