@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import select
+import subprocess
 import uuid
 from datetime import timedelta
 
@@ -570,8 +572,8 @@ def test_a_delegate_elected_as_its_predecessor_s_rank_ended_hears_that_entry_bef
     delegate, follower = monitor(0), monitor(1)
     assert delegate.board is not None and follower.board is None
     follower.config = dataclasses.replace(follower.config, port=silent.getsockname()[1])  # its next connections
-    delegate.parent_ended()  # rank 0 ended: its monitor published it and left, nothing relayed but "at 0"
-    while not follower.relay.delegates:  # its position, then the end of file: it leads, its board connection not made
+    delegate.parent_ended()  # rank 0 ended: its monitor published it, handed it on and left
+    while not follower.relay.delegates:  # the entry, then the end of file: it leads, its board connection not made
         follower.on_ready(follower.readers()[0])
     assert follower.relay.delegates and follower.board is None
     assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]
@@ -582,6 +584,49 @@ def test_a_delegate_elected_as_its_predecessor_s_rank_ended_hears_that_entry_bef
     assert [(e.kind, e.rank) for e in heard[1]] == [(EventKind.LOST, 0)]  # heard once
     follower.close()
     silent.close()
+
+
+def test_a_delegate_whose_rank_ended_hands_its_followers_that_entry_before_it_goes(server):
+    sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
+    sim.tick(0.0)
+    sim.monitors[0].parent_ended()
+    sim.halted.add(0)
+    for rank in (1, 2):
+        follower = sim.monitors[rank]
+        follower.on_ready(follower.readers()[0])  # what the delegate sent before its end of file
+        assert follower.role is Role.FOLLOWER and follower.job.next_event == 1, rank
+        assert [(e.kind, e.rank, e.by) for e in sim.heard[rank]] == [(EventKind.LOST, 0, 0)], rank
+    sim.drain()  # then they elect another delegate, which waits past the entry: heard once
+    assert [len(sim.heard[rank]) for rank in (1, 2)] == [1, 1]
+    assert sum(sim.monitors[rank].board is not None for rank in (1, 2)) == 1
+
+
+@pytest.mark.parametrize("rank_runs", [True, False])
+def test_a_delegate_killed_alone_leaves_its_rank_the_time_a_monitor_takes_to_start(server, rank_runs):
+    # The rank of a delegate whose monitor went (a SIGKILL) without a word still runs when its
+    # heartbeat is starting another monitor: that one is waited for as any monitor starting is.
+    # Where the rank's process has ended too, its silence is its loss at the usual bound.
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: its pid names no process now
+    sim = _Sim(server, 3, node=3)  # one node: 0 leads, 1 and 2 follow
+    sim.monitors[0].config = dataclasses.replace(sim.monitors[0].config,
+                                                 parent_pid=os.getpid() if rank_runs else ended.pid)
+    sim.tick(0.0)
+    sim.tick(1.0)  # the delegate told its node whom it heard, itself and its rank's process among them
+    sim.halt(0)
+    sim.drain()  # its followers elect another delegate
+    delegate = next(rank for rank in (1, 2) if sim.monitors[rank].board is not None)
+    for now in range(2, 9):  # its bound is 5 s
+        sim.tick(float(now))
+        for rank in (1, 2):
+            lost = [(e.rank, e.by) for e in sim.heard[rank] if e.kind is EventKind.LOST]
+            assert lost == ([] if rank_runs or now < 6 else [(0, delegate)]), (now, rank, lost)
+    if rank_runs:  # a monitor that never comes is still found, 60 s later
+        for now in range(62, 68):
+            sim.tick(float(now))
+        for rank in (1, 2):
+            reasons = [e.reason for e in sim.heard[rank] if e.kind is EventKind.LOST and e.rank == 0]
+            assert len(reasons) == 1 and "never spoke to its node's delegate" in reasons[0], (rank, reasons)
 
 
 def test_a_look_past_a_lost_node_reads_the_ranks_after_it_together_one_round_trip_for_all():

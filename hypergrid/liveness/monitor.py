@@ -58,7 +58,7 @@ from .calls import NodeCalls
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
-from .progress import RankProgress, frozen_delegate
+from .progress import RankProgress, frozen_delegate, rank_process
 from .relay import NodeNames, NodeRelay, Role
 from .served import ServedJob
 from .watch import Watch
@@ -186,7 +186,7 @@ class RankMonitor:
         if self.role is Role.DELEGATE:
             self.node_ranks = NodeRanks(self.config.rank, self.config.interval_s, self.config.stale_beats,
                                         START_TIMEOUT_S, self.now)
-            self.node_ranks.adopt(self._told.get("heard", ()), self._told.get("left", ()), self.now)
+            self.node_ranks.adopt(self._told, self.now)
 
     def _open_board(self, fatal: bool = False, catch_up: bool = True) -> None:
         """Connect to the board and wait on its next entry; unless ``fatal``, a failed connection is tried
@@ -363,7 +363,9 @@ class RankMonitor:
             self._delegate_quiet += 1
             relay.tell(f"alive {self.config.rank}")
             if self._delegate_quiet == self.config.stale_beats and self.names.standby is not None:
-                self._publish_frozen(job)
+                # The standby publishes its delegate's rank, silent for the staleness bound: its monitor is stopped.
+                self.publish(*frozen_delegate(self._told.get("me"), job.ring, job.lost, self._delegate_quiet,
+                                              self.config.stale_beats * self.config.interval_s, self.config.rank))
             if self._delegate_quiet > self.config.stale_beats + 1:
                 self._go_alone()
             elif self.names.standby is None:
@@ -397,13 +399,6 @@ class RankMonitor:
             self.link.open_soon()
         return True
 
-    def _publish_frozen(self, job: ServedJob) -> None:
-        """The standby publishes its delegate's rank, silent for the staleness bound: its monitor is stopped."""
-        frozen = frozen_delegate(self._told.get("me"), job.ring, job.lost, self._delegate_quiet,
-                                 self.config.stale_beats * self.config.interval_s, self.config.rank)
-        if frozen is not None:
-            self.publish(frozen)
-
     def _watches(self, job: ServedJob) -> bool:
         """Whether this monitor beats and watches for its node: its delegate does (or one alone); the
         standby once the delegate is quiet for two ticks; one told of a recovery its delegate was not
@@ -423,6 +418,7 @@ class RankMonitor:
         if relay is None or relay.role is not Role.DELEGATE:
             return
         state = {"spec": job.spec.digest, "watched": Watch.state(job.watched),
+                 "process": rank_process(self.config.parent_pid),
                  **(self.node_ranks.told() if self.node_ranks is not None else {})}
         self._state = json.dumps(state, separators=(",", ":"))
         if relay.followers:
@@ -472,19 +468,22 @@ class RankMonitor:
             self.publish(*found)
 
     # ------------------------------------------------------------------ the board
-    def publish(self, *events: BoardEvent) -> None:
+    def publish(self, *events: BoardEvent) -> Optional[int]:
         """Put ``events`` on the job's board in one entry (less the losses it has already), then count it;
-        a follower hands them to its delegate, and again to the next one until they are on the board."""
+        a follower hands them to its delegate, and again to the next one until they are on the board.
+        The entry's index (None: handed on, or nothing was left to put)."""
         job, relay = self.job, self.relay
         if job is None or not events:
-            return
+            return None
         if relay is not None and relay.role is Role.FOLLOWER and self._delegate_quiet <= 2:
             self._unconfirmed.extend(events)
             relay.tell("pub " + encode_events(list(events)))
-            return
+            return None
         channel, first = job.spec.channel, max(0, job.next_event)
-        if self.link.call(lambda store: claim_slot(store, channel, events, first)) is not None:
+        index = self.link.call(lambda store: claim_slot(store, channel, events, first))
+        if index is not None:
             self.link.call(lambda store: store.add(channel.board_count(), 1), again=False)
+        return index
 
     def on_board(self) -> None:
         """The board's wait was answered: read the entry, wait on the next, forward its events (two
@@ -535,7 +534,13 @@ class RankMonitor:
         """The rank's process is gone (or going while the job counts on it): publish it, mark it left
         (a follower once its delegate put it on the board)."""
         if not self.closed:
-            self.publish(BoardEvent(EventKind.LOST, self.config.rank, reason, by=self.config.rank))
+            index = self.publish(BoardEvent(EventKind.LOST, self.config.rank, reason, by=self.config.rank))
+            relay, job = self.relay, self.job
+            if index is not None and job is not None and relay is not None and relay.followers:
+                # A delegate hands its node the entry before it goes: the follower elected next would
+                # otherwise hear its neighbour's end only once it has taken the board over.
+                with contextlib.suppress(*STORE_ERRORS):
+                    self._catch_up(job, index + 1)
             self.depart()
 
     def depart(self) -> None:

@@ -20,10 +20,12 @@ Example, a delegate (rank 0) of ranks 0-3 that hears rank 1 and rank 2 once, the
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..store.records import BoardEvent, EventKind
+from .progress import restarting_delegate
 
 __all__ = ["NodeRanks"]
 
@@ -58,12 +60,19 @@ class NodeRanks:
         self.heard.pop(rank, None)
         self.left.add(rank)
 
-    def adopt(self, heard: Iterable[int], left: Iterable[int], now: float) -> None:
-        """Continue from what the node's last delegate told: those it heard count as heard ``now``."""
-        for rank in heard:
-            if rank not in self.heard and rank not in self.left:
+    def adopt(self, told: Mapping[str, Any], now: float) -> None:
+        """Continue from what the node's last delegate ``told``: those it heard count as heard ``now``,
+        but itself as never heard where its rank still runs (its monitor killed alone: the rank starts another).
+
+            >>> ranks = NodeRanks(me=1, interval_s=1.0, stale_beats=5, start_s=60.0, now=0.0)
+            >>> ranks.adopt({"heard": [0, 1, 2], "left": [3], "me": 0}, now=0.0); sorted(ranks.heard)
+            [0, 2]
+        """
+        restarting = restarting_delegate(told)
+        for rank in told.get("heard", ()):
+            if rank not in self.heard and rank not in self.left and rank not in (self.me, restarting):
                 self.heard[rank] = _Heard(now)
-        self.left.update(left)
+        self.left.update(told.get("left", ()))
 
     def told(self) -> dict[str, object]:
         """What a delegate tells its followers (one of them may take over): whom it heard, who left, itself."""

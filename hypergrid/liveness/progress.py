@@ -3,7 +3,9 @@
 A rank's heartbeat thread ticks its monitor every interval, which needs the rank's GIL: a rank
 whose interpreter sent no tick for ``timeout_s`` (stopped, or stuck holding the GIL) is hung, and
 published once until it ticks again. A follower standing by publishes its delegate's rank once the
-delegate said nothing for the staleness bound: the delegate's monitor is stopped.
+delegate said nothing for the staleness bound: the delegate's monitor is stopped. A delegate that
+went while its rank's process still runs on the node was killed alone: its rank starts another
+monitor, which is given the time a monitor may take to start (:func:`restarting_delegate`).
 
 Example, a progress timeout of 30 s::
 
@@ -16,13 +18,14 @@ Example, a progress timeout of 30 s::
 
 from __future__ import annotations
 
-from collections.abc import Container
+import os
+from collections.abc import Container, Mapping
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from ..store.records import BoardEvent, EventKind
 
-__all__ = ["RankProgress", "frozen_delegate"]
+__all__ = ["RankProgress", "frozen_delegate", "rank_process", "restarting_delegate"]
 
 
 @dataclass
@@ -49,15 +52,53 @@ class RankProgress:
 
 
 def frozen_delegate(told_rank: Any, ring: Container[int], lost: Container[int], quiet: int, bound_s: float,
-                    by: int) -> Optional[BoardEvent]:
+                    by: int) -> tuple[BoardEvent, ...]:
     """The loss of the delegate ``told_rank`` (as it last told its node) of a ring's ``ring`` ranks, silent
-    for ``quiet`` intervals (the bound: ``bound_s``), by the standby ``by``; None where it is not one to publish.
+    for ``quiet`` intervals (the bound: ``bound_s``), by the standby ``by``; none where it is not one to publish.
 
-        >>> frozen_delegate(8, ring=range(16), lost=(), quiet=5, bound_s=5.0, by=9).reason[:40]
+        >>> frozen_delegate(8, ring=range(16), lost=(), quiet=5, bound_s=5.0, by=9)[0].reason[:40]
         "its monitor, its node's delegate, said n"
+        >>> frozen_delegate(8, ring=range(16), lost=(8,), quiet=5, bound_s=5.0, by=9)
+        ()
     """
     if not isinstance(told_rank, int) or told_rank not in ring or told_rank in lost:
-        return None
-    return BoardEvent(EventKind.LOST, told_rank, (
+        return ()
+    return (BoardEvent(EventKind.LOST, told_rank, (
         f"its monitor, its node's delegate, said nothing for {quiet} intervals (the bound is {bound_s:g} s): "
-        f"its monitor is stopped"), by=by)
+        f"its monitor is stopped"), by=by),)
+
+
+def rank_process(pid: int) -> Optional[list[int]]:
+    """What a delegate tells its node of its rank's process ``pid``: the pid and its pid namespace
+    (a pid means the same process only within one); None where it cannot be said (no pid, no /proc).
+
+        >>> rank_process(os.getpid())[0] == os.getpid(), rank_process(0)
+        (True, None)
+    """
+    if pid <= 0:
+        return None
+    try:
+        return [pid, os.stat("/proc/self/ns/pid").st_ino]
+    except OSError:
+        return None
+
+
+def restarting_delegate(told: Mapping[str, Any]) -> Optional[int]:
+    """The rank of the node's last delegate, as ``told``, where its process still runs here after its
+    monitor went (killed alone: the rank's heartbeat starts another); None where it is gone, or cannot
+    be seen from this process (another pid namespace: a container of its own on the node).
+
+        >>> restarting_delegate({"me": 3, "process": rank_process(os.getpid())})
+        3
+        >>> restarting_delegate({"me": 3, "process": [2 ** 22 + 1, rank_process(os.getpid())[1]]}) is None
+        True
+    """
+    me, process, here = told.get("me"), told.get("process"), rank_process(os.getpid())
+    if not isinstance(me, int) or not isinstance(process, list) or here is None or process[1:] != here[1:]:
+        return None
+    try:
+        with open(f"/proc/{int(process[0])}/stat") as stat:
+            state = stat.read().rpartition(")")[2].split()[0]
+    except (OSError, IndexError, ValueError):
+        return None
+    return me if state not in ("Z", "X") else None  # an ended process not yet reaped has ended
