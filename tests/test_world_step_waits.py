@@ -210,7 +210,7 @@ def test_a_participant_heard_lost_before_it_started_ends_every_participant_s_wai
         thread.join(TIMEOUT_S + 15)
     took = time.monotonic() - began
     _every_other_wait_ended_naming(step, lost)
-    assert took < 5.0, took  # at the loss, not at the 30 s timeout
+    assert took < TIMEOUT_S / 2, took  # at the loss, not at the 30 s timeout (measured: under 1 s)
     # Each hearing participant's heartbeat tried to set the key once; the first one did.
     assert step.alarms["requests"] <= len(step.members) - 1, step.alarms
 
@@ -245,7 +245,7 @@ def test_a_participant_lost_after_it_ended_the_step_still_ends_the_others_wait(w
     for rank in (0, 2, 3):
         kind, message, seconds = step.outcomes[rank]
         assert kind == "GroupTimeoutError" and "ranks [1] were lost" in message, (rank, step.outcomes[rank])
-        assert seconds < 5.0, (rank, seconds)
+        assert seconds < TIMEOUT_S / 2, (rank, seconds)  # now, not at the 30 s timeout
 
 
 @pytest.mark.parametrize("attempt", [None, "ns/job/f00d/0/6"])
@@ -261,7 +261,7 @@ def test_the_first_timeout_ends_the_step_for_every_participant_naming_who_did_no
         kind, message, seconds = step.outcomes[rank]
         assert kind == "GroupTimeoutError", (rank, step.outcomes[rank])
         assert "ranks [5] did not" in message, (rank, message)
-        assert seconds < 3.0 + 4.0, (rank, seconds)  # rank 0's timeout and the roll call, not 30 s
+        assert seconds < TIMEOUT_S / 2, (rank, seconds)  # rank 0's 3 s timeout and the roll call, not 30 s
 
 
 def test_without_a_heartbeat_the_waits_look_at_the_board_once_a_slice(world, monkeypatch):
@@ -306,7 +306,7 @@ def test_a_participant_of_an_attempt_s_step_that_never_comes_ends_the_others_wai
     step.lose(lost)
     for thread in threads:
         thread.join(TIMEOUT_S + 15)
-    assert time.monotonic() - began < 5.0
+    assert time.monotonic() - began < TIMEOUT_S / 2  # at the loss, not at the 30 s timeout
     _every_other_wait_ended_naming(step, lost)
 
 
