@@ -12,7 +12,8 @@ Measured, per size, over a steady window:
 * the store's connections at start-up and the new ones in the window (its sockets, from ``ss``);
 * the requests the store received per rank per interval (data segments into its sockets, from
   ``ss``: each request of a monitor is one, a read of several counters one per counter or fewer);
-* the store's CPU per second (its server's threads, from /proc);
+* the store's CPU per second (its server's threads, from /proc), and per message beside the same
+  message (a delegate's beat and read) sent 5,000 times by one client to the idle store first;
 * each monitor's share of a core (the nodes' delegates apart from the others);
 * then a rank killed (SIGKILL): when every other rank heard it; then a node killed whole (its
   ranks and their monitors): when every other rank heard its 8 losses; and the losses on the
@@ -66,6 +67,27 @@ sys.stdin.read()
 beat.release()
 beat.stop(clean=True)
 """
+
+
+#: The anchor: one client process sending a delegate's beat message (its node's counter, the
+#: watched node's read) to an idle store, one after another, as StoreLink.beat sends it.
+BEATS_ALONE = """
+import sys
+sys.path.insert(0, sys.argv[1])
+from hypergrid.liveness.link import StoreLink
+from hypergrid.store.tcpstore import WireStore
+port, count = int(sys.argv[2]), int(sys.argv[3])
+link = StoreLink(lambda s: WireStore.connect("127.0.0.1", port, timeout_s=s), give_up_s=30.0)
+for _ in range(count):
+    link.beat("alone/node/0", ["alone/node/1"])
+"""
+
+
+def _beat_alone_us(port: int, count: int = 5000) -> float:
+    """The store's CPU per beat message with nothing else running (the anchor of the steady state's)."""
+    before = server_cpu_s()
+    subprocess.run([sys.executable, "-S", "-c", BEATS_ALONE, ROOT, str(port), str(count)], check=True)
+    return (server_cpu_s() - before) / count * 1e6
 
 
 def _process_cpu(pid: int) -> float:
@@ -188,6 +210,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as folder:
         # Before the ranks: their monitors' connections stall the store now and then at start-up.
         probe = WireStore.connect("127.0.0.1", port, timeout_s=60)
+        alone_us = _beat_alone_us(port)
         started = time.monotonic()
         job = _Job(n, port, interval, Path(folder))
         nodes = range(n // NODE)
@@ -243,6 +266,10 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
             "new_connections_in_steady": len(new), "requests_per_rank_per_interval": round(
                 requests / n / (elapsed / interval), 3),
             "store_cpu_s_per_s": round(store_cpu, 4),
+            # Per message: the nodes' beats and reads (one message per node per interval) in the steady
+            # state, beside the same message from one client to an idle store.
+            "store_cpu_us_per_message": round(store_cpu / (requests / elapsed) * 1e6, 1) if requests else None,
+            "store_cpu_us_per_message_alone": round(alone_us, 1),
             "monitor_cpu_percent": {"busiest (one per node)": round(sum(busiest) / len(busiest), 3),
                                     "the others": round(sum(sorted(shares.values())[:-len(nodes)]) /
                                                         max(1, n - len(nodes)), 3)},
