@@ -39,7 +39,7 @@ def _ask(sim: _Sim, calls: dict[int, NodeCall]) -> dict[int, NodeAnswer]:
     answers: dict[int, NodeAnswer] = {}
     for rank, call in calls.items():
         monitor = sim.monitors[rank]
-        monitor.calls.ask(call, lambda answer, rank=rank: answers.__setitem__(rank, answer), monitor.relay,
+        monitor.calls.ask(call, lambda answer, rank=rank: answers.__setitem__(rank, answer), monitor.call_route(),
                           now=time.monotonic())
     sim.drain(quiet_s=0.2)
     for rank, monitor in sim.monitors.items():
@@ -84,6 +84,30 @@ def test_a_call_whose_delegate_went_is_unknown_and_one_that_cannot_be_handed_on_
     alone: list[NodeAnswer] = []
     sim.monitors[2].calls.ask(NodeCall.read(2, "k", ident=8), alone.append, None, now=time.monotonic())
     assert [(a.ident, a.kind) for a in alone] == [(8, AnswerKind.REFUSED)]
+
+
+def test_a_follower_whose_delegate_said_nothing_for_two_intervals_refuses_its_rank_s_calls_until_it_speaks(server):
+    # A delegate stuck (SIGSTOP: its sockets open, nothing read or said) would hold its node's
+    # calls until its followers go alone; from the third quiet interval on, a follower's rank
+    # makes its calls itself, and once the delegate speaks again they go through it again.
+    sim = _Sim(server, 2, node=2)  # one node: 0 leads, 1 follows
+    sim.tick(0.0)
+    sim.tick(1.0)
+    follower = sim.monitors[1]
+    sim.halted.add(0)
+    route = []
+    for now in (2.0, 3.0, 4.0):
+        sim.tick(now)
+        route.append(follower.call_route() is follower.relay)
+    assert route == [True, True, False]
+    refused: list[NodeAnswer] = []
+    follower.calls.ask(NodeCall.read(1, "k", ident=9), refused.append, follower.call_route(), now=time.monotonic())
+    assert [(a.ident, a.kind) for a in refused] == [(9, AnswerKind.REFUSED)]
+    sim.halted.discard(0)
+    sim.tick(5.0)  # the delegate runs again and speaks to its node
+    assert follower.role is Role.FOLLOWER and follower.call_route() is follower.relay
+    answers = _ask(sim, {1: NodeCall.read(1, "k", ident=10)})
+    assert answers[1].kind is AnswerKind.DONE
 
 
 def test_a_rank_with_no_node_to_speak_for_it_makes_its_calls_itself_and_a_lost_end_count_is_not_made_twice(server):

@@ -102,6 +102,12 @@ class RankMonitor:
         """What this monitor is to its node now (None: it serves no job, or is between two elections)."""
         return self.relay.role if self.relay is not None else None
 
+    def call_route(self) -> Optional[NodeRelay]:
+        """Where the rank's calls go (:meth:`NodeCalls.ask`): the node's relay, but none from a follower
+        whose delegate said nothing for two intervals (frozen, maybe): its rank makes them itself."""
+        quiet = self.role is Role.FOLLOWER and self._delegate_quiet > 2
+        return None if quiet else self.relay
+
     @property
     def node(self) -> int:
         """This rank's node in the attached job (0 with none)."""
@@ -110,13 +116,6 @@ class RankMonitor:
     def _node_key(self, node: int) -> str:
         assert self.job is not None
         return node_beat_key(self.config.namespace, node, self.job.spec.gpus_per_node)
-
-    def _read(self, nodes: Sequence[int]) -> list[int]:
-        """The heartbeat counters of ``nodes``, in one round trip."""
-        keys = [self._node_key(n) for n in nodes]
-        read = self.link.call(lambda store: store.add_many(keys, 0))
-        assert read is not None
-        return read
 
     # ------------------------------------------------------------------ the job
     def attach(self, spec: JobSpec, first: Optional[int] = None) -> None:
@@ -446,8 +445,8 @@ class RankMonitor:
 
         def read(nodes: Sequence[int]) -> list[int]:
             nonlocal beaten
-            if beaten:  # walking on past a lost node
-                return self._read(nodes)
+            if beaten:  # walking on past a lost node: their counters in one round trip (None only with again=False)
+                return self.link.call(lambda store: store.add_many([self._node_key(n) for n in nodes], 0)) or []
             beaten = True  # the node's beat, and its first reads in the same message
             return self.link.beat(self._node_key(node), [self._node_key(n) for n in nodes])[1:]
 
@@ -535,8 +534,8 @@ class RankMonitor:
         (a follower once its delegate put it on the board)."""
         if not self.closed:
             index = self.publish(BoardEvent(EventKind.LOST, self.config.rank, reason, by=self.config.rank))
-            relay, job = self.relay, self.job
-            if index is not None and job is not None and relay is not None and relay.followers:
+            job = self.job
+            if index is not None and job is not None and self.relay is not None and self.relay.followers:
                 # A delegate hands its node the entry before it goes: the follower elected next would
                 # otherwise hear its neighbour's end only once it has taken the board over.
                 with contextlib.suppress(*STORE_ERRORS):

@@ -153,8 +153,8 @@ def _handle(monitor: RankMonitor, line: str, now: float, out: _ParentPipe) -> bo
     if word == "p":
         monitor.progress(now=now)
     elif word == "call":  # made with the node's others (:mod:`.calls`), answered on the rank's pipe
-        monitor.calls.ask(decode(NodeCall, rest), lambda answer: out.send("ans " + encode(answer)), monitor.relay,
-                          now=now)
+        monitor.calls.ask(decode(NodeCall, rest), lambda answer: out.send("ans " + encode(answer)),
+                          monitor.call_route(), now=now)
     elif word == "job":
         monitor.attach(JobSpec.from_json(rest))
     elif word == "resume":
