@@ -48,7 +48,9 @@ On two cores the simulation itself is the limit past 4,096 ranks: 16,384 monitor
 not run once a second in four processes (the store keeps up; the workers fall behind), and
 thousands of participant threads of one round in four processes starve one another. The figures in
 docs/recovery.md ran 16,384 with a 4 s heartbeat (the per-interval figures do not depend on the
-interval), and its round alone with its threads over 16 processes.
+interval), and its round alone with its threads over 16 processes. ``--replay-interval SECONDS``
+then stops the monitors and sends each one's last beat (the same message, on its connection)
+every SECONDS: what the store spends at a heartbeat whose monitors the workers cannot run.
 
 Run::
 
@@ -57,6 +59,7 @@ Run::
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16 --connections 16384
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --only-round --round-workers 16
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --delegates-only --interval 4 --steady 20 --no-round
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --delegates-only --interval 2 --steady 20 --no-round --replay-interval 1
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
     python benchmarks/bench_control_plane.py --monitor-cost 60
 """
@@ -161,6 +164,8 @@ def _worker(spec: dict) -> None:
         boards.append(WireStore.connect(host, port, timeout_s=600.0))
         return boards[-1]
 
+    last_beat: dict[int, tuple[str, tuple[str, ...]]] = {}  # rank -> its monitor's last beat: its node's key, its reads
+    replays: list[tuple[float, int]] = []  # (when due, rank): the last beats sent again (see "replay")
     if ring:
         # Each rank's monitor as in a cluster: its node's monitors elect a relay delegate, which
         # alone opens a board connection and waits on the board, and hands the events on.
@@ -176,6 +181,7 @@ def _worker(spec: dict) -> None:
             monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
                                   now=time.monotonic(), connect=_first_then_new(beat_conn[rank // share], board_connection))
             monitors[rank] = monitor
+            monitor.link.beat = _recorded(monitor.link.beat, last_beat, rank)  # type: ignore[method-assign]
         for rank in ranks:  # every one of them made before any attaches: relays form with all there
             monitors[rank].attach(job)
         for rank in ranks:
@@ -231,10 +237,23 @@ def _worker(spec: dict) -> None:
             passes["done"] += ring
             heapq.heappush(ticks, (due + interval, rank))
 
+    def run_due_replays() -> None:
+        # The same message as the monitor's last beat, on its connection: its node's counter and the reads.
+        while replays and replays[0][0] <= time.monotonic():
+            due, rank = heapq.heappop(replays)
+            passes["late"] = max(passes["late"], time.monotonic() - due)
+            key, reads = last_beat[rank]
+            monitors[rank].link.store.adds([(key, 1), *((read, 0) for read in reads)])
+            passes["done"] += 1
+            heapq.heappush(replays, (due + replay_s[0], rank))
+
+    replay_s = [0.0]
     inbox = b""
     while True:
         run_due_ticks()
-        timeout = max(0.0, ticks[0][0] - time.monotonic()) if ticks else 0.5
+        run_due_replays()
+        due_next = min([q[0][0] for q in (ticks, replays) if q], default=None)
+        timeout = max(0.0, due_next - time.monotonic()) if due_next is not None else 0.5
         for key, _ in selector.select(timeout):
             if key.data is not None:
                 run_due_ticks()
@@ -250,9 +269,15 @@ def _worker(spec: dict) -> None:
             for line in lines.decode().split("\n") if lines else []:
                 word, _, rest = line.partition(" ")
                 if word == "go":
-                    start = time.monotonic()
+                    start, replays[:] = time.monotonic(), []
                     ticks[:] = [(start + interval * i / len(ranks), r) for i, r in enumerate(ranks)]
                     heapq.heapify(ticks)
+                elif word == "replay":  # the monitors stop; their last beats are sent every `rest` seconds
+                    replay_s[0], ticks[:] = float(rest), []
+                    sending = [r for r in sorted(last_beat) if r not in halted and monitors[r].link.store is not None]
+                    start = time.monotonic()
+                    replays[:] = [(start + replay_s[0] * i / len(sending), r) for i, r in enumerate(sending)]
+                    heapq.heapify(replays)
                 elif word == "counters":
                     on_board = board_requests()
                     print(json.dumps({"requests": sum(c.requests for c in conns) + on_board[0],
@@ -282,6 +307,16 @@ def _worker(spec: dict) -> None:
                     print(json.dumps(out), flush=True)
                 elif word == "quit":
                     return
+
+
+def _recorded(beat: Any, last: dict, rank: int) -> Any:
+    """``beat`` (a monitor's StoreLink.beat), noting in ``last[rank]`` what it sent each time."""
+
+    def recording(key: str, reads: Any = ()) -> Any:
+        last[rank] = (key, tuple(reads))
+        return beat(key, reads)
+
+    return recording
 
 
 def _first_then_new(first: Any, connect: Any) -> Any:
@@ -744,10 +779,11 @@ def _probe(host: str, port: int, seconds: float) -> tuple[float, float]:
 
 
 def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str, port: int,
-            hosted: Optional[int] = None) -> dict:
+            hosted: Optional[int] = None, start: str = "go") -> dict:
     """The steady state over ``seconds``: requests and bytes per rank (of ``n``) per interval, the
-    store's CPU per second, a probe's gets; passes made per hosted monitor (``hosted``, default ``n``)."""
-    workers.send("go")
+    store's CPU per second, a probe's gets; passes made per hosted monitor (``hosted``, default ``n``).
+    ``start``: what the workers are told to begin."""
+    workers.send(start)
     time.sleep(3 * interval)
     before = workers.ask("counters")
     start, cpu = time.monotonic(), server_cpu_s()
@@ -764,6 +800,11 @@ def _steady(workers: Workers, n: int, interval: float, seconds: float, host: str
             "store_cpu_s_per_s": store_cpu,
             "passes": done / (hosted or n) / (elapsed / interval), "late_s": max(a["late"] for a in after),
             "dropped": sum(a.get("dropped", 0) for a in after)}
+
+
+def _replayed(workers: Workers, n: int, interval: float, seconds: float, host: str, port: int, hosted: int) -> dict:
+    """The steady state with each hosted monitor's last beat sent again every ``interval`` (see "replay")."""
+    return _steady(workers, n, interval, seconds, host, port, hosted, start=f"replay {interval}")
 
 
 class _BoardClock(threading.Thread):
@@ -1016,6 +1057,10 @@ def main() -> None:
     parser.add_argument("--delegates-only", action="store_true",
                         help="host only each node's delegate (a real monitor), what its node's other monitors "
                              "say on the node's socket simulated: the store sees what N ranks send")
+    parser.add_argument("--replay-interval", type=float, default=0.0, metavar="SECONDS",
+                        help="after the steady state, send each hosted monitor's last beat (the same message, on "
+                             "its connection) every SECONDS, the monitors stopped: the store's cost at a heartbeat "
+                             "the workers cannot run the monitors' own code at")
     parser.add_argument("--connections", type=int, default=1024,
                         help="simulated ranks share connections past this many per kind (see the module)")
     args = parser.parse_args()
@@ -1060,6 +1105,13 @@ def main() -> None:
                   f"{time.monotonic() - started:.0f} s", flush=True)
             steady = _steady(workers, n, args.interval, args.steady, host, port, len(hosted))
             print(f"ring {n}: steady {steady}", flush=True)
+            if args.replay_interval:
+                replayed = _replayed(workers, n, args.replay_interval, args.steady, host, port, len(hosted))
+                print(f"ring {n}: the same beats every {args.replay_interval:g} s: {replayed}; per request "
+                      f"{replayed['store_cpu_s_per_s'] / replayed['req_s'] * 1e6:.1f} us, in the monitors' own "
+                      f"{steady['store_cpu_s_per_s'] / steady['req_s'] * 1e6:.1f} us", flush=True)
+                workers.send("go")  # the monitors run again (their counters moved on meanwhile: nobody stood still)
+                time.sleep(3 * args.interval)
             clock = _BoardClock(host, port, spec["namespace"])
             clock.start()
             scenarios = (("rank 0 dies", "die", [0]), ("rank 1,500 dies", "die", [1500]),
