@@ -21,6 +21,7 @@ Example, the process refusing a store nobody listens at (what the rank reads fir
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import select
@@ -113,8 +114,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
             calls_due = monitor.calls.due_at()
             wait_s = max(0.0, min(next_tick, next_tick if calls_due is None else calls_due) - time.monotonic())
-            ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
-                                        wait_s if parent is not None or ended is not None else min(wait_s, 0.1))
+            try:
+                ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
+                                            wait_s if parent is not None or ended is not None else min(wait_s, 0.1))
+            except OSError as exc:  # a follower the keep-alive thread dropped meanwhile: its socket closed
+                if exc.errno != errno.EBADF:
+                    raise
+                continue
             if parent is not None and parent in ready:
                 monitor.parent_ended()
                 ended, parent = time.monotonic(), None
