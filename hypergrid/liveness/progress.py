@@ -18,6 +18,7 @@ Example, a progress timeout of 30 s::
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Container, Mapping
 from dataclasses import dataclass
@@ -68,7 +69,8 @@ def frozen_delegate(told_rank: Any, ring: Container[int], lost: Container[int], 
         f"its monitor is stopped"), by=by),)
 
 
-def rank_process(pid: int) -> Optional[list[int]]:
+@functools.cache  # asked at every keep-alive; neither the pid nor its namespace changes
+def rank_process(pid: int) -> Optional[tuple[int, int]]:
     """What a delegate tells its node of its rank's process ``pid``: the pid and its pid namespace
     (a pid means the same process only within one); None where it cannot be said (no pid, no /proc).
 
@@ -78,7 +80,7 @@ def rank_process(pid: int) -> Optional[list[int]]:
     if pid <= 0:
         return None
     try:
-        return [pid, os.stat("/proc/self/ns/pid").st_ino]
+        return pid, os.stat("/proc/self/ns/pid").st_ino
     except OSError:
         return None
 
@@ -94,7 +96,7 @@ def restarting_delegate(told: Mapping[str, Any]) -> Optional[int]:
         True
     """
     me, process, here = told.get("me"), told.get("process"), rank_process(os.getpid())
-    if not isinstance(me, int) or not isinstance(process, list) or here is None or process[1:] != here[1:]:
+    if not isinstance(me, int) or not isinstance(process, (list, tuple)) or here is None or list(process[1:]) != list(here[1:]):
         return None
     try:
         with open(f"/proc/{int(process[0])}/stat") as stat:
