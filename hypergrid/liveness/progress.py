@@ -96,7 +96,8 @@ def restarting_delegate(told: Mapping[str, Any]) -> Optional[int]:
         True
     """
     me, process, here = told.get("me"), told.get("process"), rank_process(os.getpid())
-    if not isinstance(me, int) or not isinstance(process, (list, tuple)) or here is None or list(process[1:]) != list(here[1:]):
+    # ``process`` came as JSON (a list); only a pid in this process's own namespace can be looked up.
+    if not isinstance(me, int) or not isinstance(process, (list, tuple)) or here is None or tuple(process[1:]) != here[1:]:
         return None
     try:
         with open(f"/proc/{int(process[0])}/stat") as stat:
