@@ -11,7 +11,9 @@ control namespace and the monitor's pid, and then:
 ``kill``     SIGKILLs itself (the monitor must publish its end at once);
 ``bye``      releases its job and exits (nobody's loss);
 ``exit``     exits with the job still counting on it (``sys.exit(3)``: the job must learn it);
-``gil``      holds the GIL for ``--hold`` seconds in one C call, then exits cleanly.
+``gil``      holds the GIL for ``--hold`` seconds in one C call, then exits cleanly;
+``unread``   pauses its monitor (SIGSTOP), attaches the job only then, and SIGKILLs itself: the
+             monitor, let run again by the test, finds the job's line and the rank's end at once.
 """
 
 from __future__ import annotations
@@ -33,10 +35,15 @@ from hypergrid.liveness.plane import control_plane
 from hypergrid.store.keys import JobChannel
 
 
+def _state(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[0]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--store", required=True)
-    parser.add_argument("--scenario", required=True, choices=["kill", "bye", "exit", "gil"])
+    parser.add_argument("--scenario", required=True, choices=["kill", "bye", "exit", "gil", "unread"])
     parser.add_argument("--progress", type=float, default=60.0)
     parser.add_argument("--hold", type=float, default=0.0)
     args = parser.parse_args()
@@ -47,10 +54,18 @@ def main() -> None:
     assert plane is not None
     beat = Heartbeat(plane, 0, interval_s=0.2, progress_timeout_s=args.progress, stale_beats=5)
     channel = JobChannel.of([0, 1], 0, plane.namespace)
-    beat.attach(JobSpec(channel, ((0, 1),), 1))  # its ranks: itself alone (nobody to watch)
+    spec = JobSpec(channel, ((0, 1),), 1)  # its ranks: itself alone (nobody to watch)
+    if args.scenario != "unread":
+        beat.attach(spec)
     print(plane.namespace, beat.pid, flush=True)
     time.sleep(1.0)  # a few beats
-    if args.scenario == "kill":
+    if args.scenario == "unread":
+        os.kill(beat.pid, signal.SIGSTOP)
+        while _state(beat.pid) != "T":  # a signal is delivered after kill() returns
+            time.sleep(0.01)
+        beat.attach(spec)
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif args.scenario == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     elif args.scenario == "bye":
         beat.release()

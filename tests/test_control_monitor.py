@@ -8,6 +8,7 @@ Each scenario runs ``tests/control_rank.py`` (a whole process with its monitor, 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -39,7 +40,8 @@ def _board(store: dist.TCPStore, namespace: str) -> list[BoardEvent]:
 
 def _run(scenario: str, *args: str, settle_s: float = 1.5) -> tuple[dist.TCPStore, str, int, subprocess.Popen,
                                                                     Optional[float]]:
-    """Run the rank through ``scenario``; (store, namespace, monitor pid, process, when it ended)."""
+    """Run the rank through ``scenario``; (store, namespace, monitor pid, process, when it ended). A
+    monitor the rank paused is let run once the rank has ended."""
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     proc = subprocess.Popen([sys.executable, "-m", "tests.control_rank", "--store", f"127.0.0.1:{store.port}",
                              "--scenario", scenario, *args], stdout=subprocess.PIPE, text=True, cwd=ROOT, env=_env())
@@ -51,6 +53,8 @@ def _run(scenario: str, *args: str, settle_s: float = 1.5) -> tuple[dist.TCPStor
         if proc.poll() is None:
             proc.kill()
     ended = time.monotonic()
+    if scenario == "unread":
+        os.kill(int(monitor), signal.SIGCONT)
     time.sleep(settle_s)
     return store, namespace, int(monitor), proc, ended
 
@@ -71,6 +75,16 @@ def test_a_rank_killed_is_published_by_its_monitor_which_then_leaves():
     events = _board(store, namespace)
     assert [(e.kind.value, e.rank, e.reason, e.by) for e in events] == [("lost", 0, "its process ended", 0)]
     assert store.add(node_beat_key(namespace, 0, 1), 0) < 0  # marked as left: its watcher reports nothing more
+    assert _gone(monitor)
+
+
+def test_a_rank_killed_just_after_it_attached_a_job_is_that_job_s_loss():
+    # The monitor, paused, finds the job's line and the rank's end in one look: it takes the line in
+    # first, so the end is published on the job's board (not taken for the end of a rank with no job).
+    store, namespace, monitor, proc, _ = _run("unread")
+    assert proc.returncode == -9
+    events = _board(store, namespace)
+    assert [(e.kind.value, e.rank, e.reason, e.by) for e in events] == [("lost", 0, "its process ended", 0)]
     assert _gone(monitor)
 
 

@@ -108,8 +108,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 monitor.tick(now=now)
                 next_tick = now + config.interval_s
             if ended is None and parent is None and os.getppid() != config.parent_pid:  # no pidfd: reparented
-                monitor.parent_ended()
-                ended = now
+                _rank_ended(monitor, stdin, inbox, out)
+                ended, stdin = now, None
                 continue
             readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
             calls_due = monitor.calls.due_at()
@@ -122,8 +122,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     raise
                 continue
             if parent is not None and parent in ready:
-                monitor.parent_ended()
-                ended, parent = time.monotonic(), None
+                _rank_ended(monitor, stdin, inbox, out)
+                ended, parent, stdin = time.monotonic(), None, None
                 continue
             for fd in ready:
                 if fd in monitor.readers():  # the one before may have closed it (a new delegate)
@@ -145,6 +145,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3
     finally:
         speaking.set()
+
+
+def _rank_ended(monitor: RankMonitor, stdin: Optional[int], inbox: bytes, out: _ParentPipe) -> None:
+    """The rank's process ended: take in what it wrote before (left unread where its end and its last
+    lines came in one look), then publish its end unless it said it was done. A rank that attaches a
+    job and dies at once is that job's loss, not nobody's."""
+    done = False
+    if stdin is not None:
+        os.set_blocking(stdin, False)  # a child of the rank may hold the pipe open: read what is there
+        while True:
+            before = inbox
+            lines, inbox = read_lines(stdin, inbox)
+            if lines is None or (not lines and inbox == before):
+                break
+            for line in lines:
+                done = _handle(monitor, line, time.monotonic(), out) or done
+    if not done:
+        monitor.parent_ended()
 
 
 def _keep_alive(monitor: RankMonitor, stop: threading.Event, interval_s: float) -> None:
