@@ -175,7 +175,7 @@ def _worker(spec: dict) -> None:
             def hear(event: Any, rank: int = rank) -> None:
                 if event.kind.value == "lost":
                     received.setdefault(event.rank, {}).setdefault(rank, time.time())
-                    if monitors[rank].board is not None:  # its node's relay delegate: the store's delivery
+                    if monitors[rank].board is not None or monitors[rank].group is not None:  # a node's delegate
                         by_delegates.setdefault(event.rank, {}).setdefault(rank, time.time())
 
             monitor = RankMonitor(MonitorConfig(host, port, spec["namespace"], rank, interval), forward=hear,
@@ -369,6 +369,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     their waits, and they take turns on each (in a cluster every rank has its own)."""
     from hypergrid.liveness.board import BoardView, put_entry
     from hypergrid.liveness.calls import NodeChannel
+    from hypergrid.liveness.fanout import GroupLink, ReaderGroups
     from hypergrid.liveness.plane import ControlPlane
     from hypergrid.recovery.round import RecoveryRound
     from hypergrid.recovery.settings import RecoverySettings
@@ -414,28 +415,67 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     record = JobRecord(2, (n,), ("dp",), ((0, 0, n),), (), step=1, board_from=0)
 
     nodes = sorted({rank // NODE for rank in ranks})
-    delegates = {node: WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S) for node in nodes}
+    # The job's nodes grouped as its monitors group them (``hypergrid.liveness.fanout``): the
+    # delegate of each group's reader node alone waits on the board, and hands each entry to the
+    # group's other delegates over TCP (the library's GroupLink, between workers too).
+    readers = ReaderGroups()
+    job_nodes = [node for node in range(n // NODE) if node != LOST_NODE]
+    reading = [node for node in nodes if readers.reader(node, job_nodes) in (node, None)]
+    delegates = {node: WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S) for node in reading}
+    # A group's delegate that joined its reader after an entry reads that entry from the store, as a monitor does.
+    catch_up = WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S)
+    setup = WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S)
+    leads = {node: GroupLink.lead(setup.local_host) for node in reading if readers.reader(node, job_nodes) == node}
+    for node, link in leads.items():  # every reader of this worker says where it listens before any looks
+        setup.set(channel.board_reader(readers.group(node)), link.address.encode())
+    follows: dict[int, Any] = {}
+
+    def join_readers() -> None:
+        for node in nodes:
+            if node not in delegates:
+                address = setup.get(channel.board_reader(readers.group(node)), within_s=_ROUND_S).decode()
+                follows[node] = GroupLink.follow(address, timeout_s=60.0)
 
     def delegates_loop() -> None:
-        """Every node's one wait on the board, as its relay's delegate keeps it: a pending wait on the
-        next entry (nothing for the store until it is set), its read, and every entry handed to the
-        node's participants. One thread for the worker's nodes (a thread each would pass this
-        machine's limit on threads at 131,072 ranks), each node's wait answered in turn."""
+        """Every node's one wait on the board, as its relay's delegate keeps it, made by its group's
+        reader: a pending wait on the next entry (nothing for the store until it is set), its read,
+        and every entry handed to the group's other delegates and to the node's participants. One
+        thread for the worker's nodes (a thread each would pass this machine's limit on threads at
+        131,072 ranks), each node's wait answered in turn."""
         watching = selectors.DefaultSelector()
         index = dict.fromkeys(nodes, 0)
-        for node in nodes:
-            delegates[node].start_wait([channel.board_slot(0)])
-            watching.register(delegates[node].fileno(), selectors.EVENT_READ, node)
+
+        def hand(node: int, payload: str) -> None:
+            if node in leads:
+                leads[node].send(index[node], payload)
+            index[node] += 1
+            for view in views[node]:
+                for event in decode_events(payload):
+                    view.hear(event)
+
+        for node, conn in delegates.items():
+            conn.start_wait([channel.board_slot(0)])
+            watching.register(conn.fileno(), selectors.EVENT_READ, ("board", node))
+        for node, link in leads.items():
+            watching.register(link.readers()[0], selectors.EVENT_READ, ("joins", node))
+        for node, link in follows.items():
+            watching.register(link.readers()[0], selectors.EVENT_READ, ("reader", node))
         while True:
             for key, _ in watching.select():
-                node = key.data
-                conn, slot = delegates[node], channel.board_slot(index[node])
-                conn.finish_wait()
-                index[node] += 1
-                events = decode_events(conn.read_then_wait(slot, [channel.board_slot(index[node])]))
-                for view in views[node]:
-                    for event in events:
-                        view.hear(event)
+                kind, node = key.data
+                if kind == "joins":
+                    leads[node].accept_waiting(position=index[node])
+                elif kind == "board":
+                    conn, slot = delegates[node], channel.board_slot(index[node])
+                    conn.finish_wait()
+                    payload = conn.read_then_wait(slot, [channel.board_slot(index[node] + 1)]).decode()
+                    hand(node, payload)
+                else:
+                    for item in follows[node].receive() or ():
+                        while index[node] < item.index:  # what it missed before it joined
+                            hand(node, catch_up.get(channel.board_slot(index[node])).decode())
+                        if item.payload is not None and item.index == index[node]:
+                            hand(node, item.payload)
 
     def arrival(rank: int) -> Arrival:
         return Arrival(rank, step=1, settings=settings.describe())
@@ -493,9 +533,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         thread.start()
     for _ in heads:
         registered.acquire()
+    join_readers()  # connections wait in their reader's backlog until it takes them (with its position)
     threading.Thread(target=delegates_loop, daemon=True).start()
     before = (sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns),
-              sum(c.requests for c in delegates.values()))
+              sum(c.requests for c in [*delegates.values(), catch_up]))
     print("ready", flush=True)
     sys.stdin.readline()
     go.set()
@@ -511,8 +552,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "failed": sorted({r for _, _, failed in results for r in failed}),
                       "agreed": len(results), "errors": errors[:3], "error_count": len(errors),
                       "requests": sum(c.requests for c in conns) - before[0],
-                      "delegate_requests": sum(c.requests for c in delegates.values()) - before[2],
-                      "delegates": len(nodes),
+                      "delegate_requests": sum(c.requests for c in [*delegates.values(), catch_up]) - before[2],
+                      "delegates": len(nodes), "board_readers": len(delegates),
                       "rewaits": sum(store.rewaits for store in stores),
                       "made": {phase: sum(store.made.get(phase, 0) for store in stores)
                                for phase in ("open", "round", "step")},
@@ -952,6 +993,7 @@ def _round_all(workers: Workers, namespace: str) -> dict:
             "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step")},
             "by_nodes": {phase: sum(o["by_nodes"][phase] for o in outs) for phase in ("open", "round", "step")},
             "delegate_requests": sum(o["delegate_requests"] for o in outs), "delegates": sum(o["delegates"] for o in outs),
+            "board_readers": sum(o["board_readers"] for o in outs),
             "bytes": sum(o["bytes"] for o in outs),
             "failed": sorted({r for o in outs for r in o["failed"]}), "agreed": sum(o["agreed"] for o in outs),
             "errors": [e for o in outs for e in o["errors"]][:3], "error_count": sum(o["error_count"] for o in outs)}
@@ -1177,13 +1219,16 @@ def _table(rows: list, interval: float) -> None:
                 took += f" ({r['agreed']:,} agreed, {r['error_count']:,} did not)"
             stepped = f"{r['step_seconds']:.2f} s" if r.get("step_seconds") is not None else "-"
             rewaits = f" (+{r['rewaits']:,} re-waits on shared connections)" if r.get("rewaits") else ""
-            made = r["made"]
+            made, batched = r["made"], r["by_nodes"]
             own = made["open"] + made["round"] + made["step"]
-            round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {own:,}, {own / n:.2f} per rank: "
-                           f"{made['open'] / n:.2f} to open the round, {made['round'] / n:.2f} to arrive and hear the "
-                           f"verdict, {made['step'] / n:.2f} to end the rebuild (its last participant commits); the "
-                           f"{r['delegates']:,} nodes' delegates {r['delegate_requests'] / n:.2f} more per rank to read "
-                           f"the board for them{rewaits}")
+            nodes_made = batched["open"] + batched["round"] + batched["step"]
+            total = own + nodes_made + r["delegate_requests"]
+            round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {total:,}, {total / n:.3f} per rank: "
+                           f"the nodes' batches {nodes_made / n:.3f} ({batched['open'] / n:.3f} to open the round, "
+                           f"{batched['round'] / n:.3f} to arrive, {batched['step'] / n:.3f} to end the rebuild), the "
+                           f"participants' own {own:,} (the leader's and the last one's commit), the board's reads "
+                           f"{r['delegate_requests'] / n:.3f} ({r['board_readers']:,} readers for {r['delegates']:,} "
+                           f"nodes){rewaits}")
         cells = " | ".join(_loss_cell(d, label) for label in ("rank 0 dies", "rank 1,500 dies", "the last rank dies",
                                                                "node 5 lost", RACK_LABEL))
         print(f"| {n:,} | {cells} | {round_cells} |")

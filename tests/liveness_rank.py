@@ -4,7 +4,8 @@ its monitor process started, ticked, restarted when it ends), serving one job, a
 happens to a log.
 
 ``python -S -m tests.liveness_rank CONFIG`` (CONFIG: JSON with ``host``, ``port``, ``namespace``,
-``rank``, ``ranks``, ``node`` (ranks per node), ``interval`` and ``log``), from the repository's
+``rank``, ``ranks``, ``node`` (ranks per node), ``interval``, ``log`` and optionally ``per``, the
+nodes per reader of the board), from the repository's
 root. Its log gets a line per monitor process it runs (``monitor <time> <pid>``: the first, and
 each one the heartbeat restarted) and per event of the job's board it hears (``heard <time>
 <kind> <rank> <by> <key>``), times of the host's monotonic clock, which the test shares. It
@@ -19,6 +20,7 @@ import sys
 import time
 from types import SimpleNamespace
 
+from hypergrid.liveness.config import DEFAULT_NODES_PER_READER
 from hypergrid.liveness.heartbeat import Heartbeat
 from hypergrid.liveness.monitor import JobSpec
 from hypergrid.store.keys import JobChannel
@@ -39,7 +41,8 @@ def main() -> None:
         log.write(f"heard {time.monotonic():.4f} {event.kind.value} {event.rank} {event.by} {event.key or '-'}\n")
 
     beat.listen("log", heard)
-    beat.attach(JobSpec(JobChannel(config["namespace"], "job", 0), ((0, config["ranks"]),), config["node"]))
+    beat.attach(JobSpec(JobChannel(config["namespace"], "job", 0), ((0, config["ranks"]),), config["node"],
+                        config.get("per", DEFAULT_NODES_PER_READER)))
     pid = beat.pid
     log.write(f"monitor {time.monotonic():.4f} {pid}\n")
     while True:

@@ -71,6 +71,9 @@ MAX_CODE_LINES = 410
 LONGER = {
     "megatron.spec.config": "one value: Megatron-Core's 30-odd keywords, the sizes derived from them and their "
     "checks in Megatron-Core's order, each check a method of its own",
+    "liveness.monitor": "one rank's monitor: the roles a node's monitors take in turn (delegate, follower, "
+    "standby, alone, its group's board reader) share one state and one loop; each role's mechanics live in "
+    "modules of their own (relay, node, watch, calls, fanout)",
 }
 
 

@@ -27,6 +27,7 @@ import pytest
 import torch.distributed as dist
 
 from hypergrid.liveness.board import put_entry
+from hypergrid.liveness.config import DEFAULT_NODES_PER_READER
 from hypergrid.store.keys import JobChannel, node_beat_key, socket_name
 from hypergrid.store.records import BoardEvent, EventKind, decode_events, encode_events
 from hypergrid.store.tcpstore import WireStore
@@ -41,7 +42,7 @@ NODE, INTERVAL_S = 8, 1.0
 class _Job:
     """``count`` stand-in ranks serving one job, through a proxy in front of one store."""
 
-    def __init__(self, tmp_path: Path, count: int, stall_every: int = 0) -> None:
+    def __init__(self, tmp_path: Path, count: int, stall_every: int = 0, per: int = DEFAULT_NODES_PER_READER) -> None:
         self.count = count
         self.server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
                                     timeout=timedelta(seconds=60))
@@ -54,7 +55,7 @@ class _Job:
         self.procs: dict[int, subprocess.Popen] = {}
         for rank in range(count):
             config = {"host": "127.0.0.1", "port": self.proxy.port, "namespace": self.namespace, "rank": rank,
-                      "ranks": count, "node": NODE, "interval": INTERVAL_S, "log": str(self.logs[rank])}
+                      "ranks": count, "node": NODE, "interval": INTERVAL_S, "log": str(self.logs[rank]), "per": per}
             with open(tmp_path / f"rank{rank}.err", "w") as err:
                 self.procs[rank] = subprocess.Popen([sys.executable, "-S", "-m", "tests.liveness_rank", json.dumps(config)],
                                                     stdin=subprocess.PIPE, stderr=err, cwd=ROOT)
@@ -141,6 +142,18 @@ class _Job:
         return put_entry(self.direct, self.channel, encode_events([event]).encode(),
                          self.direct.add(self.channel.board_count(), 0))
 
+    def group_followers(self, group: int) -> int:
+        """How many delegates hold a connection to group ``group``'s reader of the board (0: none listens)."""
+        if not self.direct.check([self.channel.board_reader(group)]):
+            return 0
+        _, port = json.loads(self.direct.get(self.channel.board_reader(group)))
+        remote = f"{port:04X}"
+        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+        return sum(1 for fields in rows if fields[2].endswith(":" + remote) and fields[3] == "01")  # established
+
+    def heard_key(self, key: str, ranks: list[int]) -> bool:
+        return all(any(k == key for *_, k in self.heard(r)) for r in ranks)
+
     def kill_node(self, node: int) -> None:
         """Node ``node`` lost whole: its monitors first (none sees its rank end), then its ranks."""
         ranks = range(node * NODE, (node + 1) * NODE)
@@ -169,8 +182,8 @@ class _Job:
 def job_of(tmp_path):
     made: list[_Job] = []
 
-    def make(count: int, stall_every: int = 0) -> _Job:
-        made.append(_Job(tmp_path, count, stall_every))
+    def make(count: int, stall_every: int = 0, per: int = DEFAULT_NODES_PER_READER) -> _Job:
+        made.append(_Job(tmp_path, count, stall_every, per))
         return made[-1]
 
     yield make
@@ -330,3 +343,45 @@ def test_a_frozen_delegate_is_replaced_before_its_node_goes_stale_and_only_its_o
     assert job.delegate(0) == frozen
     print(f"\n16 ranks, node 0's delegate frozen 10 s: node 0's counter stood still {stood_still_s:.1f} s at most; "
           f"rank {frozen_rank} (the frozen monitor's) counted out once; its {NODE - 1} followers follow it again")
+
+
+def test_a_group_s_reader_frozen_then_lost_whole_leaves_its_nodes_reading_the_board_themselves_missing_nothing(
+        job_of):
+    # 64 ranks on 8 nodes, 2 nodes per reader of the board: nodes 0, 2, 4 and 6 read it, and each
+    # hands the entries to the delegate of the node after it over TCP. Node 2's delegate is frozen
+    # (SIGSTOP) 8 s: node 3's delegate hears nothing from it and reads the board itself within
+    # three intervals, an entry published meanwhile included. Then node 4 is lost whole: node 5's
+    # delegate reads the board itself, and every rank hears the node's losses within the bound.
+    job = job_of(64, per=2)
+    job.settle()
+    job.until(lambda: all(job.group_followers(g) == 1 for g in range(4)), 15,
+              "each group's second node hears the board from its reader")
+    frozen = job.delegate(2)
+    assert frozen is not None
+    frozen_rank = next(r for r in range(2 * NODE, 3 * NODE) if job.monitors(r)[-1] == frozen)
+    os.kill(frozen, signal.SIGSTOP)
+    try:
+        time.sleep(INTERVAL_S)
+        published = time.monotonic()
+        job.publish(BoardEvent(EventKind.DECIDED, -1, key="test/frozen-reader", value="x", by=-1))
+        node_3 = list(range(3 * NODE, 4 * NODE))
+        heard = job.until(lambda: job.heard_key("test/frozen-reader", node_3), 3 * INTERVAL_S + 3.0,
+                          "node 3 heard the entry its frozen reader held")
+        others = [r for r in range(job.count) if r // NODE != 2]
+        job.until(lambda: job.heard_key("test/frozen-reader", others), 5.0, "every rank off node 2 heard it")
+        time.sleep(max(0.0, published + 8.0 - time.monotonic()))
+    finally:
+        os.kill(frozen, signal.SIGCONT)
+    job.until(lambda: job.heard_key("test/frozen-reader", [r for r in range(job.count) if r != frozen_rank]), 15,
+              "node 2's ranks heard it too")
+    killed_at = time.monotonic()
+    job.kill_node(4)
+    lost = set(range(4 * NODE, 5 * NODE))
+    done = job.until(lambda: all({r for _, kind, r, _, _ in job.heard(rank) if kind == "lost"} >= lost
+                                 for rank in job.live() if rank != frozen_rank), 5 * INTERVAL_S + INTERVAL_S + 4.0,
+                     "every survivor heard node 4's losses")
+    losses = {e.rank for entry in job.board() for e in entry if e.kind is EventKind.LOST}
+    assert losses <= lost | {frozen_rank}, losses  # nobody else: the frozen delegate's own rank at most
+    assert all(len(job.monitors(r)) == 1 for r in job.live())  # no monitor exited
+    print(f"\n64 ranks, 2 nodes per board reader: node 3 heard an entry {heard - published:.1f} s after it was "
+          f"published with its reader frozen; node 4 lost whole heard by all {done - killed_at:.1f} s after the kill")

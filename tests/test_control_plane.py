@@ -22,6 +22,8 @@ import pytest
 import torch.distributed as dist
 
 from hypergrid.liveness.board import put_entry
+from hypergrid.liveness.config import DEFAULT_NODES_PER_READER
+from hypergrid.liveness.fanout import QUIET_TICKS, READER_LOOKS
 from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
 from hypergrid.liveness.relay import Role
 from hypergrid.liveness.ring import Ring, as_runs, from_runs
@@ -202,9 +204,11 @@ class _Sim:
     connection (a job of thousands within this machine's descriptors; each node's delegate has
     a board connection of its own), on a clock this test advances: no sleeping."""
 
-    def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8, runs=None, first=()):
+    def __init__(self, server, count, share=1, interval=1.0, progress=math.inf, node=8, runs=None, first=(),
+                 per=DEFAULT_NODES_PER_READER):
         """``runs``: the job's ranks (all ``count`` by default; the others' monitors serve it too,
-        as spares'); ``first``: ranks whose monitors attach before the others (and lead their nodes)."""
+        as spares'); ``first``: ranks whose monitors attach before the others (and lead their nodes);
+        ``per``: how many nodes share one reader of the board."""
         self.heard = {r: [] for r in range(count)}
         self.channel = JobChannel(f"sim-{uuid.uuid4()}", "job", 0)  # relays are named by it: one per test
         beats = {}
@@ -217,7 +221,7 @@ class _Sim:
                                    progress_timeout_s=progress if math.isfinite(progress) else 1e9)
             monitor = RankMonitor(config, forward=self.heard[rank].append, now=0.0,
                                   connect=_first_then_new(beats[group], server.port))
-            monitor.attach(JobSpec(self.channel, runs or ((0, count),), node))
+            monitor.attach(JobSpec(self.channel, runs or ((0, count),), node, per))
             self.monitors[rank] = monitor
         self.halted = set()
 
@@ -703,3 +707,69 @@ def test_a_job_of_2048_simulated_ranks_notices_the_loss_of_rank_1500_and_of_rank
     assert {publishers[r] for r in range(2040, 2048)} == {1016}
     board = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
     assert board.add(sim.channel.board_count(), 0) == 2  # rank 1,500's entry, and one for the whole node
+
+
+# ---------------------------------------------------------------------- a group's reader of the board
+def _waits(sim):
+    """Which monitors wait on the board themselves, and which hear it from their group's reader."""
+    live = {r: m for r, m in sorted(sim.monitors.items()) if r not in sim.halted}
+    return ([r for r, m in live.items() if m.board is not None],
+            [r for r, m in live.items() if m.group is not None and not m.group.leads])
+
+
+def test_a_group_of_nodes_keeps_one_wait_on_the_board_and_its_reader_hands_every_entry_on(server):
+    sim = _Sim(server, 16, node=2, per=4)  # 8 nodes: groups {0-3} and {4-7}, read by nodes 0 and 4
+    assert _waits(sim) == ([0, 8], [2, 4, 6, 10, 12, 14])  # the followers of each node hear their delegate
+    store = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    before = {r: sim.monitors[r].link.store.requests for r in (2, 4, 6)}
+    sim.monitors[15].publish(BoardEvent(EventKind.LOST, 15, "its process ended", by=15))
+    sim.drain()
+    assert all([(e.rank, e.by) for e in sim.heard[r]] == [(15, 15)] for r in range(16))
+    # the group's delegates read nothing from the store for it: their reader handed it on
+    assert {r: sim.monitors[r].link.store.requests - before[r] for r in (2, 4, 6)} == {2: 0, 4: 0, 6: 0}
+    assert store.add(sim.channel.board_count(), 0) == 1
+
+
+def test_a_job_of_no_more_nodes_than_a_group_has_every_node_s_delegate_wait_itself(server):
+    sim = _Sim(server, 8, node=2, per=4)  # 4 nodes: nothing to save
+    assert _waits(sim) == ([0, 2, 4, 6], [])
+
+
+def test_a_reader_that_ends_leaves_its_group_s_delegates_waiting_on_the_board_themselves(server):
+    sim = _Sim(server, 8, node=1, per=4)  # groups {0-3} and {4-7}
+    sim.tick(0.0)
+    sim.halt(4)  # the reader of nodes 5-7 is killed: its sockets close
+    sim.drain()
+    assert _waits(sim) == ([0, 5, 6, 7], [1, 2, 3])
+    sim.monitors[0].publish(BoardEvent(EventKind.LOST, 4, "its process ended", by=0))
+    sim.drain()
+    assert all([e.rank for e in sim.heard[r]] == [4] for r in sim.monitors if r != 4)
+    for now in range(1, 2 + READER_LOOKS):
+        sim.tick(float(now))
+    assert _waits(sim) == ([0, 5, 6, 7], [1, 2, 3])  # the address of the one that ended is not tried again
+
+
+def test_a_frozen_reader_s_group_reads_the_board_itself_within_its_quiet_bound_and_misses_nothing(server):
+    sim = _Sim(server, 8, node=1, per=4)
+    sim.tick(0.0)
+    sim.halted.add(4)  # the reader of nodes 5-7 is stuck: its sockets open, nothing read or sent
+    store = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    put_entry(store, sim.channel, encode_events([BoardEvent(EventKind.LOST, 9, "elsewhere", by=0)]).encode(), 0)
+    sim.drain()
+    assert [e.rank for e in sim.heard[5]] == []  # the entry waits with its reader
+    for now in range(1, QUIET_TICKS + 1):
+        sim.tick(float(now))
+        assert _waits(sim)[1] == [1, 2, 3, 5, 6, 7], now
+    sim.tick(float(QUIET_TICKS + 1))  # quiet for more than QUIET_TICKS intervals: on its own
+    assert _waits(sim) == ([0, 5, 6, 7], [1, 2, 3])
+    assert all([e.rank for e in sim.heard[r]] == [9] for r in sim.monitors if r != 4)
+
+
+def test_a_delegate_that_looked_before_its_reader_listened_finds_it_at_a_later_tick(server):
+    sim = _Sim(server, 8, node=1, per=4, first=(1, 2, 3, 5, 6, 7))  # the readers, 0 and 4, attach last
+    assert _waits(sim) == ([0, 1, 2, 3, 4, 5, 6, 7], [])
+    sim.tick(0.0)
+    assert _waits(sim) == ([0, 4], [1, 2, 3, 5, 6, 7])
+    sim.monitors[7].publish(BoardEvent(EventKind.LOST, 7, "its process ended", by=7))
+    sim.drain()
+    assert all([e.rank for e in sim.heard[r]] == [7] for r in range(8))

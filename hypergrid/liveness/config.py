@@ -19,12 +19,16 @@ from dataclasses import asdict, dataclass
 
 from ..store.keys import JobChannel
 
-__all__ = ["MonitorConfig", "JobSpec", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS", "START_TIMEOUT_S"]
+__all__ = ["MonitorConfig", "JobSpec", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS", "START_TIMEOUT_S",
+           "DEFAULT_NODES_PER_READER"]
 
 #: How long a rank's interpreter may make no progress before it counts as hung (minutes: pauses of seconds are routine).
 DEFAULT_PROGRESS_TIMEOUT_S = 180.0
 #: How many heartbeat intervals a counter may stand still before its rank counts as gone.
 STALE_BEATS = 5
+#: How many nodes share one wait on the job's board (:mod:`~hypergrid.liveness.fanout`; a job of no
+#: more nodes has each node's delegate wait itself).
+DEFAULT_NODES_PER_READER = 16
 #: How long a new monitor may take to reach the store and say it is ready: a counter that never beat
 #: is given this much more before its rank counts as gone.
 START_TIMEOUT_S = 60.0
@@ -50,11 +54,13 @@ class MonitorConfig:
 
 @dataclass(frozen=True)
 class JobSpec:
-    """The job a monitor serves: its board's channel, its ranks as ``(first, count)`` runs, its ``gpus_per_node``."""
+    """The job a monitor serves: its board's channel, its ranks as ``(first, count)`` runs, its
+    ``gpus_per_node``, and how many nodes share one reader of its board."""
 
     channel: JobChannel
     runs: tuple[tuple[int, int], ...]
     gpus_per_node: int
+    nodes_per_reader: int = DEFAULT_NODES_PER_READER
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -67,4 +73,5 @@ class JobSpec:
     @classmethod
     def from_json(cls, text: str) -> JobSpec:
         raw = json.loads(text)
-        return cls(JobChannel(**raw["channel"]), tuple((int(a), int(b)) for a, b in raw["runs"]), int(raw["gpus_per_node"]))
+        return cls(JobChannel(**raw["channel"]), tuple((int(a), int(b)) for a, b in raw["runs"]), int(raw["gpus_per_node"]),
+                   int(raw.get("nodes_per_reader", DEFAULT_NODES_PER_READER)))

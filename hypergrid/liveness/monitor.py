@@ -56,6 +56,7 @@ from ..store.tcpstore import StoreProtocolError, WireStore
 from .board import claim_slot, note_losses
 from .calls import NodeCalls
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
+from .fanout import READER_LOOKS, GroupLink, follow_reader, lead_group
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
 from .progress import RankProgress, frozen_delegate, rank_process
@@ -82,6 +83,9 @@ class RankMonitor:
         self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
                               give_up_s=config.connect_timeout_s)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
+        self.group: Optional[GroupLink] = None  # its group's reader's end, or its connection to that reader
+        self._shunned: set[str] = set()  # readers that failed this delegate: it waits on the board itself
+        self._reader_looks = 0  # how many times this delegate looked for its group's reader since attaching
         self.relay: Optional[NodeRelay] = None  # the node's monitors: this one is its delegate, or follows it
         self._probe: Optional[NodeRelay] = None  # gone alone: a connection to the node's name, until its holder answers
         self.node_ranks: Optional[NodeRanks] = None  # a delegate's: what its node's monitors said
@@ -125,6 +129,8 @@ class RankMonitor:
             self.job = ServedJob.of(spec, self.job.next_event, self.job.lost)
             return
         self._leave_board(say=True)
+        self._shunned.clear()
+        self._reader_looks = 0
         self.job = ServedJob.of(spec, -1 if first is None else first)
         if first is not None:
             self._tell_reached(self.job)
@@ -198,6 +204,8 @@ class RankMonitor:
             published = self.link.call(lambda store: store.add(job.spec.channel.board_count(), 0))
             assert published is not None
             self._catch_up(job, published)
+        if self._follow_reader(job):
+            return
         try:
             board = self.link.connection(self.config.connect_timeout_s)
         except (OSError, StoreProtocolError):
@@ -209,11 +217,37 @@ class RankMonitor:
             board.start_wait([job.spec.channel.board_slot(job.next_event)])
         except STORE_ERRORS:
             self._drop_board()
+            return
+        self._lead_group(job, board)
+
+    def _follow_reader(self, job: ServedJob) -> bool:
+        """A delegate whose node's group another reads hears the board from that reader; whether it does."""
+        self._reader_looks += 1
+        group = follow_reader(self.link, job, self.node, self._shunned)
+        if group is None:
+            return False
+        self._drop_board()
+        self.group = group
+        return True
+
+    def _lead_group(self, job: ServedJob, board: WireStore) -> None:
+        """The delegate of its group's reader node listens for the group's delegates and says where."""
+        self.group = lead_group(self.link, job, self.node, board.local_host)
+
+    def _read_board_again(self) -> None:
+        """The reader went, dropped this delegate or stayed quiet: wait on the board itself, from where it read."""
+        if self.group is not None:
+            self._shunned.add(self.group.address)
+        self._drop_board()
+        self._open_board()
 
     def _drop_board(self) -> None:
         if self.board is not None:
             self.board.close()
             self.board = None
+        if self.group is not None:
+            self.group.close()
+            self.group = None
 
     def _go_alone(self) -> None:
         """Stop counting on the node's delegate (silent for the staleness bound): serve the node alone."""
@@ -284,6 +318,7 @@ class RankMonitor:
     def readers(self) -> list[int]:
         """The descriptors :meth:`on_ready` handles: the board's wait, the relay's."""
         fds = [self.board.fileno()] if self.board is not None else []
+        fds += self.group.readers() if self.group is not None else []
         fds += self._probe.readers() if self._probe is not None else []
         return fds + (self.relay.readers() if self.relay is not None else [])
 
@@ -292,6 +327,8 @@ class RankMonitor:
         relay = self.relay
         if self.board is not None and fd == self.board.fileno():
             self.on_board()
+        elif self.group is not None and fd in self.group.readers():
+            self._from_group(fd)
         elif self._probe is not None and fd in self._probe.readers():
             self._follow_again()
         elif relay is None or self.job is None:
@@ -342,6 +379,19 @@ class RankMonitor:
             if item.payload is not None and item.index == job.next_event:
                 self._take_entry(job, item.payload)
 
+    def _from_group(self, fd: int) -> None:
+        """The group's fan-out is readable: a delegate joins the reader, or the reader sent entries."""
+        job, group = self.job, self.group
+        assert job is not None and group is not None
+        heard = group.on_ready(fd, job.next_event)
+        if heard is None:
+            self._read_board_again()
+            return
+        for item in heard:
+            self._catch_up(job, item.index)
+            if item.payload is not None and item.index == job.next_event:
+                self._take_entry(job, item.payload)
+
     def _catch_up(self, job: ServedJob, position: int) -> None:
         """Read from the store, a get each, the entries before ``position`` this monitor missed (a change
         of delegate, a restart); a delegate hands each to its followers too."""
@@ -372,8 +422,12 @@ class RankMonitor:
         else:
             if relay is not None and relay.role is Role.ALONE:
                 self._rejoin()
-            if self.board is None:
+            if self.group is not None and self.group.tick():
+                self._read_board_again()
+            elif self.board is None and self.group is None:
                 self._open_board()
+            elif self.group is None and self._reader_looks < READER_LOOKS:
+                self._follow_reader(job)  # its reader may have begun to listen after it looked
         if self._watches(job):
             self._keep_alive(job)  # before its calls too: however late the store answers them
             self._watch(job, now)
@@ -422,18 +476,22 @@ class RankMonitor:
         self._state = json.dumps(state, separators=(",", ":"))
         if relay.followers:
             relay.keep_alive(job.next_event, self._state)
+        if self.group is not None:
+            self.group.keep_alive(job.next_event)
 
     def keep_alive(self) -> None:
         """A delegate's word to its node, from a thread of the monitor's own: a store that answers late
         holds up the delegate's calls, and must not make its followers take it for a frozen one. The
         followers that came meanwhile are taken here too (at attach, before its first call is answered,
         its position may be unknown, -1: they learn it before any entry)."""
-        relay, job = self.relay, self.job
+        relay, job, group = self.relay, self.job, self.group
         if relay is not None and job is not None and relay.role is Role.DELEGATE:
             with relay.lock:
                 while relay.accept(position=job.next_event):
                     pass
                 relay.keep_alive(job.next_event, self._state)
+        if group is not None and job is not None:
+            group.keep_alive(job.next_event)
 
     def _watch(self, job: ServedJob, now: float) -> None:
         """Beat for the node, read the counters of the nodes it watches, hear what the node's monitors
@@ -508,6 +566,8 @@ class RankMonitor:
         follower's relay has none)."""
         if self.relay is not None:
             self.relay.send(job.next_event, payload)
+        if self.group is not None:
+            self.group.send(job.next_event, payload)
         job.next_event += 1
         events = decode_events(payload)
         if self._unconfirmed:

@@ -240,9 +240,12 @@ class NodeRelay:
     """One monitor's end of its node's relay: the delegate's listener and followers, or a follower's
     upstream. A delegate's keep-alive may come from a thread of its own: the followers are kept under a lock."""
 
-    def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket]) -> None:
+    def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket],
+                 same_user_only: bool = True) -> None:
         self.listener = listener
         self.upstream = upstream
+        #: Take only followers run by this user (a node's Unix socket); a TCP relay between hosts cannot tell.
+        self.same_user_only = same_user_only
         self.followers: dict[int, socket.socket] = {}
         self._inbox = b""
         self._said: dict[int, bytes] = {}  # what each follower sent, short of a whole line
@@ -289,7 +292,7 @@ class NodeRelay:
         except (BlockingIOError, InterruptedError, OSError):
             return False
         try:
-            if not _same_user(conn):
+            if self.same_user_only and not _same_user(conn):
                 raise PermissionError("another user's process")
             conn.setblocking(False)  # a follower that does not take a line at once is dropped
         except OSError:

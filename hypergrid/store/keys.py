@@ -232,6 +232,10 @@ class JobChannel:
         """The board's entry number ``index`` (written once)."""
         return f"{self.base}/event/{index}"
 
+    def board_reader(self, group: int) -> str:
+        """Where the reader of the board for nodes' group ``group`` says it listens (:mod:`hypergrid.liveness.fanout`)."""
+        return f"{self.base}/reader/{group}"
+
 
 def socket_name(purpose: str, *parts: object) -> bytes:
     """A Linux abstract socket name for ``purpose`` on one host, from a digest of ``parts`` (which

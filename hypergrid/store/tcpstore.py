@@ -137,6 +137,11 @@ class WireStore:
     def fileno(self) -> int:
         return self._sock.fileno()
 
+    @property
+    def local_host(self) -> str:
+        """This end's address: the interface through which the store's host is reached."""
+        return str(self._sock.getsockname()[0])
+
     def close(self) -> None:
         try:
             self._sock.close()

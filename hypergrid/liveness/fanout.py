@@ -1,0 +1,209 @@
+"""One wait on the job's board per group of nodes: a group's reader hands each entry to the others.
+
+Each node's delegate waiting on the board costs the store, per entry, a wake and two requests for
+every node: at 131,072 ranks on nodes of 8, some 49,000 messages for each entry of a recovery
+round. So nodes are grouped by index, :attr:`ReaderGroups.per` to a group, in jobs of more nodes
+than that; the delegate of the group's lowest node in the job (its *reader*) keeps the group's one
+wait on the board and hands each entry, over TCP, to the delegates of the group's other nodes,
+which hand it to their nodes' monitors as before. The reader listens on the address through which
+it reaches the store, and puts that address in the store for its group
+(:meth:`~hypergrid.store.keys.JobChannel.board_reader`).
+
+The fan-out only saves the store work; it never holds an entry back for long. Every relayed entry
+carries its board index and a delegate that joins is told the reader's position first, so one
+that missed entries reads them from the store (:mod:`.relay`'s rule). A delegate whose reader
+cannot be reached, ends (its connection closes), drops it (too far behind), or says nothing for
+:data:`QUIET_TICKS` intervals (frozen) waits on the board itself again, from where it had read.
+
+Example, a group's reader and one of its delegates in this process::
+
+    >>> groups = ReaderGroups(per=4)
+    >>> nodes = [0, 4, 5, 6, 9]
+    >>> groups.group(5), groups.reader(5, nodes), groups.reader(9, nodes), groups.reader(5, [4, 5])
+    (1, 4, 9, None)
+    >>> reader = GroupLink.lead("127.0.0.1"); follower = GroupLink.follow(reader.address, timeout_s=1.0)
+    >>> reader.accept_waiting(position=7); reader.send(7, '{"kind": "lost"}')
+    >>> follower.receive()                                          # doctest: +NORMALIZE_WHITESPACE
+    [Relayed(index=7, payload=None, state='', answer=None),
+     Relayed(index=7, payload='{"kind": "lost"}', state='', answer=None)]
+    >>> reader.close(); follower.receive() is None                 # the reader ended: read the board again
+    True
+    >>> follower.close()
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import socket
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Optional
+
+from .config import DEFAULT_NODES_PER_READER
+from .link import StoreLink
+from .relay import NodeRelay, Relayed
+from .served import ServedJob
+
+__all__ = ["ReaderGroups", "GroupLink", "QUIET_TICKS", "READER_LOOKS", "follow_reader", "lead_group"]
+#: How many intervals, from its job's start, a delegate looks for its group's reader (one request
+#: each) while it waits on the board itself: a reader attached after it listens a moment later.
+READER_LOOKS = 5
+#: How many intervals a group's delegate waits for a word from its reader before reading the board itself.
+QUIET_TICKS = 2
+
+
+@dataclass(frozen=True)
+class ReaderGroups:
+    """Nodes grouped by index, ``per`` to a group; a group's reader is its lowest node in the job."""
+
+    per: int = DEFAULT_NODES_PER_READER
+
+    def __post_init__(self) -> None:
+        if self.per < 1:
+            raise ValueError(f"nodes per board reader must be a positive number, got {self.per}")
+
+    def group(self, node: int) -> int:
+        return node // self.per
+
+    def reader(self, node: int, nodes: Sequence[int]) -> Optional[int]:
+        """The reader of ``node``'s group among the job's ``nodes`` (ascending); None where every
+        delegate waits on the board itself (a job of no more than :attr:`per` nodes)."""
+        if len(nodes) <= self.per:
+            return None
+        first = self.group(node) * self.per
+        at = bisect.bisect_left(nodes, first)
+        return nodes[at] if at < len(nodes) and nodes[at] < first + self.per else None
+
+
+class GroupLink:
+    """A delegate's end of its group's fan-out: the reader's listener and the delegates it hands
+    entries to, or a delegate's connection to its reader (a :class:`~.relay.NodeRelay` over TCP)."""
+
+    def __init__(self, relay: NodeRelay, address: str = "") -> None:
+        self.relay = relay
+        #: Where a reader listens, as it puts it in the store (empty for a delegate that follows one).
+        self.address = address
+        #: A following delegate's intervals since its reader last said anything.
+        self.quiet = 0
+
+    @classmethod
+    def lead(cls, host: str) -> GroupLink:
+        """Listen, as the group's reader, on ``host`` (the interface its store connection uses)."""
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            listener.bind((host, 0))
+            listener.listen(256)
+            listener.setblocking(False)
+        except OSError:
+            listener.close()
+            raise
+        return cls(NodeRelay(listener, None, same_user_only=False), json.dumps([host, listener.getsockname()[1]]))
+
+    @classmethod
+    def follow(cls, address: str, timeout_s: float) -> GroupLink:
+        """Connect to the reader at ``address`` (as :meth:`lead` put it); raises OSError where it cannot."""
+        try:
+            host, port = json.loads(address)
+        except (ValueError, TypeError) as exc:
+            raise OSError(f"a board reader's address is [host, port], got {address!r}") from exc
+        conn = socket.create_connection((str(host), int(port)), timeout=timeout_s)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.setblocking(False)
+        return cls(NodeRelay(None, conn, same_user_only=False))
+
+    @property
+    def leads(self) -> bool:
+        return self.relay.listener is not None
+
+    def readers(self) -> list[int]:
+        return self.relay.readers()
+
+    def accept_waiting(self, position: int) -> None:
+        """A reader takes the delegates waiting to join, telling each its ``position``."""
+        with self.relay.lock:
+            while self.relay.accept(position=position):
+                pass
+
+    def on_ready(self, fd: int, position: int) -> Optional[list[Relayed]]:
+        """One of :meth:`readers` is readable: a reader takes a delegate that joins (or notes one that
+        went) and returns []; a follower gets what its reader sent, None where the reader is gone."""
+        if not self.leads:
+            heard = self.relay.receive()
+            if heard is not None:
+                self.quiet = 0
+            return heard
+        listener = self.relay.listener
+        if listener is not None and fd == listener.fileno():
+            self.accept_waiting(position)
+        else:
+            self.relay.follower_ready(fd)  # they say nothing: this notes the end of one that went
+        return []
+
+    def send(self, index: int, payload: str) -> None:
+        """A reader hands entry ``index`` to its group's delegates."""
+        if self.leads:
+            self.relay.send(index, payload)
+
+    def keep_alive(self, position: int) -> None:
+        """A reader tells its group's delegates its position (every interval: they know it is alive)."""
+        if self.leads:
+            self.accept_waiting(position)
+            self.relay.keep_alive(position)
+
+    def tick(self) -> bool:
+        """A following delegate's interval: whether its reader has been quiet too long (read the board itself)."""
+        if self.leads:
+            return False
+        self.quiet += 1
+        return self.quiet > QUIET_TICKS
+
+    def receive(self) -> Optional[list[Relayed]]:
+        return self.relay.receive()
+
+    def close(self) -> None:
+        self.relay.close()
+
+
+def _reader_key(job: ServedJob, node: int) -> str:
+    return job.spec.channel.board_reader(ReaderGroups(job.spec.nodes_per_reader).group(node))
+
+
+def follow_reader(link: StoreLink, job: ServedJob, node: int, shunned: set[str]) -> Optional[GroupLink]:
+    """The connection to the reader of ``node``'s group, for its delegate (one request: where it
+    listens); None where the node reads for itself: its group's reader, none listening yet, or one
+    in ``shunned`` (it failed this delegate before: those it cannot reach are added)."""
+    reader = ReaderGroups(job.spec.nodes_per_reader).reader(node, job.nodes.ranks)
+    if reader is None or reader == node:
+        return None
+    key = _reader_key(job, node)
+    # A compare_set expecting what no address is: the address, or that value back where none is set.
+    held = link.call(lambda store: store.compare_set(key, b"-", b"-"))
+    address = held.decode() if held not in (None, b"-") else ""
+    if not address or address in shunned:
+        return None
+    try:
+        group = GroupLink.follow(address, timeout_s=1.0)
+    except OSError:
+        shunned.add(address)
+        return None
+    group.address = address
+    return group
+
+
+def lead_group(link: StoreLink, job: ServedJob, node: int, host: str) -> Optional[GroupLink]:
+    """For the delegate of its group's reader node: a listener on ``host`` for the group's other
+    delegates, its address put in the store; None for any other node, or where it cannot listen."""
+    if ReaderGroups(job.spec.nodes_per_reader).reader(node, job.nodes.ranks) != node:
+        return None
+    try:
+        group = GroupLink.lead(host)
+    except OSError:
+        return None  # the others find nobody there, and each waits on the board itself
+    try:
+        link.call(lambda store: store.set(_reader_key(job, node), group.address.encode()))
+    except BaseException:
+        group.close()
+        raise
+    return group
