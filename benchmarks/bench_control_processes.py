@@ -171,6 +171,7 @@ class _Job:
         while time.monotonic() < end:
             heard = {r: self.heard(r) for r in range(self.n) if r not in self.killed}
             if all(all(v in h for v in victims) for h in heard.values()):
+                self.last_heard = heard
                 return max(h[v] for h in heard.values() for v in victims), {v for h in heard.values() for v in h}
             time.sleep(1.0)  # reading a thousand logs is work of its own on two cores
         return None, set()
@@ -239,6 +240,10 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
         job.procs[victim].kill()
         job.killed.add(victim)
         heard_at, _ = job.all_heard([victim], 60)
+        # Who heard it last, and when most had: one slow process or the whole delivery.
+        delays = sorted((h[victim] - killed_at, r) for r, h in getattr(job, "last_heard", {}).items())
+        kill_spread = ({"p50": round(delays[len(delays) // 2][0], 2), "p90": round(delays[len(delays) * 9 // 10][0], 2),
+                        "slowest": [(r, round(d, 2)) for d, r in delays[-5:]]} if delays else {})
         node = (n // NODE) // 3
         lost = list(range(node * NODE, (node + 1) * NODE))
         for rank in lost:
@@ -274,6 +279,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
                                     "the others": round(sum(sorted(shares.values())[:-len(nodes)]) /
                                                         max(1, n - len(nodes)), 3)},
             "kill_heard_by_all_s": round(heard_at - killed_at, 2) if heard_at else None,
+            "kill_heard_spread_s": kill_spread,
             "node_heard_by_all_s": round(node_heard_at - node_killed_at, 2) if node_heard_at else None,
             "false_losses": false, "why_false": why, "board_entries": len(board), "stderr": errors}
 

@@ -294,6 +294,8 @@ class NodeRelay:
         try:
             if self.same_user_only and not _same_user(conn):
                 raise PermissionError("another user's process")
+            if conn.family != socket.AF_UNIX:  # an entry is one small line: sent at once, not held for an ACK
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             conn.setblocking(False)  # a follower that does not take a line at once is dropped
         except OSError:
             conn.close()
