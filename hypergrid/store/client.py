@@ -38,6 +38,9 @@ MIN_CALL_S = 0.05
 ANSWER_SLACK_S = 5.0
 #: torch counts whole milliseconds and 0 ms is "no timeout": a get with 0.4 ms left would wait for ever.
 _LEAST_STORE_TIMEOUT = timedelta(milliseconds=1)
+#: Under this much time left, a get or a wait looks (is it set?) instead of blocking: a wait of a few
+#: milliseconds can run out before a loaded store answers, and a key already set must still be read.
+LOOK_INSTEAD_S = 0.01
 #: What :meth:`StoreClient.get_if_set` expects a key to hold: no value the job stores begins with NUL.
 _ABSENT = b"\x00hypergrid: not set"
 
@@ -188,6 +191,8 @@ class StoreClient:
             return None
 
         def getting(store: Any) -> Optional[bytes]:
+            if seconds < LOOK_INSTEAD_S:
+                return cast(bytes, store.get(key)) if store.check([key]) else None
             previous = store.timeout
             store.set_timeout(_store_timeout(seconds))
             try:
@@ -232,6 +237,8 @@ class StoreClient:
             return False
 
         def waiting(store: Any) -> bool:
+            if seconds < LOOK_INSTEAD_S:
+                return bool(store.check(keys))
             try:
                 store.wait(keys, _store_timeout(seconds))
             except RuntimeError as exc:
