@@ -471,7 +471,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                     payload = conn.read_then_wait(slot, [channel.board_slot(index[node] + 1)]).decode()
                     hand(node, payload)
                 else:
-                    for item in follows[node].receive() or ():
+                    for item in follows[node].on_ready(key.fd, index[node]) or ():
                         while index[node] < item.index:  # what it missed before it joined
                             hand(node, catch_up.get(channel.board_slot(index[node])).decode())
                         if item.payload is not None and item.index == index[node]:

@@ -23,10 +23,10 @@ Example, a group's reader and one of its delegates in this process::
     (1, 4, 9, None)
     >>> reader = GroupLink.lead("127.0.0.1"); follower = GroupLink.follow(reader.address, timeout_s=1.0)
     >>> reader.accept_waiting(position=7); reader.send(7, '{"kind": "lost"}')
-    >>> follower.receive()                                          # doctest: +NORMALIZE_WHITESPACE
+    >>> follower.on_ready(follower.readers()[0], position=0)       # doctest: +NORMALIZE_WHITESPACE
     [Relayed(index=7, payload=None, state='', answer=None),
      Relayed(index=7, payload='{"kind": "lost"}', state='', answer=None)]
-    >>> reader.close(); follower.receive() is None                 # the reader ended: read the board again
+    >>> reader.close(); follower.on_ready(follower.readers()[0], 0) is None  # it ended: read the board again
     True
     >>> follower.close()
 """
@@ -158,9 +158,6 @@ class GroupLink:
             return False
         self.quiet += 1
         return self.quiet > QUIET_TICKS
-
-    def receive(self) -> Optional[list[Relayed]]:
-        return self.relay.receive()
 
     def close(self) -> None:
         self.relay.close()

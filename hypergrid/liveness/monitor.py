@@ -60,7 +60,7 @@ from .fanout import READER_LOOKS, GroupLink, follow_reader, lead_group
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
 from .progress import RankProgress, frozen_delegate, rank_process
-from .relay import NodeNames, NodeRelay, Role
+from .relay import NodeNames, NodeRelay, Relayed, Role
 from .served import ServedJob
 from .watch import Watch
 
@@ -373,11 +373,14 @@ class RankMonitor:
                 if job.next_event < 0:
                     job.next_event = item.index
                     self._tell_reached(job)
-            if job.next_event < 0:
-                continue
-            self._catch_up(job, item.index)
-            if item.payload is not None and item.index == job.next_event:
-                self._take_entry(job, item.payload)
+            if job.next_event >= 0:
+                self._take_relayed(job, item)
+
+    def _take_relayed(self, job: ServedJob, item: Relayed) -> None:
+        """An entry or a position relayed to this monitor: what it missed before it read from the store."""
+        self._catch_up(job, item.index)
+        if item.payload is not None and item.index == job.next_event:
+            self._take_entry(job, item.payload)
 
     def _from_group(self, fd: int) -> None:
         """The group's fan-out is readable: a delegate joins the reader, or the reader sent entries."""
@@ -388,9 +391,7 @@ class RankMonitor:
             self._read_board_again()
             return
         for item in heard:
-            self._catch_up(job, item.index)
-            if item.payload is not None and item.index == job.next_event:
-                self._take_entry(job, item.payload)
+            self._take_relayed(job, item)
 
     def _catch_up(self, job: ServedJob, position: int) -> None:
         """Read from the store, a get each, the entries before ``position`` this monitor missed (a change
