@@ -429,6 +429,14 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     for node, link in leads.items():  # every reader of this worker says where it listens before any looks
         setup.set(channel.board_reader(readers.group(node)), link.address.encode())
     follows: dict[int, Any] = {}
+    # A reader's delegate makes its group's batches of calls on its own connection (one per worker
+    # here, for its readers); the participants hand their nodes' batches up from their threads.
+    group_calls = _CountingLink(WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S))
+    calls_lock = threading.Lock()
+
+    def group_of(node: int) -> Any:
+        """Where ``node``'s delegate hands its batches: its group's link (None: it makes them itself)."""
+        return leads.get(node) or follows.get(node)
 
     def join_readers() -> None:
         for node in nodes:
@@ -461,21 +469,35 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         for node, link in follows.items():
             watching.register(link.readers()[0], selectors.EVENT_READ, ("reader", node))
         while True:
-            for key, _ in watching.select():
+            # Short: a participant's batch held by its reader (its own node's) is due within the window.
+            for key, _ in watching.select(timeout=0.02):
                 kind, node = key.data
                 if kind == "joins":
                     leads[node].accept_waiting(position=index[node])
+                    for fd in leads[node].relay.followers:  # their calls are heard from now on
+                        if fd not in watching.get_map():
+                            watching.register(fd, selectors.EVENT_READ, ("calls", node))
+                elif kind == "calls":
+                    with calls_lock:
+                        leads[node].on_ready(key.fd, index[node], now=time.monotonic())
+                    if key.fd not in leads[node].relay.followers:
+                        watching.unregister(key.fd)
                 elif kind == "board":
                     conn, slot = delegates[node], channel.board_slot(index[node])
                     conn.finish_wait()
                     payload = conn.read_then_wait(slot, [channel.board_slot(index[node] + 1)]).decode()
                     hand(node, payload)
                 else:
-                    for item in follows[node].on_ready(key.fd, index[node]) or ():
+                    with calls_lock:  # the answers to its node's calls pass on here
+                        heard = follows[node].on_ready(key.fd, index[node])
+                    for item in heard or ():
                         while index[node] < item.index:  # what it missed before it joined
                             hand(node, catch_up.get(channel.board_slot(index[node])).decode())
                         if item.payload is not None and item.index == index[node]:
                             hand(node, item.payload)
+            with calls_lock:
+                for link in leads.values():
+                    link.make_due(group_calls, now=time.monotonic())  # type: ignore[arg-type]
 
     def arrival(rank: int) -> Arrival:
         return Arrival(rank, step=1, settings=settings.describe())
@@ -485,7 +507,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
                          time.monotonic() + _ROUND_S, shared=share > 1)
         node = _NodeOfRanks(rank, [r for r in ranks if r // NODE == rank // NODE and r != rank], store,
-                            lambda r: encode(arrival(r)))
+                            lambda r: encode(arrival(r)), functools.partial(group_of, rank // NODE), calls_lock)
         view = BoardView(channel, lambda: store)
         view.hear_from(_Handed(), "the node's delegate")
         views.setdefault(rank // NODE, []).append(view)
@@ -535,6 +557,7 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         registered.acquire()
     join_readers()  # connections wait in their reader's backlog until it takes them (with its position)
     threading.Thread(target=delegates_loop, daemon=True).start()
+    conns.append(group_calls.conn)
     before = (sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns),
               sum(c.requests for c in [*delegates.values(), catch_up]))
     print("ready", flush=True)
@@ -557,8 +580,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "rewaits": sum(store.rewaits for store in stores),
                       "made": {phase: sum(store.made.get(phase, 0) for store in stores)
                                for phase in ("open", "round", "step")},
-                      "by_nodes": {phase: sum(store.by_node.get(phase, 0) for store in stores)
+                      "by_nodes": {phase: sum(store.by_node.get(phase, 0) for store in stores) + group_calls.made[phase]
                                    for phase in ("open", "round", "step")},
+                      "group_batches": group_calls.batches,
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
@@ -614,8 +638,13 @@ class _NodeOfRanks:
 
     running = True
 
-    def __init__(self, head: int, others: list[int], store: _Bounded, arrival: Any) -> None:
+    def __init__(self, head: int, others: list[int], store: _Bounded, arrival: Any, group: Any = None,
+                 lock: Optional[threading.Lock] = None) -> None:
         self.head, self.others, self.store, self.arrival = head, others, store, arrival
+        #: The node's group's link (``GroupLink``; a function: it is joined after the participants
+        #: start), which its delegate hands each batch to, and the lock its calls are taken under
+        #: (the worker's thread for its delegates answers them).
+        self.group, self.lock = group, lock
         self.keys: Any = None  # the round's keys, once opened: the simulated ranks' contention for the lead
         self.contenders: list[int] = []  # simulated ranks among the round's first arrivals
 
@@ -640,10 +669,55 @@ class _NodeOfRanks:
         for each in ordered:
             calls.take(each, lambda answer: None, now=0.0)
         [batch] = calls.due(members=len(ordered), now=0.0)
-        answers = self.store.for_node(lambda conn: answer_batch(conn, [each for each, _ in batch]))
+        answers = self._through_group(batch, self.group()) if self.group is not None else None
+        if answers is None:
+            answers = self.store.for_node(lambda conn: answer_batch(conn, [each for each, _ in batch]))
         self.contenders += [answer.rank for answer in answers
                             if call.line is not None and answer.rank != self.head and answer.number <= _CONTENDERS]
         return next(answer for answer in answers if answer.rank == self.head)
+
+
+    def _through_group(self, batch: list, group: Any) -> Optional[list]:
+        """The node's batch handed to its group (``GroupLink.take_calls``, as its delegate's monitor
+        hands it): the answers, in the batch's order, once its reader made the group's batch; None
+        where the group did not take it (the node makes it itself)."""
+        answers: dict[int, Any] = {}
+        done = threading.Event()
+
+        def reply(answer: Any) -> None:
+            answers[answer.rank] = answer
+            if len(answers) == len(batch):
+                done.set()
+
+        assert self.lock is not None
+        if group is None:
+            return None
+        with self.lock:
+            if not group.take_calls([(call, reply) for call, _ in batch], now=time.monotonic()):
+                return None
+        if not done.wait(_ROUND_S):
+            raise TimeoutError(f"node {self.head // NODE}'s group did not answer its batch")
+        return [answers[call.rank] for call, _ in batch]
+
+
+class _CountingLink:
+    """A reader's connection as the library's ``GroupLink.make_due`` makes its group's batches on it
+    (a ``StoreLink``'s ``call``), its requests counted by the round's part each batch is of."""
+
+    def __init__(self, conn: Any) -> None:
+        self.conn = conn
+        self.made = {"open": 0, "round": 0, "step": 0}
+        self.batches = 0
+
+    def call(self, make: Any, again: bool = True) -> Any:
+        first = make.keywords["calls"][0]
+        part = "open" if first.kind.value == "read" else "round" if first.line is not None else "step"
+        before = self.conn.requests
+        try:
+            return make(self.conn)
+        finally:
+            self.made[part] += self.conn.requests - before
+            self.batches += 1
 
 
 class _Bounded:
@@ -992,6 +1066,7 @@ def _round_all(workers: Workers, namespace: str) -> dict:
             "requests": sum(o["requests"] for o in outs), "rewaits": sum(o["rewaits"] for o in outs),
             "made": {phase: sum(o["made"][phase] for o in outs) for phase in ("open", "round", "step")},
             "by_nodes": {phase: sum(o["by_nodes"][phase] for o in outs) for phase in ("open", "round", "step")},
+            "group_batches": sum(o["group_batches"] for o in outs),
             "delegate_requests": sum(o["delegate_requests"] for o in outs), "delegates": sum(o["delegates"] for o in outs),
             "board_readers": sum(o["board_readers"] for o in outs),
             "bytes": sum(o["bytes"] for o in outs),
@@ -1224,7 +1299,8 @@ def _table(rows: list, interval: float) -> None:
             nodes_made = batched["open"] + batched["round"] + batched["step"]
             total = own + nodes_made + r["delegate_requests"]
             round_cells = (f"{took} | {stepped} | {r['store_cpu_s']:.2f} s | {total:,}, {total / n:.3f} per rank: "
-                           f"the nodes' batches {nodes_made / n:.3f} ({batched['open'] / n:.3f} to open the round, "
+                           f"the nodes' batches, made by {r['group_batches']:,} batches of their groups' readers, "
+                           f"{nodes_made / n:.3f} ({batched['open'] / n:.3f} to open the round, "
                            f"{batched['round'] / n:.3f} to arrive, {batched['step'] / n:.3f} to end the rebuild), the "
                            f"participants' own {own:,} (the leader's and the last one's commit), the board's reads "
                            f"{r['delegate_requests'] / n:.3f} ({r['board_readers']:,} readers for {r['delegates']:,} "

@@ -39,6 +39,16 @@ ROOT = Path(__file__).resolve().parent.parent
 NODE, INTERVAL_S = 8, 1.0
 
 
+
+def reader_followers(store, channel: JobChannel, group: int) -> int:
+    """How many delegates hold a connection to group ``group``'s reader of the board (0: none listens)."""
+    if not store.check([channel.board_reader(group)]):
+        return 0
+    _, port = json.loads(store.get(channel.board_reader(group)))
+    remote = f"{port:04X}"
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return sum(1 for fields in rows if fields[2].endswith(":" + remote) and fields[3] == "01")  # established
+
 class _Job:
     """``count`` stand-in ranks serving one job, through a proxy in front of one store."""
 
@@ -143,13 +153,7 @@ class _Job:
                          self.direct.add(self.channel.board_count(), 0))
 
     def group_followers(self, group: int) -> int:
-        """How many delegates hold a connection to group ``group``'s reader of the board (0: none listens)."""
-        if not self.direct.check([self.channel.board_reader(group)]):
-            return 0
-        _, port = json.loads(self.direct.get(self.channel.board_reader(group)))
-        remote = f"{port:04X}"
-        rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-        return sum(1 for fields in rows if fields[2].endswith(":" + remote) and fields[3] == "01")  # established
+        return reader_followers(self.direct, self.channel, group)
 
     def heard_key(self, key: str, ranks: list[int]) -> bool:
         return all(any(k == key for *_, k in self.heard(r)) for r in ranks)

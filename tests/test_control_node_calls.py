@@ -16,10 +16,12 @@ import pytest
 import torch.distributed as dist
 
 from hypergrid.liveness.calls import AnswerKind, NodeAnswer, NodeCall, NodeChannel
+from hypergrid.liveness.fanout import QUIET_TICKS
 from hypergrid.liveness.relay import Role
 from hypergrid.store import meeting
 from hypergrid.store.client import StoreClient
 from hypergrid.store.keys import Meeting
+from tests.test_control_late_store import reader_followers
 from tests.test_control_plane import _Sim
 
 
@@ -42,10 +44,11 @@ def _ask(sim: _Sim, calls: dict[int, NodeCall]) -> dict[int, NodeAnswer]:
         monitor.calls.ask(call, lambda answer, rank=rank: answers.__setitem__(rank, answer), monitor.call_route(),
                           now=time.monotonic())
     sim.drain(quiet_s=0.2)
-    for rank, monitor in sim.monitors.items():
-        if rank not in sim.halted:
-            monitor.calls.make_due(monitor.relay, monitor.link, now=time.monotonic())
-    sim.drain(quiet_s=0.2)
+    for _ in range(3):  # a node's batch, then its group's at the group's reader
+        for rank, monitor in sim.monitors.items():
+            if rank not in sim.halted:
+                monitor.make_calls(now=time.monotonic())
+        sim.drain(quiet_s=0.2)
     return answers
 
 
@@ -68,6 +71,60 @@ def test_a_node_s_ranks_arrive_and_read_with_one_batch_of_requests_per_node(serv
     before = _requests(sim)
     read = _ask(sim, {rank: NodeCall.read(rank, at.count, ident=rank) for rank in range(8)})
     assert _requests(sim) - before == 2 and {a.value for a in read.values()} == {"8"}
+
+
+def test_the_nodes_of_a_group_arrive_and_read_with_one_batch_of_requests_made_by_the_group_s_reader(server):
+    sim = _Sim(server, 16, node=2, per=4)  # 8 nodes of 2: groups {0-3} and {4-7}, read by ranks 0 and 8
+    sim.tick(0.0)
+    at = Meeting(f"{sim.channel.namespace}/arrivals")
+    before = {r: m.link.store.requests for r, m in sim.monitors.items() if m.link.store is not None}
+    answers = _ask(sim, {rank: NodeCall.arrival(rank, at, 16, f"rank {rank}", awaited=True, ident=rank + 100)
+                         for rank in range(16)})
+    made = {r: m.link.store.requests - before.get(r, 0) for r, m in sim.monitors.items() if m.link.store is not None}
+    assert {r: n for r, n in made.items() if n} == {0: 2, 8: 2 + 1}  # each group's append and add; the complete key
+    assert {r: (a.kind, a.ident) for r, a in answers.items()} == {r: (AnswerKind.DONE, r + 100) for r in range(16)}
+    assert sorted(a.number for a in answers.values()) == list(range(1, 17))
+    assert [r for r, a in answers.items() if a.completes] == [max(answers, key=lambda r: answers[r].number)]
+    store = StoreClient(time.monotonic() + 5, base=server)
+    assert sorted(meeting.lines(store, at)) == sorted(f"rank {r}" for r in range(16))
+
+    before_all = _requests(sim)
+    read = _ask(sim, {rank: NodeCall.read(rank, at.count, ident=rank) for rank in range(16)})
+    assert _requests(sim) - before_all == 2 and {a.value for a in read.values()} == {"16"}
+
+
+@pytest.mark.parametrize("how, kind", [("killed", AnswerKind.UNKNOWN), ("frozen", AnswerKind.UNKNOWN),
+                                       ("closed", AnswerKind.REFUSED)])
+def test_calls_handed_to_a_group_s_reader_that_goes_are_unknown_to_their_ranks_or_refused_if_it_said_so(
+        server, how, kind):
+    # Killed: its connections close at once, with nothing said. Frozen (its sockets open, nothing
+    # read or said): its group's delegates stop counting on it after its quiet bound, as they do for
+    # the board. Closed: it tells each that it never made them (their ranks make them themselves).
+    sim = _Sim(server, 8, node=1, per=4)  # groups {0-3} and {4-7}, read by ranks 0 and 4
+    sim.tick(0.0)
+    at = Meeting(f"{sim.channel.namespace}/arrivals")
+    heard: dict[int, NodeAnswer] = {}
+    for rank in (5, 6):  # the reader holds them for its group's other nodes, which have not asked
+        sim.monitors[rank].calls.ask(NodeCall.arrival(rank, at, 8, f"rank {rank}", ident=rank),
+                                     lambda a, r=rank: heard.__setitem__(r, a), sim.monitors[rank].call_route(),
+                                     now=time.monotonic())
+        sim.monitors[rank].make_calls(now=time.monotonic())
+    sim.drain(quiet_s=0.2)
+    assert heard == {}
+    if how == "frozen":
+        sim.halted.add(4)
+        for now in range(1, QUIET_TICKS + 2):
+            sim.tick(float(now))
+    else:
+        if how == "killed":
+            sim.monitors[4].group.relay.close()  # the kernel closes its sockets: nothing is said
+        sim.halt(4)
+        sim.drain(quiet_s=0.2)
+    assert {r: (a.ident, a.kind) for r, a in heard.items()} == {5: (5, kind), 6: (6, kind)}
+    store = StoreClient(time.monotonic() + 5, base=server)
+    assert int(store.add(at.count, 0)) == 0  # the reader never made them
+    answers = _ask(sim, {7: NodeCall.read(7, at.count, ident=70)})  # its delegate makes its calls itself now
+    assert answers[7].kind is AnswerKind.DONE and answers[7].value == "0"
 
 
 def test_a_call_whose_delegate_went_is_unknown_and_one_that_cannot_be_handed_on_is_refused(server):
@@ -127,7 +184,10 @@ def test_a_rank_with_no_node_to_speak_for_it_makes_its_calls_itself_and_a_lost_e
     assert int(store.add(Meeting("end").count, 0)) == 0
 
 
-def test_a_node_s_rank_processes_calls_reach_the_store_through_their_monitor_processes_as_one_batch():
+@pytest.mark.parametrize("count, per_node, nodes_per_reader", [(3, 3, 16), (4, 1, 2)],
+                         ids=["one node of three", "four nodes read in groups of two"])
+def test_a_node_s_rank_processes_calls_reach_the_store_through_their_monitor_processes_as_one_batch(
+        count, per_node, nodes_per_reader):
     import threading
     import uuid
 
@@ -138,14 +198,18 @@ def test_a_node_s_rank_processes_calls_reach_the_store_through_their_monitor_pro
 
     server = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=60))
     plane = ControlPlane(f"hypergrid/calls-test/{uuid.uuid4()}", server, ("127.0.0.1", server.port))
-    channel = JobChannel.of([0, 1, 2], 0, plane.namespace)
-    beats = [Heartbeat(plane, rank, interval_s=1.0, progress_timeout_s=60, stale_beats=5) for rank in range(3)]
+    channel = JobChannel.of(list(range(count)), 0, plane.namespace)
+    beats = [Heartbeat(plane, rank, interval_s=1.0, progress_timeout_s=60, stale_beats=5) for rank in range(count)]
     at = Meeting(f"{plane.namespace}/arrivals")
     answers: dict[int, NodeAnswer] = {}
     try:
         for beat in beats:
-            beat.attach(JobSpec(channel, ((0, 3),), 3))  # one node of three: one delegate, two followers
+            beat.attach(JobSpec(channel, ((0, count),), per_node, nodes_per_reader))
         end = time.monotonic() + 30
+        groups = range(count // per_node // nodes_per_reader) if count // per_node > nodes_per_reader else ()
+        while any(reader_followers(server, channel, group) < nodes_per_reader - 1 for group in groups):
+            assert time.monotonic() < end, "a group's delegates did not all reach its reader"
+            time.sleep(0.1)  # until every delegate hands its node's calls to its group's reader
         while True:  # until every monitor has its role (a call to one between elections is refused)
             probe = {r: b.call(NodeCall.read(-1, at.count), 5.0) for r, b in enumerate(beats)}
             if all(a.kind is AnswerKind.DONE for a in probe.values()):
@@ -154,18 +218,18 @@ def test_a_node_s_rank_processes_calls_reach_the_store_through_their_monitor_pro
             time.sleep(0.2)
 
         def arrive(rank: int) -> None:
-            answers[rank] = beats[rank].call(NodeCall.arrival(-1, at, 3, f"rank {rank}"), 10.0)
+            answers[rank] = beats[rank].call(NodeCall.arrival(-1, at, count, f"rank {rank}"), 10.0)
 
-        threads = [threading.Thread(target=arrive, args=(rank,)) for rank in range(3)]
+        threads = [threading.Thread(target=arrive, args=(rank,)) for rank in range(count)]
         for thread in threads:
             thread.start()
         for thread in threads:
             thread.join()
-        assert {r: (a.kind, a.rank) for r, a in answers.items()} == {r: (AnswerKind.DONE, r) for r in range(3)}
-        assert sorted(a.number for a in answers.values()) == [1, 2, 3]
+        assert {r: (a.kind, a.rank) for r, a in answers.items()} == {r: (AnswerKind.DONE, r) for r in range(count)}
+        assert sorted(a.number for a in answers.values()) == list(range(1, count + 1))
         store = StoreClient(time.monotonic() + 5, base=server)
-        assert sorted(meeting.lines(store, at)) == ["rank 0", "rank 1", "rank 2"]
-        assert int(store.add(at.count, 0)) == 3  # each counted once (the batches' cost: the test above)
+        assert sorted(meeting.lines(store, at)) == [f"rank {r}" for r in range(count)]
+        assert int(store.add(at.count, 0)) == count  # each counted once (the batches' cost: the test above)
     finally:
         for beat in beats:
             beat.stop(clean=True)

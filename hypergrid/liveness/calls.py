@@ -7,7 +7,11 @@ loss reaches them together), and their monitors already elect one delegate per n
 hands its call to its monitor (:class:`NodeCall`), a follower hands it on to the delegate over the
 node's socket, and the delegate makes its node's calls of the same kind and key as one: one read
 for all, one append of all the arrivals' lines and one ``add`` of their count. A batch goes once
-every monitor of the node has asked, or :data:`BATCH_WINDOW_S` after the first asked.
+every monitor of the node has asked, or :data:`BATCH_WINDOW_S` after the first asked. In a job
+whose nodes read the board in groups (:mod:`.fanout`) a delegate hands its node's batch on to its
+group's reader in turn, which makes its group's nodes' batches as one by the same rule (every
+delegate connected to it has handed one on, or the window passed): a round then costs the store a
+few requests per group of nodes.
 
 What the store holds is what the ranks would have written one by one (the same lines, the same
 count; the places are the count's values in the batch's order), so the round's rule reads it as
@@ -44,7 +48,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Protocol, cast
 
 from ..store import meeting
@@ -55,7 +59,7 @@ from .link import STORE_ERRORS, StoreLink
 from .relay import NodeRelay, Relayed, Role
 
 __all__ = ["BATCH_WINDOW_S", "CallKind", "AnswerKind", "NodeCall", "NodeAnswer", "NodeCalls", "NodeChannel", "NodeSpeaker",
-           "answer_batch"]
+           "answer_batch", "make_batch"]
 
 #: How long a node's delegate holds its node's first call for the others (each rank's loss is heard
 #: within milliseconds of the others' on a node; a rank that comes later makes a batch of its own).
@@ -146,6 +150,31 @@ def answer_batch(store: Any, calls: Sequence[NodeCall]) -> list[NodeAnswer]:
 
 
 Reply = Callable[[NodeAnswer], None]
+#: Calls made as one, each with where its answer goes.
+Batch = list[tuple[NodeCall, Reply]]
+
+
+def make_batch(batch: Batch, link: StoreLink) -> None:
+    """Make ``batch`` on ``link`` as one (:func:`answer_batch`) and answer each of its calls; an
+    arrival is not made twice: one whose answer was lost with the connection is unknown."""
+    calls = [call for call, _ in batch]
+    try:
+        answers = link.call(functools.partial(answer_batch, calls=calls), again=calls[0].kind is CallKind.READ)
+    except STORE_ERRORS:
+        answers = None
+    if answers is None:
+        answers = [NodeAnswer.to(call, AnswerKind.UNKNOWN) for call in calls]
+    for (_, reply), answer in zip(batch, answers):
+        reply(answer)
+
+
+@dataclass
+class _Held:
+    """A batch held since ``since``, and who asked in it."""
+
+    since: float
+    batch: Batch = field(default_factory=list)
+    sources: set[int] = field(default_factory=set)
 
 
 class NodeCalls:
@@ -161,48 +190,47 @@ class NodeCalls:
 
     def __init__(self, window_s: float = BATCH_WINDOW_S) -> None:
         self.window_s = window_s
-        self._waiting: dict[tuple[CallKind, str, int, bool], tuple[float, list[tuple[NodeCall, Reply]]]] = {}
+        self._waiting: dict[tuple[CallKind, str, int, bool], _Held] = {}
         self._handed_on: dict[tuple[int, int], Reply] = {}
 
     # ------------------------------------------------------------------ a delegate's
-    def take(self, call: NodeCall, reply: Reply, *, now: float) -> None:
-        """Hold ``call`` (its answer to go to ``reply``) for its batch."""
-        self._waiting.setdefault(call.batch, (now, []))[1].append((call, reply))
+    def take(self, call: NodeCall, reply: Reply, *, now: float, source: Optional[int] = None) -> None:
+        """Hold ``call`` (its answer to go to ``reply``) for its batch; ``source``: who asked (by
+        default its rank; a group's reader counts its group's delegates)."""
+        held = self._waiting.setdefault(call.batch, _Held(now))
+        held.batch.append((call, reply))
+        held.sources.add(call.rank if source is None else source)
 
     def due_at(self) -> Optional[float]:
         """When the oldest batch is due at the latest (None: none waits)."""
-        return min((since + self.window_s for since, _ in self._waiting.values()), default=None)
+        return min((held.since + self.window_s for held in self._waiting.values()), default=None)
 
-    def due(self, *, members: int, now: float) -> list[list[tuple[NodeCall, Reply]]]:
-        """The batches to make now, taken out: those every one of the node's ``members`` asked in, and
-        those held :attr:`window_s`."""
-        ready = [key for key, (since, batch) in self._waiting.items()
-                 if len({call.rank for call, _ in batch}) >= members or now - since >= self.window_s]
-        return [self._waiting.pop(key)[1] for key in ready]
+    def due(self, *, members: int, now: float) -> list[Batch]:
+        """The batches to make now, taken out: those every one of ``members`` sources (the node's
+        ranks) asked in, and those held :attr:`window_s`."""
+        ready = [key for key, held in self._waiting.items()
+                 if len(held.sources) >= members or now - held.since >= self.window_s]
+        return [self._waiting.pop(key).batch for key in ready]
 
     def refuse_all(self) -> None:
         """Answer every call held as refused (this monitor no longer speaks for the node)."""
         waiting, self._waiting = self._waiting, {}
-        for _, batch in waiting.values():
-            for call, reply in batch:
+        for held in waiting.values():
+            for call, reply in held.batch:
                 reply(NodeAnswer.to(call, AnswerKind.REFUSED))
 
-    def make_due(self, relay: Optional[NodeRelay], link: StoreLink, *, now: float) -> None:
+    def make_due(self, relay: Optional[NodeRelay], link: StoreLink, *, now: float,
+                 upstream: Optional[Callable[[Batch], bool]] = None) -> None:
         """Make the batches due, each as one, on ``link`` (this monitor is its node's delegate on
-        ``relay``), and answer every call of them; none is made by a monitor that is not (refused)."""
+        ``relay``), and answer every call of them; none is made by a monitor that is not (refused).
+        ``upstream`` takes a batch due to make it with other nodes' (its group's reader), and says
+        whether it did; those it does not take are made here."""
         if relay is None or relay.role is not Role.DELEGATE:
             self.refuse_all()
             return
         for batch in self.due(members=len(relay.followers) + 1, now=now):
-            calls = [call for call, _ in batch]
-            try:  # an arrival is not made twice: an answer lost with the connection is unknown
-                answers = link.call(functools.partial(answer_batch, calls=calls), again=calls[0].kind is CallKind.READ)
-            except STORE_ERRORS:
-                answers = None
-            if answers is None:
-                answers = [NodeAnswer.to(call, AnswerKind.UNKNOWN) for call in calls]
-            for (_, reply), answer in zip(batch, answers):
-                reply(answer)
+            if upstream is None or not upstream(batch):
+                make_batch(batch, link)
 
     # ------------------------------------------------------------------ a follower's
     def from_follower(self, text: str, relay: NodeRelay, fd: int, *, now: float) -> None:

@@ -15,6 +15,11 @@ that missed entries reads them from the store (:mod:`.relay`'s rule). A delegate
 cannot be reached, ends (its connection closes), drops it (too far behind), or says nothing for
 :data:`QUIET_TICKS` intervals (frozen) waits on the board itself again, from where it had read.
 
+A group's nodes' calls (:mod:`.calls`: a recovery round's record read, arrivals, counts) go the same
+way: each delegate hands its node's batch to the reader, which makes the group's as one. A call
+its reader went before answering is unknown to its rank (one it said it never made, refused), as
+with a node's delegate; the delegate then makes its node's calls itself.
+
 Example, a group's reader and one of its delegates in this process::
 
     >>> groups = ReaderGroups(per=4)
@@ -34,12 +39,15 @@ Example, a group's reader and one of its delegates in this process::
 from __future__ import annotations
 
 import bisect
+import functools
 import json
 import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Optional
 
+from ..store.records import decode, encode
+from .calls import Batch, NodeAnswer, NodeCall, NodeCalls, make_batch
 from .config import DEFAULT_NODES_PER_READER
 from .link import StoreLink
 from .relay import NodeRelay, Relayed
@@ -86,6 +94,9 @@ class GroupLink:
         self.address = address
         #: A following delegate's intervals since its reader last said anything.
         self.quiet = 0
+        #: A reader's: its group's nodes' calls held for one batch; a following delegate's: its
+        #: node's calls handed on to the reader, by number.
+        self.calls = NodeCalls()
 
     @classmethod
     def lead(cls, host: str) -> GroupLink:
@@ -126,20 +137,51 @@ class GroupLink:
             while self.relay.accept(position=position):
                 pass
 
-    def on_ready(self, fd: int, position: int) -> Optional[list[Relayed]]:
-        """One of :meth:`readers` is readable: a reader takes a delegate that joins (or notes one that
-        went) and returns []; a follower gets what its reader sent, None where the reader is gone."""
+    def on_ready(self, fd: int, position: int, *, now: float = 0.0) -> Optional[list[Relayed]]:
+        """One of :meth:`readers` is readable: a reader takes a delegate that joins, or the calls one
+        hands on (held for the group's batch from ``now``), or notes one that went, and returns []; a
+        follower gets what its reader sent (the answers to its calls passed on), None where the
+        reader is gone (the calls it did not answer are unknown)."""
         if not self.leads:
-            heard = self.relay.receive()
-            if heard is not None:
+            heard = self.calls.answers_taken(self.relay.receive())
+            if heard is None:
+                self.calls.lose_handed_on()
+            else:
                 self.quiet = 0
             return heard
         listener = self.relay.listener
         if listener is not None and fd == listener.fileno():
             self.accept_waiting(position)
-        else:
-            self.relay.follower_ready(fd)  # they say nothing: this notes the end of one that went
+            return []
+        for line in self.relay.follower_ready(fd):
+            word, _, rest = line.partition(" ")
+            if word == "call":
+                self.calls.take(decode(NodeCall, rest), functools.partial(self._answer, fd), now=now, source=fd)
         return []
+
+    def _answer(self, fd: int, answer: NodeAnswer) -> None:
+        self.relay.answer(fd, encode(answer))
+
+    def take_calls(self, batch: Batch, *, now: float) -> bool:
+        """A node's batch of calls, due at its delegate: the reader holds it for its group's batch, a
+        following delegate hands it to its reader in one message; False where it cannot be (the
+        reader's socket full): the delegate makes it itself."""
+        if self.leads:
+            for call, reply in batch:
+                self.calls.take(call, reply, now=now, source=-1)
+            return True
+        if not self.relay.tell("\n".join("call " + encode(call) for call, _ in batch)):
+            return False
+        for call, reply in batch:
+            self.calls.handed_on(call, reply)
+        return True
+
+    def make_due(self, link: StoreLink, *, now: float) -> None:
+        """A reader makes its group's batches due (every connected delegate and its own node asked, or
+        held :data:`~.calls.BATCH_WINDOW_S`), each as one request for all, on ``link``."""
+        if self.leads:
+            for batch in self.calls.due(members=len(self.relay.followers) + 1, now=now):
+                make_batch(batch, link)
 
     def send(self, index: int, payload: str) -> None:
         """A reader hands entry ``index`` to its group's delegates."""
@@ -160,6 +202,10 @@ class GroupLink:
         return self.quiet > QUIET_TICKS
 
     def close(self) -> None:
+        """Stop: a reader's calls held are refused (never made: each rank makes its own), a following
+        delegate's handed on and not answered are unknown (its reader may have made them)."""
+        self.calls.refuse_all()
+        self.calls.lose_handed_on()
         self.relay.close()
 
 

@@ -386,12 +386,26 @@ class RankMonitor:
         """The group's fan-out is readable: a delegate joins the reader, or the reader sent entries."""
         job, group = self.job, self.group
         assert job is not None and group is not None
-        heard = group.on_ready(fd, job.next_event)
+        heard = group.on_ready(fd, job.next_event, now=time.monotonic())
         if heard is None:
             self._read_board_again()
             return
         for item in heard:
             self._take_relayed(job, item)
+
+    def make_calls(self, *, now: float) -> None:
+        """Make the node's batches of calls that are due: through its group's reader where it has one
+        (a group's calls made as one), else on its own connection; and, as a reader, its group's."""
+        group = self.group
+        self.calls.make_due(self.relay, self.link, now=now,
+                            upstream=None if group is None else functools.partial(group.take_calls, now=now))
+        if group is not None:
+            group.make_due(self.link, now=now)
+
+    def calls_due_at(self) -> Optional[float]:
+        """When the next batch of calls (its node's, or its group's as a reader) is due at the latest."""
+        due = [self.calls.due_at(), None if self.group is None else self.group.calls.due_at()]
+        return min((at for at in due if at is not None), default=None)
 
     def _catch_up(self, job: ServedJob, position: int) -> None:
         """Read from the store, a get each, the entries before ``position`` this monitor missed (a change

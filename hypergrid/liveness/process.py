@@ -112,7 +112,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ended, stdin = now, None
                 continue
             readers = [fd for fd in (parent, stdin) if fd is not None] + monitor.readers()
-            calls_due = monitor.calls.due_at()
+            calls_due = monitor.calls_due_at()
             wait_s = max(0.0, min(next_tick, next_tick if calls_due is None else calls_due) - time.monotonic())
             try:
                 ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
@@ -137,7 +137,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 for line in lines:
                     if _handle(monitor, line, time.monotonic(), out):
                         ended = time.monotonic()
-            monitor.calls.make_due(monitor.relay, monitor.link, now=time.monotonic())
+            monitor.make_calls(now=time.monotonic())
         return 0
     except (StoreTimeout, StoreProtocolError, OSError) as exc:
         out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "
