@@ -57,7 +57,8 @@ Run::
     python benchmarks/bench_control_plane.py                          # 8, 1,024, 4,096, the scan beside
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --connections 4096 --interval 4 --steady 20 --no-round
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 16384 --only-round --round-workers 16 --connections 16384
-    python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --only-round --round-workers 16
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --only-round --round-workers 16 --connections 1024
+    python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --only-round --round-workers 16 --connections 1024 --nodes-make-calls
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --delegates-only --interval 4 --steady 20 --no-round
     python benchmarks/bench_control_plane.py --scan-sizes --sizes 131072 --delegates-only --interval 2 --steady 20 --no-round --replay-interval 1
     python benchmarks/bench_control_plane.py --sizes 1024 --steady 5  # quicker
@@ -350,8 +351,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     job after its first recovery), the arrival and the verdict (``RecoveryRound.agree``), and the
     rebuild's end, a meeting named by the round whose last participant decides it, tells the job's
     board and commits the record, once. The job's record read, the arrival and the rebuild's end go
-    through the rank's node (``NodeChannel``): its delegate makes its ranks' calls as one batch
-    (``hypergrid.liveness.calls``). The verdict and the rebuild's outcome reach the participants as
+    through the rank's node (``NodeChannel``): its delegate takes its ranks' calls as one batch
+    (``hypergrid.liveness.calls``) and hands it to its group's reader over the group's TCP link
+    (``GroupLink.take_calls``), whose thread makes the group's nodes' batches as one
+    (``GroupLink.make_due``; ``--nodes-make-calls``: each node's delegate makes its own). The verdict and the rebuild's outcome reach the participants as
     they reach a rank: through the board, read once per node by the node's delegate (here a thread
     per node with a board connection of its own, as a monitor's relay), which hands each entry to
     its node's participants' views (``BoardView.hear``). Timings are the library's defaults
@@ -429,20 +432,26 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     for node, link in leads.items():  # every reader of this worker says where it listens before any looks
         setup.set(channel.board_reader(readers.group(node)), link.address.encode())
     follows: dict[int, Any] = {}
-    # A reader's delegate makes its group's batches of calls on its own connection (one per worker
-    # here, for its readers); the participants hand their nodes' batches up from their threads.
-    group_calls = _CountingLink(WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S))
-    calls_lock = threading.Lock()
+    # A reader's delegate makes its group's batches of calls on its own connection, from a thread of
+    # its own here (a process of its own in a cluster: no reader waits for another's requests). The
+    # participants hand their nodes' batches to their group's link from their threads, each node's
+    # under a lock of its own, and wake their reader where it is in this worker.
+    group_calls = {node: _CountingLink(WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S))
+                   for node in leads}
+    calls_locks = {node: threading.Lock() for node in nodes}
+    wakes = {node: os.pipe() for node in leads}
 
     def group_of(node: int) -> Any:
         """Where ``node``'s delegate hands its batches: its group's link (None: it makes them itself)."""
-        return leads.get(node) or follows.get(node)
+        return (leads.get(node) or follows.get(node)) if spec.get("group_calls", True) else None
 
     def join_readers() -> None:
         for node in nodes:
             if node not in delegates:
                 address = setup.get(channel.board_reader(readers.group(node)), within_s=_ROUND_S).decode()
                 follows[node] = GroupLink.follow(address, timeout_s=60.0)
+
+    index = dict.fromkeys(nodes, 0)  # each node's next entry on the board
 
     def delegates_loop() -> None:
         """Every node's one wait on the board, as its relay's delegate keeps it, made by its group's
@@ -451,11 +460,11 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         thread for the worker's nodes (a thread each would pass this machine's limit on threads at
         131,072 ranks), each node's wait answered in turn."""
         watching = selectors.DefaultSelector()
-        index = dict.fromkeys(nodes, 0)
 
         def hand(node: int, payload: str) -> None:
             if node in leads:
-                leads[node].send(index[node], payload)
+                leads[node].send(index[node], payload)  # it takes those waiting to join first
+                os.write(wakes[node][1], b"w")  # their calls are heard from now on
             index[node] += 1
             for view in views[node]:
                 for event in decode_events(payload):
@@ -464,40 +473,50 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         for node, conn in delegates.items():
             conn.start_wait([channel.board_slot(0)])
             watching.register(conn.fileno(), selectors.EVENT_READ, ("board", node))
-        for node, link in leads.items():
-            watching.register(link.readers()[0], selectors.EVENT_READ, ("joins", node))
         for node, link in follows.items():
             watching.register(link.readers()[0], selectors.EVENT_READ, ("reader", node))
         while True:
-            # Short: a participant's batch held by its reader (its own node's) is due within the window.
-            for key, _ in watching.select(timeout=0.02):
+            for key, _ in watching.select():
                 kind, node = key.data
-                if kind == "joins":
-                    leads[node].accept_waiting(position=index[node])
-                    for fd in leads[node].relay.followers:  # their calls are heard from now on
-                        if fd not in watching.get_map():
-                            watching.register(fd, selectors.EVENT_READ, ("calls", node))
-                elif kind == "calls":
-                    with calls_lock:
-                        leads[node].on_ready(key.fd, index[node], now=time.monotonic())
-                    if key.fd not in leads[node].relay.followers:
-                        watching.unregister(key.fd)
-                elif kind == "board":
+                if kind == "board":
                     conn, slot = delegates[node], channel.board_slot(index[node])
                     conn.finish_wait()
                     payload = conn.read_then_wait(slot, [channel.board_slot(index[node] + 1)]).decode()
                     hand(node, payload)
                 else:
-                    with calls_lock:  # the answers to its node's calls pass on here
+                    with calls_locks[node]:  # the answers to its node's calls pass on here
                         heard = follows[node].on_ready(key.fd, index[node])
                     for item in heard or ():
                         while index[node] < item.index:  # what it missed before it joined
                             hand(node, catch_up.get(channel.board_slot(index[node])).decode())
                         if item.payload is not None and item.index == index[node]:
                             hand(node, item.payload)
-            with calls_lock:
-                for link in leads.values():
-                    link.make_due(group_calls, now=time.monotonic())  # type: ignore[arg-type]
+
+    def reader_loop(node: int) -> None:
+        """A group's reader's calls, as its monitor's loop takes them: the delegates that join, the
+        batches they hand on, and the group's batches made once due (``GroupLink.make_due``)."""
+        link, lock, (wake, _) = leads[node], calls_locks[node], wakes[node]
+        watching = selectors.DefaultSelector()
+        watching.register(link.readers()[0], selectors.EVENT_READ, "joins")
+        watching.register(wake, selectors.EVENT_READ, "wake")
+        while True:
+            with lock:
+                due = link.calls.due_at()
+            for key, _ in watching.select(timeout=None if due is None else max(0.0, due - time.monotonic())):
+                if key.data == "joins":
+                    link.accept_waiting(position=index[node])
+                elif key.data == "wake":
+                    os.read(wake, 4096)
+                else:
+                    with lock:
+                        link.on_ready(key.fd, index[node], now=time.monotonic())
+                    if key.fd not in link.relay.followers:
+                        watching.unregister(key.fd)
+            for fd in list(link.relay.followers):
+                if fd not in watching.get_map():
+                    watching.register(fd, selectors.EVENT_READ, "calls")
+            with lock:
+                link.make_due(group_calls[node], now=time.monotonic())
 
     def arrival(rank: int) -> Arrival:
         return Arrival(rank, step=1, settings=settings.describe())
@@ -507,7 +526,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         store = _Bounded(beat_conns[group], locks[group], board_conns[group], wait_locks[group],
                          time.monotonic() + _ROUND_S, shared=share > 1)
         node = _NodeOfRanks(rank, [r for r in ranks if r // NODE == rank // NODE and r != rank], store,
-                            lambda r: encode(arrival(r)), functools.partial(group_of, rank // NODE), calls_lock)
+                            lambda r: encode(arrival(r)), functools.partial(group_of, rank // NODE),
+                            calls_locks[rank // NODE], wakes[rank // NODE][1] if rank // NODE in leads else -1)
         view = BoardView(channel, lambda: store)
         view.hear_from(_Handed(), "the node's delegate")
         views.setdefault(rank // NODE, []).append(view)
@@ -557,7 +577,9 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
         registered.acquire()
     join_readers()  # connections wait in their reader's backlog until it takes them (with its position)
     threading.Thread(target=delegates_loop, daemon=True).start()
-    conns.append(group_calls.conn)
+    for node in leads:
+        threading.Thread(target=reader_loop, args=(node,), daemon=True).start()
+    conns += [link.conn for link in group_calls.values()]
     before = (sum(c.requests for c in conns), sum(c.bytes_sent + c.bytes_received for c in conns),
               sum(c.requests for c in [*delegates.values(), catch_up]))
     print("ready", flush=True)
@@ -580,9 +602,10 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
                       "rewaits": sum(store.rewaits for store in stores),
                       "made": {phase: sum(store.made.get(phase, 0) for store in stores)
                                for phase in ("open", "round", "step")},
-                      "by_nodes": {phase: sum(store.by_node.get(phase, 0) for store in stores) + group_calls.made[phase]
+                      "by_nodes": {phase: sum(store.by_node.get(phase, 0) for store in stores)
+                                   + sum(link.made[phase] for link in group_calls.values())
                                    for phase in ("open", "round", "step")},
-                      "group_batches": group_calls.batches,
+                      "group_batches": sum(link.batches for link in group_calls.values()),
                       "bytes": sum(c.bytes_sent + c.bytes_received for c in conns) - before[1]}), flush=True)
 
 
@@ -639,8 +662,8 @@ class _NodeOfRanks:
     running = True
 
     def __init__(self, head: int, others: list[int], store: _Bounded, arrival: Any, group: Any = None,
-                 lock: Optional[threading.Lock] = None) -> None:
-        self.head, self.others, self.store, self.arrival = head, others, store, arrival
+                 lock: Optional[threading.Lock] = None, wake: int = -1) -> None:
+        self.head, self.others, self.store, self.arrival, self.wake = head, others, store, arrival, wake
         #: The node's group's link (``GroupLink``; a function: it is joined after the participants
         #: start), which its delegate hands each batch to, and the lock its calls are taken under
         #: (the worker's thread for its delegates answers them).
@@ -695,6 +718,8 @@ class _NodeOfRanks:
         with self.lock:
             if not group.take_calls([(call, reply) for call, _ in batch], now=time.monotonic()):
                 return None
+        if group.leads:  # held by this worker's reader: its thread sleeps until a batch is due
+            os.write(self.wake, b"w")
         if not done.wait(_ROUND_S):
             raise TimeoutError(f"node {self.head // NODE}'s group did not answer its batch")
         return [answers[call.rank] for call, _ in batch]
@@ -1043,12 +1068,14 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     # its sockets, waking the thousands of simulated ranks it answers among them), apart.
     cpu, kernel = {"open": time.process_time()}, {"open": os.times().system}
     workers.send("go")
+    opened = time.time()
     for part, after in (("open", "round"), ("verdict", "step")):
         for proc in workers.procs:
             assert proc.stdout.readline().strip() == f"{part} done"
         cpu[after], kernel[after] = time.process_time(), os.times().system
         if part == "open":
             start = time.time()  # the round's time counts from its arrivals
+            opened = start - opened
         workers.send("go")
     outs = [json.loads(proc.stdout.readline()) for proc in workers.procs]
     cpu["end"], kernel["end"] = time.process_time(), os.times().system
@@ -1057,6 +1084,7 @@ def _round_all(workers: Workers, namespace: str) -> dict:
     lasts = [o["last"] for o in outs if o["last"] is not None]
     steps = [o["last_step"] for o in outs if o["last_step"] is not None]
     return {"seconds": max(lasts) - start if lasts else None, "store_cpu_s": cpu["end"] - cpu["open"],
+            "open_seconds": opened,
             "store_system_by_part": {"open": kernel["round"] - kernel["open"],
                                      "arrive and verdict": kernel["step"] - kernel["round"],
                                      "rebuild's end and commit": kernel["end"] - kernel["step"]},
@@ -1164,6 +1192,9 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--no-round", action="store_true")
     parser.add_argument("--only-round", action="store_true", help="no monitors: only the recovery round")
+    parser.add_argument("--nodes-make-calls", action="store_true",
+                        help="in the round, each node's delegate makes its node's batches itself instead of "
+                             "handing them to its group's reader (the anchor for the groups' batches)")
     parser.add_argument("--round-workers", type=int, default=0,
                         help="processes the round's participants are spread over (default: --workers, the "
                              "monitors' own); more, where thousands of threads in one process starve each other")
@@ -1254,7 +1285,8 @@ def main() -> None:
                 # Node 1 lost whole: every other rank takes part (see _round).
                 participants = [r for r in range(n) if r // NODE != LOST_NODE]
                 workers = Workers(dict(spec, design="round", hosted=participants, participants=len(participants),
-                                       followers_simulated=False), round_workers)
+                                       followers_simulated=False, group_calls=not args.nodes_make_calls),
+                                  round_workers)
                 print(f"ring {n}: the round's {(2 if share > 1 else 1) * n // share} connections made in "
                       f"{time.monotonic() - started:.0f} s", flush=True)
             rnd = _round_all(workers, _namespace())

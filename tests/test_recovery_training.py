@@ -144,13 +144,15 @@ def _copy_from_peer(job: Any, params: list[torch.Tensor]) -> None:
 
 
 # ---------------------------------------------------------------------- the jobs
-def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: int, second_victim: Optional[int]) -> dict:
+def _train_through_a_failure(rank: int, world: int, spares: list[int], victim: int, second_victim: Optional[int],
+                             nodes_per_reader: int = 16) -> dict:
     from megatron.core import parallel_state as ps
 
     import hypergrid
 
     hypergrid.start_heartbeat(interval_s=0.5)
-    job = hypergrid.ResilientJob.of_megatron(spares=spares, settings=hypergrid.RecoverySettings(gpus_per_node=2), **SIZES)
+    settings = hypergrid.RecoverySettings(gpus_per_node=2, nodes_per_reader=nodes_per_reader)
+    job = hypergrid.ResilientJob.of_megatron(spares=spares, settings=settings, **SIZES)
     params: list[torch.Tensor] = []
     if job.in_grid:
         params = _initial_shard(ps.get_pipeline_model_parallel_rank(), ps.get_tensor_model_parallel_rank())
@@ -247,9 +249,13 @@ def _check_against_a_fresh_run(results: list, world: int) -> list[dict]:
     return members
 
 
-def test_a_spare_takes_the_killed_ranks_place_and_training_goes_on():
+@pytest.mark.parametrize("nodes_per_reader", [16, 2], ids=["each node alone", "nodes read and call in groups of 2"])
+def test_a_spare_takes_the_killed_ranks_place_and_training_goes_on(nodes_per_reader):
+    # In groups of 2 (5 nodes of 2: groups {0, 1}, {2, 3}, {4}) the victim's node reads the board
+    # and makes the round's calls for node 3 too: the round goes on through its new delegate, or
+    # node 3's own where it was the victim's monitor.
     world, spares, victim = 10, [8, 9], 5
-    results = run_gloo(_train_through_a_failure, world, spares, victim, None, timeout=400,
+    results = run_gloo(_train_through_a_failure, world, spares, victim, None, nodes_per_reader, timeout=400,
                        pg_timeout_s=PG_TIMEOUT_S, expect_failure=True, leave_at_once=True)
     assert results[victim][0] == "dead", results[victim]
     members = _check_against_a_fresh_run(results, world)

@@ -42,12 +42,11 @@ import bisect
 import functools
 import json
 import socket
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Optional
 
-from ..store.records import decode, encode
-from .calls import Batch, NodeAnswer, NodeCall, NodeCalls, make_batch
+from .calls import AnswerKind, Batch, CallKind, NodeAnswer, NodeCall, NodeCalls, make_batch
 from .config import DEFAULT_NODES_PER_READER
 from .link import StoreLink
 from .relay import NodeRelay, Relayed
@@ -138,29 +137,32 @@ class GroupLink:
                 pass
 
     def on_ready(self, fd: int, position: int, *, now: float = 0.0) -> Optional[list[Relayed]]:
-        """One of :meth:`readers` is readable: a reader takes a delegate that joins, or the calls one
+        """One of :meth:`readers` is readable: a reader takes a delegate that joins, or the batch one
         hands on (held for the group's batch from ``now``), or notes one that went, and returns []; a
         follower gets what its reader sent (the answers to its calls passed on), None where the
         reader is gone (the calls it did not answer are unknown)."""
         if not self.leads:
-            heard = self.calls.answers_taken(self.relay.receive())
+            heard = self.relay.receive()
             if heard is None:
                 self.calls.lose_handed_on()
-            else:
-                self.quiet = 0
-            return heard
+                return None
+            self.quiet = 0
+            for item in heard:
+                for answer in _answers_of(item.answer or "[]"):
+                    self.calls.answered(answer)
+            return [item for item in heard if item.answer is None]
         listener = self.relay.listener
         if listener is not None and fd == listener.fileno():
             self.accept_waiting(position)
             return []
         for line in self.relay.follower_ready(fd):
             word, _, rest = line.partition(" ")
-            if word == "call":
-                self.calls.take(decode(NodeCall, rest), functools.partial(self._answer, fd), now=now, source=fd)
+            if word == "calls":
+                calls = _calls_of(rest)
+                reply = _Answers(functools.partial(self.relay.answer, fd), len(calls))
+                for call in calls:
+                    self.calls.take(call, reply, now=now, source=fd)
         return []
-
-    def _answer(self, fd: int, answer: NodeAnswer) -> None:
-        self.relay.answer(fd, encode(answer))
 
     def take_calls(self, batch: Batch, *, now: float) -> bool:
         """A node's batch of calls, due at its delegate: the reader holds it for its group's batch, a
@@ -170,7 +172,7 @@ class GroupLink:
             for call, reply in batch:
                 self.calls.take(call, reply, now=now, source=-1)
             return True
-        if not self.relay.tell("\n".join("call " + encode(call) for call, _ in batch)):
+        if not self.relay.tell("calls " + _calls_line([call for call, _ in batch])):
             return False
         for call, reply in batch:
             self.calls.handed_on(call, reply)
@@ -207,6 +209,37 @@ class GroupLink:
         self.calls.refuse_all()
         self.calls.lose_handed_on()
         self.relay.close()
+
+
+# A node's batch crosses the group's link as one line each way (its calls alike but for their rank,
+# number and line; the answers in a list), not a record per call: a reader takes 16 nodes' at once.
+def _calls_line(calls: Sequence[NodeCall]) -> str:
+    kind, key, size, awaited = calls[0].batch
+    return json.dumps([kind.value, key, size, awaited, [[call.rank, call.ident, call.line] for call in calls]])
+
+
+def _calls_of(text: str) -> list[NodeCall]:
+    kind, key, size, awaited, calls = json.loads(text)
+    return [NodeCall(ident, rank, CallKind(kind), key, size, line, awaited) for rank, ident, line in calls]
+
+
+def _answers_of(text: str) -> list[NodeAnswer]:
+    return [NodeAnswer(ident, rank, AnswerKind(kind), value, number, completes)
+            for ident, rank, kind, value, number, completes in json.loads(text)]
+
+
+class _Answers:
+    """Where a reader answers one delegate's batch: once all its calls are answered, in one line."""
+
+    def __init__(self, send: Callable[[str], None], count: int) -> None:
+        self.send, self.count = send, count
+        self.answers: list[NodeAnswer] = []
+
+    def __call__(self, answer: NodeAnswer) -> None:
+        self.answers.append(answer)
+        if len(self.answers) == self.count:
+            self.send(json.dumps([[a.ident, a.rank, a.kind.value, a.value, a.number, a.completes]
+                                  for a in self.answers]))
 
 
 def _reader_key(job: ServedJob, node: int) -> str:

@@ -324,7 +324,8 @@ def attach(job: Any, first_round: int) -> None:
     if job.channel is None or beat is None or plane is None:
         _collective_watch = None
         return
-    beat.attach(JobSpec(job.channel, tuple(as_runs(job.domain)), job.settings.gpus_per_node))
+    beat.attach(JobSpec(job.channel, tuple(as_runs(job.domain)), job.settings.gpus_per_node,
+                        job.settings.nodes_per_reader))
     # The grid's ranks only: a spare is in no communicator, and one released that exits at once
     # must not abort the collectives of members still at work.
     _collective_watch = CollectiveWatch(job.channel, ranks=job.layout.ranks, first_round=first_round,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..layout.checks import as_int
+from ..liveness.config import DEFAULT_NODES_PER_READER
 
 __all__ = ["RecoverySettings", "DEFAULT_GPUS_PER_NODE"]
 
@@ -46,12 +47,18 @@ class RecoverySettings:
     outcome_fallback_s: float = 30.0  #: how long a wait that hears the board goes without reading the store
     spare_slice_s: float = 30.0  #: how long a spare blocks at a time
     probe_s: float = 10.0  #: how long one probe of a group may take
+    #: how many nodes share one wait on the job's board and one batch of a round's calls (jobs of more nodes)
+    nodes_per_reader: int = DEFAULT_NODES_PER_READER
 
     def __post_init__(self) -> None:
         number = as_int(self.gpus_per_node, "gpus_per_node")
         if number < 1:
             raise ValueError(f"gpus_per_node must be a positive number of ranks, got {number}")
         object.__setattr__(self, "gpus_per_node", number)
+        readers = as_int(self.nodes_per_reader, "nodes_per_reader")
+        if readers < 1:
+            raise ValueError(f"nodes_per_reader must be a positive number of nodes, got {readers}")
+        object.__setattr__(self, "nodes_per_reader", readers)
         if not isinstance(self.replica_dim, str) or not self.replica_dim:
             raise TypeError(f"replica_dim must be a dim's name (a non-empty str), got {self.replica_dim!r}")
         for item in dataclasses.fields(self):
