@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hypergrid.liveness.board import put_entry
 from hypergrid.liveness.config import DEFAULT_NODES_PER_READER
-from hypergrid.liveness.fanout import QUIET_TICKS, READER_LOOKS
+from hypergrid.liveness.fanout import QUIET_TICKS, READER_LOOKS, GroupLink
 from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
 from hypergrid.liveness.relay import Role
 from hypergrid.liveness.ring import Ring, as_runs, from_runs
@@ -773,3 +773,27 @@ def test_a_delegate_that_looked_before_its_reader_listened_finds_it_at_a_later_t
     sim.monitors[7].publish(BoardEvent(EventKind.LOST, 7, "its process ended", by=7))
     sim.drain()
     assert all([e.rank for e in sim.heard[r]] == [7] for r in range(8))
+
+
+def test_a_delegate_that_cannot_send_to_its_follower_shuts_it_and_leaves_the_close_to_the_loop_that_reads_it():
+    # Sends come from the keep-alive thread too: a descriptor closed there could be reused for
+    # another socket while the monitor's loop still selects on it. So a follower that takes nothing
+    # (its socket full) is shut where the send failed, and closed where its end is read.
+    reader = GroupLink.lead("127.0.0.1")
+    follower = GroupLink.follow(reader.address, timeout_s=1.0)
+    try:
+        reader.accept_waiting(position=0)
+        [(fd, conn)] = reader.relay.followers.items()
+        for index in range(10_000):  # the follower reads nothing: its socket fills up
+            reader.send(index, "x" * 65_536)
+            if conn.fileno() == fd and select.select([fd], [], [], 0)[0]:
+                break  # shut: its end is readable here
+        assert reader.relay.followers == {fd: conn} and conn.fileno() == fd  # shut, not closed
+        assert reader.on_ready(fd, position=0) == [] and reader.relay.followers == {} and conn.fileno() == -1
+        heard = []
+        while (got := follower.on_ready(follower.readers()[0], position=0)) is not None:
+            heard += got
+        assert heard  # what reached it before it was shut, then the end
+    finally:
+        reader.close()
+        follower.close()

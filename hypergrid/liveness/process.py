@@ -117,7 +117,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             try:
                 ready, _, _ = select.select(readers, [out.fd] if out.pending else [], [],
                                             wait_s if parent is not None or ended is not None else min(wait_s, 0.1))
-            except OSError as exc:  # a follower the keep-alive thread dropped meanwhile: its socket closed
+            except OSError as exc:  # a descriptor closed meanwhile (the relay shuts, never closes, from the keep-alive thread)
                 if exc.errno != errno.EBADF:
                     raise
                 continue

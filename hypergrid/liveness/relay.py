@@ -42,6 +42,7 @@ Example, two monitors of one node in this process::
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import errno
 import os
@@ -352,7 +353,11 @@ class NodeRelay:
         try:
             conn.sendall(line)
         except OSError:  # gone, or so far behind that its socket is full: it elects again and catches up
-            self._drop(conn)
+            # Shut, not closed: the keep-alive thread sends too, and a descriptor closed under the
+            # loop that selects on it could be reused for another socket meanwhile. The loop reads
+            # the end (follower_ready) and closes it there.
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def _drop(self, conn: socket.socket) -> None:
         with self._lock:
