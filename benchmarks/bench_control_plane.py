@@ -712,9 +712,9 @@ class _NodeOfRanks:
             if len(answers) == len(batch):
                 done.set()
 
-        assert self.lock is not None
         if group is None:
             return None
+        assert self.lock is not None
         with self.lock:
             if not group.take_calls([(call, reply) for call, _ in batch], now=time.monotonic()):
                 return None
