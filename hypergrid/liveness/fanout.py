@@ -59,7 +59,7 @@ from .link import StoreLink
 from .relay import NodeRelay, Relayed
 from .served import ServedJob
 
-__all__ = ["ReaderGroups", "GroupLink", "AskedBeat", "QUIET_TICKS", "READER_LOOKS", "follow_reader", "lead_group"]
+__all__ = ["ReaderGroups", "GroupLink", "QUIET_TICKS", "READER_LOOKS", "follow_reader", "lead_group"]
 #: How many intervals, from its job's start, a delegate looks for its group's reader (one request
 #: each) while it waits on the board itself: a reader attached after it listens a moment later.
 READER_LOOKS = 5
@@ -90,17 +90,6 @@ class ReaderGroups:
         return nodes[at] if at < len(nodes) and nodes[at] < first + self.per else None
 
 
-@dataclass(frozen=True)
-class AskedBeat:
-    """A delegate's ask at its group's reader: its connection, its node, the nodes whose counters it
-    reads, and whether its node is beaten at this beat (it asked since the last)."""
-
-    fd: int
-    node: int
-    reads: tuple[int, ...]
-    beat: bool
-
-
 class GroupLink:
     """A delegate's end of its group's fan-out: the reader's listener and the delegates it hands
     entries to, or a delegate's connection to its reader (a :class:`~.relay.NodeRelay` over TCP)."""
@@ -114,9 +103,8 @@ class GroupLink:
         #: A reader's: its group's nodes' calls held for one batch; a following delegate's: its
         #: node's calls handed on to the reader, by number.
         self.calls = NodeCalls()
-        #: A reader's: what its delegates asked, by connection: their node, its reads, and how many of
-        #: the reader's beats came since they last asked.
-        self.beats: dict[int, list] = {}
+        #: A reader's: the beats its delegates asked for since its last, by connection: (node, reads).
+        self.beats: dict[int, tuple[int, tuple[int, ...]]] = {}
         #: A following delegate's: the counters its reader read with its node's last beat, not yet looked at.
         self.beaten: Optional[dict[int, int]] = None
         #: A following delegate's: since when it has asked for a beat with no answer from its reader.
@@ -195,7 +183,7 @@ class GroupLink:
                     self.calls.take(call, reply, now=now, source=fd)
             elif word == "beat":
                 node, *reads = map(int, rest.split())
-                self.beats[fd] = [node, tuple(reads), 0]
+                self.beats[fd] = (node, tuple(reads))
         return []
 
     def ask_beat(self, node: int, reads: Sequence[int], *, now: float, within_s: float) -> bool:
@@ -210,19 +198,11 @@ class GroupLink:
             self.unanswered_since = now
         return self.answered and now - self.unanswered_since < within_s
 
-    def take_beats(self) -> list[AskedBeat]:
-        """A reader's, at its beat: what its delegates still connected asked, to make with its own. A
-        node is beaten only where its delegate asked since the reader's last beat (it was alive since);
-        its counters are read and answered at each beat for :data:`QUIET_TICKS` after its last ask, so
-        its watch looks once an interval however its ticks fall against the reader's."""
-        asked = []
-        for fd, ask in list(self.beats.items()):
-            node, reads, beats_since = ask
-            if fd not in self.relay.followers or beats_since > QUIET_TICKS:
-                del self.beats[fd]
-                continue
-            asked.append(AskedBeat(fd, node, reads, beat=beats_since == 0))
-            ask[2] = beats_since + 1
+    def take_beats(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """A reader's: the beats its delegates still connected asked for, as (connection, node, reads),
+        to make with its own."""
+        asked = [(fd, node, reads) for fd, (node, reads) in self.beats.items() if fd in self.relay.followers]
+        self.beats.clear()
         return asked
 
     def answer_beat(self, fd: int, counters: dict[int, int]) -> None:

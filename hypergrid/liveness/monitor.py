@@ -533,14 +533,14 @@ class RankMonitor:
         and reads for its delegates that asked in the same message, and answers each. The counters read."""
         group = self.group
         asked = group.take_beats() if group is not None and group.leads else []
-        others = sorted({ask.node for ask in asked if ask.beat} - {node})
-        every = list(dict.fromkeys([*reads, *(n for ask in asked for n in ask.reads)]))
+        others = sorted({asker for _, asker, _ in asked} - {node})
+        every = list(dict.fromkeys([*reads, *(n for _, _, theirs in asked for n in theirs)]))
         values = self.link.beat(self._node_key(node), [self._node_key(n) for n in every],
                                 also=[self._node_key(n) for n in others])
         counters = dict(zip(every, values[1:1 + len(every)]))
-        for ask in asked:
+        for fd, _, theirs in asked:
             assert group is not None
-            group.answer_beat(ask.fd, {n: counters[n] for n in ask.reads})
+            group.answer_beat(fd, {n: counters[n] for n in theirs})
         return [counters[n] for n in reads]
 
     def _watch(self, job: ServedJob, now: float, given: Optional[dict[int, int]] = None) -> None:
