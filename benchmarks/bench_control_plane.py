@@ -165,9 +165,7 @@ def _worker(spec: dict) -> None:
         boards.append(WireStore.connect(host, port, timeout_s=600.0))
         return boards[-1]
 
-    # rank -> its monitor's last beat: its node's key, its reads, the keys it beat for others (a group's
-    # reader), and when (a group's delegate beats itself only until its reader answers)
-    last_beat: dict[int, tuple[str, tuple[str, ...], tuple[str, ...], float]] = {}
+    last_beat: dict[int, tuple[str, tuple[str, ...]]] = {}  # rank -> its monitor's last beat: its node's key, its reads
     replays: list[tuple[float, int]] = []  # (when due, rank): the last beats sent again (see "replay")
     if ring:
         # Each rank's monitor as in a cluster: its node's monitors elect a relay delegate, which
@@ -245,8 +243,8 @@ def _worker(spec: dict) -> None:
         while replays and replays[0][0] <= time.monotonic():
             due, rank = heapq.heappop(replays)
             passes["late"] = max(passes["late"], time.monotonic() - due)
-            key, reads, also, _ = last_beat[rank]
-            monitors[rank].link.store.adds([(key, 1), *((read, 0) for read in reads), *((other, 1) for other in also)])
+            key, reads = last_beat[rank]
+            monitors[rank].link.store.adds([(key, 1), *((read, 0) for read in reads)])
             passes["done"] += 1
             heapq.heappush(replays, (due + replay_s[0], rank))
 
@@ -262,7 +260,7 @@ def _worker(spec: dict) -> None:
                 run_due_ticks()
                 rank = key.data
                 if rank not in halted and key.fd in registered.get(rank, ()):
-                    monitors[rank].on_ready(key.fd, now=time.monotonic())
+                    monitors[rank].on_ready(key.fd)
                     sync(rank)
                 continue
             chunk = os.read(sys.stdin.fileno(), 65536)
@@ -277,9 +275,7 @@ def _worker(spec: dict) -> None:
                     heapq.heapify(ticks)
                 elif word == "replay":  # the monitors stop; their last beats are sent every `rest` seconds
                     replay_s[0], ticks[:] = float(rest), []
-                    recent = time.monotonic() - 1.5 * interval  # those still beating when the monitors stopped
-                    sending = [r for r in sorted(last_beat) if r not in halted and monitors[r].link.store is not None
-                               and last_beat[r][3] >= recent]
+                    sending = [r for r in sorted(last_beat) if r not in halted and monitors[r].link.store is not None]
                     start = time.monotonic()
                     replays[:] = [(start + replay_s[0] * i / len(sending), r) for i, r in enumerate(sending)]
                     heapq.heapify(replays)
@@ -317,9 +313,9 @@ def _worker(spec: dict) -> None:
 def _recorded(beat: Any, last: dict, rank: int) -> Any:
     """``beat`` (a monitor's StoreLink.beat), noting in ``last[rank]`` what it sent each time."""
 
-    def recording(key: str, reads: Any = (), also: Any = ()) -> Any:
-        last[rank] = (key, tuple(reads), tuple(also), time.monotonic())
-        return beat(key, reads, also)
+    def recording(key: str, reads: Any = ()) -> Any:
+        last[rank] = (key, tuple(reads))
+        return beat(key, reads)
 
     return recording
 

@@ -20,13 +20,6 @@ way: each delegate hands its node's batch to the reader, which makes the group's
 its reader went before answering is unknown to its rank (one it said it never made, refused), as
 with a node's delegate; the delegate then makes its node's calls itself.
 
-So do its nodes' beats: every interval each delegate asks its reader, in a line, to beat for its
-node and read the counters its node watches; the reader beats and reads for all that asked with its
-own, in one message, and answers each with its counters, at which its watch looks. A delegate
-whose reader has not answered yet (a node's first beats), cannot be told, or has left its asks
-unanswered for :data:`QUIET_TICKS` intervals (frozen, or its store late) beats for its node
-itself meanwhile: a reader's stall never holds a node's counter still for the staleness bound.
-
 Example, a group's reader and one of its delegates in this process::
 
     >>> groups = ReaderGroups(per=4)
@@ -103,14 +96,6 @@ class GroupLink:
         #: A reader's: its group's nodes' calls held for one batch; a following delegate's: its
         #: node's calls handed on to the reader, by number.
         self.calls = NodeCalls()
-        #: A reader's: the beats its delegates asked for since its last, by connection: (node, reads).
-        self.beats: dict[int, tuple[int, tuple[int, ...]]] = {}
-        #: A following delegate's: the counters its reader read with its node's last beat, not yet looked at.
-        self.beaten: Optional[dict[int, int]] = None
-        #: A following delegate's: since when it has asked for a beat with no answer from its reader.
-        self.unanswered_since: Optional[float] = None
-        #: A following delegate's: whether its reader has answered a beat yet (until then it beats itself too).
-        self.answered = False
 
     @classmethod
     def lead(cls, host: str) -> GroupLink:
@@ -163,10 +148,6 @@ class GroupLink:
                 return None
             self.quiet = 0
             for item in heard:
-                word, _, counters = (item.answer or "").partition(" ")
-                if word == _BEATEN:
-                    self.beaten, self.unanswered_since, self.answered = _counters_of(counters), None, True
-                    continue
                 for answer in _answers_of(item.answer or "[]"):
                     self.calls.answered(answer)
             return [item for item in heard if item.answer is None]
@@ -181,38 +162,7 @@ class GroupLink:
                 reply = _Answers(functools.partial(self.relay.answer, fd), len(calls))
                 for call in calls:
                     self.calls.take(call, reply, now=now, source=fd)
-            elif word == "beat":
-                node, *reads = map(int, rest.split())
-                self.beats[fd] = (node, tuple(reads))
         return []
-
-    def ask_beat(self, node: int, reads: Sequence[int], *, now: float, within_s: float) -> bool:
-        """A following delegate asks its reader to beat for ``node`` and read the counters of ``reads``
-        with the group's next beat (the answer comes to :meth:`on_ready`, as :attr:`beaten`). Whether
-        it may count on that: False where the reader could not be told, has not answered one yet (a
-        node's first beats are its own: it may end before the group's next), or has left its asks
-        unanswered for ``within_s`` (frozen, or its store late): the delegate beats itself meanwhile."""
-        if self.leads or not self.relay.tell("beat " + " ".join(map(str, (node, *reads)))):
-            return False
-        if self.unanswered_since is None:
-            self.unanswered_since = now
-        return self.answered and now - self.unanswered_since < within_s
-
-    def take_beats(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        """A reader's: the beats its delegates still connected asked for, as (connection, node, reads),
-        to make with its own."""
-        asked = [(fd, node, reads) for fd, (node, reads) in self.beats.items() if fd in self.relay.followers]
-        self.beats.clear()
-        return asked
-
-    def answer_beat(self, fd: int, counters: dict[int, int]) -> None:
-        """A reader tells the delegate at ``fd`` its beat was made, and the counters it asked to read."""
-        self.relay.answer(fd, " ".join([_BEATEN, *(f"{node}:{value}" for node, value in counters.items())]))
-
-    def take_beaten(self) -> Optional[dict[int, int]]:
-        """A following delegate's: the counters its reader last answered with, once (None: none since)."""
-        beaten, self.beaten = self.beaten, None
-        return beaten
 
     def take_calls(self, batch: Batch, *, now: float) -> bool:
         """A node's batch of calls, due at its delegate: the reader holds it for its group's batch, a
@@ -271,14 +221,6 @@ def _calls_line(calls: Sequence[NodeCall]) -> str:
 def _calls_of(text: str) -> list[NodeCall]:
     kind, key, size, awaited, calls = json.loads(text)
     return [NodeCall(ident, rank, CallKind(kind), key, size, line, awaited) for rank, ident, line in calls]
-
-
-#: How a reader's answer to a beat begins (the counters follow as ``node:value``; a batch's answers are a list).
-_BEATEN = "beaten"
-
-
-def _counters_of(text: str) -> dict[int, int]:
-    return {int(node): int(value) for node, _, value in (pair.partition(":") for pair in text.split())}
 
 
 def _answers_of(text: str) -> list[NodeAnswer]:
