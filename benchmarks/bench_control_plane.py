@@ -428,7 +428,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     # A group's delegate that joined its reader after an entry reads that entry from the store, as a monitor does.
     catch_up = WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S)
     setup = WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S)
-    leads = {node: GroupLink.lead(setup.local_host) for node in reading if readers.reader(node, job_nodes) == node}
+    leads = {node: GroupLink.lead(setup.local_host, channel.board_reader(readers.group(node)))
+             for node in reading if readers.reader(node, job_nodes) == node}
     for node, link in leads.items():  # every reader of this worker says where it listens before any looks
         setup.set(channel.board_reader(readers.group(node)), link.address.encode())
     follows: dict[int, Any] = {}
@@ -448,8 +449,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     def join_readers() -> None:
         for node in nodes:
             if node not in delegates:
-                address = setup.get(channel.board_reader(readers.group(node)), within_s=_ROUND_S).decode()
-                follows[node] = GroupLink.follow(address, timeout_s=60.0)
+                key = channel.board_reader(readers.group(node))
+                follows[node] = GroupLink.follow(setup.get(key, within_s=_ROUND_S).decode(), key, timeout_s=60.0)
 
     index = dict.fromkeys(nodes, 0)  # each node's next entry on the board
 

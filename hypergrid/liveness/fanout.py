@@ -14,6 +14,9 @@ carries its board index and a delegate that joins is told the reader's position 
 that missed entries reads them from the store (:mod:`.relay`'s rule). A delegate whose reader
 cannot be reached, ends (its connection closes), drops it (too far behind), or says nothing for
 :data:`QUIET_TICKS` intervals (frozen) waits on the board itself again, from where it had read.
+A reader greets each delegate it takes with its group's key; a delegate tells nothing to, and
+takes nothing from, a reader until it is greeted, and one greeted as another group's (a reader of
+another job, listening on a port this group's reader once held) is not its reader.
 
 A group's nodes' calls (:mod:`.calls`: a recovery round's record read, arrivals, counts) go the same
 way: each delegate hands its node's batch to the reader, which makes the group's as one. A call
@@ -26,14 +29,25 @@ Example, a group's reader and one of its delegates in this process::
     >>> nodes = [0, 4, 5, 6, 9]
     >>> groups.group(5), groups.reader(5, nodes), groups.reader(9, nodes), groups.reader(5, [4, 5])
     (1, 4, 9, None)
-    >>> reader = GroupLink.lead("127.0.0.1"); follower = GroupLink.follow(reader.address, timeout_s=1.0)
+    >>> reader = GroupLink.lead("127.0.0.1", "ns/reader/1")
+    >>> follower = GroupLink.follow(reader.address, "ns/reader/1", timeout_s=1.0)
     >>> reader.accept_waiting(position=7); reader.send(7, '{"kind": "lost"}')
     >>> follower.on_ready(follower.readers()[0], position=0)       # doctest: +NORMALIZE_WHITESPACE
-    [Relayed(index=7, payload=None, state='', answer=None),
+    [Relayed(index=7, payload=None, state='ns/reader/1', answer=None),
      Relayed(index=7, payload='{"kind": "lost"}', state='', answer=None)]
     >>> reader.close(); follower.on_ready(follower.readers()[0], 0) is None  # it ended: read the board again
     True
     >>> follower.close()
+
+A reader that greets a delegate as another group's (another job's, where this group's reader once
+listened) is not its reader: the delegate hears nothing from it, and reads the board itself::
+
+    >>> other = GroupLink.lead("127.0.0.1", "other-job/reader/1")
+    >>> stray = GroupLink.follow(other.address, "ns/reader/1", timeout_s=1.0)
+    >>> other.accept_waiting(position=3); other.send(3, '{"kind": "lost"}')
+    >>> stray.on_ready(stray.readers()[0], position=0) is None, stray.greeted
+    (True, False)
+    >>> other.close(); stray.close()
 """
 
 from __future__ import annotations
@@ -87,10 +101,17 @@ class GroupLink:
     """A delegate's end of its group's fan-out: the reader's listener and the delegates it hands
     entries to, or a delegate's connection to its reader (a :class:`~.relay.NodeRelay` over TCP)."""
 
-    def __init__(self, relay: NodeRelay, address: str = "") -> None:
+    def __init__(self, relay: NodeRelay, address: str = "", group_key: str = "") -> None:
         self.relay = relay
         #: Where a reader listens, as it puts it in the store (empty for a delegate that follows one).
         self.address = address
+        #: Which job's group this link is for (the key its reader's address is under): a reader greets
+        #: each delegate it takes with it, and a delegate trusts nothing from one that greets it with
+        #: another (a reader of another job, listening where this group's reader once did).
+        self.group_key = group_key
+        #: A following delegate's: whether its reader has greeted it as its group's (until then it tells
+        #: it nothing, and reads the board and makes its calls itself).
+        self.greeted = False
         #: A following delegate's intervals since its reader last said anything.
         self.quiet = 0
         #: A reader's: its group's nodes' calls held for one batch; a following delegate's: its
@@ -98,8 +119,9 @@ class GroupLink:
         self.calls = NodeCalls()
 
     @classmethod
-    def lead(cls, host: str) -> GroupLink:
-        """Listen, as the group's reader, on ``host`` (the interface its store connection uses)."""
+    def lead(cls, host: str, group_key: str) -> GroupLink:
+        """Listen, as the reader of the group whose address is put under ``group_key``, on ``host`` (the
+        interface its store connection uses)."""
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         listener = socket.socket(family, socket.SOCK_STREAM)
         try:
@@ -109,11 +131,13 @@ class GroupLink:
         except OSError:
             listener.close()
             raise
-        return cls(NodeRelay(listener, None, same_user_only=False), json.dumps([host, listener.getsockname()[1]]))
+        return cls(NodeRelay(listener, None, same_user_only=False, greeting=group_key),
+                   json.dumps([host, listener.getsockname()[1]]), group_key)
 
     @classmethod
-    def follow(cls, address: str, timeout_s: float) -> GroupLink:
-        """Connect to the reader at ``address`` (as :meth:`lead` put it); raises OSError where it cannot."""
+    def follow(cls, address: str, group_key: str, timeout_s: float) -> GroupLink:
+        """Connect to the reader of the group whose address is under ``group_key``, at ``address`` (as
+        :meth:`lead` put it); raises OSError where it cannot."""
         try:
             host, port = json.loads(address)
         except (ValueError, TypeError) as exc:
@@ -121,7 +145,7 @@ class GroupLink:
         conn = socket.create_connection((str(host), int(port)), timeout=timeout_s)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn.setblocking(False)
-        return cls(NodeRelay(None, conn, same_user_only=False))
+        return cls(NodeRelay(None, conn, same_user_only=False), group_key=group_key)
 
     @property
     def leads(self) -> bool:
@@ -146,6 +170,14 @@ class GroupLink:
             if heard is None:
                 self.calls.lose_handed_on()
                 return None
+            if heard and not self.greeted:
+                # The first line a reader sends names its group: another's (a port reused by a reader
+                # of another job) is not this group's reader, whose entries and counters are not ours.
+                first = heard[0]
+                if first.payload is not None or first.answer is not None or first.state != self.group_key:
+                    self.calls.lose_handed_on()
+                    return None
+                self.greeted = True
             self.quiet = 0
             for item in heard:
                 for answer in _answers_of(item.answer or "[]"):
@@ -172,7 +204,7 @@ class GroupLink:
             for call, reply in batch:
                 self.calls.take(call, reply, now=now, source=-1)
             return True
-        if not self.relay.tell("calls " + _calls_line([call for call, _ in batch])):
+        if not self.greeted or not self.relay.tell("calls " + _calls_line([call for call, _ in batch])):
             return False
         for call, reply in batch:
             self.calls.handed_on(call, reply)
@@ -260,7 +292,7 @@ def follow_reader(link: StoreLink, job: ServedJob, node: int, shunned: set[str])
     if not address or address in shunned:
         return None
     try:
-        group = GroupLink.follow(address, timeout_s=1.0)
+        group = GroupLink.follow(address, key, timeout_s=1.0)
     except OSError:
         shunned.add(address)
         return None
@@ -274,7 +306,7 @@ def lead_group(link: StoreLink, job: ServedJob, node: int, host: str) -> Optiona
     if ReaderGroups(job.spec.nodes_per_reader).reader(node, job.nodes.ranks) != node:
         return None
     try:
-        group = GroupLink.lead(host)
+        group = GroupLink.lead(host, _reader_key(job, node))
     except OSError:
         return None  # the others find nobody there, and each waits on the board itself
     try:

@@ -242,11 +242,13 @@ class NodeRelay:
     upstream. A delegate's keep-alive may come from a thread of its own: the followers are kept under a lock."""
 
     def __init__(self, listener: Optional[socket.socket], upstream: Optional[socket.socket],
-                 same_user_only: bool = True) -> None:
+                 same_user_only: bool = True, greeting: str = "") -> None:
         self.listener = listener
         self.upstream = upstream
         #: Take only followers run by this user (a node's Unix socket); a TCP relay between hosts cannot tell.
         self.same_user_only = same_user_only
+        #: The delegate's one word told each follower it takes, as the state of its first line: who it is.
+        self.greeting = greeting
         self.followers: dict[int, socket.socket] = {}
         self._inbox = b""
         self._said: dict[int, bytes] = {}  # what each follower sent, short of a whole line
@@ -303,7 +305,7 @@ class NodeRelay:
             return True
         with self._lock:
             self.followers[conn.fileno()] = conn
-            self._send_to(conn, f"at {position}\n".encode())
+            self._send_to(conn, (f"at {position} {self.greeting}\n" if self.greeting else f"at {position}\n").encode())
         return True
 
     def send(self, index: int, payload: str) -> None:
