@@ -165,7 +165,9 @@ def _worker(spec: dict) -> None:
         boards.append(WireStore.connect(host, port, timeout_s=600.0))
         return boards[-1]
 
-    last_beat: dict[int, tuple[str, tuple[str, ...]]] = {}  # rank -> its monitor's last beat: its node's key, its reads
+    # rank -> its monitor's last beat: its node's key, its reads, the keys it beat for others (a group's
+    # reader), and when (a group's delegate beats itself only until its reader answers)
+    last_beat: dict[int, tuple[str, tuple[str, ...], tuple[str, ...], float]] = {}
     replays: list[tuple[float, int]] = []  # (when due, rank): the last beats sent again (see "replay")
     if ring:
         # Each rank's monitor as in a cluster: its node's monitors elect a relay delegate, which
@@ -243,8 +245,8 @@ def _worker(spec: dict) -> None:
         while replays and replays[0][0] <= time.monotonic():
             due, rank = heapq.heappop(replays)
             passes["late"] = max(passes["late"], time.monotonic() - due)
-            key, reads = last_beat[rank]
-            monitors[rank].link.store.adds([(key, 1), *((read, 0) for read in reads)])
+            key, reads, also, _ = last_beat[rank]
+            monitors[rank].link.store.adds([(key, 1), *((read, 0) for read in reads), *((other, 1) for other in also)])
             passes["done"] += 1
             heapq.heappush(replays, (due + replay_s[0], rank))
 
@@ -260,7 +262,7 @@ def _worker(spec: dict) -> None:
                 run_due_ticks()
                 rank = key.data
                 if rank not in halted and key.fd in registered.get(rank, ()):
-                    monitors[rank].on_ready(key.fd)
+                    monitors[rank].on_ready(key.fd, now=time.monotonic())
                     sync(rank)
                 continue
             chunk = os.read(sys.stdin.fileno(), 65536)
@@ -275,7 +277,9 @@ def _worker(spec: dict) -> None:
                     heapq.heapify(ticks)
                 elif word == "replay":  # the monitors stop; their last beats are sent every `rest` seconds
                     replay_s[0], ticks[:] = float(rest), []
-                    sending = [r for r in sorted(last_beat) if r not in halted and monitors[r].link.store is not None]
+                    recent = time.monotonic() - 1.5 * interval  # those still beating when the monitors stopped
+                    sending = [r for r in sorted(last_beat) if r not in halted and monitors[r].link.store is not None
+                               and last_beat[r][3] >= recent]
                     start = time.monotonic()
                     replays[:] = [(start + replay_s[0] * i / len(sending), r) for i, r in enumerate(sending)]
                     heapq.heapify(replays)
@@ -313,9 +317,9 @@ def _worker(spec: dict) -> None:
 def _recorded(beat: Any, last: dict, rank: int) -> Any:
     """``beat`` (a monitor's StoreLink.beat), noting in ``last[rank]`` what it sent each time."""
 
-    def recording(key: str, reads: Any = ()) -> Any:
-        last[rank] = (key, tuple(reads))
-        return beat(key, reads)
+    def recording(key: str, reads: Any = (), also: Any = ()) -> Any:
+        last[rank] = (key, tuple(reads), tuple(also), time.monotonic())
+        return beat(key, reads, also)
 
     return recording
 

@@ -12,8 +12,8 @@ Measured, per size, over a steady window:
 * the store's connections at start-up and the new ones in the window (its sockets, from ``ss``);
 * the requests the store received per rank per interval (data segments into its sockets, from
   ``ss``: each request of a monitor is one, a read of several counters one per counter or fewer);
-* the store's CPU per second (its server's threads, from /proc), and per message beside the same
-  message (a delegate's beat and read) sent 5,000 times by one client to the idle store first;
+* the store's CPU per second (its server's threads, from /proc), and per message beside one node's
+  beat message (its beat and its read) sent 5,000 times by one client to the idle store first;
 * each monitor's share of a core (the nodes' delegates apart from the others);
 * then a rank killed (SIGKILL): when every other rank heard it; then a node killed whole (its
   ranks and their monitors): when every other rank heard its 8 losses; and the losses on the
@@ -271,8 +271,9 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
             "new_connections_in_steady": len(new), "requests_per_rank_per_interval": round(
                 requests / n / (elapsed / interval), 3),
             "store_cpu_s_per_s": round(store_cpu, 4),
-            # Per message: the nodes' beats and reads (one message per node per interval) in the steady
-            # state, beside the same message from one client to an idle store.
+            # Per message: the beats and reads in the steady state (one message per group of nodes and
+            # interval, from its reader; per node in a job of no more nodes than a group has), beside a
+            # node's own beat message from one client to an idle store.
             "store_cpu_us_per_message": round(store_cpu / (requests / elapsed) * 1e6, 1) if requests else None,
             "store_cpu_us_per_message_alone": round(alone_us, 1),
             "monitor_cpu_percent": {"busiest (one per node)": round(sum(busiest) / len(busiest), 3),

@@ -765,6 +765,58 @@ def test_a_frozen_reader_s_group_reads_the_board_itself_within_its_quiet_bound_a
     assert all([e.rank for e in sim.heard[r]] == [9] for r in sim.monitors if r != 4)
 
 
+def _counters(store, sim, nodes):
+    return {node: store.add(node_beat_key(sim.channel.namespace, node, 1), 0) for node in nodes}
+
+
+def _own_requests(sim):
+    """The requests each live monitor's own connection made so far."""
+    return {r: m.link.store.requests for r, m in sim.monitors.items() if r not in sim.halted and m.link.store is not None}
+
+
+def test_a_group_s_reader_beats_and_reads_for_its_nodes_in_one_message_and_their_watch_still_finds_a_loss(server):
+    sim = _Sim(server, 8, node=1, per=4)  # groups {0-3} and {4-7}: their delegates ask ranks 0 and 4 to beat
+    store = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    for now in range(3):  # a delegate beats itself too until its reader has answered once
+        sim.tick(float(now))
+    before, counters = _own_requests(sim), _counters(store, sim, range(8))
+    for now in range(3, 6):
+        sim.tick(float(now))
+    made = {r: n - before.get(r, 0) for r, n in _own_requests(sim).items()}
+    assert {r for r, n in made.items() if n} == {0, 4}  # the readers' messages alone
+    assert {n: v - counters[n] for n, v in _counters(store, sim, range(8)).items()} == dict.fromkeys(range(8), 3)
+    assert all(len(sim.monitors[r].job.watched) == 1 for r in range(8))  # each delegate looks at what its reader read
+    sim.halt(6)  # a node of the second group lost: its watcher looks at the counters its reader reads
+    for now in range(6, 12):
+        sim.tick(float(now))
+    assert [sorted(e.rank for e in sim.heard[r] if e.kind is EventKind.LOST) for r in sim.monitors if r != 6] == [[6]] * 7
+
+
+@pytest.mark.parametrize("how", ["killed", "frozen"])
+def test_the_nodes_of_a_reader_that_goes_or_freezes_beat_themselves_before_their_counters_go_stale(server, how):
+    # Killed, its connections close and its delegates beat themselves from their next tick; frozen
+    # (its sockets open, nothing read or said), they beat themselves once it has left their asks
+    # unanswered for QUIET_TICKS intervals: a counter stands still for less than the bound either way.
+    sim = _Sim(server, 8, node=1, per=4)
+    store = WireStore.connect("127.0.0.1", server.port, timeout_s=5)
+    for now in range(3):
+        sim.tick(float(now))
+    if how == "killed":
+        sim.halt(4)
+    else:
+        sim.halted.add(4)
+    seen = _counters(store, sim, range(5, 8))
+    still = dict.fromkeys(seen, 0)
+    for now in range(3, 13):
+        sim.tick(float(now))
+        values = _counters(store, sim, range(5, 8))
+        still = {n: 0 if values[n] != seen[n] else still[n] + 1 for n in values}
+        seen = values
+        assert max(still.values()) <= QUIET_TICKS, (now, still)
+    losses = {e.rank for r in sim.monitors if r != 4 for e in sim.heard[r] if e.kind is EventKind.LOST}
+    assert losses == {4}  # its own node only (one monitor, frozen or killed), none of those it beat for
+
+
 def test_a_delegate_that_finds_another_job_s_reader_where_its_own_listened_takes_nothing_from_it(server):
     # A reader's port taken by a reader of another job on the same host while the old address is
     # still in the store: the delegates that look there are greeted as another group's, tell it

@@ -23,6 +23,13 @@ way: each delegate hands its node's batch to the reader, which makes the group's
 its reader went before answering is unknown to its rank (one it said it never made, refused), as
 with a node's delegate; the delegate then makes its node's calls itself.
 
+So do its nodes' beats: every interval each delegate asks its reader, in a line, to beat for its
+node and read the counters its node watches; the reader beats and reads for all that asked with its
+own, in one message, and answers each with its counters, at which its watch looks. A delegate
+whose reader has not answered yet (a node's first beats), cannot be told, or has left its asks
+unanswered for :data:`QUIET_TICKS` intervals (frozen, or its store late) beats for its node
+itself meanwhile: a reader's stall never holds a node's counter still for the staleness bound.
+
 Example, a group's reader and one of its delegates in this process::
 
     >>> groups = ReaderGroups(per=4)
@@ -45,7 +52,7 @@ listened) is not its reader: the delegate hears nothing from it, and reads the b
     >>> other = GroupLink.lead("127.0.0.1", "other-job/reader/1")
     >>> stray = GroupLink.follow(other.address, "ns/reader/1", timeout_s=1.0)
     >>> other.accept_waiting(position=3); other.send(3, '{"kind": "lost"}')
-    >>> stray.on_ready(stray.readers()[0], position=0) is None, stray.greeted
+    >>> stray.on_ready(stray.readers()[0], position=0) is None, stray.ask_beat(5, [6], now=0.0, within_s=2.0)
     (True, False)
     >>> other.close(); stray.close()
 """
@@ -66,7 +73,7 @@ from .link import StoreLink
 from .relay import NodeRelay, Relayed
 from .served import ServedJob
 
-__all__ = ["ReaderGroups", "GroupLink", "QUIET_TICKS", "READER_LOOKS", "follow_reader", "lead_group"]
+__all__ = ["ReaderGroups", "GroupLink", "AskedBeat", "QUIET_TICKS", "READER_LOOKS", "follow_reader", "lead_group"]
 #: How many intervals, from its job's start, a delegate looks for its group's reader (one request
 #: each) while it waits on the board itself: a reader attached after it listens a moment later.
 READER_LOOKS = 5
@@ -97,6 +104,17 @@ class ReaderGroups:
         return nodes[at] if at < len(nodes) and nodes[at] < first + self.per else None
 
 
+@dataclass(frozen=True)
+class AskedBeat:
+    """A delegate's ask at its group's reader: its connection, its node, the nodes whose counters it
+    reads, and whether its node is beaten at this beat (it asked since the last)."""
+
+    fd: int
+    node: int
+    reads: tuple[int, ...]
+    beat: bool
+
+
 class GroupLink:
     """A delegate's end of its group's fan-out: the reader's listener and the delegates it hands
     entries to, or a delegate's connection to its reader (a :class:`~.relay.NodeRelay` over TCP)."""
@@ -110,13 +128,22 @@ class GroupLink:
         #: another (a reader of another job, listening where this group's reader once did).
         self.group_key = group_key
         #: A following delegate's: whether its reader has greeted it as its group's (until then it tells
-        #: it nothing, and reads the board and makes its calls itself).
+        #: it nothing, and reads the board, beats and makes its calls itself).
         self.greeted = False
         #: A following delegate's intervals since its reader last said anything.
         self.quiet = 0
         #: A reader's: its group's nodes' calls held for one batch; a following delegate's: its
         #: node's calls handed on to the reader, by number.
         self.calls = NodeCalls()
+        #: A reader's: what its delegates asked, by connection: their node, its reads, and how many of
+        #: the reader's beats came since they last asked.
+        self.beats: dict[int, list] = {}
+        #: A following delegate's: the counters its reader read with its node's last beat, not yet looked at.
+        self.beaten: Optional[dict[int, int]] = None
+        #: A following delegate's: since when it has asked for a beat with no answer from its reader.
+        self.unanswered_since: Optional[float] = None
+        #: A following delegate's: whether its reader has answered a beat yet (until then it beats itself too).
+        self.answered = False
 
     @classmethod
     def lead(cls, host: str, group_key: str) -> GroupLink:
@@ -180,6 +207,10 @@ class GroupLink:
                 self.greeted = True
             self.quiet = 0
             for item in heard:
+                word, _, counters = (item.answer or "").partition(" ")
+                if word == _BEATEN:
+                    self.beaten, self.unanswered_since, self.answered = _counters_of(counters), None, True
+                    continue
                 for answer in _answers_of(item.answer or "[]"):
                     self.calls.answered(answer)
             return [item for item in heard if item.answer is None]
@@ -194,7 +225,46 @@ class GroupLink:
                 reply = _Answers(functools.partial(self.relay.answer, fd), len(calls))
                 for call in calls:
                     self.calls.take(call, reply, now=now, source=fd)
+            elif word == "beat":
+                node, *reads = map(int, rest.split())
+                self.beats[fd] = [node, tuple(reads), 0]
         return []
+
+    def ask_beat(self, node: int, reads: Sequence[int], *, now: float, within_s: float) -> bool:
+        """A following delegate asks its reader to beat for ``node`` and read the counters of ``reads``
+        with the group's next beat (the answer comes to :meth:`on_ready`, as :attr:`beaten`). Whether
+        it may count on that: False where the reader could not be told, has not answered one yet (a
+        node's first beats are its own: it may end before the group's next), or has left its asks
+        unanswered for ``within_s`` (frozen, or its store late): the delegate beats itself meanwhile."""
+        if self.leads or not self.greeted or not self.relay.tell("beat " + " ".join(map(str, (node, *reads)))):
+            return False
+        if self.unanswered_since is None:
+            self.unanswered_since = now
+        return self.answered and now - self.unanswered_since < within_s
+
+    def take_beats(self) -> list[AskedBeat]:
+        """A reader's, at its beat: what its delegates still connected asked, to make with its own. A
+        node is beaten only where its delegate asked since the reader's last beat (it was alive since);
+        its counters are read and answered at each beat for :data:`QUIET_TICKS` after its last ask, so
+        its watch looks once an interval however its ticks fall against the reader's."""
+        asked = []
+        for fd, ask in list(self.beats.items()):
+            node, reads, beats_since = ask
+            if fd not in self.relay.followers or beats_since > QUIET_TICKS:
+                del self.beats[fd]
+                continue
+            asked.append(AskedBeat(fd, node, reads, beat=beats_since == 0))
+            ask[2] = beats_since + 1
+        return asked
+
+    def answer_beat(self, fd: int, counters: dict[int, int]) -> None:
+        """A reader tells the delegate at ``fd`` its beat was made, and the counters it asked to read."""
+        self.relay.answer(fd, " ".join([_BEATEN, *(f"{node}:{value}" for node, value in counters.items())]))
+
+    def take_beaten(self) -> Optional[dict[int, int]]:
+        """A following delegate's: the counters its reader last answered with, once (None: none since)."""
+        beaten, self.beaten = self.beaten, None
+        return beaten
 
     def take_calls(self, batch: Batch, *, now: float) -> bool:
         """A node's batch of calls, due at its delegate: the reader holds it for its group's batch, a
@@ -253,6 +323,14 @@ def _calls_line(calls: Sequence[NodeCall]) -> str:
 def _calls_of(text: str) -> list[NodeCall]:
     kind, key, size, awaited, calls = json.loads(text)
     return [NodeCall(ident, rank, CallKind(kind), key, size, line, awaited) for rank, ident, line in calls]
+
+
+#: How a reader's answer to a beat begins (the counters follow as ``node:value``; a batch's answers are a list).
+_BEATEN = "beaten"
+
+
+def _counters_of(text: str) -> dict[int, int]:
+    return {int(node): int(value) for node, _, value in (pair.partition(":") for pair in text.split())}
 
 
 def _answers_of(text: str) -> list[NodeAnswer]:

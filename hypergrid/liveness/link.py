@@ -21,13 +21,16 @@ Example, against a store of torch's::
     False
     >>> link.beat("ns/node/8/0"), link.beat("ns/node/8/0", reads=["ns/node/8/1"]), link.connected
     ([1], [2, 0], True)
+    >>> link.beat("ns/node/8/0", reads=["ns/node/8/1"], also=["ns/node/8/2"])  # for another node too
+    [3, 0, 1]
     >>> link.call(lambda store: store.add("ns/node/8/0", 0)), link.store.timeout_s
-    (2, 5.0)
+    (3, 5.0)
     >>> link.close()
 """
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -112,16 +115,19 @@ class StoreLink:
                 if not again:
                     return None
 
-    def beat(self, key: str, reads: Sequence[str] = ()) -> list[int]:
+    def beat(self, key: str, reads: Sequence[str] = (), also: Sequence[str] = ()) -> list[int]:
         """Add 1 to the heartbeat counter at ``key`` and read the counters at ``reads``, in one message:
-        the beat's value, then theirs. A counter marked departed (its node's last monitor left) beats
-        again from 1: a monitor serves the node once more."""
-        values = self.call(lambda store: store.adds([(key, 1), *((read, 0) for read in reads)]))
+        the beat's value, then theirs. ``also``: more counters beaten in the same message (a group's
+        reader beats for the delegates that asked it), their values last. A counter marked departed
+        (its node's last monitor left) beats again from 1: a monitor serves the node once more."""
+        changes = [(key, 1), *((read, 0) for read in reads), *((other, 1) for other in also)]
+        values = self.call(lambda store: store.adds(changes))
         assert values is not None
-        if values[0] <= 0:
-            again = self.call(lambda store: store.add(key, -DEPARTED))
+        beaten = [0, *range(1 + len(reads), len(changes))]
+        for at in (at for at in beaten if values[at] <= 0):
+            again = self.call(functools.partial(_add, key=changes[at][0], amount=-DEPARTED))
             assert again is not None
-            values[0] = again
+            values[at] = again
         return values
 
     def drop(self) -> None:
@@ -134,3 +140,6 @@ class StoreLink:
         self.closed = True
         self.drop()
 
+
+def _add(store: WireStore, key: str, amount: int) -> int:
+    return store.add(key, amount)

@@ -5,7 +5,8 @@ of its own, with no torch, so that nothing the rank's interpreter does (a GIL he
 stops it. A node's monitors elect a delegate (:mod:`~hypergrid.liveness.relay`), and only it talks
 to the store, for the whole node: every interval it beats the node's counter and reads the counters
 of the nodes its node watches in the ring of nodes (two requests per node, whatever the job's
-size), hears its node's monitors over the node's socket (each says every interval that it is alive:
+size; in a job whose nodes read the board in groups, a group's reader beats and reads for all the
+group's nodes in one message, each delegate asking it over the group's link), hears its node's monitors over the node's socket (each says every interval that it is alive:
 :mod:`~hypergrid.liveness.node`), keeps the node's one wait on the board and hands each entry on.
 A node whose counter stands still is lost whole, its ranks in one entry; a rank whose monitor
 falls silent on a live node is published by the delegate. A follower hands what it would publish
@@ -56,7 +57,7 @@ from ..store.tcpstore import StoreProtocolError, WireStore
 from .board import claim_slot, note_losses
 from .calls import NodeCalls
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
-from .fanout import READER_LOOKS, GroupLink, follow_reader, lead_group
+from .fanout import QUIET_TICKS, READER_LOOKS, GroupLink, follow_reader, lead_group
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
 from .progress import RankProgress, frozen_delegate, rank_process
@@ -322,13 +323,13 @@ class RankMonitor:
         fds += self._probe.readers() if self._probe is not None else []
         return fds + (self.relay.readers() if self.relay is not None else [])
 
-    def on_ready(self, fd: int) -> None:
-        """``fd``, one of :meth:`readers`, is readable."""
+    def on_ready(self, fd: int, now: Optional[float] = None) -> None:
+        """``fd``, one of :meth:`readers`, is readable (``now``: the monitor's clock; its last tick's by default)."""
         relay = self.relay
         if self.board is not None and fd == self.board.fileno():
             self.on_board()
         elif self.group is not None and fd in self.group.readers():
-            self._from_group(fd)
+            self._from_group(fd, self.now if now is None else now)
         elif self._probe is not None and fd in self._probe.readers():
             self._follow_again()
         elif relay is None or self.job is None:
@@ -382,8 +383,9 @@ class RankMonitor:
         if item.payload is not None and item.index == job.next_event:
             self._take_entry(job, item.payload)
 
-    def _from_group(self, fd: int) -> None:
-        """The group's fan-out is readable: a delegate joins the reader, or the reader sent entries."""
+    def _from_group(self, fd: int, now: float) -> None:
+        """The group's fan-out is readable: a delegate joins the reader, or the reader sent entries, or
+        it answered the node's beat with the counters the node watches: the watch looks at them now."""
         job, group = self.job, self.group
         assert job is not None and group is not None
         heard = group.on_ready(fd, job.next_event, now=time.monotonic())
@@ -392,6 +394,9 @@ class RankMonitor:
             return
         for item in heard:
             self._take_relayed(job, item)
+        counters = group.take_beaten()
+        if counters is not None and self.group is group and self._watches(job):
+            self._watch(job, now, given=counters)
 
     def make_calls(self, *, now: float) -> None:
         """Make the node's batches of calls that are due: through its group's reader where it has one
@@ -445,7 +450,8 @@ class RankMonitor:
                 self._follow_reader(job)  # its reader may have begun to listen after it looked
         if self._watches(job):
             self._keep_alive(job)  # before its calls too: however late the store answers them
-            self._watch(job, now)
+            if not self._ask_reader_to_beat(job, now):
+                self._watch(job, now)
         else:
             job.watched.clear()
         self._keep_alive(job)  # after the watch: what it saw now
@@ -508,30 +514,60 @@ class RankMonitor:
         if group is not None and job is not None:
             group.keep_alive(job.next_event)
 
-    def _watch(self, job: ServedJob, now: float) -> None:
-        """Beat for the node, read the counters of the nodes it watches, hear what the node's monitors
-        said, and publish those found lost in one entry."""
+    def _rule(self) -> Watch:
+        return Watch(self.node, self.config.interval_s, self.config.stale_beats, START_TIMEOUT_S)
+
+    def _ask_reader_to_beat(self, job: ServedJob, now: float) -> bool:
+        """A group's delegate asks its reader to beat for its node with the group's next beat, and to
+        read the counters its node watches (the watch looks when the answer comes); whether it may
+        count on the reader: not where it has left the asks unanswered for :data:`QUIET_TICKS`
+        intervals (frozen, or its store late), so a node's counter never stands still for longer."""
+        group, node = self.group, self.node
+        if group is None or group.leads or node not in job.nodes or len(job.nodes) < 2:
+            return False
+        reads = self._rule().firsts(job.nodes, [node], job.lost_nodes())
+        return group.ask_beat(node, reads, now=now, within_s=QUIET_TICKS * self.config.interval_s)
+
+    def _beat(self, node: int, reads: Sequence[int]) -> list[int]:
+        """Beat for ``node`` and read the counters of ``reads``, in one message; a group's reader beats
+        and reads for its delegates that asked in the same message, and answers each. The counters read."""
+        group = self.group
+        asked = group.take_beats() if group is not None and group.leads else []
+        others = sorted({ask.node for ask in asked if ask.beat} - {node})
+        every = list(dict.fromkeys([*reads, *(n for ask in asked for n in ask.reads)]))
+        values = self.link.beat(self._node_key(node), [self._node_key(n) for n in every],
+                                also=[self._node_key(n) for n in others])
+        counters = dict(zip(every, values[1:1 + len(every)]))
+        for ask in asked:
+            assert group is not None
+            group.answer_beat(ask.fd, {n: counters[n] for n in ask.reads})
+        return [counters[n] for n in reads]
+
+    def _watch(self, job: ServedJob, now: float, given: Optional[dict[int, int]] = None) -> None:
+        """Beat for the node, read the counters of the nodes it watches (``given``: its group's reader
+        beat and read them), hear what the node's monitors said, and publish those found lost in one entry."""
         node = self.node
         if node not in job.nodes:
             return
-        beaten = False
+        beaten = given is not None
 
         def read(nodes: Sequence[int]) -> list[int]:
             nonlocal beaten
+            if given is not None and all(n in given for n in nodes):
+                return [given[n] for n in nodes]
             if beaten:  # walking on past a lost node: their counters in one round trip (None only with again=False)
                 return self.link.call(lambda store: store.add_many([self._node_key(n) for n in nodes], 0)) or []
             beaten = True  # the node's beat, and its first reads in the same message
-            return self.link.beat(self._node_key(node), [self._node_key(n) for n in nodes])[1:]
+            return self._beat(node, nodes)
 
         Watch.take_over(job.watched, self._told.pop("watched", None), job.nodes)
         found: list[BoardEvent] = []
         if len(job.nodes) > 1:
-            rule = Watch(node, self.config.interval_s, self.config.stale_beats, START_TIMEOUT_S)
-            for gone in rule.look(read, job.nodes, [node], job.lost_nodes(), job.watched, now):
+            for gone in self._rule().look(read, job.nodes, [node], job.lost_nodes(), job.watched, now):
                 found += [BoardEvent(EventKind.LOST, rank, gone.reason, by=self.config.rank)
                           for rank in job.ring.on_node(gone.rank) if rank not in job.lost]
         if not beaten:  # nothing to read: a beat of its own
-            self.link.beat(self._node_key(node))
+            self._beat(node, [])
         if self.node_ranks is not None:
             found += self.node_ranks.silent([r for r in job.ring.on_node(node) if r not in job.lost], now)
         for event in found:

@@ -127,7 +127,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 continue
             for fd in ready:
                 if fd in monitor.readers():  # the one before may have closed it (a new delegate)
-                    monitor.on_ready(fd)
+                    monitor.on_ready(fd, now=time.monotonic())
             out.flush()
             if stdin is not None and stdin in ready:
                 lines, inbox = read_lines(stdin, inbox)

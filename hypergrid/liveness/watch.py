@@ -74,7 +74,7 @@ class Watch:
              lost: Collection[int], watched: dict[int, Watched], now: float) -> list[BoardEvent]:
         """Read (``read``: one round trip) and judge the counters ``starts`` watch, walking past those
         ``lost`` or departed; the ranks found lost now, as events (the caller adds them to ``lost``)."""
-        firsts = sorted({r for start in starts for r in ring.watched_from(start)} - set(lost) - {self.me})
+        firsts = self.firsts(ring, starts, lost)
         counters = dict(zip(firsts, read(firsts))) if firsts else {}
         visited: set[int] = set()
         found: list[BoardEvent] = []
@@ -91,6 +91,19 @@ class Watch:
         for rank in [r for r in watched if r not in visited]:
             del watched[rank]
         return found
+
+    def firsts(self, ring: Ring, starts: Sequence[int], lost: Collection[int]) -> list[int]:
+        """The counters a :meth:`look` from ``starts`` reads first (those it walks on to come after).
+
+        Example::
+
+            >>> from hypergrid.liveness.ring import Ring
+            >>> ring = Ring.of(range(4), gpus_per_node=1)
+            >>> watch = Watch(me=0, interval_s=1.0, stale_beats=5)
+            >>> watch.firsts(ring, [0], lost=[]) == ring.watched_from(0), watch.firsts(ring, [0], ring.watched_from(0))
+            (True, [])
+        """
+        return sorted({r for start in starts for r in ring.watched_from(start)} - set(lost) - {self.me})
 
     def _walk(self, ring: Ring, start: int, lost: Collection[int], watched: dict[int, Watched], now: float,
               visited: set[int], found: list[BoardEvent]) -> _Walk:
