@@ -4,7 +4,8 @@ A node's delegate (or a monitor serving its node alone) reads at each look, in o
 the counters of the nodes its node watches in the ring of the job's nodes
 (:meth:`~hypergrid.liveness.ring.Ring.watched_from`). A counter that stood still over ``stale_beats``
 looks and intervals of the watcher's own clock (no clocks are compared across hosts) means its
-node is gone (every monitor on it). A counter that never moved (0: nobody beat for it yet) is
+node is gone (every monitor on it); looks closer together than :data:`COUNTED_APART` of an
+interval count as one. A counter that never moved (0: nobody beat for it yet) is
 given ``start_s`` more, the time a rank's monitor may take to start: ranks start their monitors
 seconds apart on a loaded host, and a watcher that looks first must not count the late ones out.
 Silence is judged on what the store answered, not on how long it took. Past a node lost or
@@ -21,6 +22,15 @@ Example, node 0 watching node 1, whose counter stands still (the reads given)::
     >>> [(e.rank, e.by) for e in watch.look(lambda ranks: [7] * len(ranks), ring, [0], {}, watched, now=5.0)]
     [(1, 0)]
 
+Looks that come in a burst (answers queued behind a store that stalled) count once: three
+intervals looked at are not five::
+
+    >>> watch, watched = Watch(me=0, interval_s=1.0, stale_beats=5), {}
+    >>> [watch.look(lambda ranks: [7] * len(ranks), ring, [0], {}, watched, now=t) for t in (0.0, 2.0, 2.1, 2.2, 2.3)][-1]
+    []
+    >>> watch.look(lambda ranks: [7] * len(ranks), ring, [0], {}, watched, now=4.6), watched[1].looks
+    ([], 3)
+
 A counter still at 0 (never beaten) is lost only past the start bound as well::
 
     >>> watch, watched = Watch(me=0, interval_s=1.0, stale_beats=5, start_s=60.0), {}
@@ -32,6 +42,7 @@ A counter still at 0 (never beaten) is lost only past the start bound as well::
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Collection, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Optional
@@ -39,7 +50,10 @@ from typing import Optional
 from ..store.records import BoardEvent, EventKind
 from .ring import Ring
 
-__all__ = ["Watch", "Watched"]
+__all__ = ["Watch", "Watched", "COUNTED_APART"]
+
+#: How far apart, in intervals, two looks at the same value must come to count as two.
+COUNTED_APART = 0.75
 
 #: One look's walk from one start: yields the rank whose counter it needs, is sent its value.
 _Walk = Generator[int, int, None]
@@ -58,6 +72,8 @@ class Watched:
     last_look: float
     #: How many looks found ``value``: a watcher that did not run (an overloaded host) saw nothing stand still.
     looks: int = 1
+    #: When the last look counted in ``looks`` came (looks closer together count once).
+    counted_at: float = -math.inf
 
 
 @dataclass(frozen=True)
@@ -123,9 +139,14 @@ class Watch:
                 continue
             if seen is None or seen.value != value:
                 watched[candidate] = Watched(value, since=now if seen is None else seen.last_look, first_seen=now,
-                                             last_look=now)
+                                             last_look=now, counted_at=now)
             else:
-                seen.looks += 1
+                # The looks count intervals: a watcher's counters may come from its own reads and from
+                # its group's reader's answers, several at once after a late store, and a burst of
+                # them is no more evidence than one look.
+                if now - seen.counted_at >= self.interval_s * COUNTED_APART:
+                    seen.looks += 1
+                    seen.counted_at = now
                 seen.last_look = now
                 # From the earliest the last beat may have come, so a rank is published within the bound.
                 # The looks count the intervals; the clock only guards against looks that came too fast,
@@ -163,7 +184,7 @@ class Watch:
         for rank, value, since, first_seen, last_look, looks in told or []:
             if int(rank) in ring and int(rank) not in watched:
                 watched[int(rank)] = Watched(int(value), since=since, first_seen=first_seen, last_look=last_look,
-                                             looks=int(looks))
+                                             looks=int(looks), counted_at=last_look)
 
 
 def _advance(walk: _Walk, need: Optional[int], counters: dict[int, int]) -> Optional[int]:
