@@ -881,3 +881,30 @@ def test_a_delegate_that_cannot_send_to_its_follower_shuts_it_and_leaves_the_clo
     finally:
         reader.close()
         follower.close()
+
+
+def test_a_reader_beats_no_node_for_a_delegate_that_took_the_descriptor_of_one_that_went():
+    # A delegate asks its reader to beat for node 5, then goes; another delegate joins on the same
+    # descriptor number and has asked nothing yet: the reader's next beat is for nobody (node 5's
+    # counter would otherwise move once more after its delegate went).
+    reader = GroupLink.lead("127.0.0.1", "ns/reader/0")
+    first = GroupLink.follow(reader.address, "ns/reader/0", timeout_s=1.0)
+    second = None
+    try:
+        reader.accept_waiting(position=0)
+        [fd] = reader.relay.followers
+        assert select.select(first.readers(), [], [], 5)[0] and first.on_ready(first.readers()[0], 0) is not None
+        assert first.greeted and not first.ask_beat(5, [6], now=0.0, within_s=2.0)  # told; not answered yet
+        assert select.select([fd], [], [], 5)[0] and reader.on_ready(fd, 0) == []
+        first.close()
+        assert select.select([fd], [], [], 5)[0] and reader.on_ready(fd, 0) == [] and reader.relay.followers == {}
+        second = GroupLink.follow(reader.address, "ns/reader/0", timeout_s=1.0)
+        select.select(reader.readers(), [], [], 5)
+        reader.accept_waiting(position=0)
+        assert list(reader.relay.followers) == [fd]  # the descriptor the first had
+        assert reader.take_beats() == []
+    finally:
+        reader.close()
+        first.close()
+        if second is not None:
+            second.close()

@@ -115,6 +115,17 @@ class AskedBeat:
     beat: bool
 
 
+@dataclass
+class _Ask:
+    """A delegate's last ask at its reader: on which connection, for which node, what to read, and
+    how many of the reader's beats came since."""
+
+    conn: Optional[socket.socket]
+    node: int
+    reads: tuple[int, ...]
+    beats_since: int = 0
+
+
 class GroupLink:
     """A delegate's end of its group's fan-out: the reader's listener and the delegates it hands
     entries to, or a delegate's connection to its reader (a :class:`~.relay.NodeRelay` over TCP)."""
@@ -135,9 +146,8 @@ class GroupLink:
         #: A reader's: its group's nodes' calls held for one batch; a following delegate's: its
         #: node's calls handed on to the reader, by number.
         self.calls = NodeCalls()
-        #: A reader's: what its delegates asked, by connection: their node, its reads, and how many of
-        #: the reader's beats came since they last asked.
-        self.beats: dict[int, list] = {}
+        #: A reader's: what its delegates asked, by descriptor.
+        self.beats: dict[int, _Ask] = {}
         #: A following delegate's: the counters its reader read with its node's last beat, not yet looked at.
         self.beaten: Optional[dict[int, int]] = None
         #: A following delegate's: since when it has asked for a beat with no answer from its reader.
@@ -227,7 +237,7 @@ class GroupLink:
                     self.calls.take(call, reply, now=now, source=fd)
             elif word == "beat":
                 node, *reads = map(int, rest.split())
-                self.beats[fd] = [node, tuple(reads), 0]
+                self.beats[fd] = _Ask(self.relay.followers.get(fd), node, tuple(reads))
         return []
 
     def ask_beat(self, node: int, reads: Sequence[int], *, now: float, within_s: float) -> bool:
@@ -249,12 +259,13 @@ class GroupLink:
         its watch looks once an interval however its ticks fall against the reader's."""
         asked = []
         for fd, ask in list(self.beats.items()):
-            node, reads, beats_since = ask
-            if fd not in self.relay.followers or beats_since > QUIET_TICKS:
+            # The same connection, not just the same descriptor: one that went may leave its number
+            # to a delegate of another node, which has not asked for its node yet.
+            if self.relay.followers.get(fd) is not ask.conn or ask.beats_since > QUIET_TICKS:
                 del self.beats[fd]
                 continue
-            asked.append(AskedBeat(fd, node, reads, beat=beats_since == 0))
-            ask[2] = beats_since + 1
+            asked.append(AskedBeat(fd, ask.node, ask.reads, beat=ask.beats_since == 0))
+            ask.beats_since += 1
         return asked
 
     def answer_beat(self, fd: int, counters: dict[int, int]) -> None:
