@@ -5,7 +5,8 @@ happens to a log.
 
 ``python -S -m tests.liveness_rank CONFIG`` (CONFIG: JSON with ``host``, ``port``, ``namespace``,
 ``rank``, ``ranks``, ``node`` (ranks per node), ``interval``, ``log`` and optionally ``per``, the
-nodes per reader of the board), from the repository's
+nodes per reader of the board, and ``go``, a file whose making lets the ranks attach the job
+together, as ranks do once past their launcher's rendezvous), from the repository's
 root. Its log gets a line per monitor process it runs (``monitor <time> <pid>``: the first, and
 each one the heartbeat restarted) and per event of the job's board it hears (``heard <time>
 <kind> <rank> <by> <key>``), times of the host's monotonic clock, which the test shares. It
@@ -15,6 +16,7 @@ ends cleanly (the job released, the monitor told ``bye``) when its stdin closes.
 from __future__ import annotations
 
 import json
+import os
 import select
 import sys
 import time
@@ -41,6 +43,10 @@ def main() -> None:
         log.write(f"heard {time.monotonic():.4f} {event.kind.value} {event.rank} {event.by} {event.key or '-'}\n")
 
     beat.listen("log", heard)
+    if "go" in config:  # its monitor process is up: attach with the others
+        log.write(f"started {time.monotonic():.4f} {beat.pid}\n")
+        while not os.path.exists(config["go"]):
+            time.sleep(0.05)
     beat.attach(JobSpec(JobChannel(config["namespace"], "job", 0), ((0, config["ranks"]),), config["node"],
                         config.get("per", DEFAULT_NODES_PER_READER)))
     pid = beat.pid
