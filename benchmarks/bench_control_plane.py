@@ -434,8 +434,8 @@ def _round(spec: dict, ranks: list[int], beat_conns: dict, board_conns: dict, sh
     setup = WireStore.connect(spec["host"], spec["port"], timeout_s=_ROUND_S)
     leads = {node: GroupLink.lead(setup.local_host, channel.board_reader(readers.group(node)))
              for node in reading if readers.reader(node, job_nodes) == node}
-    for node, link in leads.items():  # every reader of this worker says where it listens before any looks
-        setup.set(channel.board_reader(readers.group(node)), link.address.encode())
+    for link in leads.values():  # every reader of this worker says where it listens before any looks
+        setup.set(link.group_key, link.address.encode())
     follows: dict[int, Any] = {}
     # A reader's delegate makes its group's batches of calls on its own connection, from a thread of
     # its own here (a process of its own in a cluster: no reader waits for another's requests). The

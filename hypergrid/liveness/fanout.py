@@ -204,17 +204,14 @@ class GroupLink:
         reader is gone (the calls it did not answer are unknown)."""
         if not self.leads:
             heard = self.relay.receive()
-            if heard is None:
+            # The first line a reader sends names its group: another's (a port reused by a reader of
+            # another job) is not this group's reader, whose entries and counters are not ours.
+            if heard and not self.greeted:
+                first = heard[0]
+                self.greeted = first.payload is None and first.answer is None and first.state == self.group_key
+            if heard is None or (heard and not self.greeted):
                 self.calls.lose_handed_on()
                 return None
-            if heard and not self.greeted:
-                # The first line a reader sends names its group: another's (a port reused by a reader
-                # of another job) is not this group's reader, whose entries and counters are not ours.
-                first = heard[0]
-                if first.payload is not None or first.answer is not None or first.state != self.group_key:
-                    self.calls.lose_handed_on()
-                    return None
-                self.greeted = True
             self.quiet = 0
             for item in heard:
                 word, _, counters = (item.answer or "").partition(" ")

@@ -237,6 +237,11 @@ class Relayed:
     answer: Optional[str] = None  # else: the answer to a call this follower handed on (:mod:`.calls`)
 
 
+def _position_line(position: int, state: str) -> bytes:
+    """The line that tells a follower the delegate's position, and its ``state`` where it has one."""
+    return (f"at {position} {state}\n" if state else f"at {position}\n").encode()
+
+
 class NodeRelay:
     """One monitor's end of its node's relay: the delegate's listener and followers, or a follower's
     upstream. A delegate's keep-alive may come from a thread of its own: the followers are kept under a lock."""
@@ -305,7 +310,7 @@ class NodeRelay:
             return True
         with self._lock:
             self.followers[conn.fileno()] = conn
-            self._send_to(conn, (f"at {position} {self.greeting}\n" if self.greeting else f"at {position}\n").encode())
+            self._send_to(conn, _position_line(position, self.greeting))
         return True
 
     def send(self, index: int, payload: str) -> None:
@@ -322,7 +327,7 @@ class NodeRelay:
         """Tell every follower the delegate's position and one-line ``state`` (every interval)."""
         if "\n" in state:
             raise ValueError(f"a relayed state is one line, got {state!r}")
-        line = (f"at {position} {state}\n" if state else f"at {position}\n").encode()
+        line = _position_line(position, state)
         with self._lock:
             for conn in list(self.followers.values()):
                 self._send_to(conn, line)
