@@ -239,6 +239,7 @@ def run(n: int, interval: float, steady_s: float) -> dict[str, Any]:
         killed_at = time.monotonic()
         job.procs[victim].kill()
         job.killed.add(victim)
+        time.sleep(2.0)  # reading a thousand logs while the loss is handed on would compete with it for the cores
         heard_at, _ = job.all_heard([victim], 60)
         # Who heard it last, and when most had: one slow process or the whole delivery.
         delays = sorted((h[victim] - killed_at, r) for r, h in getattr(job, "last_heard", {}).items())

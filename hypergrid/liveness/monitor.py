@@ -47,6 +47,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Optional
@@ -94,6 +95,9 @@ class RankMonitor:
         self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
         self._told: dict = {}  # what the delegate last told: its spec's digest, its watch, whom it heard
         self._state = ""  # what this delegate tells its node's monitors at each keep-alive
+        self._spoke = False  # the loop's tick spoke to the node since the keep-alive thread last looked
+        #: Set once this monitor first serves its node (its delegate, or alone): :meth:`keep_alive` has work.
+        self.served = threading.Event()
         self._unconfirmed: list[BoardEvent] = []  # handed to the delegate to publish, not yet on the board
         self.calls = NodeCalls()  # the node's ranks' calls held for a batch (a delegate), or handed on (a follower)
         self._leaving = False
@@ -172,6 +176,7 @@ class RankMonitor:
         """Serve the node: beat for it, watch for it, wait on the board for it, hear its monitors."""
         job, relay = self.job, self.relay
         assert job is not None and relay is not None
+        self.served.set()  # before its first call: a late store's answer must not keep its followers waiting
         self.names.release()
         self._hear_node()
         known = job.next_event >= 0
@@ -449,12 +454,13 @@ class RankMonitor:
             elif self.group is None and self._reader_looks < READER_LOOKS:
                 self._follow_reader(job)  # its reader may have begun to listen after it looked
         if self._watches(job):
-            self._keep_alive(job)  # before its calls too: however late the store answers them
             if not self._ask_reader_to_beat(job, now):
                 self._watch(job, now)
         else:
             job.watched.clear()
-        self._keep_alive(job)  # after the watch: what it saw now
+        # Once an interval, after the watch (what it saw now): however late the store answers the
+        # watch's calls, the keep-alive thread speaks meanwhile (:meth:`keep_alive`).
+        self._keep_alive(job)
         hung = self.rank_progress.hung(self.config.rank, now)
         if hung is not None:
             self.publish(hung)
@@ -499,12 +505,17 @@ class RankMonitor:
             relay.keep_alive(job.next_event, self._state)
         if self.group is not None:
             self.group.keep_alive(job.next_event)
+        self._spoke = True
 
     def keep_alive(self) -> None:
         """A delegate's word to its node, from a thread of the monitor's own: a store that answers late
         holds up the delegate's calls, and must not make its followers take it for a frozen one. The
         followers that came meanwhile are taken here too (at attach, before its first call is answered,
-        its position may be unknown, -1: they learn it before any entry)."""
+        its position may be unknown, -1: they learn it before any entry). Nothing where the monitor's
+        loop spoke since the last call: each word wakes every follower, and a loop that speaks is not held up."""
+        if self._spoke:
+            self._spoke = False
+            return
         relay, job, group = self.relay, self.job, self.group
         if relay is not None and job is not None and relay.role is Role.DELEGATE:
             with relay.lock:
@@ -615,10 +626,10 @@ class RankMonitor:
     def _take_entry(self, job: ServedJob, payload: str) -> None:
         """Take in the job's next entry, read or relayed; a delegate hands it to its followers (a
         follower's relay has none)."""
+        if self.group is not None:  # first: the group's delegates each hand it on again
+            self.group.send(job.next_event, payload)
         if self.relay is not None:
             self.relay.send(job.next_event, payload)
-        if self.group is not None:
-            self.group.send(job.next_event, payload)
         job.next_event += 1
         events = decode_events(payload)
         if self._unconfirmed:

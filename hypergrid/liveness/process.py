@@ -50,9 +50,12 @@ class _ParentPipe:
         os.set_blocking(fd, False)
         self.pending = b""
 
-    def send(self, line: str) -> None:
+    def send(self, line: str, now: bool = True) -> None:
+        """Write ``line``; not ``now``: at the loop's next :meth:`flush`, with the lines after it (an
+        entry's events and the position after it wake the rank once)."""
         self.pending += line.encode() + b"\n"
-        self.flush()
+        if now:
+            self.flush()
 
     def flush(self) -> None:
         while self.pending:
@@ -83,8 +86,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         if config.check_store:  # nobody has reached it yet: say so now, not at the first call
             WireStore.connect(config.host, config.port, timeout_s=config.connect_timeout_s).close()
-        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e)), now=time.monotonic(),
-                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}"))
+        monitor = RankMonitor(config, forward=lambda e: out.send("event " + encode(e), now=False),
+                              now=time.monotonic(),
+                              reached=lambda channel, n: out.send(f"at {channel.board_count()} {n}", now=False))
     except (OSError, StoreProtocolError) as exc:
         out.send(f"error the monitor could not reach the job's store at {config.host}:{config.port}: "
                  f"{type(exc).__name__}: {exc}")
@@ -138,12 +142,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     if _handle(monitor, line, time.monotonic(), out):
                         ended = time.monotonic()
             monitor.make_calls(now=time.monotonic())
+            out.flush()
         return 0
     except (StoreTimeout, StoreProtocolError, OSError) as exc:
         out.send(f"error the monitor lost the job's store at {config.host}:{config.port}: {type(exc).__name__}: "
                  f"{exc}")
         return 3
     finally:
+        out.flush()  # what its last look found, before it stops
         speaking.set()
 
 
@@ -166,6 +172,7 @@ def _rank_ended(monitor: RankMonitor, stdin: Optional[int], inbox: bytes, out: _
 
 
 def _keep_alive(monitor: RankMonitor, stop: threading.Event, interval_s: float) -> None:
+    monitor.served.wait()  # a follower's thread sleeps: woken every interval, a thousand of them cost a core's share
     while not stop.wait(interval_s):
         with contextlib.suppress(OSError, ValueError):
             monitor.keep_alive()
