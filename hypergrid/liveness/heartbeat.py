@@ -43,6 +43,7 @@ from ..store.shutdown import register
 from .calls import AnswerKind, NodeAnswer, NodeCall
 from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, JobSpec, MonitorConfig
 from .poll import read_lines, readable
+from .progress import tick_every_s
 
 if TYPE_CHECKING:
     from .plane import ControlPlane
@@ -177,7 +178,7 @@ class Heartbeat:
             now = time.monotonic()
             if now >= next_tick:
                 self._send("p")
-                next_tick = now + self.interval_s
+                next_tick = now + tick_every_s(self.interval_s, self.progress_timeout_s)
             out = self._proc.stdout
             assert out is not None
             ready = readable([out.fileno(), self._wake_r], next_tick - now)

@@ -61,7 +61,7 @@ from .config import DEFAULT_PROGRESS_TIMEOUT_S, STALE_BEATS, START_TIMEOUT_S, Jo
 from .fanout import QUIET_TICKS, READER_LOOKS, GroupLink, follow_reader, lead_group
 from .link import STORE_ERRORS, StoreLink
 from .node import NodeRanks
-from .progress import RankProgress, frozen_delegate, rank_process
+from .progress import RankProgress, frozen_delegate, rank_process, tick_every_s
 from .relay import NodeNames, NodeRelay, Relayed, Role
 from .served import ServedJob
 from .watch import Watch
@@ -93,6 +93,7 @@ class RankMonitor:
         self.node_ranks: Optional[NodeRanks] = None  # a delegate's: what its node's monitors said
         self.names = NodeNames("", 0)  # the node's relay and its standby's name (held: this one stands by)
         self._delegate_quiet = 0  # this monitor's ticks since its delegate last said anything
+        self._answered = False  # a follower said it is alive, answering its delegate, since its last tick
         self._told: dict = {}  # what the delegate last told: its spec's digest, its watch, whom it heard
         self._state = ""  # what this delegate tells its node's monitors at each keep-alive
         self._spoke = False  # the loop's tick spoke to the node since the keep-alive thread last looked
@@ -103,7 +104,8 @@ class RankMonitor:
         self._leaving = False
         self.job: Optional[ServedJob] = None
         self.now = now
-        self.rank_progress = RankProgress(config.progress_timeout_s, now)
+        self.rank_progress = RankProgress(config.progress_timeout_s, now, slack_s=tick_every_s(
+            config.interval_s, config.progress_timeout_s) - config.interval_s)
         self.closed = False
 
     @property
@@ -372,6 +374,10 @@ class RankMonitor:
             self._join_board()
             return
         self._delegate_quiet = 0
+        if any(item.payload is None and item.answer is None for item in heard) and not self._answered:
+            # Alive, in answer to its delegate's word: the node's followers answer together, and the
+            # delegate wakes for them once or twice an interval rather than once for each.
+            self._answered = relay.tell(f"alive {self.config.rank}")
         for item in heard:
             if item.payload is None:
                 if item.state:
@@ -435,7 +441,9 @@ class RankMonitor:
             return
         if relay is not None and relay.role is Role.FOLLOWER:
             self._delegate_quiet += 1
-            relay.tell(f"alive {self.config.rank}")
+            if not self._answered:  # its delegate quiet since its last tick: it still hears of this one
+                relay.tell(f"alive {self.config.rank}")
+            self._answered = False
             if self._delegate_quiet == self.config.stale_beats and self.names.standby is not None:
                 # The standby publishes its delegate's rank, silent for the staleness bound: its monitor is stopped.
                 self.publish(*frozen_delegate(self._told.get("me"), job.ring, job.lost, self._delegate_quiet,

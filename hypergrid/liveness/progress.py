@@ -1,8 +1,8 @@
 """Silence judged by a monitor: its own rank's interpreter that stopped ticking, its delegate that stopped speaking.
 
-A rank's heartbeat thread ticks its monitor every interval, which needs the rank's GIL: a rank
-whose interpreter sent no tick for ``timeout_s`` (stopped, or stuck holding the GIL) is hung, and
-published once until it ticks again. A follower standing by publishes its delegate's rank once the
+A rank's heartbeat thread ticks its monitor every interval (rarer where the timeout is long:
+:func:`tick_every_s`), which needs the rank's GIL: a rank whose interpreter sent no tick for
+``timeout_s`` (stopped, or stuck holding the GIL) is hung, and published once until it ticks again. A follower standing by publishes its delegate's rank once the
 delegate said nothing for the staleness bound: the delegate's monitor is stopped. A delegate that
 went while its rank's process still runs on the node was killed alone: its rank starts another
 monitor, which is given the time a monitor may take to start (:func:`restarting_delegate`).
@@ -26,16 +26,33 @@ from typing import Any, Optional
 
 from ..store.records import BoardEvent, EventKind
 
-__all__ = ["RankProgress", "frozen_delegate", "rank_process", "restarting_delegate"]
+__all__ = ["RankProgress", "frozen_delegate", "rank_process", "restarting_delegate", "tick_every_s"]
+
+#: A rank's interpreter ticks its monitor at least this many times per progress timeout.
+TICKS_PER_TIMEOUT = 30
+
+
+def tick_every_s(interval_s: float, timeout_s: float) -> float:
+    """How often a rank's interpreter ticks its monitor: every interval, but no more often than 30 times
+    per progress timeout (each tick wakes the rank's thread and its monitor: with the default 3 minutes,
+    every 6 s rather than every second).
+
+        >>> tick_every_s(1.0, 180.0), tick_every_s(0.25, 3.0)
+        (6.0, 0.25)
+    """
+    return max(interval_s, timeout_s / TICKS_PER_TIMEOUT)
 
 
 @dataclass
 class RankProgress:
-    """When the rank's interpreter last ticked (``last``), judged by ``timeout_s``."""
+    """When the rank's interpreter last ticked (``last``), judged by ``timeout_s``; ``slack_s``: how much
+    further apart than an interval its ticks come (:func:`tick_every_s`), waited for too, so that a rank
+    whose interpreter stopped just before it would have ticked is judged after the timeout, not before."""
 
     timeout_s: float
     last: float
     published: bool = False
+    slack_s: float = 0.0
 
     def tick(self, now: float) -> None:
         """The rank's interpreter ran."""
@@ -44,7 +61,7 @@ class RankProgress:
     def hung(self, rank: int, now: float) -> Optional[BoardEvent]:
         """The rank's loss, the first time its silence reaches the timeout (None: not, or said already)."""
         quiet = now - self.last
-        if quiet < self.timeout_s or self.published:
+        if quiet < self.timeout_s + self.slack_s or self.published:
             return None
         self.published = True
         return BoardEvent(EventKind.LOST, rank, (
