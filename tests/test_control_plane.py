@@ -25,7 +25,7 @@ from hypergrid.liveness.board import put_entry
 from hypergrid.liveness.config import DEFAULT_NODES_PER_READER
 from hypergrid.liveness.fanout import QUIET_TICKS, READER_LOOKS, GroupLink
 from hypergrid.liveness.monitor import JobSpec, MonitorConfig, RankMonitor
-from hypergrid.liveness.relay import Role
+from hypergrid.liveness.relay import NodeRelay, Role
 from hypergrid.liveness.ring import Ring, as_runs, from_runs
 from hypergrid.liveness.watch import Watch
 from hypergrid.recovery.quorum import RoundView, decide
@@ -274,6 +274,43 @@ def test_a_rank_whose_monitor_falls_silent_on_a_live_node_is_published_once_by_i
     assert len(sim.heard[1]) == 1 and "the last word came 5.0 s ago (the bound is 5 s)" in sim.heard[1][0].reason
     sim.tick(6.0)
     assert len(sim.heard[1]) == 1  # published once
+
+
+def test_a_node_s_delegate_speaks_once_an_interval_and_its_followers_answer_it_or_say_it_on_their_own(
+        server, monkeypatch):
+    """Each word on a node's socket wakes a process: the delegate speaks once an interval (3 times
+    before), and its followers say they are alive once an interval, in answer to it; with their
+    delegate quiet (frozen), on their own ticks, so that it finds their words once it runs again."""
+    said = {"keep-alive": 0, "alive": 0}
+    keep_alive, tell = NodeRelay.keep_alive, NodeRelay.tell
+
+    def counted_keep_alive(relay, position, state=""):
+        said["keep-alive"] += 1
+        keep_alive(relay, position, state)
+
+    def counted_tell(relay, line):
+        said["alive"] += line.startswith("alive ")
+        return tell(relay, line)
+
+    monkeypatch.setattr(NodeRelay, "keep_alive", counted_keep_alive)
+    monkeypatch.setattr(NodeRelay, "tell", counted_tell)
+    sim = _Sim(server, 8, node=4)  # ranks 0 and 4 lead their nodes, 3 follow each
+    for now in (0.0, 1.0):
+        sim.tick(now)
+    said.update({"keep-alive": 0, "alive": 0})
+    for now in range(2, 12):
+        sim.tick(float(now))
+    assert said == {"keep-alive": 2 * 10, "alive": 6 * 10}
+    frozen = sim.monitors.pop(4)  # node 1's delegate stops running: neither ticked nor read
+    said.update({"keep-alive": 0, "alive": 0})
+    for now in range(12, 15):
+        sim.tick(float(now))
+    # Node 1's followers still say it on each tick but the first (they answered their delegate's last word).
+    assert said == {"keep-alive": 3, "alive": 3 * 3 + 3 * 2}
+    sim.monitors[4] = frozen  # runs again within the bound: finds its followers' words, publishes nobody
+    for now in range(15, 24):
+        sim.tick(float(now))
+    assert not any(sim.heard[r] for r in sim.monitors), {r: sim.heard[r] for r in sim.monitors}
 
 
 def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_counter_stand_still_first(server):

@@ -14,6 +14,12 @@ Example, a progress timeout of 30 s::
     (True, 'it made no progress for 31 s (the pr')
     >>> progress.hung(rank=3, now=40.0) is None               # published once
     True
+
+Ticked every 6 s (a timeout of 3 minutes), it waits the 5 s its ticks may come later too::
+
+    >>> slow = RankProgress(timeout_s=180.0, last=0.0, slack_s=tick_every_s(1.0, 180.0) - 1.0)
+    >>> slow.hung(rank=3, now=182.0) is None, slow.hung(rank=3, now=185.0) is not None
+    (True, True)
 """
 
 from __future__ import annotations
