@@ -313,6 +313,28 @@ def test_a_node_s_delegate_speaks_once_an_interval_and_its_followers_answer_it_o
     assert not any(sim.heard[r] for r in sim.monitors), {r: sim.heard[r] for r in sim.monitors}
 
 
+def test_a_delegate_hands_on_the_entry_it_put_without_reading_it_from_the_store(server):
+    """The entry a delegate puts is its node's (and group's) at once: its board's wait is answered by
+    it, and the delegate waits on the next one rather than reading back what it wrote; the node's
+    other delegates read it."""
+    sim = _Sim(server, 16, node=8)  # rank 8 leads node 1, rank 9 follows it
+    for now in (0.0, 1.0):
+        sim.tick(now)
+    writer, reader = sim.monitors[8].board, sim.monitors[0].board
+    before = writer.requests, reader.requests
+    sim.monitors[9].parent_ended()  # rank 9's process ended: its monitor hands its loss to rank 8
+    sim.drain()
+    assert all([(e.kind, e.rank) for e in sim.heard[r]] == [(EventKind.LOST, 9)] for r in range(16) if r != 9)
+    # The writer's board: one request (the next wait); the others': a read and the next wait in one message.
+    assert (writer.requests - before[0], reader.requests - before[1]) == (1, 2)
+    sim.halt(9)
+    for now in (2.0, 3.0):  # and the next entries as ever
+        sim.tick(now)
+    sim.monitors[1].parent_ended()
+    sim.drain()
+    assert all([e.rank for e in sim.heard[r]] == [9, 1] for r in range(16) if r not in (1, 9)), sim.heard
+
+
 def test_a_watcher_that_stalled_before_it_saw_the_last_beat_still_sees_the_counter_stand_still_first(server):
     sim = _Sim(server, 4, node=2)  # nodes 0 (ranks 0, 1) and 1 (ranks 2, 3) watch each other
     sim.tick(0.0)

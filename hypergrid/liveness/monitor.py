@@ -85,6 +85,8 @@ class RankMonitor:
         self.link = StoreLink(connect or (lambda s: WireStore.connect(config.host, config.port, timeout_s=s)),
                               give_up_s=config.connect_timeout_s)
         self.board: Optional[WireStore] = None  # the node's one wait pending on the board's next event
+        self._board_waits_on = -1  # the entry the board's pending wait is for
+        self._put_from: Optional[int] = None  # the first entry it put and took in itself this interval
         self.group: Optional[GroupLink] = None  # its group's reader's end, or its connection to that reader
         self._shunned: set[str] = set()  # readers that failed this delegate: it waits on the board itself
         self._reader_looks = 0  # how many times this delegate looked for its group's reader since attaching
@@ -223,6 +225,7 @@ class RankMonitor:
         self.board = board
         try:
             board.start_wait([job.spec.channel.board_slot(job.next_event)])
+            self._board_waits_on = job.next_event
         except STORE_ERRORS:
             self._drop_board()
             return
@@ -436,6 +439,7 @@ class RankMonitor:
         """Speak to the node (a follower), beat and look at the watched nodes (the node's watcher), and
         judge the rank's own progress."""
         self.now = now
+        self._put_from = None
         job, relay = self.job, self.relay
         if job is None:
             return
@@ -606,15 +610,23 @@ class RankMonitor:
             self._unconfirmed.extend(events)
             relay.tell("pub " + encode_events(list(events)))
             return None
-        channel, first = job.spec.channel, max(0, job.next_event)
+        # From the first entry it put itself this interval, as if it had not read it yet: the same
+        # losses handed on by several followers at once are put once.
+        channel = job.spec.channel
+        first = max(0, job.next_event if self._put_from is None else min(self._put_from, job.next_event))
         index = self.link.call(lambda store: claim_slot(store, channel, events, first))
         if index is not None:
+            if index == first == job.next_event and not self._leaving:
+                # Its next entry, put as it was given (the slot was free): handed on now, a store round
+                # trip before its board's wait (or its reader) would have it read, and counted after.
+                self._put_from = index
+                self._take_entry(job, encode_events(list(events)))
             self.link.call(lambda store: store.add(channel.board_count(), 1), again=False)
         return index
 
     def on_board(self) -> None:
         """The board's wait was answered: read the entry, wait on the next, forward its events (two
-        requests per entry); a failed read is made again on a new connection."""
+        requests per entry; a wait only for an entry it put itself); a failed read is made again on a new connection."""
         job, board = self.job, self.board
         if job is None or board is None:
             return
@@ -622,9 +634,15 @@ class RankMonitor:
         try:
             if not board.waiting:  # nothing asked yet: ask (answered at once where the entry is there)
                 board.start_wait([channel.board_slot(index)])
+                self._board_waits_on = index
                 return
             board.finish_wait()
+            if self._board_waits_on < index:  # it had that entry already (its own, handed on as put): the next
+                board.start_wait([channel.board_slot(index)])
+                self._board_waits_on = index
+                return
             payload = board.read_then_wait(channel.board_slot(index), [channel.board_slot(index + 1)])
+            self._board_waits_on = index + 1
         except STORE_ERRORS:
             self._drop_board()
             self._open_board()
