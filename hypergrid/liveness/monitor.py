@@ -66,7 +66,13 @@ from .relay import NodeNames, NodeRelay, Relayed, Role
 from .served import ServedJob
 from .watch import Watch
 
-__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "DEFAULT_PROGRESS_TIMEOUT_S", "STALE_BEATS", "START_TIMEOUT_S"]
+__all__ = ["MonitorConfig", "JobSpec", "RankMonitor", "DEFAULT_PROGRESS_TIMEOUT_S", "KEEP_ALIVE_OVERDUE", "STALE_BEATS",
+           "START_TIMEOUT_S"]
+
+#: How many intervals after a delegate's last word its keep-alive thread speaks for a loop held up
+#: (a late store): its followers hear it at least every 1.5 intervals, so none counts more than two
+#: quiet ticks (where a standby takes the watch over); a loop that speaks in time wakes nobody twice.
+KEEP_ALIVE_OVERDUE = 1.5
 
 
 class RankMonitor:
@@ -98,7 +104,8 @@ class RankMonitor:
         self._answered = False  # a follower said it is alive, answering its delegate, since its last tick
         self._told: dict = {}  # what the delegate last told: its spec's digest, its watch, whom it heard
         self._state = ""  # what this delegate tells its node's monitors at each keep-alive
-        self._spoke = False  # the loop's tick spoke to the node since the keep-alive thread last looked
+        #: When (the host's monotonic clock) it last spoke to its node and group, from its loop or its thread.
+        self.spoke_at = 0.0
         #: Set once this monitor first serves its node (its delegate, or alone): :meth:`keep_alive` has work.
         self.served = threading.Event()
         self._unconfirmed: list[BoardEvent] = []  # handed to the delegate to publish, not yet on the board
@@ -140,6 +147,7 @@ class RankMonitor:
         self._leave_board(say=True)
         self._shunned.clear()
         self._reader_looks = 0
+        self._put_from = None
         self.job = ServedJob.of(spec, -1 if first is None else first)
         if first is not None:
             self._tell_reached(self.job)
@@ -517,17 +525,15 @@ class RankMonitor:
             relay.keep_alive(job.next_event, self._state)
         if self.group is not None:
             self.group.keep_alive(job.next_event)
-        self._spoke = True
+        self.spoke_at = time.monotonic()
 
     def keep_alive(self) -> None:
-        """A delegate's word to its node, from a thread of the monitor's own: a store that answers late
-        holds up the delegate's calls, and must not make its followers take it for a frozen one. The
+        """A delegate's word to its node, from a thread of the monitor's own where its loop's is overdue
+        (:data:`KEEP_ALIVE_OVERDUE` intervals after :attr:`spoke_at`): a store that answers late holds
+        up the delegate's calls, and must not make its followers take it for a frozen one. The
         followers that came meanwhile are taken here too (at attach, before its first call is answered,
-        its position may be unknown, -1: they learn it before any entry). Nothing where the monitor's
-        loop spoke since the last call: each word wakes every follower, and a loop that speaks is not held up."""
-        if self._spoke:
-            self._spoke = False
-            return
+        its position may be unknown, -1: they learn it before any entry)."""
+        self.spoke_at = time.monotonic()
         relay, job, group = self.relay, self.job, self.group
         if relay is not None and job is not None and relay.role is Role.DELEGATE:
             with relay.lock:

@@ -36,7 +36,7 @@ from ..store.records import decode, encode
 from ..store.tcpstore import StoreProtocolError, StoreTimeout, WireStore
 from .calls import NodeCall
 from .config import JobSpec, MonitorConfig
-from .monitor import RankMonitor
+from .monitor import KEEP_ALIVE_OVERDUE, RankMonitor
 from .poll import read_lines
 
 __all__ = ["main"]
@@ -172,10 +172,13 @@ def _rank_ended(monitor: RankMonitor, stdin: Optional[int], inbox: bytes, out: _
 
 
 def _keep_alive(monitor: RankMonitor, stop: threading.Event, interval_s: float) -> None:
+    """Speak for the monitor's loop where its word is overdue; woken once an interval, when it would be."""
     monitor.served.wait()  # a follower's thread sleeps: woken every interval, a thousand of them cost a core's share
-    while not stop.wait(interval_s):
-        with contextlib.suppress(OSError, ValueError):
-            monitor.keep_alive()
+    overdue_s = KEEP_ALIVE_OVERDUE * interval_s
+    while not stop.wait(max(0.0, monitor.spoke_at + overdue_s - time.monotonic())):
+        if time.monotonic() >= monitor.spoke_at + overdue_s:
+            with contextlib.suppress(OSError, ValueError):
+                monitor.keep_alive()
 
 
 def _handle(monitor: RankMonitor, line: str, now: float, out: _ParentPipe) -> bool:
