@@ -213,18 +213,20 @@ def _contenders_die(rank: int, world: int, nodes_of: int = 0) -> tuple:
     time.sleep(2.0)  # the others come after them: none of them is a contender
     settings = RecoverySettings(leader_quiet_s=1.0, outcome_fallback_s=1.0)
     verdict = rnd.agree(range(world), Arrival(rank), bound_s=30.0, board=board, settings=settings)
-    return ("failed", verdict.failed, rnd.store.get(rnd.keys.leader).decode())
+    return ("failed", verdict.failed, verdict.decided_by)
 
 
 @pytest.mark.gloo
 @pytest.mark.parametrize("nodes_of", [0, 6], ids=["store-waits", "heard-one-node"])
 def test_a_round_whose_first_arrivals_died_before_leading_is_decided_by_one_that_takes_over(nodes_of):
-    # Nobody said who leads: after the quiet time one of the others takes the lead.
+    # Nobody said who leads: after the quiet time one of the others takes the lead. Each survivor
+    # has the verdict that stands, decided by one of them (a leader quiet for the 1 s the test
+    # allows, on a loaded host, may be taken over from again: the verdict is still the one standing).
     results = run_gloo(_contenders_die, 6, nodes_of, timeout=90)
     assert results[:3] == [("died",)] * 3, results
-    leaders = {r[2] for r in results[3:]}
-    assert [r[:2] for r in results[3:]] == [("failed", (0, 1, 2))] * 3 and len(leaders) == 1, results
-    assert int(leaders.pop()) in (3, 4, 5), results
+    deciders = {r[2] for r in results[3:]}
+    assert [r[:2] for r in results[3:]] == [("failed", (0, 1, 2))] * 3 and len(deciders) == 1, results
+    assert deciders.pop() in (3, 4, 5), results
 
 
 def _leader_dies(rank: int, world: int, nodes_of: int, ahead: int) -> tuple:
